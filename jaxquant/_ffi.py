@@ -1,0 +1,77 @@
+"""Loads the compiled extension modules and registers their FFI targets with XLA.
+
+``jaxquant._jaxquant_cpu`` (always built) and ``jaxquant._jaxquant_cuda`` (built when nvcc was
+found) each expose ``registrations()`` -> {target name: PyCapsule} and ``jaxlib_version()``, the
+jaxlib whose FFI headers they were compiled against.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import jax
+import jaxlib
+
+REBUILD_HINT = (
+    "Rebuild it against the installed jaxlib with `pip install --no-build-isolation -e .` "
+    "(or `python build.py` for an in-place build) from the jaxquant source tree."
+)
+# Lowercase platform names as jax.lax.platform_dependent spells them -> FFI registration names.
+_PLATFORMS = {"cpu": ("_jaxquant_cpu", "cpu"), "cuda": ("_jaxquant_cuda", "CUDA")}
+
+
+class ExtensionError(ImportError):
+    pass
+
+
+def _load(module_name: str, required: bool):
+    try:
+        mod = importlib.import_module(f"jaxquant.{module_name}")
+    except ImportError as e:
+        if not required:
+            return None
+        raise ExtensionError(
+            f"jaxquant's compiled extension jaxquant.{module_name} could not be loaded ({e}). "
+            + REBUILD_HINT) from e
+    built = mod.jaxlib_version()
+    if built != jaxlib.__version__:
+        raise ExtensionError(
+            f"jaxquant.{module_name} was built against jaxlib {built} but jaxlib "
+            f"{jaxlib.__version__} is installed. " + REBUILD_HINT)
+    return mod
+
+
+def _register_all() -> dict:
+    # JAXQUANT_REFERENCE_ONLY=1 lets the pure-JAX paths run from a source tree with nothing built.
+    reference_only = os.environ.get("JAXQUANT_REFERENCE_ONLY") == "1"
+    registered = {}
+    for platform, (module_name, xla_name) in _PLATFORMS.items():
+        mod = _load(module_name, required=(platform == "cpu" and not reference_only))
+        if mod is None:
+            continue
+        for name, capsule in mod.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform=xla_name)
+        registered[platform] = mod
+    return registered
+
+
+_MODULES = _register_all()
+
+
+def built_platforms() -> tuple[str, ...]:
+    """Platforms (lax.platform_dependent names) whose custom calls are built and registered."""
+    return tuple(_MODULES)
+
+
+def require() -> None:
+    if not _MODULES:
+        raise ExtensionError("impl='custom_call' needs jaxquant's compiled extension. " + REBUILD_HINT)
+
+
+def call(target: str, results, *args, input_output_aliases=None, **attrs):
+    """Invoke FFI target ``target``; returns the list of results."""
+    fn = jax.ffi.ffi_call(target, list(results), vmap_method="sequential",
+                          input_output_aliases=input_output_aliases)
+    out = fn(*args, **attrs)
+    return list(out) if isinstance(out, (list, tuple)) else [out]

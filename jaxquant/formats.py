@@ -1,0 +1,104 @@
+"""Format constants, layout arithmetic and the scale formulas of SPEC §1 and §2.
+
+The scale formulas are written once here in jnp and used by every pure-JAX path; the C++/CUDA
+side has the same formulas in ``csrc/jaxquant/numerics.h``. Both must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+# 6 * 448: the largest value an NVFP4 element times its E4M3 tile scale can represent.
+NVFP4_GLOBAL_RANGE = np.float32(2688.0)
+# The fp32 constant 1.0f/6.0f (0x3E2AAAAB) the tile-scale formula uses.
+C6 = np.float32(1.0) / np.float32(6.0)
+
+TILE = 16
+
+FP8_DTYPES = {
+    jnp.dtype(jnp.float8_e4m3fn): E4M3_MAX,
+    jnp.dtype(jnp.float8_e5m2): E5M2_MAX,
+}
+
+# E2M1 code -> value, codes 0..15.
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+
+def round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def fp8_max(dtype) -> float:
+    dtype = jnp.dtype(dtype)
+    if dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"dtype: must be float8_e4m3fn or float8_e5m2, got {dtype}"
+        )
+    return FP8_DTYPES[dtype]
+
+
+def nvfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Padded shape of the E4M3 scale array of a [rows, cols] NVFP4 tensor (SPEC §2.7)."""
+    return round_up(rows, 128), round_up(cols // TILE, 4)
+
+
+def nvfp4_byte_range(start: int, length: int) -> tuple[int, int]:
+    """Bytes [lo, hi) of the packed data that hold flat elements [start, start+length)."""
+    return start // 2, (start + length + 1) // 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Scale formulas (jnp, shared by every pure-JAX path)
+# ----------------------------------------------------------------------------------------------
+
+
+def abs_ignoring_nan(x: jax.Array) -> jax.Array:
+    """|x| in fp32 with NaN replaced by 0, so a max over it ignores NaN (SPEC §1.1)."""
+    x = x.astype(jnp.float32)
+    return jnp.where(jnp.isnan(x), jnp.float32(0), jnp.abs(x))
+
+
+def fp8_scale_from_amax(amax, fp8_max_value: float, amax_epsilon: float = 0.0,
+                        force_pow_2_scales: bool = False):
+    """SPEC §1 steps 2-5: returns (scale, scale_inv), fp32 scalars."""
+    amax = jnp.asarray(amax, jnp.float32)
+    a = jnp.fmax(amax, jnp.float32(amax_epsilon))
+    degenerate = (a == 0) | jnp.isinf(a) | jnp.isnan(a)
+    safe_a = jnp.where(degenerate, jnp.float32(1), a)
+    scale = jnp.where(degenerate, jnp.float32(1), jnp.float32(fp8_max_value) / safe_a)
+    scale = jnp.where(jnp.isposinf(scale), FLT_MAX, scale)
+    if force_pow_2_scales:
+        bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return scale, jnp.float32(1) / scale
+
+
+def nvfp4_global_encode_scale(amax):
+    """SPEC §2 step 2: S_enc from the global amax (fp32 scalar)."""
+    amax = jnp.asarray(amax, jnp.float32)
+    degenerate = (amax == 0) | ~jnp.isfinite(amax)
+    s = jnp.minimum(NVFP4_GLOBAL_RANGE / jnp.fmax(amax, FLT_MIN), FLT_MAX)
+    return jnp.where(degenerate, jnp.float32(1), s)
+
+
+def nvfp4_tile_scale(tile_amax, s_enc):
+    """SPEC §2 step 4 before the E4M3 cast: fp32 tile decode scale."""
+    return jnp.minimum(tile_amax * (s_enc * C6), FLT_MAX)
+
+
+def nvfp4_tile_encode(s8_value, s_dec):
+    """SPEC §2 step 5: per-tile encode multiplier from the stored E4M3 scale value."""
+    zero = s8_value == 0
+    denom = jnp.where(zero, jnp.float32(1), s8_value * s_dec)
+    return jnp.where(zero, FLT_MAX, jnp.minimum(jnp.float32(1) / denom, FLT_MAX))

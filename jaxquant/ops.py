@@ -1,0 +1,247 @@
+"""Low-level quantization primitives: validated, jit-able, dispatched to a custom call or the reference.
+
+Every op takes ``impl``:
+  "reference"    the pure-JAX reference (``jaxquant.reference``),
+  "custom_call"  the XLA FFI custom call (error if the extension is not built),
+  "auto"         the custom call on each platform it is built for, the reference elsewhere.
+
+Arguments are checked at trace time; errors name the argument and the rule (SPEC §5).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _ffi, formats, reference
+from jaxquant.formats import TILE
+
+IMPLS = ("auto", "reference", "custom_call")
+INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl: must be one of {IMPLS}, got {impl!r}")
+
+
+def _check_input(name: str, x, *, rank: int | None = None) -> None:
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in INPUT_DTYPES:
+        raise TypeError(f"{name}: dtype must be float32 or bfloat16, got {x.dtype}")
+    if rank is not None and x.ndim != rank:
+        raise ValueError(f"{name}: must have rank {rank}, got shape {tuple(x.shape)}")
+
+
+def _check_array(name: str, x, dtype, shape) -> None:
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        raise TypeError(f"{name}: dtype must be {jnp.dtype(dtype)}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape must be {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _check_amax(amax):
+    if not hasattr(amax, "dtype") or jnp.dtype(amax.dtype) != jnp.float32 or amax.size != 1:
+        raise TypeError(f"amax: must be a float32 scalar or [1] array, got "
+                        f"{getattr(amax, 'dtype', type(amax).__name__)} {getattr(amax, 'shape', '')}")
+
+
+def check_nvfp4_shape(rows: int, cols: int, name: str = "shape") -> None:
+    for what, n in (("M (rows)", rows), ("K (cols)", cols)):
+        if not isinstance(n, (int, np.integer)) or n <= 0 or n % TILE:
+            raise ValueError(
+                f"{name}: NVFP4 2D block scaling needs {what} to be a positive multiple of 16, "
+                f"got {rows}x{cols}"
+            )
+
+
+def _check_range(start: int, length: int, rows: int, cols: int) -> None:
+    if not isinstance(start, (int, np.integer)) or start < 0:
+        raise ValueError(f"start: must be a non-negative int, got {start!r}")
+    if start + length > rows * cols:
+        raise ValueError(
+            f"start: shard elements [{start}, {start + length}) lie outside the "
+            f"{rows}x{cols} tensor ({rows * cols} elements)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def _dispatch(impl: str, custom: Callable, ref: Callable, *args):
+    """Run ``custom`` or ``ref`` on ``args`` according to ``impl`` (see module docstring)."""
+    _check_impl(impl)
+    if impl == "reference":
+        return ref(*args)
+    if impl == "custom_call":
+        _ffi.require()
+        return custom(*args)
+    branches = {p: custom for p in _ffi.built_platforms()}
+    if not branches:
+        return ref(*args)
+    return jax.lax.platform_dependent(*args, default=ref, **branches)
+
+
+def _scalar(x) -> jax.Array:
+    return jnp.reshape(jnp.asarray(x, jnp.float32), ())
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (SPEC §1)
+# ----------------------------------------------------------------------------------------------
+
+
+def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
+    """max |x| over every element (NaN ignored, 0 when empty or all NaN), fp32 scalar.
+
+    With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements, found in the
+    same pass over memory.
+    """
+    _check_input("x", x)
+    if x.size == 0:
+        result = (jnp.float32(0), jnp.int32(0))
+    else:
+        outs = [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)]
+        custom = lambda v: tuple(_ffi.call("jq_amax", outs, v))
+        result = _dispatch(impl, custom, reference.amax, x)
+    return result if return_nonfinite else result[0]
+
+
+def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
+             force_pow_2_scales: bool = False, columnwise: bool = False, impl: str = "auto"):
+    """Scale from ``amax_value`` and cast ``x`` to fp8. Returns (data, scale_inv, data_t or None).
+
+    ``x`` may have any shape (a flat master-weight shard included) unless ``columnwise``, which
+    needs rank 2 and also returns ``data_t``, the byte transpose of ``data``.
+    """
+    _check_input("x", x)
+    _check_amax(amax_value)
+    formats.fp8_max(dtype)  # validates dtype
+    if columnwise and x.ndim != 2:
+        raise ValueError(f"x: columnwise=True needs a rank-2 tensor, got shape {tuple(x.shape)}")
+    if not np.isfinite(amax_epsilon) or amax_epsilon < 0:
+        raise ValueError(f"amax_epsilon: must be finite and >= 0, got {amax_epsilon}")
+    dtype = jnp.dtype(dtype)
+    kw = dict(amax_epsilon=float(amax_epsilon), force_pow_2_scales=bool(force_pow_2_scales))
+
+    def custom(v, a):
+        outs = [jax.ShapeDtypeStruct(v.shape, dtype), jax.ShapeDtypeStruct((), jnp.float32)]
+        if columnwise:
+            outs.append(jax.ShapeDtypeStruct(v.shape[::-1], dtype))
+        res = _ffi.call("jq_fp8_cast_t" if columnwise else "jq_fp8_cast", outs, v, a,
+                        amax_epsilon=np.float32(kw["amax_epsilon"]),
+                        force_pow_2_scales=kw["force_pow_2_scales"])
+        return res[0], res[1], (res[2] if columnwise else None)
+
+    def ref(v, a):
+        return reference.fp8_cast(v, a, dtype=dtype, columnwise=columnwise, **kw)
+
+    return _dispatch(impl, custom, ref, x, _scalar(amax_value))
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4 2D (SPEC §2)
+# ----------------------------------------------------------------------------------------------
+
+
+def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfinite: bool = False,
+                    impl: str = "auto"):
+    """Tile amax [rows/16, cols/16] of the tiles that flat elements [start, start+len) touch.
+
+    ``shard`` is a flat (or any-shape, read flat) range of the row-major [rows, cols] tensor;
+    tiles it does not touch give 0, so a max over shards gives the whole tensor's tile amax.
+    With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements of the shard,
+    found in the same pass over memory.
+    """
+    check_nvfp4_shape(rows, cols)
+    _check_input("shard", shard)
+    _check_range(start, int(shard.size), rows, cols)
+    out = jax.ShapeDtypeStruct((rows // TILE, cols // TILE), jnp.float32)
+    if shard.size == 0:
+        result = (jnp.zeros(out.shape, out.dtype), jnp.int32(0))
+    else:
+        flat = jnp.reshape(shard, (-1,))
+        count = jax.ShapeDtypeStruct((), jnp.int32)
+        custom = lambda v: tuple(_ffi.call("jq_nvfp4_tile_amax", [out, count], v, rows=np.int64(rows),
+                                           cols=np.int64(cols), start=np.int64(start)))
+        ref = lambda v: reference.nvfp4_tile_amax(v, rows=rows, cols=cols, start=start)
+        result = _dispatch(impl, custom, ref, flat)
+    return result if return_nonfinite else result[0]
+
+
+def nvfp4_scale(tile_amax, amax_value, *, rows: int, cols: int, impl: str = "auto") -> jax.Array:
+    """Tile amaxes + global amax -> padded E4M3 scale_inv [ru(rows,128), ru(cols/16,4)] (uint8)."""
+    check_nvfp4_shape(rows, cols)
+    _check_array("tile_amax", tile_amax, jnp.float32, (rows // TILE, cols // TILE))
+    _check_amax(amax_value)
+    out = jax.ShapeDtypeStruct(formats.nvfp4_scale_shape(rows, cols), jnp.uint8)
+    custom = lambda t, a: _ffi.call("jq_nvfp4_scale", [out], t, a)[0]
+    ref = lambda t, a: reference.nvfp4_scale(t, a, rows=rows, cols=cols)
+    return _dispatch(impl, custom, ref, tile_amax, _scalar(amax_value))
+
+
+def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, cols: int,
+                       start: int = 0, impl: str = "auto") -> jax.Array:
+    """Quantize flat elements [start, start+len) into their bytes of the packed [rows, cols/2] data.
+
+    ``data_bytes`` is the existing byte range [start//2, (start+len+1)//2) of the packed data; the
+    result is that range with only the shard's nibbles replaced (the neighbour's nibble of a shared
+    boundary byte is kept). Under jit the result aliases ``data_bytes``; donate it to update in place.
+    """
+    check_nvfp4_shape(rows, cols)
+    _check_input("shard", shard)
+    length = int(shard.size)
+    _check_range(start, length, rows, cols)
+    lo, hi = formats.nvfp4_byte_range(start, length)
+    _check_array("data_bytes", data_bytes, jnp.uint8, (hi - lo,))
+    _check_array("scale_inv", scale_inv, jnp.uint8, formats.nvfp4_scale_shape(rows, cols))
+    _check_amax(amax_value)
+    if hi == lo:
+        return data_bytes
+    flat = jnp.reshape(shard, (-1,))
+    out = jax.ShapeDtypeStruct((hi - lo,), jnp.uint8)
+
+    def custom(v, b, s, a):
+        return _ffi.call("jq_nvfp4_cast_partial", [out], v, b, s, a, input_output_aliases={1: 0},
+                         rows=np.int64(rows), cols=np.int64(cols), start=np.int64(start))[0]
+
+    def ref(v, b, s, a):
+        return reference.nvfp4_cast_partial(v, b, s, a, rows=rows, cols=cols, start=start)
+
+    return _dispatch(impl, custom, ref, flat, data_bytes, scale_inv, _scalar(amax_value))
+
+
+def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
+    """Packed NVFP4 data [M, K/2] -> packed transpose [K, M/2] (uint8)."""
+    if not hasattr(data, "dtype") or jnp.dtype(data.dtype) != jnp.uint8 or data.ndim != 2:
+        raise TypeError(f"data: must be a rank-2 uint8 array, got "
+                        f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
+    rows, cols = int(data.shape[0]), int(data.shape[1]) * 2
+    check_nvfp4_shape(rows, cols, name="data")
+    out = jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8)
+    custom = lambda d: _ffi.call("jq_nvfp4_transpose", [out], d)[0]
+    return _dispatch(impl, custom, reference.nvfp4_transpose, data)
+
+
+def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto") -> jax.Array:
+    """Rowwise scales [ru(M,128), ru(K/16,4)] -> columnwise scales [ru(K,128), ru(M/16,4)]."""
+    check_nvfp4_shape(rows, cols)
+    _check_array("scale_inv", scale_inv, jnp.uint8, formats.nvfp4_scale_shape(rows, cols))
+    out = jax.ShapeDtypeStruct(formats.nvfp4_scale_shape(cols, rows), jnp.uint8)
+    custom = lambda s: _ffi.call("jq_nvfp4_scale_transpose", [out], s, rows=np.int64(rows),
+                                 cols=np.int64(cols))[0]
+    ref = lambda s: reference.nvfp4_scale_transpose(s, rows=rows, cols=cols)
+    return _dispatch(impl, custom, ref, scale_inv)

@@ -1,0 +1,67 @@
+"""Single-tensor quantization: the public entry points built from ``jaxquant.ops``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant import formats, ops
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+
+
+def _to_compute_dtype(x, compute_dtype):
+    ops._check_input("x", x)
+    if compute_dtype is None:
+        return x
+    if jnp.dtype(compute_dtype) not in ops.INPUT_DTYPES:
+        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
+    return x.astype(compute_dtype)
+
+
+def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_epsilon: float = 0.0,
+                 force_pow_2_scales: bool = False, compute_dtype=None, impl: str = "auto") -> Float8Tensor:
+    """FP8 per-tensor current scaling of ``x`` (SPEC §1). ``compute_dtype`` casts first (RNE)."""
+    x = _to_compute_dtype(x, compute_dtype)
+    if x.ndim != 2:
+        raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
+    amax = ops.amax(x, impl=impl)
+    data, scale_inv, data_t = ops.fp8_cast(
+        x, amax, dtype=dtype, amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
+        columnwise=columnwise, impl=impl)
+    return Float8Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t)
+
+
+def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=None, impl: str = "auto") -> NVFP4Tensor:
+    """NVFP4 with 2D 16x16 block scaling of a [M, K] tensor (SPEC §2)."""
+    x = _to_compute_dtype(x, compute_dtype)
+    if x.ndim != 2:
+        raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
+    rows, cols = (int(d) for d in x.shape)
+    ops.check_nvfp4_shape(rows, cols, name="x")
+    tile_amax = ops.nvfp4_tile_amax(x, rows=rows, cols=cols, impl=impl)
+    amax = jnp.max(tile_amax).reshape(1)
+    scale_inv = ops.nvfp4_scale(tile_amax, amax, rows=rows, cols=cols, impl=impl)
+    data = ops.nvfp4_cast_partial(x, jnp.zeros((rows * cols // 2,), jnp.uint8), scale_inv, amax,
+                                  rows=rows, cols=cols, impl=impl).reshape(rows, cols // 2)
+    data_t = scale_inv_t = None
+    if columnwise:
+        data_t = ops.nvfp4_transpose(data, impl=impl)
+        scale_inv_t = ops.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols, impl=impl)
+    return NVFP4Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t,
+                       scale_inv_t=scale_inv_t, shape=(rows, cols))
+
+
+def nvfp4_columnwise(t: NVFP4Tensor, *, impl: str = "auto") -> NVFP4Tensor:
+    """Return ``t`` with its columnwise data and scales built from the rowwise ones."""
+    rows, cols = t.shape
+    return NVFP4Tensor(data=t.data, scale_inv=t.scale_inv, amax=t.amax,
+                       data_t=ops.nvfp4_transpose(t.data, impl=impl),
+                       scale_inv_t=ops.nvfp4_scale_transpose(t.scale_inv, rows=rows, cols=cols, impl=impl),
+                       shape=t.shape)
+
+
+def fp8_columnwise(t: Float8Tensor) -> Float8Tensor:
+    """Return ``t`` with ``data_t`` (the byte transpose of ``data``)."""
+    if t.data.ndim != 2:
+        raise ValueError(f"t.data: columnwise data needs rank 2, got shape {tuple(t.data.shape)}")
+    return Float8Tensor(data=t.data, scale_inv=t.scale_inv, amax=t.amax, data_t=t.data.T)

@@ -1,0 +1,176 @@
+"""Pure-JAX reference of every primitive: the executable form of SPEC §1 and §2.
+
+Each function here has a custom-call twin in ``jaxquant.ops`` that must match it bit for bit.
+No validation happens here; ``jaxquant.ops`` validates arguments before dispatching.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import formats
+from jaxquant.formats import TILE
+
+# ----------------------------------------------------------------------------------------------
+# Conversions
+# ----------------------------------------------------------------------------------------------
+
+
+def to_fp8_saturating(v: jax.Array, dtype) -> jax.Array:
+    """fp32 -> fp8, RNE, finite overflow and ±inf saturate to ±max, NaN stays NaN (SPEC §1.6)."""
+    m = jnp.float32(formats.fp8_max(dtype))
+    return jnp.clip(v.astype(jnp.float32), -m, m).astype(dtype)
+
+
+def fp32_to_e4m3_bits(v: jax.Array) -> jax.Array:
+    """fp32 -> E4M3 bit pattern (uint8), RNE, saturating to 448."""
+    return jax.lax.bitcast_convert_type(to_fp8_saturating(v, jnp.float8_e4m3fn), jnp.uint8)
+
+
+def e4m3_bits_to_fp32(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def fp32_to_e2m1_code(v: jax.Array) -> jax.Array:
+    """fp32 -> E2M1 code (uint8 0..15), RNE on the E2M1 grid, saturating to ±6, sign kept."""
+    a = jnp.abs(v)
+    # Decision boundaries; at a tie the even code wins (SPEC §2.6 lists the ties).
+    code = jnp.select(
+        [a <= 0.25, a < 0.75, a <= 1.25, a < 1.75, a <= 2.5, a < 3.5, a <= 5.0],
+        [0, 1, 2, 3, 4, 5, 6],
+        default=7,
+    ).astype(jnp.uint8)
+    return jnp.where(jnp.signbit(v), code | jnp.uint8(8), code)
+
+
+def e2m1_code_to_fp32(code: jax.Array) -> jax.Array:
+    return jnp.asarray(formats.E2M1_VALUES)[code.astype(jnp.int32) & 15]
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """[..., 2n] codes -> [..., n] bytes, element 2c in the low nibble."""
+    lo = codes[..., 0::2]
+    hi = codes[..., 1::2]
+    return (lo | (hi << 4)).astype(jnp.uint8)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    lo = packed & jnp.uint8(0x0F)
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 per-tensor current scaling (SPEC §1)
+# ----------------------------------------------------------------------------------------------
+
+
+def amax(x: jax.Array):
+    """Returns (max |x| over all elements, NaN ignored, 0 for empty input; count of NaN/±inf)."""
+    if x.size == 0:
+        return jnp.float32(0), jnp.int32(0)
+    return jnp.max(formats.abs_ignoring_nan(x)), nonfinite_count(x)
+
+
+def nonfinite_count(x: jax.Array) -> jax.Array:
+    return jnp.sum(~jnp.isfinite(x.astype(jnp.float32)), dtype=jnp.int32)
+
+
+def fp8_cast(x, amax_value, *, dtype, amax_epsilon=0.0, force_pow_2_scales=False, columnwise=False):
+    """Returns (data, scale_inv, data_t or None)."""
+    scale, scale_inv = formats.fp8_scale_from_amax(
+        amax_value, formats.fp8_max(dtype), amax_epsilon, force_pow_2_scales)
+    data = to_fp8_saturating(x.astype(jnp.float32) * scale, dtype)
+    data_t = data.T if columnwise else None
+    return data, scale_inv, data_t
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4, 2D 16x16 block scaling (SPEC §2)
+# ----------------------------------------------------------------------------------------------
+
+
+def _scatter_shard(shard: jax.Array, rows: int, cols: int, start: int) -> jax.Array:
+    """Place a flat shard at elements [start, start+len) of a zero [rows, cols] fp32 tensor."""
+    flat = jnp.zeros((rows * cols,), jnp.float32)
+    flat = jax.lax.dynamic_update_slice(flat, shard.astype(jnp.float32).reshape(-1), (start,))
+    return flat.reshape(rows, cols)
+
+
+def _tile_max(x: jax.Array) -> jax.Array:
+    rows, cols = x.shape
+    return x.reshape(rows // TILE, TILE, cols // TILE, TILE).max(axis=(1, 3))
+
+
+def nvfp4_tile_amax(shard: jax.Array, *, rows: int, cols: int, start: int):
+    """(per-tile amax [rows/16, cols/16] of the tiles a flat shard touches, other tiles 0;
+    count of NaN/±inf elements in the shard)."""
+    if shard.size == 0:
+        return jnp.zeros((rows // TILE, cols // TILE), jnp.float32), jnp.int32(0)
+    tiles = _tile_max(formats.abs_ignoring_nan(_scatter_shard(shard, rows, cols, start)))
+    return tiles, nonfinite_count(shard)
+
+
+def nvfp4_scale(tile_amax: jax.Array, amax_value: jax.Array, *, rows: int, cols: int) -> jax.Array:
+    """Global amax + tile amaxes -> padded E4M3 scale_inv [ru(rows,128), ru(cols/16,4)], uint8."""
+    s_enc = formats.nvfp4_global_encode_scale(jnp.reshape(amax_value, ()))
+    s8 = fp32_to_e4m3_bits(formats.nvfp4_tile_scale(tile_amax, s_enc))
+    per_row = jnp.repeat(s8, TILE, axis=0)
+    pr, pc = formats.nvfp4_scale_shape(rows, cols)
+    return jnp.pad(per_row, ((0, pr - rows), (0, pc - cols // TILE)))
+
+
+def _tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: int) -> jax.Array:
+    """Per-tile encode multiplier [rows/16, cols/16] from the stored scales (SPEC §2.5)."""
+    s_dec = jnp.float32(1) / formats.nvfp4_global_encode_scale(jnp.reshape(amax_value, ()))
+    s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
+    return formats.nvfp4_tile_encode(s8, s_dec)
+
+
+def nvfp4_codes(x: jax.Array, scale_inv: jax.Array, amax_value: jax.Array) -> jax.Array:
+    """E2M1 codes [rows, cols] of a whole tensor given its scales."""
+    rows, cols = x.shape
+    enc = jnp.repeat(jnp.repeat(_tile_encode(scale_inv, amax_value, rows, cols), TILE, 0), TILE, 1)
+    return fp32_to_e2m1_code(x.astype(jnp.float32) * enc)
+
+
+def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, cols: int, start: int):
+    """Return ``data_bytes`` (the shard's byte range of the packed data) with the shard's nibbles set.
+
+    ``data_bytes`` covers bytes [start//2, (start+len+1)//2); nibbles of elements outside
+    [start, start+len) are kept as they are.
+    """
+    length = int(shard.size)
+    lo, hi = formats.nvfp4_byte_range(start, length)
+    if hi == lo:
+        return data_bytes
+    codes = nvfp4_codes(_scatter_shard(shard, rows, cols, start), scale_inv, amax_value).reshape(-1)
+    idx = jnp.arange(2 * lo, 2 * hi)
+    owned = (idx >= start) & (idx < start + length)
+    old = unpack_codes(data_bytes)
+    new = jnp.where(owned, codes[2 * lo: 2 * hi], old)
+    return pack_codes(new)
+
+
+def nvfp4_transpose(data: jax.Array) -> jax.Array:
+    """Packed [M, K/2] -> packed [K, M/2]: element (k, m) of the result is element (m, k)."""
+    return pack_codes(unpack_codes(data).T)
+
+
+def nvfp4_scale_transpose(scale_inv: jax.Array, *, rows: int, cols: int) -> jax.Array:
+    """scale_inv [ru(M,128), ru(K/16,4)] -> scale_inv_t [ru(K,128), ru(M/16,4)]."""
+    s8 = scale_inv[0:rows:TILE, : cols // TILE]
+    per_row = jnp.repeat(s8.T, TILE, axis=0)
+    pr, pc = formats.nvfp4_scale_shape(cols, rows)
+    return jnp.pad(per_row, ((0, pr - cols), (0, pc - rows // TILE)))
+
+
+def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
+    rows, cols = shape
+    values = e2m1_code_to_fp32(unpack_codes(data))
+    s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
+    s8 = jnp.repeat(jnp.repeat(s8, TILE, 0), TILE, 1)
+    global_dec = jnp.reshape(amax_value, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
+    return (values * s8) * global_dec

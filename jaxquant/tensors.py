@@ -1,0 +1,83 @@
+"""Quantized tensor types: pytrees that travel through jit, device_put and sharding.
+
+Layouts are exactly SPEC §1.7 (FP8) and §2.7 (NVFP4). The logical shape is static metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant import formats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Float8Tensor:
+    """FP8 per-tensor current-scaled tensor.
+
+    data: fp8 [M, K] (any shape for a 1-D shard); scale_inv, amax: fp32 scalars;
+    data_t: fp8 [K, M], the byte transpose of ``data``, or None.
+    """
+
+    data: jax.Array
+    scale_inv: jax.Array
+    amax: jax.Array
+    data_t: Optional[jax.Array] = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """SPEC §1.8: float(data) * scale_inv."""
+        return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """NVFP4 tensor with 2D 16x16 block scales.
+
+    data: uint8 [M, K/2] (two E2M1 codes a byte, element 2c in the low nibble);
+    scale_inv: uint8 [ru(M,128), ru(K/16,4)] E4M3 bit patterns; amax: fp32 [1];
+    data_t: uint8 [K, M/2] and scale_inv_t: uint8 [ru(K,128), ru(M/16,4)], or None.
+    """
+
+    data: jax.Array
+    scale_inv: jax.Array
+    amax: jax.Array
+    data_t: Optional[jax.Array] = None
+    scale_inv_t: Optional[jax.Array] = None
+    shape: tuple[int, int] = dataclasses.field(default=(0, 0), metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.shape == (0, 0) and hasattr(self.data, "shape") and len(self.data.shape) == 2:
+            m, half_k = self.data.shape
+            object.__setattr__(self, "shape", (int(m), int(half_k) * 2))
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.uint8)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """SPEC §2.8: (value(q) * float(s8)) * (amax * (1/2688))."""
+        from jaxquant import reference
+
+        return reference.nvfp4_dequantize(self.data, self.scale_inv, self.amax, self.shape).astype(dtype)
+
+    def dequantize_t(self, dtype=jnp.float32) -> jax.Array:
+        """Dequantize the columnwise copy: returns x̂.T of shape [K, M]."""
+        if self.data_t is None or self.scale_inv_t is None:
+            raise ValueError("data_t: this NVFP4Tensor has no columnwise data")
+        from jaxquant import reference
+
+        m, k = self.shape
+        return reference.nvfp4_dequantize(self.data_t, self.scale_inv_t, self.amax, (k, m)).astype(dtype)
