@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Builds jaxquant's XLA FFI extension modules.
+
+  _jaxquant_cpu   always: csrc/cpu_ops.cc + csrc/module.cc with the system C++ compiler.
+  _jaxquant_cuda  when nvcc is found (or --cuda on): csrc/cuda_ops.cu for sm_90 (software E2M1
+                  rounding) and sm_100a (hardware FP4 conversion), plus PTX for newer chips.
+
+Both compile against the XLA FFI headers of the *installed* jaxlib (jax.ffi.include_dir()) and
+record its version, which jaxquant checks at import. Used by setup.py during `pip install`, or
+directly: `python build.py` builds in place into jaxquant/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+CUDA_ARCH_FLAGS = [
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_100a,code=sm_100a",
+    "-gencode=arch=compute_90,code=compute_90",
+]
+CUDA_ARCHS = "sm_90,sm_100a,compute_90"
+
+
+def find_nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cuda_home(nvcc: str) -> Path:
+    path = Path(nvcc).resolve().parent.parent
+    if (path / "lib64").exists() or (path / "targets").exists():
+        return path
+    return Path("/usr/local/cuda")
+
+
+def want_cuda(mode: str | None = None) -> bool:
+    mode = mode or os.environ.get("JAXQUANT_CUDA", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise SystemExit(f"JAXQUANT_CUDA / --cuda: must be auto, on or off, got {mode!r}")
+    if mode == "off":
+        return False
+    if find_nvcc() is None:
+        if mode == "on":
+            raise SystemExit("--cuda on: nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+        return False
+    return True
+
+
+def _common_flags(module: str, suffix: str, archs: str) -> list[str]:
+    import jax
+    import jaxlib
+    import pybind11
+
+    return [
+        "-std=c++17", "-O3", "-fPIC",
+        f"-I{CSRC}", f"-I{jax.ffi.include_dir()}", f"-I{pybind11.get_include()}",
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-DJQ_MODULE={module}", f"-DJQ_SUFFIX={suffix}",
+        f'-DJQ_JAXLIB_VERSION="{jaxlib.__version__}"', f'-DJQ_CUDA_ARCHS="{archs}"',
+    ]
+
+
+def _run(cmd: list[str], verbose: bool) -> None:
+    if verbose:
+        print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=not verbose, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write((proc.stdout or "") + (proc.stderr or ""))
+        raise SystemExit(f"jaxquant build failed: {' '.join(cmd[:2])} ... exited {proc.returncode}")
+
+
+def build_cpu(output: Path, verbose: bool = False) -> Path:
+    cxx = os.environ.get("CXX", "c++")
+    flags = _common_flags("_jaxquant_cpu", "Cpu", "")
+    _run([cxx, *flags, "-shared", str(CSRC / "cpu_ops.cc"), str(CSRC / "module.cc"), "-o", str(output)], verbose)
+    return output
+
+
+def build_cuda(output: Path, verbose: bool = False) -> Path:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise SystemExit("CUDA build: nvcc not found")
+    home = cuda_home(nvcc)
+    flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
+    with tempfile.TemporaryDirectory() as tmp:
+        obj = Path(tmp) / "cuda_ops.o"
+        _run([nvcc, *[f for f in flags if f != "-fPIC"], "-Xcompiler=-fPIC", "-fmad=false",
+              "--threads=0", *CUDA_ARCH_FLAGS, "-c", str(CSRC / "cuda_ops.cu"), "-o", str(obj)], verbose)
+        cxx = os.environ.get("CXX", "c++")
+        libdirs = [home / "lib64", home / "targets" / "x86_64-linux" / "lib"]
+        _run([cxx, *flags, "-shared", str(CSRC / "module.cc"), str(obj), "-o", str(output),
+              *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart_static", "-lpthread", "-ldl", "-lrt"],
+             verbose)
+    return output
+
+
+def ext_filename(module: str) -> str:
+    return module + sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def build_inplace(cuda: str | None = None, verbose: bool = False) -> list[Path]:
+    pkg = ROOT / "jaxquant"
+    built = [build_cpu(pkg / ext_filename("_jaxquant_cpu"), verbose)]
+    if want_cuda(cuda):
+        built.append(build_cuda(pkg / ext_filename("_jaxquant_cuda"), verbose))
+    return built
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cuda", choices=("auto", "on", "off"), default=None,
+                        help="build the CUDA handlers: auto (if nvcc is found; default, or $JAXQUANT_CUDA), on, off")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args()
+    for path in build_inplace(args.cuda, args.verbose):
+        print(f"built {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

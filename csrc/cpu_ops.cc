@@ -1,0 +1,144 @@
+// CPU FFI handlers: straightforward loops over the shared per-element code in elementwise.h.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "jaxquant/elementwise.h"
+#include "jaxquant/ffi_checks.h"
+#include "jaxquant/handlers.h"
+#include "jaxquant/numerics.h"
+
+namespace jaxquant {
+namespace {
+
+struct AmaxCount {
+  float amax = 0.0f;
+  int32_t nonfinite = 0;
+};
+
+AmaxCount scan(const void* x, bool bf16, int64_t n) {
+  AmaxCount r;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load_as_float(x, bf16, i);
+    r.amax = std::max(r.amax, abs_ignoring_nan(v));
+    r.nonfinite += is_finite(v) ? 0 : 1;
+  }
+  return r;
+}
+
+ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                   ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  JQ_RETURN_IF_ERROR(check_input(x, "x"));
+  const AmaxCount r = scan(x.untyped_data(), x.element_type() == ffi::DataType::BF16,
+                           static_cast<int64_t>(x.element_count()));
+  amax->typed_data()[0] = r.amax;
+  count->typed_data()[0] = r.nonfinite;
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8CastImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax, float amax_epsilon,
+                       bool pow2, ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::Buffer<ffi::F32>>& scale_inv,
+                       ffi::Result<ffi::AnyBuffer>* data_t) {
+  bool e5m2;
+  const ffi::AnyBuffer* data_t_buf = data_t ? &**data_t : nullptr;
+  JQ_RETURN_IF_ERROR(check_fp8_cast(x, amax, *data, data_t_buf, &e5m2));
+  const Fp8Scale s = fp8_scale_from_amax(amax.typed_data()[0], e5m2 ? kE5M2Max : kE4M3Max, amax_epsilon, pow2);
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  auto* out = static_cast<uint8_t*>(data->untyped_data());
+  for (int64_t i = 0; i < n; ++i) out[i] = fp8_encode(load_as_float(x.untyped_data(), bf16, i) * s.scale, e5m2);
+  scale_inv->typed_data()[0] = s.scale_inv;
+  if (data_t != nullptr) {
+    const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
+    auto* out_t = static_cast<uint8_t*>((*data_t)->untyped_data());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out_t[c * rows + r] = out[r * cols + c];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8CastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_epsilon, bool pow2,
+                      ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
+  return Fp8CastImpl(x, amax, amax_epsilon, pow2, data, scale_inv, nullptr);
+}
+
+ffi::Error Fp8CastTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_epsilon, bool pow2,
+                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
+                       ffi::Result<ffi::AnyBuffer> data_t) {
+  return Fp8CastImpl(x, amax, amax_epsilon, pow2, data, scale_inv, &data_t);
+}
+
+ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t start,
+                       ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  JQ_RETURN_IF_ERROR(check_tile_amax(x, rows, cols, start, *tile_amax));
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t len = static_cast<int64_t>(x.element_count()), tcols = cols / kTile;
+  float* t = tile_amax->typed_data();
+  std::fill(t, t + (rows / kTile) * tcols, 0.0f);
+  int32_t nonfinite = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t e = start + i, row = e / cols, col = e - row * cols;
+    const float v = load_as_float(x.untyped_data(), bf16, i);
+    float& slot = t[(row / kTile) * tcols + col / kTile];
+    slot = std::max(slot, abs_ignoring_nan(v));
+    nonfinite += is_finite(v) ? 0 : 1;
+  }
+  count->typed_data()[0] = nonfinite;
+  return ffi::Error::Success();
+}
+
+ffi::Error ScaleCpu(ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
+                    ffi::Result<ffi::Buffer<ffi::U8>> scale_inv) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_scale(tile_amax, amax, *scale_inv, &rows, &cols));
+  const float s_enc = nvfp4_global_encode_scale(amax.typed_data()[0]);
+  const int64_t pr = nvfp4_scale_rows(rows), pc = nvfp4_scale_cols(cols);
+  uint8_t* out = scale_inv->typed_data();
+  for (int64_t r = 0; r < pr; ++r)
+    for (int64_t j = 0; j < pc; ++j) out[r * pc + j] = scale_entry(tile_amax.typed_data(), rows, cols, s_enc, r, j);
+  return ffi::Error::Success();
+}
+
+ffi::Error CastPartialCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> bytes, ffi::Buffer<ffi::U8> scale_inv,
+                          ffi::Buffer<ffi::F32> amax, int64_t rows, int64_t cols, int64_t start,
+                          ffi::Result<ffi::Buffer<ffi::U8>> out) {
+  JQ_RETURN_IF_ERROR(check_partial_cast(x, bytes, scale_inv, amax, *out, rows, cols, start));
+  const PartialCast pc{x.untyped_data(),
+                       x.element_type() == ffi::DataType::BF16,
+                       start,
+                       static_cast<int64_t>(x.element_count()),
+                       cols,
+                       nvfp4_scale_cols(cols),
+                       scale_inv.typed_data(),
+                       1.0f / nvfp4_global_encode_scale(amax.typed_data()[0])};
+  const int64_t first = start / 2, nbytes = static_cast<int64_t>(bytes.element_count());
+  const uint8_t* in = bytes.typed_data();
+  uint8_t* dst = out->typed_data();  // may alias `in`: each byte is read before it is written
+  for (int64_t i = 0; i < nbytes; ++i) dst[i] = pc.byte(first + i, in[i]);
+  return ffi::Error::Success();
+}
+
+ffi::Error TransposeCpu(ffi::Buffer<ffi::U8> data, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_transpose(data, *data_t, &rows, &cols));
+  uint8_t* out = data_t->typed_data();
+  for (int64_t k = 0; k < cols; ++k)
+    for (int64_t c = 0; c < rows / 2; ++c) out[k * (rows / 2) + c] = transpose_byte(data.typed_data(), cols, k, c);
+  return ffi::Error::Success();
+}
+
+ffi::Error ScaleTransposeCpu(ffi::Buffer<ffi::U8> scale_inv, int64_t rows, int64_t cols,
+                             ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  JQ_RETURN_IF_ERROR(check_scale_transpose(scale_inv, rows, cols, *scale_inv_t));
+  const int64_t pr = nvfp4_scale_rows(cols), pc = nvfp4_scale_cols(rows);
+  uint8_t* out = scale_inv_t->typed_data();
+  for (int64_t k = 0; k < pr; ++k)
+    for (int64_t i = 0; i < pc; ++i) out[k * pc + i] = scale_t_entry(scale_inv.typed_data(), rows, cols, k, i);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+JQ_DEFINE_HANDLERS(Cpu, JQ_NO_CTX)
+
+}  // namespace jaxquant

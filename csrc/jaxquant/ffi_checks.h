@@ -1,0 +1,141 @@
+// Argument checks shared by the CPU and CUDA FFI handlers. Handlers return ffi::Error and never
+// throw: Python validates first, these checks guard against direct calls with bad buffers so that
+// no kernel reads or writes out of bounds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "jaxquant/numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxquant {
+namespace ffi = ::xla::ffi;
+
+inline ffi::Error invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxquant: " + msg);
+}
+
+inline bool is_input_type(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+inline ffi::Error check_input(const ffi::AnyBuffer& x, const char* name) {
+  if (!is_input_type(x.element_type())) return invalid(std::string(name) + ": dtype must be F32 or BF16");
+  return ffi::Error::Success();
+}
+
+template <typename Buf>
+int64_t dim_or(const Buf& b, size_t i) {
+  auto d = b.dimensions();
+  return i < d.size() ? d[i] : -1;
+}
+
+template <typename Buf>
+ffi::Error check_2d(const Buf& b, int64_t rows, int64_t cols, const char* name) {
+  auto d = b.dimensions();
+  if (d.size() != 2 || d[0] != rows || d[1] != cols)
+    return invalid(std::string(name) + ": expected shape [" + std::to_string(rows) + ", " +
+                   std::to_string(cols) + "]");
+  return ffi::Error::Success();
+}
+
+template <typename Buf>
+ffi::Error check_count(const Buf& b, int64_t n, const char* name) {
+  if (static_cast<int64_t>(b.element_count()) != n)
+    return invalid(std::string(name) + ": expected " + std::to_string(n) + " elements, got " +
+                   std::to_string(b.element_count()));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_grid(int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0 || rows % kTile || cols % kTile)
+    return invalid("rows/cols: NVFP4 needs positive multiples of 16, got " + std::to_string(rows) + "x" +
+                   std::to_string(cols));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_range(int64_t start, int64_t len, int64_t rows, int64_t cols) {
+  if (start < 0 || len < 0 || start + len > rows * cols)
+    return invalid("start: shard range [" + std::to_string(start) + ", " + std::to_string(start + len) +
+                   ") lies outside the tensor of " + std::to_string(rows * cols) + " elements");
+  return ffi::Error::Success();
+}
+
+// Shape of a partial cast: byte range of the shard and the scale array.
+inline ffi::Error check_partial_cast(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::U8>& bytes,
+                                     const ffi::Buffer<ffi::U8>& scale_inv, const ffi::Buffer<ffi::F32>& amax,
+                                     const ffi::Buffer<ffi::U8>& out, int64_t rows, int64_t cols,
+                                     int64_t start) {
+  if (auto e = check_input(x, "shard"); e.failure()) return e;
+  if (auto e = check_grid(rows, cols); e.failure()) return e;
+  const int64_t len = static_cast<int64_t>(x.element_count());
+  if (auto e = check_range(start, len, rows, cols); e.failure()) return e;
+  const int64_t nbytes = (start + len + 1) / 2 - start / 2;
+  if (auto e = check_count(bytes, nbytes, "data_bytes"); e.failure()) return e;
+  if (auto e = check_count(out, nbytes, "result"); e.failure()) return e;
+  if (auto e = check_2d(scale_inv, nvfp4_scale_rows(rows), nvfp4_scale_cols(cols), "scale_inv"); e.failure())
+    return e;
+  return check_count(amax, 1, "amax");
+}
+
+inline ffi::Error check_fp8_cast(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax,
+                                 const ffi::AnyBuffer& data, const ffi::AnyBuffer* data_t,
+                                 bool* e5m2) {
+  if (auto e = check_input(x, "x"); e.failure()) return e;
+  if (auto e = check_count(amax, 1, "amax"); e.failure()) return e;
+  const ffi::DataType t = data.element_type();
+  if (t != ffi::DataType::F8E4M3FN && t != ffi::DataType::F8E5M2)
+    return invalid("data: result dtype must be F8E4M3FN or F8E5M2");
+  *e5m2 = t == ffi::DataType::F8E5M2;
+  if (data.element_count() != x.element_count()) return invalid("data: must have as many elements as x");
+  if (data_t != nullptr) {
+    auto d = x.dimensions();
+    if (d.size() != 2) return invalid("x: columnwise cast needs rank 2");
+    if (data_t->element_type() != t) return invalid("data_t: dtype must equal data's");
+    if (auto e = check_2d(*data_t, d[1], d[0], "data_t"); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_tile_amax(const ffi::AnyBuffer& x, int64_t rows, int64_t cols, int64_t start,
+                                  const ffi::Buffer<ffi::F32>& tile_amax) {
+  if (auto e = check_input(x, "shard"); e.failure()) return e;
+  if (auto e = check_grid(rows, cols); e.failure()) return e;
+  if (auto e = check_range(start, static_cast<int64_t>(x.element_count()), rows, cols); e.failure()) return e;
+  return check_2d(tile_amax, rows / kTile, cols / kTile, "tile_amax");
+}
+
+inline ffi::Error check_scale(const ffi::Buffer<ffi::F32>& tile_amax, const ffi::Buffer<ffi::F32>& amax,
+                              const ffi::Buffer<ffi::U8>& scale_inv, int64_t* rows, int64_t* cols) {
+  auto d = tile_amax.dimensions();
+  if (d.size() != 2 || d[0] <= 0 || d[1] <= 0) return invalid("tile_amax: must be a non-empty rank-2 array");
+  *rows = d[0] * kTile;
+  *cols = d[1] * kTile;
+  if (auto e = check_count(amax, 1, "amax"); e.failure()) return e;
+  return check_2d(scale_inv, nvfp4_scale_rows(*rows), nvfp4_scale_cols(*cols), "scale_inv");
+}
+
+inline ffi::Error check_transpose(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::U8>& data_t,
+                                  int64_t* rows, int64_t* cols) {
+  auto d = data.dimensions();
+  if (d.size() != 2) return invalid("data: must be rank 2 [M, K/2]");
+  *rows = d[0];
+  *cols = d[1] * 2;
+  if (auto e = check_grid(*rows, *cols); e.failure()) return e;
+  return check_2d(data_t, *cols, *rows / 2, "data_t");
+}
+
+inline ffi::Error check_scale_transpose(const ffi::Buffer<ffi::U8>& scale_inv, int64_t rows, int64_t cols,
+                                        const ffi::Buffer<ffi::U8>& scale_inv_t) {
+  if (auto e = check_grid(rows, cols); e.failure()) return e;
+  if (auto e = check_2d(scale_inv, nvfp4_scale_rows(rows), nvfp4_scale_cols(cols), "scale_inv"); e.failure())
+    return e;
+  return check_2d(scale_inv_t, nvfp4_scale_rows(cols), nvfp4_scale_cols(rows), "scale_inv_t");
+}
+
+#define JQ_RETURN_IF_ERROR(expr)        \
+  do {                                  \
+    ::xla::ffi::Error _jq_err = (expr); \
+    if (_jq_err.failure()) return _jq_err; \
+  } while (0)
+
+}  // namespace jaxquant

@@ -1,0 +1,68 @@
+// Binding of the FFI handlers: one list for both platforms. JQ_DEFINE_HANDLERS(Cpu, JQ_NO_CTX)
+// expects functions AmaxCpu, Fp8CastCpu, ... in scope; the CUDA file passes a stream context.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+// Target names as Python calls them -> handler symbol stem.
+#define JQ_FOR_EACH_TARGET(X)                      \
+  X("jq_amax", JqAmax)                             \
+  X("jq_fp8_cast", JqFp8Cast)                      \
+  X("jq_fp8_cast_t", JqFp8CastT)                   \
+  X("jq_nvfp4_tile_amax", JqNvfp4TileAmax)         \
+  X("jq_nvfp4_scale", JqNvfp4Scale)                \
+  X("jq_nvfp4_cast_partial", JqNvfp4CastPartial)   \
+  X("jq_nvfp4_transpose", JqNvfp4Transpose)        \
+  X("jq_nvfp4_scale_transpose", JqNvfp4ScaleTranspose)
+
+#define JQ_NO_CTX
+#define JQ_CUDA_CTX .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
+
+#define JQ_DEFINE_HANDLERS(S, CTX)                                                                  \
+  namespace F = ::xla::ffi;                                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqAmax##S, Amax##S,                                                 \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::S32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Cast##S, Fp8Cast##S,                                           \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<float>("amax_epsilon")                                    \
+                                    .Attr<bool>("force_pow_2_scales")                               \
+                                    .Ret<F::AnyBuffer>()                                            \
+                                    .Ret<F::Buffer<F::F32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8CastT##S, Fp8CastT##S,                                         \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<float>("amax_epsilon")                                    \
+                                    .Attr<bool>("force_pow_2_scales")                               \
+                                    .Ret<F::AnyBuffer>()                                            \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::AnyBuffer>());                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4TileAmax##S, TileAmax##S,                                    \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Attr<int64_t>("rows")                                          \
+                                    .Attr<int64_t>("cols")                                          \
+                                    .Attr<int64_t>("start")                                         \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::S32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Scale##S, Scale##S,                                          \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::U8>>());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4CastPartial##S, CastPartial##S,                              \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::U8>>()                                        \
+                                    .Arg<F::Buffer<F::U8>>()                                        \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<int64_t>("rows")                                          \
+                                    .Attr<int64_t>("cols")                                          \
+                                    .Attr<int64_t>("start")                                         \
+                                    .Ret<F::Buffer<F::U8>>());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Transpose##S, Transpose##S,                                  \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>().Ret<F::Buffer<F::U8>>()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4ScaleTranspose##S, ScaleTranspose##S,                        \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
+                                    .Attr<int64_t>("rows")                                          \
+                                    .Attr<int64_t>("cols")                                          \
+                                    .Ret<F::Buffer<F::U8>>());

@@ -1,0 +1,31 @@
+// Python module exposing the FFI handlers as PyCapsules. Compiled once per platform with
+// JQ_MODULE (module name) and JQ_SUFFIX (handler suffix: Cpu or Cuda) defined by build.py.
+#include <pybind11/pybind11.h>
+
+#include "jaxquant/handlers.h"
+
+#define JQ_CAT2(a, b) a##b
+#define JQ_CAT(a, b) JQ_CAT2(a, b)
+#define JQ_STR2(a) #a
+#define JQ_STR(a) JQ_STR2(a)
+
+namespace jaxquant {
+#define JQ_DECLARE(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(JQ_CAT(stem, JQ_SUFFIX));
+JQ_FOR_EACH_TARGET(JQ_DECLARE)
+#undef JQ_DECLARE
+}  // namespace jaxquant
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(JQ_MODULE, m) {
+  m.doc() = "jaxquant XLA FFI handlers (" JQ_STR(JQ_SUFFIX) ")";
+  m.def("registrations", []() {
+    py::dict d;
+#define JQ_ENTRY(name, stem) d[name] = py::capsule(reinterpret_cast<void*>(&jaxquant::JQ_CAT(stem, JQ_SUFFIX)));
+    JQ_FOR_EACH_TARGET(JQ_ENTRY)
+#undef JQ_ENTRY
+    return d;
+  });
+  m.def("jaxlib_version", []() { return std::string(JQ_JAXLIB_VERSION); });
+  m.def("cuda_archs", []() { return std::string(JQ_CUDA_ARCHS); });
+}
