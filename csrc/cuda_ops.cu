@@ -1,0 +1,396 @@
+// CUDA FFI handlers. Every output unit is computed by the same code as the CPU handlers
+// (elementwise.h / numerics.h); the kernels only choose how work maps onto threads.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "jaxquant/elementwise.h"
+#include "jaxquant/ffi_checks.h"
+#include "jaxquant/handlers.h"
+#include "jaxquant/numerics.h"
+
+namespace jaxquant {
+namespace {
+
+constexpr int kThreads = 256;
+
+ffi::Error last_error(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: ") + what + ": " + cudaGetErrorString(err));
+}
+
+int grid_for(int64_t work, int per_block = kThreads) {
+  const int64_t blocks = (work + per_block - 1) / per_block;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535 * 8));
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// Block-wide max/sum, then one atomic each. amax values are >= 0, so their bit patterns order
+// like the floats (inf included) and atomicMax on the bits is a float max.
+__device__ void block_publish(float m, int c, uint32_t* amax_bits, int32_t* count) {
+  __shared__ float sm[kThreads / 32];
+  __shared__ int sc[kThreads / 32];
+  m = warp_max(m);
+  c = warp_sum(c);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) { sm[warp] = m; sc[warp] = c; }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kThreads / 32 ? sm[lane] : 0.0f;
+    c = lane < kThreads / 32 ? sc[lane] : 0;
+    m = warp_max(m);
+    c = warp_sum(c);
+    if (lane == 0) {
+      atomicMax(amax_bits, __float_as_uint(m));
+      if (c) atomicAdd(count, c);
+    }
+  }
+}
+
+// 16-byte vector loads where the pointer allows it; a scalar tail.
+template <bool kBf16>
+__global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits, int32_t* count) {
+  constexpr int kVec = kBf16 ? 8 : 4;
+  float m = 0.0f;
+  int c = 0;
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+  const int64_t nvec = aligned ? n / kVec : 0;
+  for (int64_t i = tid; i < nvec; i += stride) {
+    const uint4 v = reinterpret_cast<const uint4*>(x)[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (kBf16) {
+        const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
+        m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
+        c += !is_finite(a) + !is_finite(b);
+      } else {
+        const float a = __uint_as_float(w[k]);
+        m = fmaxf(m, abs_ignoring_nan(a));
+        c += !is_finite(a);
+      }
+    }
+  }
+  for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
+    const float a = load_as_float(x, kBf16, i);
+    m = fmaxf(m, abs_ignoring_nan(a));
+    c += !is_finite(a);
+  }
+  block_publish(m, c, amax_bits, count);
+}
+
+ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                    ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  JQ_RETURN_IF_ERROR(check_input(x, "x"));
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
+  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  if (n > 0) {
+    auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
+    const int grid = std::min(grid_for(n / 4), 132 * 16);
+    if (x.element_type() == ffi::DataType::BF16)
+      amax_kernel<true><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits, count->typed_data());
+    else
+      amax_kernel<false><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits, count->typed_data());
+  }
+  return last_error("amax kernel");
+}
+
+// ---- FP8 cast -------------------------------------------------------------------------------
+
+// Every thread derives the scale from the device-resident amax (a few flops, no extra launch);
+// the first thread of the grid also stores scale_inv.
+struct Fp8Params {
+  const float* amax;
+  float fp8_max, eps;
+  bool pow2, e5m2;
+  float* scale_inv;
+
+  __device__ float scale() const {
+    const Fp8Scale s = fp8_scale_from_amax(amax[0], fp8_max, eps, pow2);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale_inv[0] = s.scale_inv;
+    return s.scale;
+  }
+};
+
+// Rowwise only: 4 elements a thread.
+__global__ void fp8_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, Fp8Params p,
+                                uint8_t* __restrict__ out) {
+  const float scale = p.scale();
+  const bool e5m2 = p.e5m2;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 4; i < n; i += stride * 4) {
+    if (i + 4 <= n) {
+      uint32_t packed = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) packed |= uint32_t(fp8_encode(load_as_float(x, bf16, i + k) * scale, e5m2)) << (8 * k);
+      if ((reinterpret_cast<uintptr_t>(out + i) % 4) == 0) {
+        *reinterpret_cast<uint32_t*>(out + i) = packed;
+        continue;
+      }
+      for (int k = 0; k < 4; ++k) out[i + k] = uint8_t(packed >> (8 * k));
+    } else {
+      for (int64_t k = i; k < n; ++k) out[k] = fp8_encode(load_as_float(x, bf16, k) * scale, e5m2);
+    }
+  }
+}
+
+// Rowwise + transpose in one pass: a 32x32 tile through shared memory, both writes coalesced.
+__global__ void fp8_cast_t_kernel(const void* __restrict__ x, bool bf16, int64_t rows, int64_t cols,
+                                  Fp8Params p, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
+  __shared__ uint8_t tile[32][33];
+  const float scale = p.scale();
+  const bool e5m2 = p.e5m2;
+  const int64_t r0 = int64_t(blockIdx.y) * 32, c0 = int64_t(blockIdx.x) * 32;
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;  // 32 x 8 threads
+  for (int dy = ty; dy < 32; dy += 8) {
+    const int64_t r = r0 + dy, c = c0 + tx;
+    if (r < rows && c < cols) {
+      const uint8_t q = fp8_encode(load_as_float(x, bf16, r * cols + c) * scale, e5m2);
+      out[r * cols + c] = q;
+      tile[dy][tx] = q;
+    }
+  }
+  __syncthreads();
+  for (int dy = ty; dy < 32; dy += 8) {
+    const int64_t c = c0 + dy, r = r0 + tx;
+    if (r < rows && c < cols) out_t[c * rows + r] = tile[tx][dy];
+  }
+}
+
+ffi::Error Fp8CastImpl(cudaStream_t stream, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>& amax, float eps, bool pow2,
+                       ffi::AnyBuffer& data, ffi::Buffer<ffi::F32>& scale_inv, ffi::AnyBuffer* data_t) {
+  bool e5m2;
+  JQ_RETURN_IF_ERROR(check_fp8_cast(x, amax, data, data_t, &e5m2));
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const Fp8Params p{amax.typed_data(), e5m2 ? kE5M2Max : kE4M3Max, eps, pow2, e5m2, scale_inv.typed_data()};
+  auto* out = static_cast<uint8_t*>(data.untyped_data());
+  if (data_t == nullptr) {
+    // n == 0 still launches one block so that scale_inv is written.
+    fp8_cast_kernel<<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(x.untyped_data(), bf16, n, p, out);
+  } else {
+    const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
+    dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + 31) / 32, 1)),
+              static_cast<unsigned>(std::max<int64_t>((rows + 31) / 32, 1)));
+    fp8_cast_t_kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), bf16, rows, cols, p, out,
+                                                     static_cast<uint8_t*>(data_t->untyped_data()));
+  }
+  return last_error("fp8 cast kernel");
+}
+
+ffi::Error Fp8CastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
+                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
+  return Fp8CastImpl(stream, x, amax, eps, pow2, *data, *scale_inv, nullptr);
+}
+
+ffi::Error Fp8CastTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
+                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
+                        ffi::Result<ffi::AnyBuffer> data_t) {
+  return Fp8CastImpl(stream, x, amax, eps, pow2, *data, *scale_inv, &*data_t);
+}
+
+// ---- NVFP4 tile amax of a partial shard -----------------------------------------------------
+
+// Block: one 16-row tile row x 4 tiles (64 columns); thread t reads column t%64 of rows t/64 + 4i.
+// A warp covers 32 consecutive columns of one row (two tiles), so loads are coalesced.
+__global__ void tile_amax_kernel(const void* __restrict__ x, bool bf16, int64_t start, int64_t len, int64_t cols,
+                                 int64_t tile_row0, float* __restrict__ tile_amax, int32_t* count) {
+  __shared__ float part[4][4];
+  __shared__ int cnt[kThreads / 32];
+  const int64_t tile_row = tile_row0 + blockIdx.y, tcols = cols / kTile;
+  const int col_in = threadIdx.x % 64, row_group = threadIdx.x / 64;
+  const int64_t col = int64_t(blockIdx.x) * 64 + col_in;
+  float m = 0.0f;
+  int c = 0;
+  if (col < cols) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t e = (tile_row * kTile + row_group + 4 * i) * cols + col;
+      if (e >= start && e < start + len) {
+        const float v = load_as_float(x, bf16, e - start);
+        m = fmaxf(m, abs_ignoring_nan(v));
+        c += !is_finite(v);
+      }
+    }
+  }
+  // Max over the 16 lanes of one tile (lanes 0-15 and 16-31 are different tiles).
+  for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  c = warp_sum(c);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane % 16 == 0) part[row_group][(col_in / 16)] = m;
+  if (lane == 0) cnt[warp] = c;
+  __syncthreads();
+  if (threadIdx.x < 4) {
+    const int t = threadIdx.x;
+    const int64_t tcol = int64_t(blockIdx.x) * 4 + t;
+    if (tcol < tcols)
+      tile_amax[tile_row * tcols + tcol] = fmaxf(fmaxf(part[0][t], part[1][t]), fmaxf(part[2][t], part[3][t]));
+  }
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int w = 0; w < kThreads / 32; ++w) total += cnt[w];
+    if (total) atomicAdd(count, total);
+  }
+}
+
+ffi::Error TileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t start,
+                        ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  JQ_RETURN_IF_ERROR(check_tile_amax(x, rows, cols, start, *tile_amax));
+  const int64_t len = static_cast<int64_t>(x.element_count());
+  cudaMemsetAsync(tile_amax->untyped_data(), 0, tile_amax->size_bytes(), stream);
+  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  if (len > 0) {
+    // Only the tile rows the shard touches.
+    const int64_t first = start / cols / kTile, last = (start + len - 1) / cols / kTile;
+    dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>(last - first + 1));
+    tile_amax_kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), x.element_type() == ffi::DataType::BF16,
+                                                    start, len, cols, first, tile_amax->typed_data(),
+                                                    count->typed_data());
+  }
+  return last_error("tile amax kernel");
+}
+
+// ---- NVFP4 scales ---------------------------------------------------------------------------
+
+__global__ void scale_kernel(const float* __restrict__ tile_amax, const float* amax, int64_t rows, int64_t cols,
+                             uint8_t* __restrict__ out) {
+  const int64_t pc = nvfp4_scale_cols(cols), total = nvfp4_scale_rows(rows) * pc;
+  const float s_enc = nvfp4_global_encode_scale(amax[0]);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = scale_entry(tile_amax, rows, cols, s_enc, i / pc, i % pc);
+}
+
+ffi::Error ScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
+                     ffi::Result<ffi::Buffer<ffi::U8>> scale_inv) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_scale(tile_amax, amax, *scale_inv, &rows, &cols));
+  scale_kernel<<<grid_for(nvfp4_scale_rows(rows) * nvfp4_scale_cols(cols)), kThreads, 0, stream>>>(
+      tile_amax.typed_data(), amax.typed_data(), rows, cols, scale_inv->typed_data());
+  return last_error("scale kernel");
+}
+
+__global__ void scale_transpose_kernel(const uint8_t* __restrict__ scale_inv, int64_t rows, int64_t cols,
+                                       uint8_t* __restrict__ out) {
+  const int64_t pc = nvfp4_scale_cols(rows), total = nvfp4_scale_rows(cols) * pc;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = scale_t_entry(scale_inv, rows, cols, i / pc, i % pc);
+}
+
+ffi::Error ScaleTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_inv, int64_t rows, int64_t cols,
+                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  JQ_RETURN_IF_ERROR(check_scale_transpose(scale_inv, rows, cols, *scale_inv_t));
+  scale_transpose_kernel<<<grid_for(nvfp4_scale_rows(cols) * nvfp4_scale_cols(rows)), kThreads, 0, stream>>>(
+      scale_inv.typed_data(), rows, cols, scale_inv_t->typed_data());
+  return last_error("scale transpose kernel");
+}
+
+// ---- NVFP4 partial cast ---------------------------------------------------------------------
+
+// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else the shared
+// software rounding; both are RNE with saturation to ±6 and keep the sign of zero.
+__device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+  uint16_t out;
+  asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
+  return static_cast<uint8_t>(out);
+#else
+  return static_cast<uint8_t>(float_to_e2m1(lo) | (float_to_e2m1(hi) << 4));
+#endif
+}
+
+// A thread owns 8 consecutive bytes of the global packed data (16 elements, aligned to 16 in the
+// row-major element order, so one row and one tile): one scale lookup and one division per thread.
+__global__ void cast_partial_kernel(PartialCast pc, const float* amax, int64_t first_byte, int64_t nbytes,
+                                    const uint8_t* in, uint8_t* out) {
+  pc.s_dec = 1.0f / nvfp4_global_encode_scale(amax[0]);
+  const int64_t group0 = first_byte / 8, groups = (first_byte + nbytes + 7) / 8 - group0;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b0 = (group0 + g) * 8, e0 = 2 * b0;
+    const int64_t row = e0 / pc.cols, col = e0 - row * pc.cols;
+    const float enc = nvfp4_tile_encode(pc.scale_inv[row * pc.scale_cols + col / kTile], pc.s_dec);
+    const bool whole = e0 >= pc.start && e0 + 16 <= pc.start + pc.len;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int64_t b = b0 + k, i = b - first_byte;
+      if (i < 0 || i >= nbytes) continue;
+      const int64_t e = 2 * b;
+      if (whole) {
+        out[i] = e2m1_pair(load_as_float(pc.x, pc.is_bf16, e - pc.start) * enc,
+                           load_as_float(pc.x, pc.is_bf16, e + 1 - pc.start) * enc);
+      } else {
+        out[i] = pc.byte(b, in[i]);  // boundary byte: keep the neighbour's nibble
+      }
+    }
+  }
+}
+
+ffi::Error CastPartialCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> bytes,
+                           ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::F32> amax, int64_t rows, int64_t cols,
+                           int64_t start, ffi::Result<ffi::Buffer<ffi::U8>> out) {
+  JQ_RETURN_IF_ERROR(check_partial_cast(x, bytes, scale_inv, amax, *out, rows, cols, start));
+  const int64_t nbytes = static_cast<int64_t>(bytes.element_count());
+  if (nbytes == 0) return ffi::Error::Success();
+  // `out` may alias `bytes`; a thread reads a boundary byte of `bytes` before writing it.
+  PartialCast pc{x.untyped_data(), x.element_type() == ffi::DataType::BF16, start,
+                 static_cast<int64_t>(x.element_count()), cols, nvfp4_scale_cols(cols), scale_inv.typed_data(),
+                 0.0f /* s_dec: set in the kernel from the device-resident amax */};
+  const int64_t first = start / 2, groups = (first + nbytes + 7) / 8 - first / 8;
+  cast_partial_kernel<<<grid_for(groups), kThreads, 0, stream>>>(pc, amax.typed_data(), first, nbytes,
+                                                                  bytes.typed_data(), out->typed_data());
+  return last_error("cast partial kernel");
+}
+
+// ---- NVFP4 packed transpose -----------------------------------------------------------------
+
+// Block: 64 rows (m) x 64 columns (k) of elements; codes unpacked into shared memory, then
+// written as packed bytes of the transpose. Reads and writes are row-contiguous.
+__global__ void transpose_kernel(const uint8_t* __restrict__ data, int64_t rows, int64_t cols,
+                                 uint8_t* __restrict__ out) {
+  __shared__ uint8_t codes[64][65];
+  const int64_t m0 = int64_t(blockIdx.y) * 64, k0 = int64_t(blockIdx.x) * 64;
+  const int64_t in_half = cols / 2, out_half = rows / 2;
+  for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
+    const int dm = i / 32, db = i % 32;
+    const int64_t m = m0 + dm, kb = k0 / 2 + db;
+    if (m < rows && kb < in_half) {
+      const uint8_t v = data[m * in_half + kb];
+      codes[dm][2 * db] = v & 0x0F;
+      codes[dm][2 * db + 1] = v >> 4;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
+    const int dk = i / 32, db = i % 32;
+    const int64_t k = k0 + dk, mb = m0 / 2 + db;
+    if (k < cols && mb < out_half) out[k * out_half + mb] = codes[2 * db][dk] | (codes[2 * db + 1][dk] << 4);
+  }
+}
+
+ffi::Error TransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_transpose(data, *data_t, &rows, &cols));
+  dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+  transpose_kernel<<<grid, kThreads, 0, stream>>>(data.typed_data(), rows, cols, data_t->typed_data());
+  return last_error("transpose kernel");
+}
+
+}  // namespace
+
+JQ_DEFINE_HANDLERS(Cuda, JQ_CUDA_CTX)
+
+}  // namespace jaxquant

@@ -1,0 +1,5 @@
+import sys
+
+from jaxquant.cli import main
+
+sys.exit(main())

@@ -1,0 +1,251 @@
+"""Writing DCP directories: :class:`DcpWriter`, :func:`save_dcp` and the multi-process :func:`finalize_dcp`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import jax
+import numpy as np
+
+from jaxquant.checkpoint import dtypes as dt
+from jaxquant.checkpoint import fsutil, torchsave
+from jaxquant.checkpoint.errors import CheckpointError, CoverageError
+from jaxquant.checkpoint.layout import coverage_problems, index_to_box
+from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpMetadata, StorageInfo, TensorEntry,
+                                          encode_metadata)
+from jaxquant.checkpoint.progress import Progress
+from jaxquant.checkpoint.safepickle import dumps
+from jaxquant.checkpoint.tree import QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized, quant_info
+
+_PLAN_SUFFIX = ".jaxquant-plan.json"
+
+
+class DcpWriter:
+    """Appends torch.save records for one process to ``<dir>/__<rank>_0.distcp`` and tracks the metadata."""
+
+    def __init__(self, directory: str, rank: int = 0):
+        self.directory, self.rank = directory, rank
+        self.rel = f"__{rank}_0.distcp"
+        self.file = open(os.path.join(directory, self.rel), "wb")
+        self.entries: dict = {}
+        self.planner: dict = {}
+
+    def declare_tensor(self, key: str, np_dtype, size, parts=None) -> None:
+        self.entries[key] = TensorEntry(key, dt.to_torch_name(np_dtype, what=f"key {key!r}"),
+                                        tuple(int(s) for s in size), [])
+        self.planner[key] = tuple(parts or (key,))
+
+    def write_chunk(self, key: str, offsets, arr: np.ndarray) -> int:
+        e = self.entries[key]
+        offset = self.file.tell()
+        length = torchsave.write_tensor(self.file, arr, e.dtype)
+        e.chunks.append(Chunk(tuple(int(o) for o in offsets), tuple(int(s) for s in arr.shape),
+                              StorageInfo(self.rel, offset, length)))
+        return arr.nbytes
+
+    def write_value(self, key: str, pickled: bytes, parts=None) -> None:
+        offset = self.file.tell()
+        length = torchsave.write_value(self.file, pickled)
+        self.entries[key] = BytesEntry(key, StorageInfo(self.rel, offset, length))
+        self.planner[key] = tuple(parts or (key,))
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+
+    def metadata(self) -> DcpMetadata:
+        return DcpMetadata(dict(self.entries), dict(self.planner))
+
+
+def write_metadata(directory: str, md: DcpMetadata, checkpoint_id: str) -> None:
+    """Check every tensor's coverage, then write ``.metadata``."""
+    for e in md.entries.values():
+        if isinstance(e, TensorEntry):
+            problems = coverage_problems(e)
+            if problems:
+                raise CoverageError(f"key {e.key!r}: chunks do not tile shape {e.size}: {'; '.join(problems)}")
+    with open(os.path.join(directory, METADATA_FILE), "wb") as f:
+        f.write(encode_metadata(md, checkpoint_id))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------------------- save
+
+def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
+    """[(key, parts, kind, payload)]: kind 'value' (pickled bytes) or 'array' (dtype, shape, chunk list)."""
+    items, _ = flatten(tree, "save_dcp: tree")
+    out, quant = [], {}
+    for key, parts, leaf in items:
+        if is_quantized(leaf):
+            if transpose.check(key, (), quantized=True):
+                pass
+            if dequantize is not None:
+                out.append((key, parts, leaf.dequantize(dequantize)))
+                continue
+            quant[key] = quant_info(leaf)
+            out += [(key + suffix, parts[:-1] + (parts[-1] + suffix,), v) for _, suffix, v in components(leaf)]
+        else:
+            out.append((key, parts, leaf))
+    plan = []
+    for key, parts, leaf in out:
+        if isinstance(leaf, (bool, int, float, str)) or leaf is None:
+            plan.append((key, parts, "value", dumps(leaf)))
+            continue
+        if isinstance(leaf, np.generic):
+            leaf = np.asarray(leaf)
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise CheckpointError(f"save_dcp: key {key!r}: cannot store a {type(leaf).__name__} "
+                                  f"(arrays, Float8Tensor/NVFP4Tensor, int, float, bool, str only)")
+        dt.to_torch_name(leaf.dtype, what=f"save_dcp: key {key!r}")
+        shape = tuple(int(d) for d in leaf.shape)
+        tr = transpose.check(key, shape)
+        if isinstance(leaf, jax.Array):
+            chunks = [(index_to_box(s.index, shape)[0], s) for s in leaf.addressable_shards if s.replica_id == 0]
+        else:
+            chunks = [((0,) * len(shape), leaf)] if rank == 0 else []
+        plan.append((key, parts, "array", (leaf.dtype, shape, chunks, tr)))
+    if quant:
+        plan.append((QUANT_INFO_KEY, (QUANT_INFO_KEY,), "value", dumps({"version": 1, "quantized": quant})))
+    transpose.finish()
+    return plan
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(x.data if hasattr(x, "replica_id") else x)
+
+
+def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
+    for key, parts, kind, payload in plan:
+        if kind == "value":
+            if rank == 0:
+                w.write_value(key, payload, parts)
+            continue
+        dtype, shape, chunks, tr = payload
+        w.declare_tensor(key, dtype, shape[::-1] if tr else shape, parts)
+        for offsets, src in chunks:
+            arr = _host(src)
+            if tr:  # JAX [in, out] -> stored [out, in]
+                arr, offsets = np.ascontiguousarray(arr.T), offsets[::-1]
+            progress.update(w.write_chunk(key, offsets, arr))
+
+
+def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize=None,
+             process_index: int | None = None, process_count: int | None = None, save_id: str | None = None,
+             finalize: bool = True, progress: bool = False) -> str:
+    """Write ``tree`` as a PyTorch Distributed Checkpoint directory at ``path``.
+
+    Leaves: ``jax.Array`` (one chunk per addressable shard with ``replica_id == 0``, at its global
+    offsets), numpy arrays, ``Float8Tensor``/``NVFP4Tensor`` (stored as components, see
+    docs/checkpoint.md, or dequantized to ``dequantize`` (e.g. ``jnp.bfloat16``) when given), and Python
+    int/float/bool/str (DCP byte entries). ``transpose``: fnmatch patterns of 2-D keys stored as the
+    transpose (JAX ``[in, out]`` -> PyTorch ``[out, in]``).
+
+    Multi-process: every process calls this with the same ``save_id``; each writes
+    ``__<rank>_0.distcp`` plus a plan file into ``<path>.tmp-<save_id>``. With ``finalize=True`` under a
+    real JAX multi-process runtime the processes synchronise and process 0 merges the plans into one
+    ``.metadata`` and renames the directory. With ``finalize=False`` the caller must call
+    :func:`finalize_dcp` once after all processes have returned. Returns the staging or final path.
+    """
+    rank = jax.process_index() if process_index is None else int(process_index)
+    count = jax.process_count() if process_count is None else int(process_count)
+    if not 0 <= rank < count:
+        raise CheckpointError(f"save_dcp: process_index {rank} not in [0, {count})")
+    fsutil.check_destination(path)
+    plan = _plan(tree, TransposeMap(transpose), dequantize, rank)
+    if count > 1 and save_id is None:
+        if jax.process_count() != count:
+            raise CheckpointError("save_dcp: save_id is required when process_count is given explicitly")
+        from jax.experimental import multihost_utils
+        save_id = "%08x" % int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(2 ** 31))))
+    staging = fsutil.staging_path(path, save_id)
+    fsutil.make_staging(staging, exist_ok=count > 1)
+    total = sum(_host_nbytes(c) for *_, kind, p in plan if kind == "array" for _, c in p[2])
+    try:
+        w = DcpWriter(staging, rank)
+        with Progress(total, "save_dcp", enabled=progress) as bar:
+            try:
+                _write_plan(w, plan, rank, bar)
+            finally:
+                w.close()
+        if count == 1:
+            write_metadata(staging, w.metadata(), os.path.abspath(path))
+            fsutil.commit(staging, path)
+            return path
+        _write_rank_plan(staging, rank, w)
+    except BaseException:
+        if count == 1:
+            fsutil.remove(staging)
+        raise
+    if finalize and jax.process_count() == count > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"jaxquant_save_dcp_{save_id}_written")
+        if rank == 0:
+            finalize_dcp(path, save_id=save_id, process_count=count)
+        multihost_utils.sync_global_devices(f"jaxquant_save_dcp_{save_id}_final")
+        return path
+    return staging
+
+
+def _host_nbytes(c) -> int:
+    return int(c.data.nbytes) if hasattr(c, "replica_id") else int(c.nbytes)
+
+
+def _write_rank_plan(staging: str, rank: int, w: DcpWriter) -> None:
+    rows = []
+    for key, e in w.entries.items():
+        if isinstance(e, BytesEntry):
+            rows.append({"key": key, "kind": "bytes", "parts": list(w.planner[key]),
+                         "storage": [e.storage.relative_path, e.storage.offset, e.storage.length]})
+        else:
+            rows.append({"key": key, "kind": "tensor", "parts": list(w.planner[key]), "dtype": e.dtype,
+                         "size": list(e.size), "chunks": [[list(c.offsets), list(c.sizes), c.storage.relative_path,
+                                                           c.storage.offset, c.storage.length] for c in e.chunks]})
+    tmp = os.path.join(staging, f"__{rank}{_PLAN_SUFFIX}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "entries": rows}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(staging, f"__{rank}{_PLAN_SUFFIX}"))
+
+
+def finalize_dcp(path: str, *, save_id: str, process_count: int) -> str:
+    """Merge the per-process plans of a multi-process :func:`save_dcp` into ``.metadata`` and commit.
+
+    Call once (e.g. on process 0) after every process's ``save_dcp`` returned. Checks that all ranks
+    wrote their plan, that dtypes and global shapes agree, and that the chunks tile every tensor.
+    """
+    staging = fsutil.staging_path(path, save_id)
+    entries, planner = {}, {}
+    for rank in range(process_count):
+        p = os.path.join(staging, f"__{rank}{_PLAN_SUFFIX}")
+        if not os.path.isfile(p):
+            raise CheckpointError(f"finalize_dcp: {p} missing: process {rank} did not finish writing")
+        with open(p) as f:
+            rows = json.load(f)["entries"]
+        for r in rows:
+            key = r["key"]
+            planner[key] = tuple(r["parts"])
+            if r["kind"] == "bytes":
+                if key in entries:
+                    raise CheckpointError(f"finalize_dcp: byte entry {key!r} written by more than one process")
+                entries[key] = BytesEntry(key, StorageInfo(*r["storage"]))
+                continue
+            e = entries.setdefault(key, TensorEntry(key, r["dtype"], tuple(r["size"]), []))
+            if not isinstance(e, TensorEntry) or (e.dtype, e.size) != (r["dtype"], tuple(r["size"])):
+                raise CheckpointError(f"finalize_dcp: process {rank} disagrees on key {key!r} "
+                                      f"(dtype/shape {r['dtype']} {r['size']})")
+            e.chunks += [Chunk(tuple(o), tuple(s), StorageInfo(f_, off, ln)) for o, s, f_, off, ln in r["chunks"]]
+    try:
+        write_metadata(staging, DcpMetadata(entries, planner), os.path.abspath(path))
+        for rank in range(process_count):
+            os.unlink(os.path.join(staging, f"__{rank}{_PLAN_SUFFIX}"))
+        fsutil.commit(staging, path)
+    except BaseException:
+        fsutil.remove(staging)
+        raise
+    return path

@@ -1,0 +1,423 @@
+"""Quantize ZeRO-sharded fp32 master weights to FP8 / NVFP4 model weights (SPEC §3).
+
+Per device, under ``shard_map`` over the data-parallel mesh axis ``axis``:
+
+1. convert the local shard of the flat master buffer to ``compute_dtype``;
+2. partial statistics of every piece the shard owns: NVFP4 tile amaxes (``ops.nvfp4_tile_amax``),
+   FP8 amaxes (``ops.amax``), plus non-finite counts from the same kernel pass when asked;
+3. **one** ``lax.pmax`` over ``axis`` of one packed int32 vector holding everything (fp32 amaxes are
+   non-negative, so their bit patterns order as int32 do; each shard writes its non-finite counts into
+   its own row of a ``[num_shards, num_params]`` block that is 0 elsewhere, so the max is the matrix);
+4. scales from the reduced statistics, identical on every rank;
+5. partial cast of the owned pieces into a fixed-size local byte chunk;
+6. ``lax.all_gather`` of that chunk (quantized bytes only) and assembly of every weight.
+
+The pieces a shard owns differ from shard to shard, and the ``ops`` take the piece geometry (``start``)
+as a static attribute, so steps 2 and 5 are each a ``lax.switch`` on ``axis_index(axis)`` with one
+branch per shard, traced with that shard's static pieces. Every branch reads only its own pieces:
+no masked or redundant work. See docs/distributed.md for the byte layout of the gathered chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxquant import formats, ops
+from jaxquant.layout import FlatLayout
+from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+
+RECIPES = ("nvfp4", "fp8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite report
+# ----------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NonFiniteReport:
+    """NaN/±inf found in the master weights (after ``compute_dtype`` conversion).
+
+    ``counts[r, p]``: int32 number of non-finite elements of parameter ``p`` in shard ``r``, the same
+    on every rank. ``names``: the parameter names (static). Call :meth:`raise_if_nonfinite` (outside
+    ``jit``; it reads the counts to the host) or test :meth:`any` inside.
+    """
+
+    counts: jax.Array
+    names: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    def any(self) -> jax.Array:
+        return jnp.any(self.counts > 0)
+
+    def findings(self) -> list[tuple[str, int, int]]:
+        """Host side: ``[(param name, shard, count), ...]`` for every non-zero count."""
+        counts = np.asarray(jax.device_get(self.counts))
+        return [(self.names[p] if p < len(self.names) else f"param{p}", int(r), int(counts[r, p]))
+                for r, p in zip(*np.nonzero(counts))]
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise ``FloatingPointError`` naming every (parameter, shard) holding NaN/±inf."""
+        found = self.findings()
+        if found:
+            what = "; ".join(f"{name} in shard {r}: {c} element(s)" for name, r, c in found)
+            raise FloatingPointError(f"non-finite (NaN or ±inf) master weights: {what}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Static plan (per layout)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """Where each piece's quantized bytes sit in its shard's gathered chunk."""
+
+    size: int                                # bytes per shard (the same for every shard)
+    entries: tuple                           # per shard: ((piece, chunk offset, byte count), ...)
+
+
+def nvfp4_chunk_plan(layout: FlatLayout) -> _Chunk:
+    """NVFP4: shard ``r``'s chunk is the packed bytes ``[start//2, (end+1)//2)`` of each owned piece,
+    end to end in parameter order, zero padded to the largest shard's total. A piece with an odd
+    start or end shares its boundary byte with the neighbouring shard's piece; only its own nibble
+    is set, and the assembly ORs the two."""
+    entries, size = [], 0
+    for r in range(layout.num_shards):
+        row, pos = [], 0
+        for pc in layout.pieces(r):
+            lo, hi = formats.nvfp4_byte_range(pc.start, pc.length)
+            row.append((pc, pos, hi - lo))
+            pos += hi - lo
+        entries.append(tuple(row))
+        size = max(size, pos)
+    return _Chunk(size=size, entries=tuple(entries))
+
+
+def gathered_bytes(layout: FlatLayout, recipe: str = "nvfp4") -> int:
+    """Bytes the all-gather of :func:`quantize_master_weights` delivers to each rank.
+
+    NVFP4: ``num_shards * chunk`` where ``chunk`` is the largest per-shard sum of owned piece byte
+    counts; equals ``sum(numel) / 2`` exactly when every shard boundary inside a parameter falls on
+    an even element and the shards own equally many bytes, and exceeds it by at most
+    ``num_shards * (pieces per shard + 1) / 2`` bytes plus the imbalance otherwise.
+    FP8: ``total_size`` (the flat buffer, alignment padding included, one byte an element).
+    """
+    if recipe == "nvfp4":
+        return layout.num_shards * nvfp4_chunk_plan(layout).size
+    if recipe == "fp8":
+        return layout.total_size
+    raise ValueError(f"recipe: must be one of {RECIPES}, got {recipe!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _f32_bits(x):
+    return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+
+
+def _bits_f32(x):
+    return jax.lax.bitcast_convert_type(x, jnp.float32)
+
+
+def _check_options(layout, recipe, compute_dtype, columnwise):
+    if not isinstance(layout, FlatLayout):
+        raise TypeError(f"layout: must be a jaxquant.FlatLayout, got {type(layout).__name__}")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: must be one of {RECIPES}, got {recipe!r}")
+    if compute_dtype is not None and jnp.dtype(compute_dtype) not in ops.INPUT_DTYPES:
+        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
+    for p, shape in enumerate(layout.shapes):
+        where = f"layout.shapes[{p}] ({layout.names[p]})"
+        if recipe == "nvfp4":
+            if len(shape) != 2:
+                raise ValueError(f"{where}: NVFP4 weights must have rank 2, got shape {shape}")
+            ops.check_nvfp4_shape(shape[0], shape[1], name=where)
+        elif columnwise and len(shape) != 2:
+            raise ValueError(f"{where}: columnwise=True needs rank-2 weights, got shape {shape}")
+
+
+def _check_shard(shard, layout):
+    if not hasattr(shard, "dtype") or not hasattr(shard, "shape"):
+        raise TypeError(f"shard: must be an array, got {type(shard).__name__}")
+    if jnp.dtype(shard.dtype) not in ops.INPUT_DTYPES:
+        raise TypeError(f"shard: dtype must be float32 or bfloat16, got {shard.dtype}")
+    if tuple(shard.shape) != (layout.shard_size,):
+        raise ValueError(f"shard: the local shard must have shape ({layout.shard_size},) "
+                         f"(layout.shard_size), got {tuple(shard.shape)}")
+
+
+def _axis_size(axis) -> int:
+    try:
+        return int(jax.lax.axis_size(axis))
+    except NameError as e:
+        raise ValueError(f"axis: {axis!r} is not a mesh axis bound here (call this inside "
+                         f"shard_map over a mesh with that axis): {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-device form
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsdp", recipe: str = "nvfp4",
+                                  compute_dtype=jnp.bfloat16, columnwise: bool = False,
+                                  manual_post_all_gather_processing: bool = True, check_finite: bool = False,
+                                  fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
+                                  force_pow_2_scales: bool = False, impl: str = "auto"):
+    """The per-device body of :func:`quantize_master_weights`, for use inside your own ``shard_map``.
+
+    ``shard``: this device's ``[layout.shard_size]`` slice of the flat master buffer (shard index =
+    ``lax.axis_index(axis)``). Returns the gathered weights (identical, i.e. invariant, on every rank of
+    ``axis``), and with ``check_finite`` also a :class:`NonFiniteReport`.
+    Collectives over ``axis``: one ``pmax`` (int32, all statistics of the group) and one
+    ``all_gather`` (uint8, quantized bytes only).
+    """
+    _check_options(layout, recipe, compute_dtype, columnwise)
+    _check_shard(shard, layout)
+    ops._check_impl(impl)
+    size = _axis_size(axis)
+    if size != layout.num_shards:
+        raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has {size} devices")
+    x = shard if compute_dtype is None else shard.astype(compute_dtype)
+    if layout.num_params == 0:
+        weights = []
+    elif recipe == "nvfp4":
+        weights, counts = _nvfp4_local(x, layout, axis, check_finite, impl)
+    else:
+        weights, counts = _fp8_local(x, layout, axis, check_finite, jnp.dtype(fp8_dtype),
+                                     float(amax_epsilon), bool(force_pow_2_scales), impl)
+    if columnwise and not manual_post_all_gather_processing:
+        weights = post_all_gather_processing(weights, impl=impl)
+    if not check_finite:
+        return weights
+    if layout.num_params == 0:
+        counts = jnp.zeros((layout.num_shards, 0), jnp.int32)
+    return weights, NonFiniteReport(counts=counts, names=layout.names)
+
+
+def _stats_switch(x, layout, axis, check_finite, per_piece, stat_sizes):
+    """lax.switch over shards: each branch fills the packed int32 statistics vector from its pieces.
+
+    ``per_piece(seg, piece) -> (float32 stats, count or None)``; ``stat_sizes[p]`` the flat size of param p's
+    stats. Returns (per-param float32 stats (flat), counts [S, P] or None) after ONE pmax.
+    """
+    S, Pn = layout.num_shards, layout.num_params
+    offs = np.concatenate([[0], np.cumsum(stat_sizes)]).astype(int)
+
+    def branch(r):
+        def f(x):
+            stats = [jnp.zeros((n,), jnp.int32) for n in stat_sizes]
+            counts = [jnp.int32(0)] * Pn
+            for pc in layout.pieces(r):
+                seg = x[pc.local_offset:pc.local_offset + pc.length]
+                st, c = per_piece(seg, pc)
+                stats[pc.param] = _f32_bits(st).reshape(-1)
+                if check_finite:
+                    counts[pc.param] = c
+            parts = list(stats)
+            if check_finite:
+                block = jnp.zeros((S, Pn), jnp.int32).at[r].set(jnp.stack(counts).astype(jnp.int32))
+                parts.append(block.reshape(-1))
+            return jnp.concatenate(parts)
+        return f
+
+    packed = jax.lax.switch(jax.lax.axis_index(axis), [branch(r) for r in range(S)], x)
+    packed = jax.lax.pmax(packed, axis)        # the one all-reduce of the group
+    stats = [_bits_f32(packed[offs[p]:offs[p + 1]]) for p in range(Pn)]
+    counts = packed[offs[-1]:].reshape(S, Pn) if check_finite else None
+    return stats, counts
+
+
+def _nvfp4_local(x, layout, axis, check_finite, impl):
+    S = layout.num_shards
+    dims = [tuple(s) for s in layout.shapes]
+    tile_shapes = [(m // formats.TILE, k // formats.TILE) for m, k in dims]
+
+    def per_piece(seg, pc):
+        m, k = dims[pc.param]
+        res = ops.nvfp4_tile_amax(seg, rows=m, cols=k, start=pc.start, return_nonfinite=check_finite,
+                                  impl=impl)
+        return res if check_finite else (res, None)
+
+    stats, counts = _stats_switch(x, layout, axis, check_finite, per_piece,
+                                  [a * b for a, b in tile_shapes])
+    tile_amax = [s.reshape(t) for s, t in zip(stats, tile_shapes)]
+    amax = [jnp.max(t).reshape(1) for t in tile_amax]          # as quantize_nvfp4
+    scale_inv = [ops.nvfp4_scale(t, a, rows=m, cols=k, impl=impl)
+                 for t, a, (m, k) in zip(tile_amax, amax, dims)]
+
+    plan = nvfp4_chunk_plan(layout)
+
+    def branch(r):
+        def f(x, scale_inv, amax):
+            parts, pos = [], 0
+            for pc, off, nbytes in plan.entries[r]:
+                m, k = dims[pc.param]
+                seg = x[pc.local_offset:pc.local_offset + pc.length]
+                parts.append(ops.nvfp4_cast_partial(
+                    seg, jnp.zeros((nbytes,), jnp.uint8), scale_inv[pc.param], amax[pc.param],
+                    rows=m, cols=k, start=pc.start, impl=impl))
+                pos += nbytes
+            if plan.size > pos:
+                parts.append(jnp.zeros((plan.size - pos,), jnp.uint8))
+            return jnp.concatenate(parts)
+        return f
+
+    chunk = jax.lax.switch(jax.lax.axis_index(axis), [branch(r) for r in range(S)], x, scale_inv, amax)
+    gathered = jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")   # uint8 [S * chunk]
+
+    # Assemble each weight from its pieces; a byte split between two shards is the OR of both.
+    where = {}
+    for r in range(S):
+        for pc, off, nbytes in plan.entries[r]:
+            where[(r, pc.param)] = (pc, r * plan.size + off, nbytes)
+    weights = []
+    for p, (m, k) in enumerate(dims):
+        segs = []
+        for r in layout.owners(p):
+            pc, off, nbytes = where[(r, p)]
+            blk = gathered[off:off + nbytes]
+            if segs and pc.start % 2:
+                last = segs.pop()
+                segs += [last[:-1], last[-1:] | blk[:1], blk[1:]]
+            else:
+                segs.append(blk)
+        data = jnp.concatenate(segs).reshape(m, k // 2)
+        weights.append(NVFP4Tensor(data=data, scale_inv=scale_inv[p], amax=amax[p], shape=(m, k)))
+    return weights, counts
+
+
+def _fp8_local(x, layout, axis, check_finite, dtype, amax_epsilon, force_pow_2_scales, impl):
+    S, n = layout.num_shards, layout.shard_size
+    fmax = formats.fp8_max(dtype)
+
+    def per_piece(seg, pc):
+        res = ops.amax(seg, return_nonfinite=check_finite, impl=impl)
+        return res if check_finite else (res, None)
+
+    stats, counts = _stats_switch(x, layout, axis, check_finite, per_piece, [1] * layout.num_params)
+    amax = [s.reshape(()) for s in stats]
+
+    def branch(r):
+        def f(x, amax):
+            parts, pos = [], 0
+            for pc in layout.pieces(r):
+                if pc.local_offset > pos:
+                    parts.append(jnp.zeros((pc.local_offset - pos,), jnp.uint8))
+                seg = x[pc.local_offset:pc.local_offset + pc.length]
+                data, _, _ = ops.fp8_cast(seg, amax[pc.param], dtype=dtype, amax_epsilon=amax_epsilon,
+                                          force_pow_2_scales=force_pow_2_scales, impl=impl)
+                parts.append(jax.lax.bitcast_convert_type(data, jnp.uint8))
+                pos = pc.local_offset + pc.length
+            if n > pos:
+                parts.append(jnp.zeros((n - pos,), jnp.uint8))
+            return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+        return f
+
+    chunk = jax.lax.switch(jax.lax.axis_index(axis), [branch(r) for r in range(S)], x, amax)
+    gathered = jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")   # uint8 [total_size]
+    weights = []
+    for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.shapes)):
+        data = jax.lax.bitcast_convert_type(gathered[o:o + numel], dtype).reshape(shape)
+        _, scale_inv = formats.fp8_scale_from_amax(amax[p], fmax, amax_epsilon, force_pow_2_scales)
+        weights.append(Float8Tensor(data=data, scale_inv=scale_inv, amax=amax[p]))
+    return weights, counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Global form
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=128)
+def _build(layout, mesh, axis, options):
+    body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, **dict(options))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P()))
+
+
+def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str = "fsdp",
+                            recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
+                            manual_post_all_gather_processing: bool = True, check_finite: bool = False,
+                            fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
+                            force_pow_2_scales: bool = False, impl: str = "auto"):
+    """Quantize a ZeRO-sharded flat fp32 master buffer into full (gathered) FP8 / NVFP4 weights.
+
+    ``master_flat``: global ``[layout.total_size]`` array, sharded ``P(axis)`` on ``mesh`` (replicated
+    over the other mesh axes). Returns the list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's
+    order, replicated on every device, bit-identical to ``quantize_nvfp4`` / ``quantize_fp8`` of each
+    whole weight after ``compute_dtype`` conversion; with ``check_finite=True`` returns
+    ``(weights, NonFiniteReport)``.
+
+    ``columnwise``: also produce the columnwise data (``data_t`` and, for NVFP4, ``scale_inv_t``); with
+    ``manual_post_all_gather_processing=True`` (default) it is left to the caller, who runs
+    :func:`post_all_gather_processing` when it suits (e.g. overlapped with the next layer's compute).
+    ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (SPEC §1).
+    Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
+    """
+    _check_options(layout, recipe, compute_dtype, columnwise)
+    ops._check_impl(impl)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not isinstance(axis, str) or axis not in mesh.axis_names:
+        raise ValueError(f"axis: {axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    if mesh.shape[axis] != layout.num_shards:
+        raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has "
+                         f"{mesh.shape[axis]} devices")
+    if not hasattr(master_flat, "dtype") or not hasattr(master_flat, "shape"):
+        raise TypeError(f"master_flat: must be an array, got {type(master_flat).__name__}")
+    if jnp.dtype(master_flat.dtype) not in ops.INPUT_DTYPES:
+        raise TypeError(f"master_flat: dtype must be float32 or bfloat16, got {master_flat.dtype}")
+    if tuple(master_flat.shape) != (layout.total_size,):
+        raise ValueError(f"master_flat: shape must be ({layout.total_size},) (layout.total_size = "
+                         f"num_shards * shard_size), got {tuple(master_flat.shape)}")
+    options = (("recipe", recipe),
+               ("compute_dtype", None if compute_dtype is None else jnp.dtype(compute_dtype)),
+               ("columnwise", bool(columnwise)),
+               ("manual_post_all_gather_processing", bool(manual_post_all_gather_processing)),
+               ("check_finite", bool(check_finite)), ("fp8_dtype", jnp.dtype(fp8_dtype)),
+               ("amax_epsilon", float(amax_epsilon)), ("force_pow_2_scales", bool(force_pow_2_scales)),
+               ("impl", impl))
+    return _build(layout, mesh, axis, options)(master_flat)
+
+
+def master_sharding(mesh, axis: str = "fsdp") -> NamedSharding:
+    """The sharding ``quantize_master_weights`` expects for ``master_flat``: ``P(axis)``."""
+    return NamedSharding(mesh, P(axis))
+
+
+# ----------------------------------------------------------------------------------------------
+# Post all-gather processing
+# ----------------------------------------------------------------------------------------------
+
+
+def post_all_gather_processing(weights, *, impl: str = "auto"):
+    """Build the columnwise data from the gathered rowwise data.
+
+    NVFP4: ``data_t`` (``ops.nvfp4_transpose``) and ``scale_inv_t`` (``ops.nvfp4_scale_transpose``);
+    FP8: ``data_t``, the byte transpose. Takes one tensor or a list/tuple of them and returns the same
+    structure; tensors that already have columnwise data are returned unchanged.
+    """
+    if isinstance(weights, (list, tuple)):
+        return type(weights)(post_all_gather_processing(w, impl=impl) for w in weights)
+    if isinstance(weights, NVFP4Tensor):
+        if weights.data_t is not None and weights.scale_inv_t is not None:
+            return weights
+        return nvfp4_columnwise(weights, impl=impl)
+    if isinstance(weights, Float8Tensor):
+        if weights.data_t is not None:
+            return weights
+        return fp8_columnwise(weights)
+    raise TypeError(f"weights: must be an NVFP4Tensor, a Float8Tensor or a list of them, "
+                    f"got {type(weights).__name__}")

@@ -1,0 +1,191 @@
+"""Shared fixtures and helpers for the jaxquant test suite.
+
+XLA_FLAGS is extended *before* jax is imported so that the CPU backend exposes 8 host devices
+(sharding tests elsewhere in the suite rely on it).
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a GPU backend (skipped elsewhere)")
+
+
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
+
+
+def as_bytes(a) -> np.ndarray:
+    """The raw bytes of an array (jax or numpy, fp8/bf16/uint8/... included) as a flat uint8 array."""
+    a = np.ascontiguousarray(np.atleast_1d(np.asarray(a)))
+    return a.reshape(-1).view(np.uint8)
+
+
+def assert_bytes_equal(actual, expected, what: str = "array") -> None:
+    """Byte-for-byte equality of two arrays of the same dtype and shape."""
+    actual_np, expected_np = np.asarray(actual), np.asarray(expected)
+    assert actual_np.dtype == expected_np.dtype, f"{what}: dtype {actual_np.dtype} != {expected_np.dtype}"
+    assert actual_np.shape == expected_np.shape, f"{what}: shape {actual_np.shape} != {expected_np.shape}"
+    a, e = as_bytes(actual_np), as_bytes(expected_np)
+    if not np.array_equal(a, e):
+        bad = np.flatnonzero(a != e)
+        itemsize = max(actual_np.dtype.itemsize, 1)
+        elems = sorted(set((bad // itemsize).tolist()))[:8]
+        flat_a, flat_e = actual_np.reshape(-1), expected_np.reshape(-1)
+        detail = ", ".join(
+            f"[{np.unravel_index(i, actual_np.shape) if actual_np.ndim else ()}] "
+            f"{flat_a[i]!r} vs {flat_e[i]!r}" for i in elems)
+        raise AssertionError(
+            f"{what}: {len(bad)} of {a.size} bytes differ (first elements: {detail})")
+
+
+def assert_bytes_equal_nan_aware(actual, expected, what: str = "array") -> None:
+    """Same NaN mask (as float values), and identical bytes on every non-NaN element."""
+    a, e = np.asarray(actual), np.asarray(expected)
+    assert a.dtype == e.dtype and a.shape == e.shape, f"{what}: {a.dtype}{a.shape} vs {e.dtype}{e.shape}"
+    na, ne = np.isnan(a.astype(np.float32)), np.isnan(e.astype(np.float32))
+    np.testing.assert_array_equal(na, ne, err_msg=f"{what}: NaN masks differ")
+    assert_bytes_equal(a[~na], e[~ne], what + " (non-NaN elements)")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20240611)
+
+
+@pytest.fixture
+def bytes_equal():
+    """The byte-for-byte comparison helper, as a fixture: bytes_equal(actual, expected, what)."""
+    return assert_bytes_equal
+
+
+@pytest.fixture
+def bytes_equal_nan_aware():
+    return assert_bytes_equal_nan_aware
+
+
+# ----------------------------------------------------------------------------------------------
+# Input builders shared by the test files (plain numpy; import with `from conftest import ...`).
+# ----------------------------------------------------------------------------------------------
+
+# Exact ties of the E2M1 grid and the code SPEC §2.6 sends each to.
+E2M1_TIES = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}
+
+
+def _tile(x, i, j):
+    return x[16 * i:16 * i + 16, 16 * j:16 * j + 16]
+
+
+def random_tiled(rng, rows, cols, lo_exp=-8.0, hi_exp=8.0):
+    """Normal values with a log-uniform magnitude per 16x16 tile (exercises every E4M3 scale range:
+    zero, subnormal, normal and saturated tile scales), a few exact zeros and negative zeros."""
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    mag = 10.0 ** rng.uniform(lo_exp, hi_exp, size=(rows // 16, cols // 16))
+    x *= np.repeat(np.repeat(mag, 16, 0), 16, 1).astype(np.float32)
+    flat = x.reshape(-1)
+    idx = rng.choice(flat.size, size=max(2, flat.size // 64), replace=False)
+    flat[idx[: len(idx) // 2]] = 0.0
+    flat[idx[len(idx) // 2:]] = -0.0
+    return x
+
+
+def nvfp4_grid_case(rng):
+    """[32, 48] with global amax 2688 (S_enc = 1) and special tiles:
+
+    (0,0) holds 2688 and random values; (0,1) amax 6 (s8 = 1, enc = 1): exact E2M1 ties, their
+    fp32 neighbours, grid values and signed zeros; (0,2) amax 7 (s8 = 1.125, 7 * enc > 6): values
+    that saturate; (1,0) all +0; (1,1) all -0; (1,2) tiny values (tile scale rounds to 0).
+    """
+    x = np.zeros((32, 48), np.float32)
+    t = _tile(x, 0, 0)
+    t[...] = rng.uniform(-2000, 2000, size=(16, 16)).astype(np.float32)
+    t[3, 5] = 2688.0
+    t[7, 1] = -2687.0
+    vals = []
+    for v in E2M1_TIES:
+        v = np.float32(v)
+        vals += [v, -v, np.nextafter(v, np.float32(0)), np.nextafter(v, np.float32(10)),
+                 -np.nextafter(v, np.float32(0)), -np.nextafter(v, np.float32(10))]
+    vals += [np.float32(g) for g in (0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6)]
+    vals += [np.float32(0.0), np.float32(-0.0), np.float32(1e-30), np.float32(-1e-30),
+             np.float32(0.2), np.float32(-0.2), np.float32(5.9), np.float32(-5.9)]
+    t = _tile(x, 0, 1).reshape(-1)
+    t[: len(vals)] = np.array(vals, np.float32)
+    t[len(vals):] = np.resize(np.array(vals, np.float32), t.size - len(vals))
+    _tile(x, 0, 1)[...] = t.reshape(16, 16)
+    t = _tile(x, 0, 2)
+    t[...] = rng.uniform(-7, 7, size=(16, 16)).astype(np.float32)
+    t[0, :8] = np.array([7, -7, 6.75, -6.75, 6.5, -6.5, 6.3, -6.3], np.float32)
+    _tile(x, 1, 0)[...] = 0.0
+    _tile(x, 1, 1)[...] = -0.0
+    t = _tile(x, 1, 2)
+    t[...] = rng.uniform(-1e-6, 1e-6, size=(16, 16)).astype(np.float32)
+    t[0, 0] = 1e-6
+    return x
+
+
+def nvfp4_tiny_next_to_large(rng):
+    """[16, 48]: tile amax 1e4, a tile of amax 1e-6 (its E4M3 scale rounds to 0), a normal tile."""
+    x = rng.uniform(-1, 1, size=(16, 48)).astype(np.float32)
+    x[:, :16] *= np.float32(1e4)
+    x[0, 0] = 1e4
+    x[:, 16:32] *= np.float32(1e-6)
+    x[1, 17] = -1e-6
+    x[2, 18] = -0.0
+    return x
+
+
+def nvfp4_huge(rng):
+    """[32, 32] with values up to 3e38 and tiles from 1e30 down to 1 (scales near FLT_MAX)."""
+    x = rng.uniform(-1, 1, size=(32, 32)).astype(np.float32)
+    x[:16, :16] *= np.float32(3e38)
+    x[0, 0] = 3e38
+    x[1, 1] = -3e38
+    x[:16, 16:] *= np.float32(1e36)
+    x[16:, :16] *= np.float32(1e30)
+    return x
+
+
+def nvfp4_with_inf(rng):
+    """[16, 32]: +inf and -inf in one tile (global amax inf -> S_enc = 1), ordinary values elsewhere."""
+    x = rng.uniform(-100, 100, size=(16, 32)).astype(np.float32)
+    x[3, 4] = np.inf
+    x[5, 6] = -np.inf
+    return x
+
+
+def nvfp4_edge_inputs(rng) -> dict:
+    """name -> fp32 [M, K] input (finite or ±inf; no NaN) for the NVFP4 bit-exact checks."""
+    return {
+        "grid_ties": nvfp4_grid_case(rng),
+        "tiny_next_to_large": nvfp4_tiny_next_to_large(rng),
+        "huge": nvfp4_huge(rng),
+        "with_inf": nvfp4_with_inf(rng),
+        "all_zero": np.zeros((16, 32), np.float32),
+        "all_neg_zero": np.full((32, 16), -0.0, np.float32),
+    }
+
+
+def fp8_edge_inputs(rng) -> dict:
+    """name -> fp32 input for the FP8 checks (NaN only in 'with_nan')."""
+    base = rng.standard_normal((48, 80)).astype(np.float32) * np.float32(3)
+    huge = base.copy() * np.float32(1e37)
+    huge[0, 0], huge[1, 1] = 3e38, -3e38
+    inf = base.copy()
+    inf[0, 0], inf[2, 3] = np.inf, -np.inf
+    nan = base.copy()
+    nan[0, 1], nan[4, 7], nan[-1, -1] = np.nan, np.nan, -np.nan
+    zeros = np.zeros((16, 32), np.float32)
+    zeros[::2, ::3] = -0.0
+    wide = random_tiled(rng, 32, 48, -6, 6)
+    return {"normal": base, "huge": huge, "with_inf": inf, "with_nan": nan, "zeros": zeros,
+            "wide_range": wide}

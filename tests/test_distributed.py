@@ -1,0 +1,394 @@
+"""quantize_master_weights on simulated CPU devices: bit-exact against single-tensor quantization.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set here when not set already).
+"""
+
+import os
+import re
+import warnings
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxquant import distributed as D
+from jaxquant.layout import FlatLayout
+from jaxquant.quantize import quantize_fp8, quantize_nvfp4
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+
+IMPL = os.environ.get("JAXQUANT_TEST_IMPL", "auto")
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: "
+                                "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _mesh(S, tp=1):
+    devs = np.array(jax.devices()[:S * tp]).reshape(S, tp)
+    return jax.sharding.Mesh(devs, ("fsdp", "tp"))
+
+
+def _weights(rng, shapes):
+    out = []
+    for m, k in shapes:
+        w = rng.standard_normal((m, k)).astype(np.float32)
+        # per-tile magnitudes over several decades, and some all-zero tiles
+        mag = 10.0 ** rng.uniform(-4, 3, size=(m // 16, 1, k // 16, 1))
+        mag[rng.random(mag.shape) < 0.1] = 0
+        out.append((w.reshape(m // 16, 16, k // 16, 16) * mag).reshape(m, k).astype(np.float32))
+    return out
+
+
+def _random_shapes(rng, n):
+    return [(16 * int(rng.integers(1, 7)), 16 * int(rng.choice([1, 2, 3, 5, 6]))) for _ in range(n)]
+
+
+def _put(layout, ws, mesh):
+    return jax.device_put(layout.flatten(ws), NamedSharding(mesh, P("fsdp")))
+
+
+def _reference(w, recipe, columnwise=False):
+    fn = quantize_nvfp4 if recipe == "nvfp4" else quantize_fp8
+    return fn(jnp.asarray(w), compute_dtype=jnp.bfloat16, columnwise=columnwise, impl="reference")
+
+
+def _bytes(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def _assert_same(q, ref):
+    assert type(q) is type(ref)
+    if isinstance(q, NVFP4Tensor):
+        assert q.shape == ref.shape
+    for name in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if isinstance(q, NVFP4Tensor) else ()):
+        a, b = getattr(q, name), getattr(ref, name)
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=name)
+
+
+def _run_and_compare(layout, ws, mesh, recipe, **kw):
+    out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe=recipe, impl=IMPL, **kw)
+    assert len(out) == len(ws)
+    for q, w in zip(out, ws):
+        _assert_same(q, _reference(w, recipe))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# bit-exactness over layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def _layout(kind, shapes, S, rng):
+    if kind == "align1":
+        return FlatLayout(shapes, S)
+    if kind == "align128":
+        return FlatLayout(shapes, S, align=128)
+    if kind == "sparse":        # big alignment: some shards own only padding
+        return FlatLayout(shapes, S, align=2048)
+    if kind == "odd":           # odd parameter offsets: packed bytes misaligned with the flat stream
+        offs, pos = [], 0
+        for m, k in shapes:
+            pos += int(rng.integers(0, 4)) | 1
+            offs.append(pos)
+            pos += m * k
+        return FlatLayout.from_param_offsets(shapes, offs, S)
+    if kind == "te":            # uneven per-rank pieces, given as TransformerEngine start offsets
+        total = sum(m * k for m, k in shapes)
+        cuts = np.sort(rng.choice(np.arange(1, total), size=S - 1, replace=False)) if S > 1 else []
+        bounds = [0, *[int(c) for c in cuts], total]
+        flat_off = np.concatenate([[0], np.cumsum([m * k for m, k in shapes])])
+        starts = [[None] * len(shapes) for _ in range(S)]
+        lengths = [[0] * len(shapes) for _ in range(S)]
+        for r in range(S):
+            for p in range(len(shapes)):
+                a, b = max(bounds[r], flat_off[p]), min(bounds[r + 1], flat_off[p + 1])
+                if a < b:
+                    starts[r][p], lengths[r][p] = int(a - flat_off[p]), int(b - a)
+        return FlatLayout.from_start_offsets(shapes, starts, lengths)
+    raise ValueError(kind)
+
+
+CASES = [  # (S, layout kind, number of params, seed)
+    (1, "align1", 3, 0),
+    (2, "align1", 3, 1),
+    (3, "align1", 4, 2),
+    (4, "align128", 3, 3),
+    (8, "align1", 4, 4),
+    (3, "odd", 3, 5),
+    (8, "sparse", 3, 6),
+    (4, "te", 4, 7),
+    (8, "te", 3, 8),
+]
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("S,kind,n,seed", CASES)
+def test_bit_exact(S, kind, n, seed, recipe):
+    rng = np.random.default_rng(seed)
+    shapes = _random_shapes(rng, n)
+    layout = _layout(kind, shapes, S, rng)
+    _run_and_compare(layout, _weights(rng, shapes), _mesh(S), recipe)
+
+
+def test_cases_cover_the_hard_layouts():
+    """The CASES above do hit odd boundaries, shared bytes, many-shard params and empty shards."""
+    odd_start = shared_byte = many_owners = empty_shard = one_owner = False
+    for S, kind, n, seed in CASES:
+        rng = np.random.default_rng(seed)
+        shapes = _random_shapes(rng, n)
+        lay = _layout(kind, shapes, S, rng)
+        for r in range(S):
+            empty_shard |= not lay.pieces(r)
+            for pc in lay.pieces(r):
+                odd_start |= pc.start % 2 == 1
+                shared_byte |= pc.start % 2 == 1 and pc.start > 0
+        for p in range(lay.num_params):
+            many_owners |= len(lay.owners(p)) >= 3
+            one_owner |= len(lay.owners(p)) == 1
+        odd_start |= any(o % 2 for o in lay.param_offsets)
+    assert odd_start and shared_byte and many_owners and empty_shard and one_owner
+
+
+def test_tp_mesh_and_columnwise():
+    """Mesh with another axis ('tp', replicated), columnwise data built automatically."""
+    rng = np.random.default_rng(10)
+    shapes = [(32, 48), (16, 80), (48, 16)]
+    ws = _weights(rng, shapes)
+    mesh = _mesh(4, tp=2)
+    layout = FlatLayout(shapes, 4)
+    for recipe in ("nvfp4", "fp8"):
+        out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe=recipe, impl=IMPL,
+                                        columnwise=True, manual_post_all_gather_processing=False)
+        for q, w in zip(out, ws):
+            _assert_same(q, _reference(w, recipe, columnwise=True))
+
+
+def test_manual_post_all_gather_processing():
+    rng = np.random.default_rng(11)
+    shapes = [(16, 48), (32, 32)]
+    ws = _weights(rng, shapes)
+    mesh = _mesh(2)
+    layout = FlatLayout(shapes, 2)
+    out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, impl=IMPL, columnwise=True)
+    assert all(q.data_t is None and q.scale_inv_t is None for q in out)
+    out = jax.jit(lambda ws: D.post_all_gather_processing(ws, impl=IMPL))(out)
+    for q, w in zip(out, ws):
+        _assert_same(q, _reference(w, "nvfp4", columnwise=True))
+    assert D.post_all_gather_processing(out[0], impl=IMPL) is out[0]
+
+
+def test_compute_dtype_none_and_fp8_options():
+    rng = np.random.default_rng(12)
+    shapes = [(16, 16), (32, 48)]
+    ws = _weights(rng, shapes)
+    mesh = _mesh(3)
+    layout = FlatLayout(shapes, 3)
+    flat = _put(layout, ws, mesh)
+    out = D.quantize_master_weights(flat, layout, mesh=mesh, compute_dtype=None, impl=IMPL)
+    for q, w in zip(out, ws):
+        _assert_same(q, quantize_nvfp4(jnp.asarray(w), impl="reference"))
+    out = D.quantize_master_weights(flat, layout, mesh=mesh, recipe="fp8", fp8_dtype=jnp.float8_e5m2,
+                                    amax_epsilon=1e-3, force_pow_2_scales=True, impl=IMPL)
+    for q, w in zip(out, ws):
+        _assert_same(q, quantize_fp8(jnp.asarray(w), dtype=jnp.float8_e5m2, amax_epsilon=1e-3,
+                                     force_pow_2_scales=True, compute_dtype=jnp.bfloat16, impl="reference"))
+
+
+def test_per_device_form_in_user_shard_map():
+    rng = np.random.default_rng(13)
+    shapes = [(16, 80), (32, 16)]
+    ws = _weights(rng, shapes)
+    mesh = _mesh(4, tp=2)
+    layout = FlatLayout(shapes, 4)
+
+    @jax.jit
+    def step(flat):
+        def body(shard):
+            q, rep = D.quantize_master_weights_local(shard * 2, layout, axis="fsdp", check_finite=True, impl=IMPL)
+            return q, rep
+        return jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P())(flat)
+
+    out, rep = step(_put(layout, ws, mesh))
+    assert rep.counts.shape == (4, 2) and not bool(rep.any())
+    for q, w in zip(out, ws):
+        _assert_same(q, _reference(w * 2, "nvfp4"))
+
+
+# ----------------------------------------------------------------------------------------------
+# non-finite check
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_check_finite(recipe):
+    shapes = [(16, 32), (32, 48), (16, 16)]
+    layout = FlatLayout(shapes, 4, names=["wq", "wk", "wv"])
+    ws = [np.ones(s, np.float32) for s in shapes]
+    ws[1][0, 0] = np.nan                   # wk element 0     -> shard of flat 512
+    ws[1][31, 47] = np.inf                 # wk last element  -> flat 512+1535
+    ws[2][3, 3] = -np.inf
+    ws[2][3, 4] = np.nan
+    mesh = _mesh(4)
+    out, rep = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe=recipe,
+                                         check_finite=True, impl=IMPL)
+    counts = np.asarray(rep.counts)
+    expect = np.zeros((4, 3), np.int32)
+    n = layout.shard_size
+    for p, flat_idx in [(1, 512), (1, 512 + 1535), (2, 2048 + 3 * 16 + 3), (2, 2048 + 3 * 16 + 4)]:
+        expect[flat_idx // n, p] += 1
+    np.testing.assert_array_equal(counts, expect)
+    assert bool(rep.any())
+    with pytest.raises(FloatingPointError, match=r"wk in shard 1: 1 element.*wk in shard 3: 1 .*wv in shard 3: 2"):
+        rep.raise_if_nonfinite()
+    # finite weights are unaffected
+    _assert_same(out[0], _reference(ws[0], recipe))
+    # clean weights: no report, no error
+    ws = [np.ones(s, np.float32) for s in shapes]
+    _, rep = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe=recipe,
+                                       check_finite=True, impl=IMPL)
+    assert not bool(rep.any())
+    rep.raise_if_nonfinite()
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled HLO: what travels
+# ----------------------------------------------------------------------------------------------
+
+
+def _collectives(hlo_text):
+    gathers = re.findall(r"= (\w+)\[(\d+)\]\{0\} all-gather\((?:\w+)\[(\d+)\]", hlo_text)
+    if not gathers:   # operand shapes are not always printed inline
+        gathers = [(t, n, None) for t, n in re.findall(r"= (\w+)\[(\d+)\]\{0\} all-gather\(", hlo_text)]
+    reduces = re.findall(r"= (\w+)\[(\d+)\]\{0\} all-reduce\(.*to_apply=%?([\w.]+)", hlo_text)
+    return gathers, reduces
+
+
+def _reduction_is_max(hlo_text, comp):
+    m = re.search(r"^%?" + re.escape(comp) + r" .*?\{(.*?)^\}", hlo_text, re.S | re.M)
+    return m is not None and "maximum(" in m.group(1)
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_hlo_nvfp4_gathers_half_numel_bytes_and_one_pmax(check_finite):
+    # 4 shards of 1536 elements; boundaries at even elements, equal bytes per shard.
+    shapes = [(32, 48), (16, 80), (48, 16), (64, 32), (16, 16), (16, 64)]
+    numel = sum(m * k for m, k in shapes)
+    S = 4
+    layout = FlatLayout(shapes, S)
+    assert layout.total_size == numel and D.gathered_bytes(layout) == numel // 2
+    mesh = _mesh(S)
+    flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
+    f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, check_finite=check_finite, impl=IMPL))
+    hlo = f.lower(flat).compile().as_text()
+    gathers, reduces = _collectives(hlo)
+    assert len(gathers) == 1, gathers
+    dtype, out_len, _ = gathers[0]
+    assert dtype == "u8" and int(out_len) == numel // 2          # sum over weights of numel/2 bytes
+    assert len(reduces) == 1, reduces                              # one all-reduce for the whole group
+    rtype, rlen, comp = reduces[0]
+    n_tiles = sum(m * k // 256 for m, k in shapes)
+    assert rtype == "s32" and int(rlen) == n_tiles + (S * len(shapes) if check_finite else 0)
+    assert _reduction_is_max(hlo, comp)
+    assert "all-to-all" not in hlo and "collective-permute" not in hlo
+
+
+def test_hlo_odd_layout_gather_size():
+    """Odd boundaries: the gather carries gathered_bytes(layout): numel/2 plus the shared boundary
+    bytes (each counted on both sides) and per-shard padding to the largest chunk."""
+    shapes = [(16, 16), (16, 64)]                  # 1280 elements, 3 shards of 427
+    layout = FlatLayout(shapes, 3)
+    assert layout.shard_size == 427
+    expect = D.gathered_bytes(layout)
+    assert 640 < expect <= 640 + 3 * 2
+    mesh = _mesh(3)
+    flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
+    hlo = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, impl=IMPL)).lower(flat).compile().as_text()
+    gathers, reduces = _collectives(hlo)
+    assert [(g[0], int(g[1])) for g in gathers] == [("u8", expect)]
+    assert len(reduces) == 1
+
+
+def test_hlo_fp8_gathers_one_byte_per_element():
+    shapes = [(32, 48), (16, 80)]
+    layout = FlatLayout(shapes, 2)
+    mesh = _mesh(2)
+    flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
+    hlo = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe="fp8", impl=IMPL)).lower(flat).compile().as_text()
+    gathers, reduces = _collectives(hlo)
+    assert [(g[0], int(g[1])) for g in gathers] == [("u8", layout.total_size)]
+    assert len(reduces) == 1 and reduces[0][0] == "s32" and int(reduces[0][1]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# jit with donation
+# ----------------------------------------------------------------------------------------------
+
+
+def test_jit_donating_previous_weights():
+    rng = np.random.default_rng(14)
+    shapes = [(32, 48), (16, 16)]
+    layout = FlatLayout(shapes, 2)
+    mesh = _mesh(2)
+    ws = _weights(rng, shapes)
+    flat = _put(layout, ws, mesh)
+
+    def step(master, old_weights):
+        del old_weights  # its buffers are reused for the new weights
+        master = master * 0.5
+        return master, D.quantize_master_weights(master, layout, mesh=mesh, impl=IMPL)
+
+    step = jax.jit(step, donate_argnums=(1,))
+    weights = D.quantize_master_weights(flat, layout, mesh=mesh, impl=IMPL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # "donated buffers were not usable" would fail
+        for _ in range(2):
+            old = weights
+            flat, weights = step(flat, weights)
+            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old))
+    for q, w in zip(weights, ws):
+        _assert_same(q, _reference(w * 0.25, "nvfp4"))
+
+
+# ----------------------------------------------------------------------------------------------
+# argument errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    mesh = _mesh(2)
+    layout = FlatLayout([(16, 32)], 2)
+    flat = _put(layout, [np.zeros((16, 32), np.float32)], mesh)
+    with pytest.raises(ValueError, match="axis"):
+        D.quantize_master_weights(flat, layout, mesh=mesh, axis="dp")
+    with pytest.raises(ValueError, match="layout: has 4 shards"):
+        D.quantize_master_weights(flat, FlatLayout([(16, 32)], 4), mesh=mesh)
+    with pytest.raises(ValueError, match="master_flat: shape"):
+        D.quantize_master_weights(flat[:-2], layout, mesh=mesh)
+    with pytest.raises(TypeError, match="master_flat: dtype"):
+        D.quantize_master_weights(flat.astype(jnp.int32), layout, mesh=mesh)
+    with pytest.raises(ValueError, match="recipe"):
+        D.quantize_master_weights(flat, layout, mesh=mesh, recipe="mxfp8")
+    bad = FlatLayout([(16, 24)], 2)
+    with pytest.raises(ValueError, match=r"multiple of 16"):
+        D.quantize_master_weights(jnp.zeros(bad.total_size), bad, mesh=mesh)
+    with pytest.raises(ValueError, match="rank 2"):
+        D.quantize_master_weights(jnp.zeros(256), FlatLayout([(256,)], 2), mesh=mesh)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        D.quantize_master_weights(flat, layout, mesh=mesh, compute_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="impl"):
+        D.quantize_master_weights(flat, layout, mesh=mesh, impl="cuda")
+    with pytest.raises(TypeError, match="weights"):
+        D.post_all_gather_processing([jnp.zeros(3)])
