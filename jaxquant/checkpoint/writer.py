@@ -82,11 +82,10 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
     out, quant = [], {}
     for key, parts, leaf in items:
         if is_quantized(leaf):
-            if transpose.check(key, (), quantized=True):
-                pass
-            if dequantize is not None:
+            if dequantize is not None:  # a plain array from here on (may be transposed)
                 out.append((key, parts, leaf.dequantize(dequantize)))
                 continue
+            transpose.check(key, (), quantized=True)
             quant[key] = quant_info(leaf)
             out += [(key + suffix, parts[:-1] + (parts[-1] + suffix,), v) for _, suffix, v in components(leaf)]
         else:
