@@ -344,7 +344,9 @@ def _fp8_local(x, layout, axis, check_finite, dtype, amax_epsilon, force_pow_2_s
 @functools.lru_cache(maxsize=128)
 def _build(layout, mesh, axis, options):
     body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, **dict(options))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P()))
+    # check_vma=False: the results are replicated over ``axis`` by construction (pmax / all_gather), and
+    # FFI custom calls do not propagate varying-manual-axis types (see docs/distributed.md).
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False))
 
 
 def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str = "fsdp",

@@ -59,6 +59,68 @@ def nvfp4_byte_range(start: int, length: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Correctly rounded fp32 division
+# ----------------------------------------------------------------------------------------------
+
+
+def _mantissa_exponent(u):
+    """uint32 bits of a positive finite non-zero float -> (24-bit mantissa, unbiased-ish exponent)."""
+    e = (u >> 23).astype(jnp.int32)
+    frac = u & jnp.uint32(0x7FFFFF)
+    # Subnormal: shift the leading 1 up to bit 23.
+    shift = jax.lax.clz(frac).astype(jnp.int32) - 8
+    sub = e == 0
+    mant = jnp.where(sub, frac << jnp.where(sub, shift, 0).astype(jnp.uint32), frac | jnp.uint32(0x800000))
+    exp = jnp.where(sub, 1 - shift, e)
+    return mant, exp
+
+
+def div_rn(a, b):
+    """a / b for positive finite non-zero fp32 a, b, rounded to nearest even, on every backend.
+
+    XLA's GPU backend lowers fp32 division to an approximate instruction (up to 2 ulp off), while
+    the contract (and the CUDA kernels, built with IEEE division) need the correctly rounded
+    quotient. So the reference divides the mantissas in integer arithmetic: restoring division,
+    26 quotient bits, a sticky bit, then RNE into a normal or subnormal result (inf on overflow).
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    ma, ea = _mantissa_exponent(jax.lax.bitcast_convert_type(a, jnp.uint32))
+    mb, eb = _mantissa_exponent(jax.lax.bitcast_convert_type(b, jnp.uint32))
+    exp = ea - eb
+    lower = ma < mb
+    ma = jnp.where(lower, ma << 1, ma)
+    exp = jnp.where(lower, exp - 1, exp)
+    q = jnp.zeros_like(ma)
+    r = ma
+    for _ in range(26):  # q = floor(ma / mb * 2^25), leading 1 at bit 25
+        ge = r >= mb
+        q = (q << 1) | ge.astype(jnp.uint32)
+        r = jnp.where(ge, r - mb, r) << 1
+    sticky = r != 0
+    biased = exp + 127
+    # Normal result: 24 mantissa bits, guard bit, then bit 0 and the sticky bit.
+    mant = q >> 2
+    guard = (q >> 1) & 1
+    up = (guard == 1) & (((q & 1) == 1) | sticky | ((mant & 1) == 1))
+    mant = mant + up.astype(jnp.uint32)
+    carry = mant >> 24
+    mant = jnp.where(carry == 1, mant >> 1, mant)
+    biased_n = biased + carry.astype(jnp.int32)
+    normal_bits = jnp.where(biased_n >= 255, jnp.uint32(0x7F800000),
+                            (jnp.clip(biased_n, 0, 254).astype(jnp.uint32) << 23) | (mant & jnp.uint32(0x7FFFFF)))
+    # Subnormal result: count units of 2^-149, q * 2^(exp - 25 + 149) = q >> sh.
+    sh = jnp.clip(-(exp + 124), 1, 31).astype(jnp.uint32)
+    m = q >> sh
+    rem = q & ((jnp.uint32(1) << sh) - 1)
+    half = jnp.uint32(1) << (sh - 1)
+    up_s = (rem > half) | ((rem == half) & (sticky | ((m & 1) == 1)))
+    sub_bits = m + up_s.astype(jnp.uint32)
+    bits = jnp.where(biased >= 1, normal_bits, sub_bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
 # Scale formulas (jnp, shared by every pure-JAX path)
 # ----------------------------------------------------------------------------------------------
 
@@ -76,20 +138,26 @@ def fp8_scale_from_amax(amax, fp8_max_value: float, amax_epsilon: float = 0.0,
     a = jnp.fmax(amax, jnp.float32(amax_epsilon))
     degenerate = (a == 0) | jnp.isinf(a) | jnp.isnan(a)
     safe_a = jnp.where(degenerate, jnp.float32(1), a)
-    scale = jnp.where(degenerate, jnp.float32(1), jnp.float32(fp8_max_value) / safe_a)
+    scale = jnp.where(degenerate, jnp.float32(1), div_rn(jnp.float32(fp8_max_value), safe_a))
     scale = jnp.where(jnp.isposinf(scale), FLT_MAX, scale)
     if force_pow_2_scales:
         bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return scale, jnp.float32(1) / scale
+    return scale, div_rn(jnp.float32(1), scale)
 
 
 def nvfp4_global_encode_scale(amax):
     """SPEC §2 step 2: S_enc from the global amax (fp32 scalar)."""
     amax = jnp.asarray(amax, jnp.float32)
     degenerate = (amax == 0) | ~jnp.isfinite(amax)
-    s = jnp.minimum(NVFP4_GLOBAL_RANGE / jnp.fmax(amax, FLT_MIN), FLT_MAX)
+    safe = jnp.where(degenerate, jnp.float32(1), jnp.fmax(amax, FLT_MIN))
+    s = jnp.minimum(div_rn(NVFP4_GLOBAL_RANGE, safe), FLT_MAX)
     return jnp.where(degenerate, jnp.float32(1), s)
+
+
+def nvfp4_global_decode_scale(amax):
+    """SPEC §2 step 3: S_dec = 1 / S_enc."""
+    return div_rn(jnp.float32(1), nvfp4_global_encode_scale(amax))
 
 
 def nvfp4_tile_scale(tile_amax, s_enc):
@@ -99,6 +167,7 @@ def nvfp4_tile_scale(tile_amax, s_enc):
 
 def nvfp4_tile_encode(s8_value, s_dec):
     """SPEC §2 step 5: per-tile encode multiplier from the stored E4M3 scale value."""
-    zero = s8_value == 0
-    denom = jnp.where(zero, jnp.float32(1), s8_value * s_dec)
-    return jnp.where(zero, FLT_MAX, jnp.minimum(jnp.float32(1) / denom, FLT_MAX))
+    denom = s8_value * s_dec
+    zero = denom == 0  # s8 == 0, or the product underflowed: 1/0 = inf -> FLT_MAX either way
+    safe = jnp.where(zero, jnp.float32(1), denom)
+    return jnp.where(zero, FLT_MAX, jnp.minimum(div_rn(jnp.float32(1), safe), FLT_MAX))

@@ -124,7 +124,7 @@ def nvfp4_scale(tile_amax: jax.Array, amax_value: jax.Array, *, rows: int, cols:
 
 def _tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: int) -> jax.Array:
     """Per-tile encode multiplier [rows/16, cols/16] from the stored scales (SPEC §2.5)."""
-    s_dec = jnp.float32(1) / formats.nvfp4_global_encode_scale(jnp.reshape(amax_value, ()))
+    s_dec = formats.nvfp4_global_decode_scale(jnp.reshape(amax_value, ()))
     s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
     return formats.nvfp4_tile_encode(s8, s_dec)
 

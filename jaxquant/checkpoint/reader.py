@@ -158,7 +158,11 @@ def _nbytes(leaf) -> int:
 
 
 def _load_value(r: ChunkReader, key: str, leaf):
-    v = r.value(r.entry(key, BytesEntry))
+    e = r.metadata.entries.get(key)
+    if isinstance(e, TensorEntry) and e.size == () and len(e.chunks) == 1:
+        v = r.chunk(e, e.chunks[0]).item()  # a 0-d tensor (e.g. torch's int64 step) as a Python scalar
+    else:
+        v = r.value(r.entry(key, BytesEntry))
     want = leaf if isinstance(leaf, type) else type(leaf)
     if want in (bool, int, float, str) and not (isinstance(v, want) or (want is float and isinstance(v, int))):
         raise KeyMismatchError(f"{r.root}: byte entry {key!r} holds a {type(v).__name__}, target asks {want.__name__}")

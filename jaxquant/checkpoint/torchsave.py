@@ -331,3 +331,35 @@ def _resolve(obj, f, entries, prefix, what, verify):
     if isinstance(obj, dict):
         return type(obj)((k, _resolve(v, f, entries, prefix, what, verify)) for k, v in obj.items())
     return obj
+
+
+def _crc_stream(f, e: Entry, what: str, block: int = 64 << 20) -> None:
+    f.seek(e.data_offset)
+    crc, left = 0, e.size
+    while left:
+        b = f.read(min(block, left))
+        if not b:
+            raise CorruptCheckpointError(f"{what}: truncated data")
+        crc, left = zlib.crc32(b, crc), left - len(b)
+    if crc != e.crc:
+        raise CorruptCheckpointError(f"{what}: CRC-32 mismatch: the stored bytes are corrupt")
+
+
+def probe_tensor(f, start: int, length: int, what: str, verify: bool = False) -> TensorRef:
+    """Check a tensor record without loading its data (CRC-checked in blocks when ``verify``)."""
+    entries = read_archive(f, start, length, what)
+    prefix = _prefix(entries, what)
+    t = safe_loads(read_entry(f, entries[prefix + "data.pkl"], what).tobytes(), RECORD_ALLOW, what=what,
+                   persistent_load=_persistent_load)
+    if not isinstance(t, TensorRef):
+        raise CorruptCheckpointError(f"{what}: record holds a {type(t).__name__}, expected a tensor")
+    name = f"{prefix}data/{t.storage.key}"
+    if name not in entries:
+        raise CorruptCheckpointError(f"{what}: storage {name} missing from the archive")
+    isz = dt.to_numpy(t.dtype, what=what).itemsize
+    need = 0 if 0 in t.size else (t.offset + sum((n - 1) * s for n, s in zip(t.size, t.stride)) + 1) * isz
+    if entries[name].size < need:
+        raise CorruptCheckpointError(f"{what}: storage holds {entries[name].size} bytes, tensor needs {need}")
+    if verify:
+        _crc_stream(f, entries[name], what)
+    return t

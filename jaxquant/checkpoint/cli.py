@@ -1,0 +1,70 @@
+"""``jaxquant ckpt inspect|convert``: the checkpoint subcommands (added to the top-level CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _inspect(args) -> int:
+    from jaxquant.checkpoint.errors import CheckpointError
+    from jaxquant.checkpoint.inspect import format_report, inspect_dcp
+
+    try:
+        rep = inspect_dcp(args.path, verify=args.verify)
+    except (CheckpointError, OSError) as e:
+        print(f"jaxquant ckpt inspect: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(rep, indent=1) if args.json else format_report(rep))
+    return 0 if rep["ok"] else 1
+
+
+def _convert(args) -> int:
+    from jaxquant.checkpoint.convert import convert
+    from jaxquant.checkpoint.errors import CheckpointError
+
+    try:
+        convert(args.src, args.dst, to=args.to, dequantize=args.dequantize, transpose=args.transpose_linear,
+                progress=not args.no_progress, verify=not args.no_verify)
+    except (CheckpointError, OSError) as e:
+        print(f"jaxquant ckpt convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst}", file=sys.stderr)
+    return 0
+
+
+def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``ckpt`` (with ``inspect`` and ``convert``) to an argparse subparsers object."""
+    ckpt = subparsers.add_parser("ckpt", help="PyTorch DCP / Orbax checkpoints: inspect and convert")
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+
+    p = sub.add_parser("inspect", help="keys, dtypes, shapes, chunks and soundness of a DCP directory")
+    p.add_argument("path")
+    p.add_argument("--verify", action="store_true", help="also check every record's CRC-32 (reads all data)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("convert", help="convert a DCP or Orbax checkpoint (streaming, atomic)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=("dcp", "orbax"))
+    p.add_argument("--dequantize", nargs="?", const="bfloat16", choices=("bfloat16", "float32"),
+                   help="store quantized tensors dequantized (default bfloat16)")
+    p.add_argument("--transpose-linear", action="append", default=[], metavar="PATTERN",
+                   help="fnmatch pattern of 2-D keys to transpose between [out, in] and [in, out] (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-verify", action="store_true", help="skip CRC-32 checks of the source")
+    p.set_defaults(func=_convert)
+    return ckpt
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxquant")
+    add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

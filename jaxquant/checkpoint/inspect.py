@@ -1,0 +1,77 @@
+"""``inspect_dcp``: is a DCP directory sound? Keys, dtypes, shapes, chunks, coverage, bytes present."""
+
+from __future__ import annotations
+
+import os
+
+from jaxquant.checkpoint import dtypes as dt
+from jaxquant.checkpoint import torchsave
+from jaxquant.checkpoint.errors import CheckpointError
+from jaxquant.checkpoint.layout import coverage_problems, volume
+from jaxquant.checkpoint.metadata import BytesEntry
+from jaxquant.checkpoint.reader import ChunkReader
+
+
+def inspect_dcp(path: str, *, verify: bool = False) -> dict:
+    """A report on the checkpoint at ``path``; ``report["ok"]`` is False when it is not sound.
+
+    Per key: kind, dtype, global shape, number of chunks, stored bytes and problems (coverage gaps,
+    overlaps, out-of-bounds chunks, unknown dtype, a chunk whose record is missing, truncated or does not
+    match the metadata). ``verify`` also checks every record's CRC-32 (reads all data, in blocks).
+    Raises :class:`CheckpointError` when the directory cannot be read at all (missing or unsafe
+    ``.metadata``, an interrupted write's staging directory).
+    """
+    keys, problems = [], []
+    with ChunkReader(path, verify) as r:
+        for key, e in r.metadata.entries.items():
+            row = {"key": key, "problems": []}
+            keys.append(row)
+            if isinstance(e, BytesEntry):
+                row.update(kind="bytes", dtype=None, shape=None, chunks=1, nbytes=0)
+                try:
+                    r.value(e) if verify else r.value_pickle(e)
+                except CheckpointError as err:
+                    row["problems"].append(str(err))
+                continue
+            row.update(kind="tensor", dtype=e.dtype, shape=list(e.size), chunks=len(e.chunks), nbytes=0)
+            try:
+                itemsize = dt.to_numpy(e.dtype, what=f"key {key!r}").itemsize
+            except CheckpointError as err:
+                row["problems"].append(str(err))
+                continue
+            row["nbytes"] = sum(volume(c.sizes) for c in e.chunks) * itemsize
+            row["problems"] += coverage_problems(e)
+            for c in e.chunks:
+                what = f"key {key!r} chunk at offsets {c.offsets}"
+                try:
+                    if c.storage is None:
+                        raise CheckpointError(f"{what}: no storage entry in .metadata")
+                    t = torchsave.probe_tensor(r._file(c.storage.relative_path, key), c.storage.offset,
+                                               c.storage.length, f"{c.storage.relative_path}: {what}", verify)
+                    if t.dtype != e.dtype or tuple(t.size) != tuple(c.sizes):
+                        raise CheckpointError(f"{what}: record holds {t.dtype}{list(t.size)}, metadata says "
+                                              f"{e.dtype}{list(c.sizes)}")
+                except CheckpointError as err:
+                    row["problems"].append(str(err))
+    for row in keys:
+        problems += [f"{row['key']}: {p}" if not p.startswith(("key ", path)) else p for p in row["problems"]]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    return {"path": path, "ok": not problems, "problems": problems, "keys": keys, "files": files,
+            "total_bytes": sum(k["nbytes"] for k in keys)}
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"checkpoint {rep['path']}: {len(rep['keys'])} keys, {rep['total_bytes']} bytes in "
+             f"{len(rep['files'])} .distcp files"]
+    w = max([len(k["key"]) for k in rep["keys"]] + [3])
+    lines.append(f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks")
+    for k in rep["keys"]:
+        shape = "bytes" if k["kind"] == "bytes" else str(k["shape"])
+        flag = "  !" if k["problems"] else ""
+        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {k['chunks']}{flag}")
+    if rep["ok"]:
+        lines.append("OK: every tensor is exactly covered and every chunk's bytes are present")
+    else:
+        lines.append(f"NOT SOUND: {len(rep['problems'])} problem(s)")
+        lines += [f"  - {p}" for p in rep["problems"]]
+    return "\n".join(lines)

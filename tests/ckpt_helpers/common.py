@@ -1,0 +1,72 @@
+"""Shared helpers of the checkpoint tests: torch multi-process jobs, subprocess env, byte comparison."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def env(**extra):
+    """Environment for subprocesses: the repo importable, reference kernels, 8 simulated JAX devices."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("JAXQUANT_REFERENCE_ONLY", "1")
+    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    e.update(extra)
+    return e
+
+
+def same_bytes(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes() == \
+        np.ascontiguousarray(b).reshape(-1).view(np.uint8).tobytes()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_job(mode, ckpt, tensors, step, workdir, timeout=240):
+    """Run 4 gloo ranks of torch_dist_worker.py. ``tensors``: [(name, full numpy array, "col"|"row")]."""
+    from jaxquant.checkpoint.dtypes import to_torch_name
+
+    os.makedirs(workdir, exist_ok=True)
+    specs = []
+    for name, arr, style in tensors:
+        fn = f"{name}.bin"
+        np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tofile(os.path.join(workdir, fn))
+        specs.append({"name": name, "shape": list(arr.shape), "dtype": to_torch_name(arr.dtype, what=name),
+                      "style": style, "file": fn})
+    spec_path = os.path.join(workdir, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump({"tensors": specs, "step": step}, f)
+    port = free_port()
+    procs = []
+    for rank in range(4):
+        e = env(RANK=str(rank), WORLD_SIZE="4", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torch_dist_worker.py"), mode, ckpt,
+                                       spec_path, workdir], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    bad = [(i, p.returncode, o[-3000:]) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    assert not bad, f"torch ranks failed: {bad[0]}"
+    results = []
+    for rank in range(4):
+        with open(os.path.join(workdir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
