@@ -76,12 +76,16 @@ ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t sta
   float* t = tile_amax->typed_data();
   std::fill(t, t + (rows / kTile) * tcols, 0.0f);
   int32_t nonfinite = 0;
+  int64_t row = start / cols, col = start - row * cols;
   for (int64_t i = 0; i < len; ++i) {
-    const int64_t e = start + i, row = e / cols, col = e - row * cols;
     const float v = load_as_float(x.untyped_data(), bf16, i);
     float& slot = t[(row / kTile) * tcols + col / kTile];
     slot = std::max(slot, abs_ignoring_nan(v));
     nonfinite += is_finite(v) ? 0 : 1;
+    if (++col == cols) {
+      col = 0;
+      ++row;
+    }
   }
   count->typed_data()[0] = nonfinite;
   return ffi::Error::Success();
@@ -114,7 +118,16 @@ ffi::Error CastPartialCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> bytes, ffi::Buf
   const int64_t first = start / 2, nbytes = static_cast<int64_t>(bytes.element_count());
   const uint8_t* in = bytes.typed_data();
   uint8_t* dst = out->typed_data();  // may alias `in`: each byte is read before it is written
-  for (int64_t i = 0; i < nbytes; ++i) dst[i] = pc.byte(first + i, in[i]);
+  int64_t group = -1;  // 16-element group whose tile's multiplier `enc` holds
+  float enc = 0.0f;
+  for (int64_t i = 0; i < nbytes; ++i) {
+    const int64_t b = first + i;
+    if ((b >> 3) != group) {
+      group = b >> 3;
+      enc = pc.enc_at(2 * b);
+    }
+    dst[i] = pc.byte(b, enc, in[i]);
+  }
   return ffi::Error::Success();
 }
 

@@ -333,7 +333,7 @@ __global__ void cast_partial_kernel(PartialCast pc, const float* amax, int64_t f
         out[i] = e2m1_pair(load_as_float(pc.x, pc.is_bf16, e - pc.start) * enc,
                            load_as_float(pc.x, pc.is_bf16, e + 1 - pc.start) * enc);
       } else {
-        out[i] = pc.byte(b, in[i]);  // boundary byte: keep the neighbour's nibble
+        out[i] = pc.byte(b, enc, in[i]);  // boundary byte: keep the neighbour's nibble
       }
     }
   }

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -346,7 +345,15 @@ def _build(layout, mesh, axis, options):
     body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, **dict(options))
     # check_vma=False: the results are replicated over ``axis`` by construction (pmax / all_gather), and
     # FFI custom calls do not propagate varying-manual-axis types (see docs/distributed.md).
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False))
+    smap = jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False)
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+    def run(master_flat):
+        if explicit:   # explicit-sharding meshes do not reshard shard_map inputs implicitly
+            master_flat = jax.reshard(master_flat, NamedSharding(mesh, P(axis)))
+        return smap(master_flat)
+
+    return jax.jit(run)
 
 
 def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str = "fsdp",

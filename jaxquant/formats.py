@@ -80,11 +80,16 @@ def div_rn(a, b):
 
     XLA's GPU backend lowers fp32 division to an approximate instruction (up to 2 ulp off), while
     the contract (and the CUDA kernels, built with IEEE division) need the correctly rounded
-    quotient. So the reference divides the mantissas in integer arithmetic: restoring division,
-    26 quotient bits, a sticky bit, then RNE into a normal or subnormal result (inf on overflow).
+    quotient. XLA:CPU divides exactly, so it keeps the native division; elsewhere the mantissas
+    are divided in integer arithmetic (``_div_rn_integer``).
     """
-    a = jnp.asarray(a, jnp.float32)
-    b = jnp.asarray(b, jnp.float32)
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=_div_rn_integer)
+
+
+def _div_rn_integer(a, b):
+    """Restoring division of the mantissas: 26 quotient bits and a sticky bit, then RNE into a
+    normal or subnormal result (inf on overflow)."""
     ma, ea = _mantissa_exponent(jax.lax.bitcast_convert_type(a, jnp.uint32))
     mb, eb = _mantissa_exponent(jax.lax.bitcast_convert_type(b, jnp.uint32))
     exp = ea - eb

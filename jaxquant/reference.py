@@ -34,14 +34,16 @@ def e4m3_bits_to_fp32(bits: jax.Array) -> jax.Array:
 
 
 def fp32_to_e2m1_code(v: jax.Array) -> jax.Array:
-    """fp32 -> E2M1 code (uint8 0..15), RNE on the E2M1 grid, saturating to ±6, sign kept."""
-    a = jnp.abs(v)
-    # Decision boundaries; at a tie the even code wins (SPEC §2.6 lists the ties).
-    code = jnp.select(
-        [a <= 0.25, a < 0.75, a <= 1.25, a < 1.75, a <= 2.5, a < 3.5, a <= 5.0],
-        [0, 1, 2, 3, 4, 5, 6],
-        default=7,
-    ).astype(jnp.uint8)
+    """fp32 -> E2M1 code (uint8 0..15), RNE on the E2M1 grid, saturating to ±6, sign kept.
+
+    The magnitude code counts the decision boundaries at or below |v|; at a tie (SPEC §2.6) the
+    even code wins, so boundaries below an even code are strict (>) and those below an odd code
+    are inclusive (>=). NaN maps to code 7, as the C++ path does (NaN is outside the contract).
+    """
+    a = jnp.abs(v.astype(jnp.float32))
+    code = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+            + (a > 2.5) + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
+    code = jnp.where(jnp.isnan(a), jnp.uint8(7), code)
     return jnp.where(jnp.signbit(v), code | jnp.uint8(8), code)
 
 
@@ -51,9 +53,8 @@ def e2m1_code_to_fp32(code: jax.Array) -> jax.Array:
 
 def pack_codes(codes: jax.Array) -> jax.Array:
     """[..., 2n] codes -> [..., n] bytes, element 2c in the low nibble."""
-    lo = codes[..., 0::2]
-    hi = codes[..., 1::2]
-    return (lo | (hi << 4)).astype(jnp.uint8)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
 
 
 def unpack_codes(packed: jax.Array) -> jax.Array:
@@ -126,14 +127,17 @@ def _tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: i
     """Per-tile encode multiplier [rows/16, cols/16] from the stored scales (SPEC §2.5)."""
     s_dec = formats.nvfp4_global_decode_scale(jnp.reshape(amax_value, ()))
     s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
-    return formats.nvfp4_tile_encode(s8, s_dec)
+    # Materialize the per-tile values: without the barrier XLA fuses them into the per-element
+    # consumer and redoes the integer division (formats.div_rn) for every element.
+    return jax.lax.optimization_barrier(formats.nvfp4_tile_encode(s8, s_dec))
 
 
 def nvfp4_codes(x: jax.Array, scale_inv: jax.Array, amax_value: jax.Array) -> jax.Array:
     """E2M1 codes [rows, cols] of a whole tensor given its scales."""
     rows, cols = x.shape
-    enc = jnp.repeat(jnp.repeat(_tile_encode(scale_inv, amax_value, rows, cols), TILE, 0), TILE, 1)
-    return fp32_to_e2m1_code(x.astype(jnp.float32) * enc)
+    enc = _tile_encode(scale_inv, amax_value, rows, cols)[:, None, :, None]
+    scaled = x.astype(jnp.float32).reshape(rows // TILE, TILE, cols // TILE, TILE) * enc
+    return fp32_to_e2m1_code(scaled).reshape(rows, cols)
 
 
 def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, cols: int, start: int):

@@ -134,49 +134,55 @@ def nvfp4_grid_case(rng):
 
 
 def nvfp4_tiny_next_to_large(rng):
-    """[16, 48]: tile amax 1e4, a tile of amax 1e-6 (its E4M3 scale rounds to 0), a normal tile."""
-    x = rng.uniform(-1, 1, size=(16, 48)).astype(np.float32)
-    x[:, :16] *= np.float32(1e4)
+    """[32, 48]: a tile of amax 1e4 next to a tile of amax 1e-6 (its E4M3 scale rounds to 0)."""
+    x = rng.uniform(-1, 1, size=(32, 48)).astype(np.float32)
+    x[:16, :16] *= np.float32(1e4)
     x[0, 0] = 1e4
-    x[:, 16:32] *= np.float32(1e-6)
+    x[:16, 16:32] *= np.float32(1e-6)
     x[1, 17] = -1e-6
     x[2, 18] = -0.0
+    x[16:, 16:32] *= np.float32(1e-3)
     return x
 
 
 def nvfp4_huge(rng):
-    """[32, 32] with values up to 3e38 and tiles from 1e30 down to 1 (scales near FLT_MAX)."""
-    x = rng.uniform(-1, 1, size=(32, 32)).astype(np.float32)
+    """[32, 48] with values up to 3e38 and tiles from 1e36 down to 1 (scales near FLT_MAX)."""
+    x = rng.uniform(-1, 1, size=(32, 48)).astype(np.float32)
     x[:16, :16] *= np.float32(3e38)
     x[0, 0] = 3e38
     x[1, 1] = -3e38
-    x[:16, 16:] *= np.float32(1e36)
+    x[:16, 16:32] *= np.float32(1e36)
     x[16:, :16] *= np.float32(1e30)
+    x[16:, 32:] *= np.float32(1e37)
     return x
 
 
 def nvfp4_with_inf(rng):
-    """[16, 32]: +inf and -inf in one tile (global amax inf -> S_enc = 1), ordinary values elsewhere."""
-    x = rng.uniform(-100, 100, size=(16, 32)).astype(np.float32)
+    """[32, 48]: +inf and -inf in one tile (global amax inf -> S_enc = 1), ordinary values elsewhere."""
+    x = rng.uniform(-100, 100, size=(32, 48)).astype(np.float32)
     x[3, 4] = np.inf
     x[5, 6] = -np.inf
+    x[20, 40] = np.inf
     return x
 
 
 def nvfp4_edge_inputs(rng) -> dict:
-    """name -> fp32 [M, K] input (finite or ±inf; no NaN) for the NVFP4 bit-exact checks."""
+    """name -> fp32 [32, 48] input (finite or ±inf; no NaN) for the NVFP4 bit-exact checks.
+
+    All have the same shape so that a jitted quantizer compiles once for all of them."""
     return {
         "grid_ties": nvfp4_grid_case(rng),
         "tiny_next_to_large": nvfp4_tiny_next_to_large(rng),
         "huge": nvfp4_huge(rng),
         "with_inf": nvfp4_with_inf(rng),
-        "all_zero": np.zeros((16, 32), np.float32),
-        "all_neg_zero": np.full((32, 16), -0.0, np.float32),
+        "all_zero": np.zeros((32, 48), np.float32),
+        "all_neg_zero": np.full((32, 48), -0.0, np.float32),
+        "wide_range": random_tiled(rng, 32, 48, -12, 12),
     }
 
 
 def fp8_edge_inputs(rng) -> dict:
-    """name -> fp32 input for the FP8 checks (NaN only in 'with_nan')."""
+    """name -> fp32 [48, 80] input for the FP8 checks (NaN only in 'with_nan')."""
     base = rng.standard_normal((48, 80)).astype(np.float32) * np.float32(3)
     huge = base.copy() * np.float32(1e37)
     huge[0, 0], huge[1, 1] = 3e38, -3e38
@@ -184,8 +190,8 @@ def fp8_edge_inputs(rng) -> dict:
     inf[0, 0], inf[2, 3] = np.inf, -np.inf
     nan = base.copy()
     nan[0, 1], nan[4, 7], nan[-1, -1] = np.nan, np.nan, -np.nan
-    zeros = np.zeros((16, 32), np.float32)
+    zeros = np.zeros((48, 80), np.float32)
     zeros[::2, ::3] = -0.0
-    wide = random_tiled(rng, 32, 48, -6, 6)
+    wide = random_tiled(rng, 48, 80, -6, 6)
     return {"normal": base, "huge": huge, "with_inf": inf, "with_nan": nan, "zeros": zeros,
             "wide_range": wide}

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxquant import distributed as D
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.tensors import NVFP4Tensor
 
 IMPL = os.environ.get("JAXQUANT_TEST_IMPL", "auto")
 
@@ -356,7 +356,8 @@ def test_jit_donating_previous_weights():
         master = master * 0.5
         return master, D.quantize_master_weights(master, layout, mesh=mesh, impl=IMPL)
 
-    step = jax.jit(step, donate_argnums=(1,))
+    # keep_unused=True: an argument the body never reads is otherwise pruned, and with it the donation
+    step = jax.jit(step, donate_argnums=(1,), keep_unused=True)
     weights = D.quantize_master_weights(flat, layout, mesh=mesh, impl=IMPL)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # "donated buffers were not usable" would fail
@@ -398,3 +399,15 @@ def test_errors():
         D.quantize_master_weights(flat, layout, mesh=mesh, impl="cuda")
     with pytest.raises(TypeError, match="weights"):
         D.post_all_gather_processing([jnp.zeros(3)])
+
+
+def test_explicit_axis_mesh_and_unsharded_input():
+    """jax.make_mesh gives Explicit axes; a host (unsharded) master buffer is resharded to P(axis)."""
+    mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.devices()[:4])
+    rng = np.random.default_rng(15)
+    shapes = [(16, 48), (32, 16)]
+    ws = _weights(rng, shapes)
+    layout = FlatLayout(shapes, 2)
+    out = D.quantize_master_weights(layout.flatten(ws), layout, mesh=mesh, impl=IMPL)
+    for q, w in zip(out, ws):
+        _assert_same(q, _reference(w, "nvfp4"))

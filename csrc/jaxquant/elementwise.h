@@ -25,16 +25,21 @@ struct PartialCast {
   const uint8_t* scale_inv;
   float s_dec;
 
-  JQ_HD uint8_t nibble(int64_t e) const {
+  // Encode multiplier of the tile holding element e (the same for 16 aligned elements).
+  JQ_HD float enc_at(int64_t e) const {
     const int64_t row = e / cols, col = e - row * cols;
-    const float enc = nvfp4_tile_encode(scale_inv[row * scale_cols + col / kTile], s_dec);
-    return float_to_e2m1(load_as_float(x, is_bf16, e - start) * enc);
+    return nvfp4_tile_encode(scale_inv[row * scale_cols + col / kTile], s_dec);
   }
 
-  JQ_HD uint8_t byte(int64_t b, uint8_t old_byte) const {
+  JQ_HD bool owns(int64_t e) const { return e >= start && e < start + len; }
+
+  JQ_HD uint8_t code(int64_t e, float enc) const { return float_to_e2m1(load_as_float(x, is_bf16, e - start) * enc); }
+
+  // Byte b given the encode multiplier of its tile.
+  JQ_HD uint8_t byte(int64_t b, float enc, uint8_t old_byte) const {
     const int64_t e0 = 2 * b, e1 = e0 + 1;
-    const uint8_t lo = (e0 >= start && e0 < start + len) ? nibble(e0) : (old_byte & 0x0F);
-    const uint8_t hi = (e1 >= start && e1 < start + len) ? nibble(e1) : (old_byte >> 4);
+    const uint8_t lo = owns(e0) ? code(e0, enc) : (old_byte & 0x0F);
+    const uint8_t hi = owns(e1) ? code(e1, enc) : (old_byte >> 4);
     return static_cast<uint8_t>(lo | (hi << 4));
   }
 };

@@ -13,6 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
+from jaxquant.checkpoint import dtypes as dt
 from jaxquant.checkpoint import fsutil, quantnp
 from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from jaxquant.checkpoint.layout import volume
@@ -20,13 +21,10 @@ from jaxquant.checkpoint.metadata import BytesEntry
 from jaxquant.checkpoint.orbax_io import OrbaxSink, OrbaxSource, is_orbax
 from jaxquant.checkpoint.progress import Progress
 from jaxquant.checkpoint.reader import ChunkReader
-from jaxquant.checkpoint.safepickle import dumps
-from jaxquant.checkpoint.torchsave import RECORD_ALLOW
 from jaxquant.checkpoint.safepickle import safe_loads
+from jaxquant.checkpoint.torchsave import RECORD_ALLOW
 from jaxquant.checkpoint.tree import FP8_COMPONENTS, NVFP4_COMPONENTS, QUANT_INFO_KEY, TransposeMap
 from jaxquant.checkpoint.writer import DcpWriter, write_metadata
-
-from jaxquant.checkpoint import dtypes as dt
 
 
 class DcpSource:

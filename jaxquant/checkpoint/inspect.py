@@ -54,7 +54,7 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
                 except CheckpointError as err:
                     row["problems"].append(str(err))
     for row in keys:
-        problems += [f"{row['key']}: {p}" if not p.startswith(("key ", path)) else p for p in row["problems"]]
+        problems += [p if f"key {row['key']!r}" in p else f"key {row['key']!r}: {p}" for p in row["problems"]]
     files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
     return {"path": path, "ok": not problems, "problems": problems, "keys": keys, "files": files,
             "total_bytes": sum(k["nbytes"] for k in keys)}

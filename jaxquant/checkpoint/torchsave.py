@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
 from jaxquant.checkpoint.errors import CorruptCheckpointError
-from jaxquant.checkpoint.safepickle import Global, NewObj, PersistentId, Reduce, dumps, safe_loads  # noqa: F401
+from jaxquant.checkpoint.safepickle import Global, PersistentId, Reduce, dumps, safe_loads
 
 _ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -303,9 +303,10 @@ def _materialize(f, entries, prefix, t: TensorRef, what, verify) -> np.ndarray:
     if (last + 1) * isz > raw.size:
         raise CorruptCheckpointError(f"{what}: tensor (size={t.size}, stride={t.stride}, offset={t.offset}) "
                                      f"exceeds its {raw.size}-byte storage")
-    base = raw[: raw.size - raw.size % isz].view(np_dtype)
-    return np.lib.stride_tricks.as_strided(base[t.offset:], shape=t.size,
-                                           strides=[s * isz for s in t.stride], writeable=False)
+    # as_strided on a same-size void dtype (ml_dtypes do not survive __array_interface__), then view
+    base = raw[: raw.size - raw.size % isz].view(np.dtype(f"V{isz}"))
+    return np.lib.stride_tricks.as_strided(base[t.offset:], shape=t.size, strides=[s * isz for s in t.stride],
+                                           writeable=False).view(np_dtype)
 
 
 def read_value(f, start: int, length: int, what: str, verify: bool = True):

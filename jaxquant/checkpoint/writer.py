@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Iterable
@@ -20,6 +21,20 @@ from jaxquant.checkpoint.safepickle import dumps
 from jaxquant.checkpoint.tree import QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized, quant_info
 
 _PLAN_SUFFIX = ".jaxquant-plan.json"
+
+
+@dataclasses.dataclass
+class LocalShards:
+    """A leaf for :func:`save_dcp`: this process's blocks of a global tensor, as host arrays.
+
+    ``shards``: [(global offsets, numpy array)]. Use it for data that is not a ``jax.Array`` (or to
+    drive a multi-process save from separate processes); all processes' blocks together must tile
+    ``shape`` exactly (checked when the metadata is written).
+    """
+
+    shape: tuple
+    dtype: object
+    shards: list
 
 
 class DcpWriter:
@@ -97,6 +112,16 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
             continue
         if isinstance(leaf, np.generic):
             leaf = np.asarray(leaf)
+        if isinstance(leaf, LocalShards):
+            shape = tuple(int(d) for d in leaf.shape)
+            dt.to_torch_name(leaf.dtype, what=f"save_dcp: key {key!r}")
+            for off, a in leaf.shards:
+                if np.dtype(a.dtype) != np.dtype(leaf.dtype) or len(off) != len(shape):
+                    raise CheckpointError(f"save_dcp: key {key!r}: shard at {off} is {a.dtype}{list(a.shape)}, "
+                                          f"tensor is {np.dtype(leaf.dtype)}{list(shape)}")
+            plan.append((key, parts, "array", (np.dtype(leaf.dtype), shape,
+                                               [(tuple(o), a) for o, a in leaf.shards], transpose.check(key, shape))))
+            continue
         if not isinstance(leaf, (jax.Array, np.ndarray)):
             raise CheckpointError(f"save_dcp: key {key!r}: cannot store a {type(leaf).__name__} "
                                   f"(arrays, Float8Tensor/NVFP4Tensor, int, float, bool, str only)")

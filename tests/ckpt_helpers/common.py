@@ -70,3 +70,33 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240):
         with open(os.path.join(workdir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+def setup_devices():
+    """Ask for 8 CPU devices if JAX is not initialised yet (must run before ``import jax``)."""
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_force_host_platform_device_count=8").strip()
+
+
+def rerun_if_few_devices(request, n=8) -> bool:
+    """If this process has fewer than ``n`` JAX devices (JAX was initialised by another suite), run the
+    test in a fresh pytest subprocess with 8 devices and return True (the caller then returns)."""
+    import jax
+
+    if jax.device_count() >= n:
+        return False
+    assert not os.environ.get("JAXQUANT_CKPT_SUBPROCESS"), "subprocess still has too few devices"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                       cwd=str(request.config.rootpath), env=env(JAXQUANT_CKPT_SUBPROCESS="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    return True
+
+
+def mesh22():
+    """Mesh (fsdp=2, tp=2) on the first 4 devices: the JAX twin of torch's (dp=2, tp=2)."""
+    import jax
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))

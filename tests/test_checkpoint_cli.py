@@ -1,0 +1,208 @@
+"""The ``ckpt`` CLI as a subprocess: inspect, convert, every bad-input case, and a kill mid-write."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ckpt_helpers import common  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+
+from jaxquant import checkpoint as ck  # noqa: E402
+from jaxquant.checkpoint import metadata as mdmod  # noqa: E402
+
+CLI = [sys.executable, "-m", "jaxquant.checkpoint.cli", "ckpt"]
+
+
+def cli(*args, timeout=180):
+    return subprocess.run(CLI + [str(a) for a in args], env=common.env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _digest(path):
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        h.update(name.encode())
+        with open(os.path.join(path, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+@pytest.fixture()
+def src(tmp_path):
+    p = str(tmp_path / "src")
+    ck.save_dcp(p, {"w": jnp.arange(64, dtype=jnp.float32).reshape(8, 8).astype(jnp.bfloat16),
+                    "u": jnp.arange(16, dtype=jnp.uint8).reshape(4, 4), "step": 3})
+    return p
+
+
+def _rewrite_metadata(path, fn):
+    md = mdmod.read_metadata(path)
+    fn(md)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(mdmod.encode_metadata(md, path))
+
+
+def test_inspect_reports_keys_dtypes_shapes_chunks_and_exits_zero(src):
+    r = cli("inspect", src)
+    assert r.returncode == 0, r.stderr
+    assert "w" in r.stdout and "bfloat16" in r.stdout and "[8, 8]" in r.stdout and "OK" in r.stdout
+    r = cli("inspect", src, "--json", "--verify")
+    assert r.returncode == 0 and '"ok": true' in r.stdout
+
+
+def test_convert_both_ways_with_transpose_and_source_untouched(src, tmp_path):
+    before = _digest(src)
+    r = cli("convert", src, tmp_path / "o", "--to", "orbax", "--transpose-linear", "w")
+    assert r.returncode == 0, r.stderr
+    assert "convert -> orbax" in r.stderr  # the progress bar
+    r = cli("convert", tmp_path / "o", tmp_path / "d", "--to", "dcp", "--transpose-linear", "w", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert _digest(src) == before
+    import jax
+    out = ck.load_dcp(str(tmp_path / "d"), {"w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16),
+                                            "u": jax.ShapeDtypeStruct((4, 4), jnp.uint8), "step": int})
+    assert common.same_bytes(out["w"], jnp.arange(64, dtype=jnp.float32).reshape(8, 8).astype(jnp.bfloat16))
+    assert out["step"] == 3
+
+
+def test_convert_dequantize_flag(tmp_path):
+    import jaxquant
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32))
+    q = jaxquant.quantize_nvfp4(x, impl="reference")
+    ck.save_dcp(str(tmp_path / "q"), {"w": q})
+    r = cli("convert", tmp_path / "q", tmp_path / "d", "--to", "dcp", "--dequantize", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    import jax
+    out = ck.load_dcp(str(tmp_path / "d"), {"w": jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)})
+    assert common.same_bytes(out["w"], q.dequantize(jnp.bfloat16))
+
+
+def test_truncated_distcp_is_refused(src, tmp_path):
+    f = os.path.join(src, "__0_0.distcp")
+    os.truncate(f, os.path.getsize(f) // 2)
+    r = cli("inspect", src)
+    assert r.returncode != 0 and "truncated" in r.stdout
+    r = cli("convert", src, tmp_path / "out", "--to", "dcp")
+    assert r.returncode != 0 and "truncated" in r.stderr
+    assert not os.path.exists(tmp_path / "out") and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_corrupt_distcp_bytes_are_detected(src, tmp_path):
+    f = os.path.join(src, "__0_0.distcp")
+    md = mdmod.read_metadata(src)
+    s = md.entries["w"].chunks[0].storage
+    from jaxquant.checkpoint import torchsave
+    with open(f, "rb") as fh:
+        pos = torchsave.read_archive(fh, s.offset, s.length, "w")["archive/data/0"].data_offset
+    with open(f, "r+b") as fh:
+        fh.seek(pos + 3)
+        b = fh.read(1)
+        fh.seek(pos + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    r = cli("inspect", src, "--verify")
+    assert r.returncode != 0 and "CRC" in r.stdout
+    r = cli("convert", src, tmp_path / "out", "--to", "orbax")
+    assert r.returncode != 0 and "CRC" in r.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_missing_metadata_is_refused(src, tmp_path):
+    os.unlink(os.path.join(src, ".metadata"))
+    r = cli("inspect", src)
+    assert r.returncode != 0 and ".metadata" in r.stderr
+    r = cli("convert", src, tmp_path / "out", "--to", "orbax")
+    assert r.returncode != 0 and not os.path.exists(tmp_path / "out")
+
+
+def test_missing_chunk_is_a_coverage_gap(tmp_path):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    p = str(tmp_path / "c")
+    ck.save_dcp(p, {"x": ck.LocalShards((4, 4), np.float32, [((0, 0), np.zeros((2, 4), np.float32)),
+                                                              ((2, 0), np.ones((2, 4), np.float32))])})
+    _rewrite_metadata(p, lambda md: md.entries["x"].chunks.pop())
+    r = cli("inspect", p)
+    assert r.returncode != 0 and "gap" in r.stdout and "'x'" in r.stdout
+    with pytest.raises(ck.CoverageError, match="gap"):
+        ck.load_dcp(p, {"x": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=NamedSharding(mesh, P()))})
+
+
+def test_overlapping_chunks_are_refused(tmp_path):
+    p = str(tmp_path / "c")
+    ck.save_dcp(p, {"x": ck.LocalShards((4, 4), np.float32, [((0, 0), np.zeros((2, 4), np.float32)),
+                                                              ((2, 0), np.ones((2, 4), np.float32))])})
+
+    def overlap(md):
+        c = md.entries["x"].chunks[1]
+        md.entries["x"].chunks[1] = mdmod.Chunk((1, 0), (2, 4), c.storage)
+        md.entries["x"].chunks.append(mdmod.Chunk((3, 0), (1, 4), c.storage))
+    _rewrite_metadata(p, overlap)
+    r = cli("inspect", p)
+    assert r.returncode != 0 and "overlap" in r.stdout
+    r = cli("convert", p, tmp_path / "out", "--to", "dcp")
+    assert r.returncode != 0 and "overlap" in r.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_unknown_dtype_is_refused(src, tmp_path):
+    def bad(md):
+        md.entries["u"].dtype = "complex32"
+    _rewrite_metadata(src, bad)
+    r = cli("inspect", src)
+    assert r.returncode != 0 and "complex32" in r.stdout
+    r = cli("convert", src, tmp_path / "out", "--to", "dcp")
+    assert r.returncode != 0 and "complex32" in r.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_disallowed_pickle_content_is_refused_and_never_run(src, tmp_path):
+    marker = tmp_path / "pwned"
+    with open(os.path.join(src, ".metadata"), "wb") as f:
+        f.write(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    for r in (cli("inspect", src), cli("convert", src, tmp_path / "out", "--to", "orbax")):
+        assert r.returncode != 0 and "refusing global os.system" in r.stderr
+    assert not marker.exists() and not os.path.exists(tmp_path / "out")
+
+
+def test_existing_nonempty_destination_is_refused(src, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    r = cli("convert", src, dst, "--to", "dcp")
+    assert r.returncode != 0 and "not an empty directory" in r.stderr
+    assert os.listdir(dst) == ["keep.txt"] and (dst / "keep.txt").read_text() == "mine"
+    with pytest.raises(ck.DestinationExistsError):
+        ck.save_dcp(str(dst), {"a": jnp.ones(2)})
+
+
+def test_kill_during_convert_leaves_no_destination(tmp_path):
+    big = str(tmp_path / "big")
+    rng = np.random.default_rng(0)
+    blocks = [((i * 256, 0), rng.integers(0, 255, (256, 4096), dtype=np.uint8)) for i in range(96)]  # 96 MiB
+    ck.save_dcp(big, {"x": ck.LocalShards((96 * 256, 4096), np.uint8, blocks)})
+    dst = tmp_path / "dst"
+    p = subprocess.Popen(CLI + ["convert", big, str(dst), "--to", "dcp"], env=common.env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, t0 = b"", time.time()
+    while b"convert -> dcp" not in seen and time.time() - t0 < 120:
+        seen += os.read(p.stderr.fileno(), 4096) or b""
+        if p.poll() is not None:
+            break
+    assert p.poll() is None, "convert finished before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert not dst.exists()
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith("dst.tmp-")]
+    for n in leftovers:  # a SIGKILLed staging directory is never mistaken for a checkpoint
+        r = cli("inspect", tmp_path / n)
+        assert r.returncode != 0 and "interrupted" in r.stderr
+        with pytest.raises(ck.IncompleteCheckpointError):
+            ck.load_dcp(str(tmp_path / n), {"x": int})
+    r = cli("inspect", big)  # and the source is intact
+    assert r.returncode == 0
