@@ -22,9 +22,12 @@ ffi::Error last_error(const char* what) {
   return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: ") + what + ": " + cudaGetErrorString(err));
 }
 
+// Blocks for a grid-stride loop over `work` items. The cap keeps per-thread setup (scales derived
+// from the device-resident amax, lookup tables) amortized over many items.
+constexpr int64_t kMaxBlocks = 1024;
 int grid_for(int64_t work, int per_block = kThreads) {
   const int64_t blocks = (work + per_block - 1) / per_block;
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535 * 8));
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), kMaxBlocks));
 }
 
 // ---- reductions -----------------------------------------------------------------------------
@@ -110,7 +113,51 @@ ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buff
   return last_error("amax kernel");
 }
 
+// ---- loads of 4 consecutive elements ---------------------------------------------------------
+
+// Elements i..i+3 of x as fp32; one 16-byte (fp32) or 8-byte (bf16) load when `vector`.
+__device__ __forceinline__ void load4(const void* x, bool bf16, int64_t i, bool vector, float v[4]) {
+  if (vector && !bf16) {
+    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(x) + i);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+  } else if (vector) {
+    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(x) + i);
+    v[0] = __uint_as_float(u.x << 16); v[1] = __uint_as_float(u.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(u.y << 16); v[3] = __uint_as_float(u.y & 0xFFFF0000u);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = load_as_float(x, bf16, i + k);
+  }
+}
+
+// True when element i of x starts a naturally aligned 4-element vector.
+__device__ __forceinline__ bool aligned4(const void* x, bool bf16, int64_t i) {
+  return (reinterpret_cast<uintptr_t>(x) + uint64_t(i) * (bf16 ? 2 : 4)) % (bf16 ? 8 : 16) == 0;
+}
+
 // ---- FP8 cast -------------------------------------------------------------------------------
+
+// fp32 pair -> two FP8 bytes (lo in bits 0-7). The hardware conversion (sm_89+) is RNE with
+// saturation, as numerics.h; NaN is re-encoded so its sign is kept as the software path does.
+__device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
+#if __CUDA_ARCH__ >= 890
+  uint16_t r;
+  if (e5m2)
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r) : "f"(lo), "f"(hi));
+  else
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r) : "f"(lo), "f"(hi));
+  uint32_t out = r;
+  if (is_nan(lo)) out = (out & 0xFF00u) | fp8_encode(lo, e5m2);
+  if (is_nan(hi)) out = (out & 0x00FFu) | (uint32_t(fp8_encode(hi, e5m2)) << 8);
+  return out;
+#else
+  return fp8_encode(lo, e5m2) | (uint32_t(fp8_encode(hi, e5m2)) << 8);
+#endif
+}
+
+__device__ __forceinline__ uint32_t fp8_quad(const float v[4], float scale, bool e5m2) {
+  return fp8_pair(v[0] * scale, v[1] * scale, e5m2) | (fp8_pair(v[2] * scale, v[3] * scale, e5m2) << 16);
+}
 
 // Every thread derives the scale from the device-resident amax (a few flops, no extra launch);
 // the first thread of the grid also stores scale_inv.
@@ -127,48 +174,73 @@ struct Fp8Params {
   }
 };
 
-// Rowwise only: 4 elements a thread.
+// Rowwise only: 4 elements a thread, vector loads and a 4-byte store where aligned.
 __global__ void fp8_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, Fp8Params p,
                                 uint8_t* __restrict__ out) {
   const float scale = p.scale();
-  const bool e5m2 = p.e5m2;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 4; i < n; i += stride * 4) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x * 4;
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 4; i < n; i += stride) {
     if (i + 4 <= n) {
-      uint32_t packed = 0;
+      float v[4];
+      load4(x, bf16, i, aligned4(x, bf16, i), v);
+      const uint32_t q = fp8_quad(v, scale, p.e5m2);
+      if (reinterpret_cast<uintptr_t>(out + i) % 4 == 0) {
+        *reinterpret_cast<uint32_t*>(out + i) = q;
+      } else {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) packed |= uint32_t(fp8_encode(load_as_float(x, bf16, i + k) * scale, e5m2)) << (8 * k);
-      if ((reinterpret_cast<uintptr_t>(out + i) % 4) == 0) {
-        *reinterpret_cast<uint32_t*>(out + i) = packed;
-        continue;
+        for (int k = 0; k < 4; ++k) out[i + k] = uint8_t(q >> (8 * k));
       }
-      for (int k = 0; k < 4; ++k) out[i + k] = uint8_t(packed >> (8 * k));
     } else {
-      for (int64_t k = i; k < n; ++k) out[k] = fp8_encode(load_as_float(x, bf16, k) * scale, e5m2);
+      for (int64_t k = i; k < n; ++k) out[k] = fp8_encode(load_as_float(x, bf16, k) * scale, p.e5m2);
     }
   }
 }
 
-// Rowwise + transpose in one pass: a 32x32 tile through shared memory, both writes coalesced.
-__global__ void fp8_cast_t_kernel(const void* __restrict__ x, bool bf16, int64_t rows, int64_t cols,
-                                  Fp8Params p, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
-  __shared__ uint8_t tile[32][33];
+// Rowwise + transpose in one pass over x: a 64x64 tile, 4 columns a thread, through shared memory.
+// Rows and columns are multiples of 4 on the vector path; edges fall back to single bytes.
+constexpr int kT = 64;
+__global__ void fp8_cast_t_kernel(const void* __restrict__ x, bool bf16, int64_t rows, int64_t cols, Fp8Params p,
+                                  uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
+  __shared__ uint8_t tile[kT][kT + 4];
   const float scale = p.scale();
-  const bool e5m2 = p.e5m2;
-  const int64_t r0 = int64_t(blockIdx.y) * 32, c0 = int64_t(blockIdx.x) * 32;
-  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;  // 32 x 8 threads
-  for (int dy = ty; dy < 32; dy += 8) {
-    const int64_t r = r0 + dy, c = c0 + tx;
-    if (r < rows && c < cols) {
-      const uint8_t q = fp8_encode(load_as_float(x, bf16, r * cols + c) * scale, e5m2);
-      out[r * cols + c] = q;
-      tile[dy][tx] = q;
+  const int64_t r0 = int64_t(blockIdx.y) * kT, c0 = int64_t(blockIdx.x) * kT;
+  const bool full = r0 + kT <= rows && c0 + kT <= cols && cols % 4 == 0 && rows % 4 == 0;
+  for (int i = threadIdx.x; i < kT * kT / 4; i += blockDim.x) {
+    const int dr = i / (kT / 4), dc = (i % (kT / 4)) * 4;
+    const int64_t r = r0 + dr, c = c0 + dc;
+    if (full) {
+      float v[4];
+      load4(x, bf16, r * cols + c, aligned4(x, bf16, r * cols + c), v);
+      const uint32_t q = fp8_quad(v, scale, p.e5m2);
+      *reinterpret_cast<uint32_t*>(&tile[dr][dc]) = q;
+      if (reinterpret_cast<uintptr_t>(out + r * cols + c) % 4 == 0) {
+        *reinterpret_cast<uint32_t*>(out + r * cols + c) = q;
+      } else {
+        for (int k = 0; k < 4; ++k) out[r * cols + c + k] = uint8_t(q >> (8 * k));
+      }
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        if (r < rows && c + k < cols) {
+          const uint8_t q = fp8_encode(load_as_float(x, bf16, r * cols + c + k) * scale, p.e5m2);
+          out[r * cols + c + k] = q;
+          tile[dr][dc + k] = q;
+        }
+      }
     }
   }
   __syncthreads();
-  for (int dy = ty; dy < 32; dy += 8) {
-    const int64_t c = c0 + dy, r = r0 + tx;
-    if (r < rows && c < cols) out_t[c * rows + r] = tile[tx][dy];
+  // Transposed: output row c (a column of x), 4 consecutive rows of x a thread.
+  for (int i = threadIdx.x; i < kT * kT / 4; i += blockDim.x) {
+    const int dc = i / (kT / 4), dr = (i % (kT / 4)) * 4;
+    const int64_t c = c0 + dc, r = r0 + dr;
+    uint8_t* dst = out_t + c * rows + r;
+    if (full && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
+      *reinterpret_cast<uint32_t*>(dst) = uint32_t(tile[dr][dc]) | (uint32_t(tile[dr + 1][dc]) << 8) |
+                                          (uint32_t(tile[dr + 2][dc]) << 16) | (uint32_t(tile[dr + 3][dc]) << 24);
+    } else {
+      for (int k = 0; k < 4; ++k)
+        if (c < cols && r + k < rows) dst[k] = tile[dr + k][dc];
+    }
   }
 }
 
@@ -185,8 +257,8 @@ ffi::Error Fp8CastImpl(cudaStream_t stream, ffi::AnyBuffer& x, ffi::Buffer<ffi::
     fp8_cast_kernel<<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(x.untyped_data(), bf16, n, p, out);
   } else {
     const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
-    dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + 31) / 32, 1)),
-              static_cast<unsigned>(std::max<int64_t>((rows + 31) / 32, 1)));
+    dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + kT - 1) / kT, 1)),
+              static_cast<unsigned>(std::max<int64_t>((rows + kT - 1) / kT, 1)));
     fp8_cast_t_kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), bf16, rows, cols, p, out,
                                                      static_cast<uint8_t*>(data_t->untyped_data()));
   }
@@ -206,38 +278,64 @@ ffi::Error Fp8CastTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 
 // ---- NVFP4 tile amax of a partial shard -----------------------------------------------------
 
-// Block: one 16-row tile row x 4 tiles (64 columns); thread t reads column t%64 of rows t/64 + 4i.
-// A warp covers 32 consecutive columns of one row (two tiles), so loads are coalesced.
-__global__ void tile_amax_kernel(const void* __restrict__ x, bool bf16, int64_t start, int64_t len, int64_t cols,
+// Elements i..i+7 of a bf16 array as fp32 from one 16-byte load.
+__device__ __forceinline__ void load8_bf16(const void* x, int64_t i, float v[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + i);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = __uint_as_float(w[k] << 16);
+    v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+  }
+}
+
+// Block: one 16-row tile row x 64 vectors of 16 bytes (256 fp32 or 512 bf16 columns). A thread
+// reads one vector of rows rg, rg+4, rg+8, rg+12 (rg = its row group, 0..3); consecutive lanes
+// read consecutive vectors, 16/kVec lanes share a tile.
+template <bool kBf16>
+__global__ void tile_amax_kernel(const void* __restrict__ x, int64_t start, int64_t len, int64_t cols,
                                  int64_t tile_row0, float* __restrict__ tile_amax, int32_t* count) {
-  __shared__ float part[4][4];
+  constexpr int kVec = kBf16 ? 8 : 4, kLanesPerTile = kTile / kVec, kTilesPerBlock = 64 / kLanesPerTile;
+  __shared__ float part[4][kTilesPerBlock];
   __shared__ int cnt[kThreads / 32];
   const int64_t tile_row = tile_row0 + blockIdx.y, tcols = cols / kTile;
-  const int col_in = threadIdx.x % 64, row_group = threadIdx.x / 64;
-  const int64_t col = int64_t(blockIdx.x) * 64 + col_in;
+  const int lane64 = threadIdx.x % 64, row_group = threadIdx.x / 64;
+  const int64_t col = int64_t(blockIdx.x) * 64 * kVec + lane64 * kVec;
   float m = 0.0f;
   int c = 0;
-  if (col < cols) {
+  if (col < cols) {  // cols % 16 == 0, so the whole vector is inside
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t e = (tile_row * kTile + row_group + 4 * i) * cols + col;
-      if (e >= start && e < start + len) {
-        const float v = load_as_float(x, bf16, e - start);
-        m = fmaxf(m, abs_ignoring_nan(v));
-        c += !is_finite(v);
+      if (e + kVec <= start || e >= start + len) continue;
+      float v[kVec];
+      const int64_t j = e - start;
+      const bool vec = e >= start && e + kVec <= start + len &&
+                       (reinterpret_cast<uintptr_t>(x) + uint64_t(j) * (kBf16 ? 2 : 4)) % 16 == 0;
+      if (vec && kBf16) {
+        load8_bf16(x, j, v);
+      } else if (vec) {
+        load4(x, false, j, true, v);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[k] = (e + k >= start && e + k < start + len) ? load_as_float(x, kBf16, j + k) : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        m = fmaxf(m, abs_ignoring_nan(v[k]));
+        c += !is_finite(v[k]);
       }
     }
   }
-  // Max over the 16 lanes of one tile (lanes 0-15 and 16-31 are different tiles).
-  for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  for (int o = 1; o < kLanesPerTile; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
   c = warp_sum(c);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane % 16 == 0) part[row_group][(col_in / 16)] = m;
+  if (lane % kLanesPerTile == 0) part[row_group][lane64 / kLanesPerTile] = m;
   if (lane == 0) cnt[warp] = c;
   __syncthreads();
-  if (threadIdx.x < 4) {
+  if (threadIdx.x < kTilesPerBlock) {
     const int t = threadIdx.x;
-    const int64_t tcol = int64_t(blockIdx.x) * 4 + t;
+    const int64_t tcol = int64_t(blockIdx.x) * kTilesPerBlock + t;
     if (tcol < tcols)
       tile_amax[tile_row * tcols + tcol] = fmaxf(fmaxf(part[0][t], part[1][t]), fmaxf(part[2][t], part[3][t]));
   }
@@ -257,10 +355,16 @@ ffi::Error TileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, int64_t rows, int
   if (len > 0) {
     // Only the tile rows the shard touches.
     const int64_t first = start / cols / kTile, last = (start + len - 1) / cols / kTile;
-    dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>(last - first + 1));
-    tile_amax_kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), x.element_type() == ffi::DataType::BF16,
-                                                    start, len, cols, first, tile_amax->typed_data(),
-                                                    count->typed_data());
+    if (last - first + 1 > 65535) return invalid("rows: more than 65535 tile rows in one shard");
+    const bool bf16 = x.element_type() == ffi::DataType::BF16;
+    const int64_t block_cols = bf16 ? 512 : 256;
+    dim3 grid(static_cast<unsigned>((cols + block_cols - 1) / block_cols), static_cast<unsigned>(last - first + 1));
+    if (bf16)
+      tile_amax_kernel<true><<<grid, kThreads, 0, stream>>>(x.untyped_data(), start, len, cols, first,
+                                                           tile_amax->typed_data(), count->typed_data());
+    else
+      tile_amax_kernel<false><<<grid, kThreads, 0, stream>>>(x.untyped_data(), start, len, cols, first,
+                                                            tile_amax->typed_data(), count->typed_data());
   }
   return last_error("tile amax kernel");
 }
@@ -315,26 +419,55 @@ __device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
 
 // A thread owns 8 consecutive bytes of the global packed data (16 elements, aligned to 16 in the
 // row-major element order, so one row and one tile): one scale lookup and one division per thread.
+// Interior groups use vector loads and one 8-byte store where the addresses allow.
+// The encode multiplier depends only on the tile's E4M3 scale byte, so each block tabulates it
+// for all 256 bytes once (the same nvfp4_tile_encode, so the same bits).
+template <bool kIndex32>
 __global__ void cast_partial_kernel(PartialCast pc, const float* amax, int64_t first_byte, int64_t nbytes,
                                     const uint8_t* in, uint8_t* out) {
+  __shared__ float enc_table[256];
   pc.s_dec = 1.0f / nvfp4_global_encode_scale(amax[0]);
+  enc_table[threadIdx.x] = nvfp4_tile_encode(static_cast<uint8_t>(threadIdx.x), pc.s_dec);  // blockDim == 256
+  __syncthreads();
   const int64_t group0 = first_byte / 8, groups = (first_byte + nbytes + 7) / 8 - group0;
   for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b0 = (group0 + g) * 8, e0 = 2 * b0;
-    const int64_t row = e0 / pc.cols, col = e0 - row * pc.cols;
-    const float enc = nvfp4_tile_encode(pc.scale_inv[row * pc.scale_cols + col / kTile], pc.s_dec);
+    const int64_t b0 = (group0 + g) * 8, e0 = 2 * b0, i0 = b0 - first_byte;
+    int64_t row, col;
+    if (kIndex32) {  // 32-bit division is far cheaper than 64-bit on the GPU
+      row = uint32_t(e0) / uint32_t(pc.cols);
+      col = uint32_t(e0) - uint32_t(row) * uint32_t(pc.cols);
+    } else {
+      row = e0 / pc.cols;
+      col = e0 - row * pc.cols;
+    }
+    const float enc = enc_table[pc.scale_inv[row * pc.scale_cols + col / kTile]];
     const bool whole = e0 >= pc.start && e0 + 16 <= pc.start + pc.len;
+    if (whole) {
+      uint32_t word[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v[8];
+        const int64_t j = e0 + 8 * h - pc.start;
+        load4(pc.x, pc.is_bf16, j, aligned4(pc.x, pc.is_bf16, j), v);
+        load4(pc.x, pc.is_bf16, j + 4, aligned4(pc.x, pc.is_bf16, j + 4), v + 4);
+        word[h] = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) word[h] |= uint32_t(e2m1_pair(v[2 * k] * enc, v[2 * k + 1] * enc)) << (8 * k);
+      }
+      uint8_t* dst = out + i0;
+      if (reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(word[0], word[1]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dst[k] = uint8_t(word[k / 4] >> (8 * (k % 4)));
+      }
+      continue;
+    }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int64_t b = b0 + k, i = b - first_byte;
+      const int64_t i = i0 + k;
       if (i < 0 || i >= nbytes) continue;
-      const int64_t e = 2 * b;
-      if (whole) {
-        out[i] = e2m1_pair(load_as_float(pc.x, pc.is_bf16, e - pc.start) * enc,
-                           load_as_float(pc.x, pc.is_bf16, e + 1 - pc.start) * enc);
-      } else {
-        out[i] = pc.byte(b, enc, in[i]);  // boundary byte: keep the neighbour's nibble
-      }
+      out[i] = pc.byte(b0 + k, enc, in[i]);  // boundary group: keep the neighbour's nibbles
     }
   }
 }
@@ -350,34 +483,47 @@ ffi::Error CastPartialCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
                  static_cast<int64_t>(x.element_count()), cols, nvfp4_scale_cols(cols), scale_inv.typed_data(),
                  0.0f /* s_dec: set in the kernel from the device-resident amax */};
   const int64_t first = start / 2, groups = (first + nbytes + 7) / 8 - first / 8;
-  cast_partial_kernel<<<grid_for(groups), kThreads, 0, stream>>>(pc, amax.typed_data(), first, nbytes,
-                                                                  bytes.typed_data(), out->typed_data());
+  if (rows * cols < (int64_t(1) << 32))
+    cast_partial_kernel<true><<<grid_for(groups), kThreads, 0, stream>>>(pc, amax.typed_data(), first, nbytes,
+                                                                        bytes.typed_data(), out->typed_data());
+  else
+    cast_partial_kernel<false><<<grid_for(groups), kThreads, 0, stream>>>(pc, amax.typed_data(), first, nbytes,
+                                                                         bytes.typed_data(), out->typed_data());
   return last_error("cast partial kernel");
 }
 
 // ---- NVFP4 packed transpose -----------------------------------------------------------------
 
-// Block: 64 rows (m) x 64 columns (k) of elements; codes unpacked into shared memory, then
-// written as packed bytes of the transpose. Reads and writes are row-contiguous.
+// Block: 64 rows (m) x 64 columns (k) of elements. Codes are unpacked into shared memory from
+// 4-byte loads of `data` and repacked along m into 4-byte stores of the transpose; tiles at the
+// edge (M or K not a multiple of 64) go byte by byte.
 __global__ void transpose_kernel(const uint8_t* __restrict__ data, int64_t rows, int64_t cols,
                                  uint8_t* __restrict__ out) {
-  __shared__ uint8_t codes[64][65];
+  __shared__ uint8_t codes[64][64 + 4];
   const int64_t m0 = int64_t(blockIdx.y) * 64, k0 = int64_t(blockIdx.x) * 64;
   const int64_t in_half = cols / 2, out_half = rows / 2;
-  for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
-    const int dm = i / 32, db = i % 32;
-    const int64_t m = m0 + dm, kb = k0 / 2 + db;
-    if (m < rows && kb < in_half) {
-      const uint8_t v = data[m * in_half + kb];
-      codes[dm][2 * db] = v & 0x0F;
-      codes[dm][2 * db + 1] = v >> 4;
+  const bool full = m0 + 64 <= rows && k0 + 64 <= cols && in_half % 4 == 0 && out_half % 4 == 0;
+  if (full) {
+    for (int i = threadIdx.x; i < 64 * 8; i += blockDim.x) {
+      const int dm = i / 8, w = i % 8;
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(data + (m0 + dm) * in_half + k0 / 2 + 4 * w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) codes[dm][8 * w + k] = (v >> (4 * k)) & 0xFu;
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * 8; i += blockDim.x) {
+      const int dk = i / 8, w = i % 8;
+      uint32_t v = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v |= uint32_t(codes[8 * w + k][dk]) << (4 * k);
+      *reinterpret_cast<uint32_t*>(out + (k0 + dk) * out_half + m0 / 2 + 4 * w) = v;
+    }
+    return;
   }
-  __syncthreads();
   for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
     const int dk = i / 32, db = i % 32;
     const int64_t k = k0 + dk, mb = m0 / 2 + db;
-    if (k < cols && mb < out_half) out[k * out_half + mb] = codes[2 * db][dk] | (codes[2 * db + 1][dk] << 4);
+    if (k < cols && mb < out_half) out[k * out_half + mb] = transpose_byte(data, cols, k, mb);
   }
 }
 

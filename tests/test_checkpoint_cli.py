@@ -13,6 +13,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import common  # noqa: E402
 
+common.setup_devices()
+
 import jax.numpy as jnp  # noqa: E402
 
 from jaxquant import checkpoint as ck  # noqa: E402

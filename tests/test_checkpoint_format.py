@@ -13,6 +13,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import common  # noqa: E402
 
+common.setup_devices()
+
 from jaxquant.checkpoint import torchsave  # noqa: E402
 from jaxquant.checkpoint.errors import CorruptCheckpointError, UnknownDtypeError, UnsafePickleError  # noqa: E402
 from jaxquant.checkpoint.layout import coverage_problems  # noqa: E402

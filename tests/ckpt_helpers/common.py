@@ -73,10 +73,11 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240):
 
 
 def setup_devices():
-    """Ask for 8 CPU devices if JAX is not initialised yet (must run before ``import jax``)."""
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_force_host_platform_device_count=8").strip()
+    """Ask for 8 CPU devices; effective if the JAX backend is not initialised yet (else tests rerun in a
+    subprocess, see :func:`rerun_if_few_devices`)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 
 def rerun_if_few_devices(request, n=8) -> bool:
