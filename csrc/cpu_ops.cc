@@ -1,5 +1,6 @@
 // CPU FFI handlers: straightforward loops over the shared per-element code in elementwise.h.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -8,8 +9,34 @@
 #include "jaxquant/handlers.h"
 #include "jaxquant/numerics.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 namespace jaxquant {
 namespace {
+
+// XLA:CPU runs handlers on threads with flush-to-zero and denormals-are-zero set; SPEC asks for
+// IEEE arithmetic, subnormals included, so each handler clears both for its duration.
+class IeeeSubnormals {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  IeeeSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~0x8040u); }  // FTZ | DAZ
+  ~IeeeSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#elif defined(__aarch64__)
+  IeeeSubnormals() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    asm volatile("msr fpcr, %0" ::"r"(saved_ & ~(uint64_t(1) << 24)));  // FZ
+  }
+  ~IeeeSubnormals() { asm volatile("msr fpcr, %0" ::"r"(saved_)); }
+
+ private:
+  uint64_t saved_;
+#endif
+};
 
 struct AmaxCount {
   float amax = 0.0f;
@@ -28,6 +55,7 @@ AmaxCount scan(const void* x, bool bf16, int64_t n) {
 
 ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                    ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  const IeeeSubnormals ieee;
   JQ_RETURN_IF_ERROR(check_input(x, "x"));
   const AmaxCount r = scan(x.untyped_data(), x.element_type() == ffi::DataType::BF16,
                            static_cast<int64_t>(x.element_count()));
@@ -39,6 +67,7 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
 ffi::Error Fp8CastImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax, float amax_epsilon,
                        bool pow2, ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::Buffer<ffi::F32>>& scale_inv,
                        ffi::Result<ffi::AnyBuffer>* data_t) {
+  const IeeeSubnormals ieee;
   bool e5m2;
   const ffi::AnyBuffer* data_t_buf = data_t ? &**data_t : nullptr;
   JQ_RETURN_IF_ERROR(check_fp8_cast(x, amax, *data, data_t_buf, &e5m2));
@@ -70,6 +99,7 @@ ffi::Error Fp8CastTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_
 
 ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t start,
                        ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  const IeeeSubnormals ieee;
   JQ_RETURN_IF_ERROR(check_tile_amax(x, rows, cols, start, *tile_amax));
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const int64_t len = static_cast<int64_t>(x.element_count()), tcols = cols / kTile;
@@ -93,6 +123,7 @@ ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t sta
 
 ffi::Error ScaleCpu(ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
                     ffi::Result<ffi::Buffer<ffi::U8>> scale_inv) {
+  const IeeeSubnormals ieee;
   int64_t rows, cols;
   JQ_RETURN_IF_ERROR(check_scale(tile_amax, amax, *scale_inv, &rows, &cols));
   const float s_enc = nvfp4_global_encode_scale(amax.typed_data()[0]);
@@ -106,6 +137,7 @@ ffi::Error ScaleCpu(ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
 ffi::Error CastPartialCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> bytes, ffi::Buffer<ffi::U8> scale_inv,
                           ffi::Buffer<ffi::F32> amax, int64_t rows, int64_t cols, int64_t start,
                           ffi::Result<ffi::Buffer<ffi::U8>> out) {
+  const IeeeSubnormals ieee;
   JQ_RETURN_IF_ERROR(check_partial_cast(x, bytes, scale_inv, amax, *out, rows, cols, start));
   const PartialCast pc{x.untyped_data(),
                        x.element_type() == ffi::DataType::BF16,
@@ -147,6 +179,122 @@ ffi::Error ScaleTransposeCpu(ffi::Buffer<ffi::U8> scale_inv, int64_t rows, int64
   uint8_t* out = scale_inv_t->typed_data();
   for (int64_t k = 0; k < pr; ++k)
     for (int64_t i = 0; i < pc; ++i) out[k * pc + i] = scale_t_entry(scale_inv.typed_data(), rows, cols, k, i);
+  return ffi::Error::Success();
+}
+
+
+// ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
+
+const int64_t* as_i64(const ffi::Buffer<ffi::U32>& words) { return reinterpret_cast<const int64_t*>(words.typed_data()); }
+constexpr int64_t kNoBound = INT64_MAX / 4;
+
+ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
+                            ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  const IeeeSubnormals ieee;
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
+  const int64_t num_tiles = static_cast<int64_t>(tile_amax->element_count());
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, num_tiles, true));
+  const GroupTable table{as_i64(table_words), num_params};
+  const int64_t n = static_cast<int64_t>(x.element_count()), r = index.typed_data()[0];
+  if (r < 0) return invalid("shard_index: must be >= 0");
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  float* t = tile_amax->typed_data();
+  int32_t* c = counts->typed_data();
+  std::fill(t, t + num_tiles, 0.0f);
+  std::fill(c, c + num_params, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
+    if (p < 0) continue;
+    const int64_t e = g - table.at(p, GroupTable::kOffset);
+    if (e >= table.at(p, GroupTable::kNumel)) continue;  // alignment padding
+    const float v = load_as_float(x.untyped_data(), bf16, i);
+    float& slot = t[table.tile_of(p, e)];
+    slot = std::max(slot, abs_ignoring_nan(v));
+    c[p] += is_finite(v) ? 0 : 1;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
+                        ffi::Buffer<ffi::U32> chunk_lo_words, ffi::Buffer<ffi::F32> enc,
+                        ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
+  const IeeeSubnormals ieee;
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  if (chunk_lo_words.element_count() % 2) return invalid("chunk_lo: must be int64 values as uint32 words");
+  const int64_t num_shards = static_cast<int64_t>(chunk_lo_words.element_count() / 2);
+  const int64_t n = static_cast<int64_t>(x.element_count()), r = index.typed_data()[0];
+  if (r < 0 || r >= num_shards) return invalid("shard_index: must be in [0, len(chunk_lo))");
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, num_shards * n,
+                                                static_cast<int64_t>(enc.element_count()), true));
+  const GroupTable table{as_i64(table_words), num_params};
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t lo = as_i64(chunk_lo_words)[r], size = static_cast<int64_t>(chunk->element_count());
+  uint8_t* out = chunk->typed_data();
+  for (int64_t j = 0; j < size; ++j) {
+    const int64_t y = lo + j, p = table.find(y, GroupTable::kByteBase);
+    uint8_t byte = 0;
+    if (p >= 0 && y - table.at(p, GroupTable::kByteBase) < table.at(p, GroupTable::kNumel) / 2) {
+      const int64_t e0 = 2 * (y - table.at(p, GroupTable::kByteBase));
+      const float m = enc.typed_data()[table.tile_of(p, e0)];
+      for (int k = 0; k < 2; ++k) {
+        const int64_t i = table.at(p, GroupTable::kOffset) + e0 + k - r * n;
+        if (i >= 0 && i < n) byte |= float_to_e2m1(load_as_float(x.untyped_data(), bf16, i) * m) << (4 * k);
+      }
+    }
+    out[j] = byte;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
+                           ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  const IeeeSubnormals ieee;
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*amax, num_params, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, 0, false));
+  const GroupTable table{as_i64(table_words), num_params};
+  const int64_t n = static_cast<int64_t>(x.element_count()), r = index.typed_data()[0];
+  if (r < 0) return invalid("shard_index: must be >= 0");
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  float* a = amax->typed_data();
+  int32_t* c = counts->typed_data();
+  std::fill(a, a + num_params, 0.0f);
+  std::fill(c, c + num_params, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
+    if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
+    const float v = load_as_float(x.untyped_data(), bf16, i);
+    a[p] = std::max(a[p], abs_ignoring_nan(v));
+    c[p] += is_finite(v) ? 0 : 1;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
+                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> data) {
+  const IeeeSubnormals ieee;
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(scale, num_params, "scale"));
+  const ffi::DataType t = data->element_type();
+  if (t != ffi::DataType::F8E4M3FN && t != ffi::DataType::F8E5M2) return invalid("data: dtype must be F8E4M3FN or F8E5M2");
+  if (data->element_count() != x.element_count()) return invalid("data: must have as many elements as shard");
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, 0, false));
+  const GroupTable table{as_i64(table_words), num_params};
+  const int64_t n = static_cast<int64_t>(x.element_count()), r = index.typed_data()[0];
+  if (r < 0) return invalid("shard_index: must be >= 0");
+  const bool bf16 = x.element_type() == ffi::DataType::BF16, e5m2 = t == ffi::DataType::F8E5M2;
+  auto* out = static_cast<uint8_t*>(data->untyped_data());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
+    const bool inside = p >= 0 && g - table.at(p, GroupTable::kOffset) < table.at(p, GroupTable::kNumel);
+    out[i] = inside ? fp8_encode(load_as_float(x.untyped_data(), bf16, i) * scale.typed_data()[p], e5m2) : 0;
+  }
   return ffi::Error::Success();
 }
 

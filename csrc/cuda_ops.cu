@@ -535,6 +535,243 @@ ffi::Error TransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Re
   return last_error("transpose kernel");
 }
 
+
+// ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
+//
+// The shard index and the parameter table live in device memory (the index is lax.axis_index,
+// known only on the device), so one launch serves every shard: each thread finds its parameter
+// by binary search in the table. Threads own 16 local elements (or 8 chunk bytes).
+
+constexpr int kGroupElems = 16;
+
+__host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
+
+// Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
+__device__ __forceinline__ void load16(const void* x, bool bf16, int64_t i0, int64_t n, float v[16]) {
+  if (i0 + 16 <= n) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = i0 + k < n ? load_as_float(x, bf16, i0 + k) : 0.0f;
+  }
+}
+
+__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+                                       GroupTable table, int64_t num_tiles, float* __restrict__ tile_amax,
+                                       int32_t* __restrict__ counts) {
+  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
+  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i0 = grp * kGroupElems;
+    float v[16];
+    load16(x, bf16, i0, n, v);
+    int64_t p = table.find(r * n + i0, GroupTable::kOffset), tile = -1;
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int64_t g = r * n + i0 + k;
+      if (i0 + k >= n) break;
+      while (p + 1 < table.num_params && g >= table.at(p + 1, GroupTable::kOffset)) ++p;
+      if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
+      const int64_t t = table.tile_of(p, g - table.at(p, GroupTable::kOffset));
+      if (t != tile) {  // amax >= 0: its bits order like the value, so an integer max is a float max
+        if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
+        tile = t;
+        m = 0.0f;
+      }
+      m = fmaxf(m, abs_ignoring_nan(v[k]));
+      if (!is_finite(v[k])) atomicAdd(counts + p, 1);  // rare: no need to batch
+    }
+    if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
+  }
+}
+
+ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                             ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
+                             ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
+  const int64_t n = static_cast<int64_t>(x.element_count()), num_tiles = static_cast<int64_t>(tile_amax->element_count());
+  cudaMemsetAsync(tile_amax->untyped_data(), 0, tile_amax->size_bytes(), stream);
+  cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
+  if (n > 0 && num_params > 0) {
+    group_tile_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+        GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
+        counts->typed_data());
+  }
+  return last_error("group tile amax kernel");
+}
+
+// Threads own 8 consecutive bytes of the group's param-byte space (8-aligned, so 16 elements of
+// one parameter, one row and one tile: byte bases are multiples of 128).
+__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+                                  GroupTable table, const int64_t* chunk_lo, int64_t num_shards,
+                                  const float* __restrict__ enc, int64_t num_tiles, uint8_t* __restrict__ out,
+                                  int64_t size) {
+  const int64_t r = index[0];
+  if (r < 0 || r >= num_shards) {  // no such shard: it owns nothing
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < size; j += int64_t(gridDim.x) * blockDim.x) out[j] = 0;
+    return;
+  }
+  const int64_t lo = chunk_lo[r], g0 = lo / 8, groups = (lo + size + 7) / 8 - g0;
+  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t y0 = (g0 + grp) * 8;
+    uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t p = table.find(y0, GroupTable::kByteBase);
+    if (p >= 0 && y0 - table.at(p, GroupTable::kByteBase) < table.at(p, GroupTable::kNumel) / 2) {
+      const int64_t e0 = 2 * (y0 - table.at(p, GroupTable::kByteBase));
+      const int64_t t = table.tile_of(p, e0);
+      const float m = t < num_tiles ? enc[t] : 0.0f;
+      const int64_t i0 = table.at(p, GroupTable::kOffset) + e0 - r * n;  // local index of element e0
+      float v[16];
+      if (i0 >= 0 && i0 + 16 <= n) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * m, v[2 * k + 1] * m);
+      } else {  // the shard owns part of these 16 elements (or none)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const int64_t i = i0 + k;
+          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_as_float(x, bf16, i) * m) << (4 * (k % 2));
+        }
+      }
+    }
+    const int64_t j0 = y0 - lo;
+    uint8_t* dst = out + j0;
+    if (j0 >= 0 && j0 + 8 <= size && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+      uint2 w;
+      w.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (uint32_t(bytes[3]) << 24);
+      w.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (uint32_t(bytes[7]) << 24);
+      *reinterpret_cast<uint2*>(dst) = w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (j0 + k >= 0 && j0 + k < size) out[j0 + k] = bytes[k];
+    }
+  }
+}
+
+ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                         ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::U32> chunk_lo_words,
+                         ffi::Buffer<ffi::F32> enc, ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  if (chunk_lo_words.element_count() % 2) return invalid("chunk_lo: must be int64 values as uint32 words");
+  const int64_t num_shards = static_cast<int64_t>(chunk_lo_words.element_count() / 2);
+  const int64_t size = static_cast<int64_t>(chunk->element_count());
+  if (size == 0) return ffi::Error::Success();
+  if (num_params == 0) {
+    cudaMemsetAsync(chunk->untyped_data(), 0, size, stream);
+    return last_error("group cast memset");
+  }
+  group_cast_kernel<<<grid_for(size / 8 + 2), kThreads, 0, stream>>>(
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, static_cast<int64_t>(x.element_count()),
+      index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
+      i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
+      static_cast<int64_t>(enc.element_count()), chunk->typed_data(), size);
+  return last_error("group cast kernel");
+}
+
+__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+                                      GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
+  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
+  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i0 = grp * kGroupElems;
+    float v[16];
+    load16(x, bf16, i0, n, v);
+    int64_t p = table.find(r * n + i0, GroupTable::kOffset), held = -1;
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int64_t g = r * n + i0 + k;
+      if (i0 + k >= n) break;
+      while (p + 1 < table.num_params && g >= table.at(p + 1, GroupTable::kOffset)) ++p;
+      if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
+      if (p != held) {
+        if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
+        held = p;
+        m = 0.0f;
+      }
+      m = fmaxf(m, abs_ignoring_nan(v[k]));
+      if (!is_finite(v[k])) atomicAdd(counts + p, 1);
+    }
+    if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
+  }
+}
+
+ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                            ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*amax, num_params, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
+  cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
+  if (n > 0 && num_params > 0) {
+    fp8_group_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+        GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
+  }
+  return last_error("fp8 group amax kernel");
+}
+
+__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+                                      GroupTable table, const float* __restrict__ scale, bool e5m2,
+                                      uint8_t* __restrict__ out) {
+  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
+  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i0 = grp * kGroupElems;
+    float v[16];
+    load16(x, bf16, i0, n, v);
+    int64_t p = table.find(r * n + i0, GroupTable::kOffset);
+    uint8_t q[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int64_t g = r * n + i0 + k;
+      while (p + 1 < table.num_params && g >= table.at(p + 1, GroupTable::kOffset)) ++p;
+      const bool inside = p >= 0 && g - table.at(p, GroupTable::kOffset) < table.at(p, GroupTable::kNumel);
+      q[k] = inside ? fp8_encode(v[k] * scale[p], e5m2) : 0;
+    }
+    if (i0 + 16 <= n && reinterpret_cast<uintptr_t>(out + i0) % 16 == 0) {
+      uint4 w;
+      uint32_t* wp = &w.x;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        wp[k] = q[4 * k] | (q[4 * k + 1] << 8) | (q[4 * k + 2] << 16) | (uint32_t(q[4 * k + 3]) << 24);
+      *reinterpret_cast<uint4*>(out + i0) = w;
+    } else {
+      for (int k = 0; k < 16 && i0 + k < n; ++k) out[i0 + k] = q[k];
+    }
+  }
+}
+
+ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                            ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale,
+                            ffi::Result<ffi::AnyBuffer> data) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(scale, num_params, "scale"));
+  const ffi::DataType t = data->element_type();
+  if (t != ffi::DataType::F8E4M3FN && t != ffi::DataType::F8E5M2) return invalid("data: dtype must be F8E4M3FN or F8E5M2");
+  if (data->element_count() != x.element_count()) return invalid("data: must have as many elements as shard");
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (num_params == 0) {
+    cudaMemsetAsync(data->untyped_data(), 0, n, stream);
+    return last_error("fp8 group cast memset");
+  }
+  fp8_group_cast_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+      GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), t == ffi::DataType::F8E5M2,
+      static_cast<uint8_t*>(data->untyped_data()));
+  return last_error("fp8 group cast kernel");
+}
+
 }  // namespace
 
 JQ_DEFINE_HANDLERS(Cuda, JQ_CUDA_CTX)

@@ -69,9 +69,27 @@ def require() -> None:
         raise ExtensionError("impl='custom_call' needs jaxquant's compiled extension. " + REBUILD_HINT)
 
 
+def _varying_axes(x) -> frozenset:
+    """Manual mesh axes ``x`` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
 def call(target: str, results, *args, input_output_aliases=None, **attrs):
-    """Invoke FFI target ``target``; returns the list of results."""
+    """Invoke FFI target ``target``; returns the list of results.
+
+    Inside ``shard_map`` the results vary over every mesh axis some input varies over, as any
+    elementwise op's would (ffi_call alone marks them invariant, which check_vma rejects).
+    """
     fn = jax.ffi.ffi_call(target, list(results), vmap_method="sequential",
                           input_output_aliases=input_output_aliases)
     out = fn(*args, **attrs)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    out = list(out) if isinstance(out, (list, tuple)) else [out]
+    axes = frozenset().union(*(_varying_axes(a) for a in args)) if args else frozenset()
+    if axes:
+        out = [o if axes <= _varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o))), to="varying")
+               for o in out]
+    return out

@@ -76,7 +76,7 @@ def _mantissa_exponent(u):
 
 
 def div_rn(a, b):
-    """a / b for positive finite non-zero fp32 a, b, rounded to nearest even, on every backend.
+    """a / b for finite non-zero fp32 a, b, rounded to nearest even, on every backend.
 
     XLA's GPU backend lowers fp32 division to an approximate instruction (up to 2 ulp off), while
     the contract (and the CUDA kernels, built with IEEE division) need the correctly rounded
@@ -89,9 +89,12 @@ def div_rn(a, b):
 
 def _div_rn_integer(a, b):
     """Restoring division of the mantissas: 26 quotient bits and a sticky bit, then RNE into a
-    normal or subnormal result (inf on overflow)."""
-    ma, ea = _mantissa_exponent(jax.lax.bitcast_convert_type(a, jnp.uint32))
-    mb, eb = _mantissa_exponent(jax.lax.bitcast_convert_type(b, jnp.uint32))
+    normal or subnormal result (inf on overflow); the sign is the xor of the operands' signs."""
+    ua = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    ub = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    sign = (ua ^ ub) & jnp.uint32(0x80000000)
+    ma, ea = _mantissa_exponent(ua & jnp.uint32(0x7FFFFFFF))
+    mb, eb = _mantissa_exponent(ub & jnp.uint32(0x7FFFFFFF))
     exp = ea - eb
     lower = ma < mb
     ma = jnp.where(lower, ma << 1, ma)
@@ -121,7 +124,7 @@ def _div_rn_integer(a, b):
     half = jnp.uint32(1) << (sh - 1)
     up_s = (rem > half) | ((rem == half) & (sticky | ((m & 1) == 1)))
     sub_bits = m + up_s.astype(jnp.uint32)
-    bits = jnp.where(biased >= 1, normal_bits, sub_bits)
+    bits = jnp.where(biased >= 1, normal_bits, sub_bits) | sign
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
@@ -167,7 +170,7 @@ def nvfp4_global_decode_scale(amax):
 
 def nvfp4_tile_scale(tile_amax, s_enc):
     """SPEC §2 step 4 before the E4M3 cast: fp32 tile decode scale."""
-    return jnp.minimum(tile_amax * (s_enc * C6), FLT_MAX)
+    return jnp.fmin(tile_amax * (s_enc * C6), FLT_MAX)  # fmin: a NaN operand is ignored
 
 
 def nvfp4_tile_encode(s8_value, s_dec):

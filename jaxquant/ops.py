@@ -110,6 +110,7 @@ def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
     With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements, found in the
     same pass over memory.
     """
+    _check_impl(impl)
     _check_input("x", x)
     if x.size == 0:
         result = (jnp.float32(0), jnp.int32(0))
@@ -166,6 +167,7 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
     With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements of the shard,
     found in the same pass over memory.
     """
+    _check_impl(impl)
     check_nvfp4_shape(rows, cols)
     _check_input("shard", shard)
     _check_range(start, int(shard.size), rows, cols)
@@ -201,6 +203,7 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
     result is that range with only the shard's nibbles replaced (the neighbour's nibble of a shared
     boundary byte is kept). Under jit the result aliases ``data_bytes``; donate it to update in place.
     """
+    _check_impl(impl)
     check_nvfp4_shape(rows, cols)
     _check_input("shard", shard)
     length = int(shard.size)
@@ -245,3 +248,154 @@ def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto"
                                  cols=np.int64(cols))[0]
     ref = lambda s: reference.nvfp4_scale_transpose(s, rows=rows, cols=cols)
     return _dispatch(impl, custom, ref, scale_inv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped primitives over one shard of a ZeRO flat buffer (SPEC §3)
+# ----------------------------------------------------------------------------------------------
+#
+# One call covers every parameter of a group, and the shard index is a traced value (e.g.
+# ``lax.axis_index``), so the same program runs on every shard with no branch on the shard: no
+# conditional (which XLA:GPU executes with a device-to-host copy of the branch index) and one
+# kernel launch per step instead of one per (shard, parameter) piece.
+
+
+def group_table(offsets, shapes, *, num_shards: int, shard_size: int, nvfp4: bool) -> np.ndarray:
+    """Static int64 [P, 6] table: (flat offset, numel, rows, cols, tile base, byte base) per parameter.
+
+    Tile base: where the parameter's tiles start in the packed tile vector (NVFP4); byte base:
+    where its packed bytes start in the group's param-byte space (NVFP4: numel/2 per parameter).
+    """
+    if len(offsets) != len(shapes):
+        raise ValueError(f"offsets: {len(offsets)} offsets for {len(shapes)} shapes")
+    if not isinstance(num_shards, (int, np.integer)) or num_shards <= 0:
+        raise ValueError(f"num_shards: must be a positive int, got {num_shards!r}")
+    total = num_shards * shard_size
+    rows_out, tile_base, byte_base, end = [], 0, 0, 0
+    for p, (off, shape) in enumerate(zip(offsets, shapes)):
+        shape = tuple(int(d) for d in shape)
+        numel = int(np.prod(shape, dtype=np.int64))
+        if nvfp4:
+            if len(shape) != 2:
+                raise ValueError(f"shapes[{p}]: NVFP4 weights must have rank 2, got {shape}")
+            check_nvfp4_shape(*shape, name=f"shapes[{p}]")
+        rows, cols = (shape if len(shape) == 2 else (numel, 1))
+        if off < end:
+            raise ValueError(f"offsets[{p}]: parameters must not overlap and must be in order "
+                             f"(offset {off} < end of the previous parameter {end})")
+        if off + numel > total:
+            raise ValueError(f"offsets[{p}]: parameter [{off}, {off + numel}) lies outside the flat buffer "
+                             f"of {num_shards} x {shard_size} elements")
+        rows_out.append((off, numel, rows, cols, tile_base, byte_base))
+        end = off + numel
+        if nvfp4:
+            tile_base += numel // (TILE * TILE)
+            byte_base += numel // 2
+    return np.asarray(rows_out, np.int64).reshape(-1, 6)
+
+
+def _check_group_args(shard, shard_index, table, shard_size):
+    _check_input("shard", shard)
+    if shard.ndim != 1 or shard.shape[0] != shard_size:
+        raise ValueError(f"shard: must have shape ({shard_size},), got {tuple(shard.shape)}")
+    if not hasattr(shard_index, "dtype") or not jnp.issubdtype(shard_index.dtype, jnp.integer) or shard_index.size != 1:
+        raise TypeError(f"shard_index: must be an integer scalar array (e.g. lax.axis_index), got "
+                        f"{getattr(shard_index, 'dtype', type(shard_index).__name__)}")
+    table = np.asarray(table)
+    if table.ndim != 2 or table.shape[1] != 6 or table.dtype != np.int64:
+        raise ValueError("table: must be the int64 [P, 6] array built by ops.group_table")
+    return table, jnp.reshape(shard_index, ()).astype(jnp.int32)
+
+
+def _i64_operand(a: np.ndarray) -> jax.Array:
+    """A static int64 array as a device operand without x64: its little-endian uint32 words."""
+    return jnp.asarray(np.ascontiguousarray(a, np.int64).reshape(-1).view(np.uint32))
+
+
+def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
+                          impl: str = "auto"):
+    """Tile amax of every parameter of the group over this shard's elements, packed [T] (tile
+    ``table[p, 4] + i * cols/16 + j``), tiles the shard does not touch 0; with ``return_nonfinite``
+    also the int32 [P] count of NaN/±inf elements per parameter (same pass over memory)."""
+    _check_impl(impl)
+    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
+    num_tiles = int(table[:, 1].sum() // (TILE * TILE))
+    outs = [jax.ShapeDtypeStruct((num_tiles,), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
+
+    def custom(v, r):
+        return tuple(_ffi.call("jq_nvfp4_group_tile_amax", outs, v, r, _i64_operand(table)))
+
+    def ref(v, r):
+        return reference.nvfp4_group_tile_amax(v, r, table=[tuple(int(c) for c in row) for row in table],
+                                               num_shards=num_shards)
+
+    result = _dispatch(impl, custom, ref, shard, index)
+    return result if return_nonfinite else result[0]
+
+
+def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_lo, chunk_size: int,
+                     impl: str = "auto") -> jax.Array:
+    """This shard's chunk of the group's packed NVFP4 bytes.
+
+    The group's param-byte space lays every parameter's packed data end to end (parameter p at
+    ``table[p, 5]``). Shard r returns positions [chunk_lo[r], chunk_lo[r] + chunk_size); nibbles of
+    elements it does not own are 0, so a byte split between two shards is the OR of their chunks.
+    ``enc``: fp32 [T] encode multiplier of every tile (``formats.nvfp4_tile_encode``).
+    """
+    _check_impl(impl)
+    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
+    num_tiles = int(table[:, 1].sum() // (TILE * TILE))
+    _check_array("enc", enc, jnp.float32, (num_tiles,))
+    chunk_lo = np.asarray(chunk_lo, np.int64)
+    if chunk_lo.shape != (num_shards,):
+        raise ValueError(f"chunk_lo: must have one entry per shard ({num_shards}), got shape {chunk_lo.shape}")
+    out = jax.ShapeDtypeStruct((chunk_size,), jnp.uint8)
+
+    def custom(v, r, e):
+        return _ffi.call("jq_nvfp4_group_cast", [out], v, r, _i64_operand(table), _i64_operand(chunk_lo), e)[0]
+
+    def ref(v, r, e):
+        return reference.nvfp4_group_cast(v, r, e, table=[tuple(int(c) for c in row) for row in table],
+                                          num_shards=num_shards, chunk_lo=chunk_lo, chunk_size=chunk_size)
+
+    return _dispatch(impl, custom, ref, shard, index, enc)
+
+
+def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
+                   impl: str = "auto"):
+    """amax of every parameter over this shard's elements [P] (0 where it owns none); with
+    ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory)."""
+    _check_impl(impl)
+    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
+    outs = [jax.ShapeDtypeStruct((table.shape[0],), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
+
+    def custom(v, r):
+        return tuple(_ffi.call("jq_fp8_group_amax", outs, v, r, _i64_operand(table)))
+
+    def ref(v, r):
+        return reference.fp8_group_amax(v, r, table=[tuple(int(c) for c in row) for row in table],
+                                        num_shards=num_shards)
+
+    result = _dispatch(impl, custom, ref, shard, index)
+    return result if return_nonfinite else result[0]
+
+
+def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=jnp.float8_e4m3fn,
+                   impl: str = "auto") -> jax.Array:
+    """fp8 [n]: each element of the shard times its parameter's ``scale`` (fp32 [P]), RNE,
+    saturating; elements outside every parameter (alignment padding) are 0."""
+    _check_impl(impl)
+    formats.fp8_max(dtype)
+    dtype = jnp.dtype(dtype)
+    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
+    _check_array("scale", scale, jnp.float32, (table.shape[0],))
+    out = jax.ShapeDtypeStruct(shard.shape, dtype)
+
+    def custom(v, r, s):
+        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s)[0]
+
+    def ref(v, r, s):
+        return reference.fp8_group_cast(v, r, s, table=[tuple(int(c) for c in row) for row in table],
+                                        num_shards=num_shards, dtype=dtype)
+
+    return _dispatch(impl, custom, ref, shard, index, scale)

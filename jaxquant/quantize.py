@@ -19,8 +19,12 @@ def _to_compute_dtype(x, compute_dtype):
 
 
 def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_epsilon: float = 0.0,
-                 force_pow_2_scales: bool = False, compute_dtype=None, impl: str = "auto") -> Float8Tensor:
-    """FP8 per-tensor current scaling of ``x`` (SPEC §1). ``compute_dtype`` casts first (RNE)."""
+                 force_pow_2_scales: bool = False, compute_dtype=jnp.bfloat16, impl: str = "auto") -> Float8Tensor:
+    """FP8 per-tensor current scaling of ``x`` (SPEC §1).
+
+    ``compute_dtype`` (default bfloat16, as TransformerEngine converts the master weight to the
+    model's compute dtype first) casts ``x`` with RNE before quantizing; None quantizes ``x`` as is.
+    """
     x = _to_compute_dtype(x, compute_dtype)
     if x.ndim != 2:
         raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
@@ -31,8 +35,11 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_e
     return Float8Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t)
 
 
-def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=None, impl: str = "auto") -> NVFP4Tensor:
-    """NVFP4 with 2D 16x16 block scaling of a [M, K] tensor (SPEC §2)."""
+def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=jnp.bfloat16, impl: str = "auto") -> NVFP4Tensor:
+    """NVFP4 with 2D 16x16 block scaling of a [M, K] tensor (SPEC §2).
+
+    ``compute_dtype`` as in ``quantize_fp8`` (default bfloat16; None quantizes ``x`` as is).
+    """
     x = _to_compute_dtype(x, compute_dtype)
     if x.ndim != 2:
         raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")

@@ -178,3 +178,79 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
     s8 = jnp.repeat(jnp.repeat(s8, TILE, 0), TILE, 1)
     global_dec = jnp.reshape(amax_value, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
     return (values * s8) * global_dec
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped primitives over one shard of a ZeRO flat buffer (SPEC §3)
+# ----------------------------------------------------------------------------------------------
+#
+# ``table`` is the static int64 [P, 6] parameter table built by ``ops.group_table``: per parameter
+# (flat offset, numel, rows, cols, tile base, byte base). Shard r owns flat elements
+# [r * n, (r + 1) * n) of the group buffer, with r = ``shard_index`` (a traced int32 scalar).
+# These references place the shard into a zero buffer of the whole group: parameters' elements
+# that other shards own are 0 there and are masked out where that matters.
+
+TABLE_COLS = 6  # offset, numel, rows, cols, tile_base, byte_base
+
+
+def _place_shard(shard, shard_index, num_shards: int):
+    n = shard.size
+    full = jnp.zeros((num_shards * n,), jnp.float32)
+    return jax.lax.dynamic_update_slice(full, shard.astype(jnp.float32), (shard_index * n,))
+
+
+def _owned_mask(shard_index, n: int, offset: int, numel: int):
+    g = jnp.arange(offset, offset + numel)
+    return (g >= shard_index * n) & (g < (shard_index + 1) * n)
+
+
+def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int):
+    """(tile amax of every parameter's tiles, packed [T]; non-finite counts [P])."""
+    full = _place_shard(shard, shard_index, num_shards)
+    tiles, counts = [], []
+    for off, numel, rows, cols, _, _ in table:
+        w = full[off:off + numel]
+        tiles.append(_tile_max(formats.abs_ignoring_nan(w.reshape(rows, cols))).reshape(-1))
+        counts.append(nonfinite_count(w))
+    return jnp.concatenate(tiles), jnp.stack(counts)
+
+
+def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_lo, chunk_size: int):
+    """This shard's chunk of the group's packed bytes: param-byte positions
+    [chunk_lo[r], chunk_lo[r] + chunk_size), nibbles of elements the shard does not own are 0."""
+    n = shard.size
+    full = _place_shard(shard, shard_index, num_shards)
+    parts = []
+    for off, numel, rows, cols, tile_base, _ in table:
+        t = (rows // TILE) * (cols // TILE)
+        e = enc[tile_base:tile_base + t].reshape(rows // TILE, 1, cols // TILE, 1)
+        scaled = full[off:off + numel].reshape(rows // TILE, TILE, cols // TILE, TILE) * e
+        codes = fp32_to_e2m1_code(scaled).reshape(-1)
+        codes = jnp.where(_owned_mask(shard_index, n, off, numel), codes, jnp.uint8(0))
+        parts.append(pack_codes(codes))
+    packed = jnp.concatenate(parts + [jnp.zeros((chunk_size,), jnp.uint8)])
+    lo = jnp.asarray(chunk_lo, jnp.int32)[shard_index]
+    return jax.lax.dynamic_slice(packed, (lo,), (chunk_size,))
+
+
+def fp8_group_amax(shard, shard_index, *, table, num_shards: int):
+    """(amax of every parameter over the shard's elements [P]; non-finite counts [P])."""
+    full = _place_shard(shard, shard_index, num_shards)
+    amaxes, counts = [], []
+    for off, numel, *_ in table:
+        w = full[off:off + numel]
+        amaxes.append(jnp.max(formats.abs_ignoring_nan(w)) if numel else jnp.float32(0))
+        counts.append(nonfinite_count(w))
+    return jnp.stack(amaxes), jnp.stack(counts)
+
+
+def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype):
+    """fp8 bytes of the shard's elements, each scaled by its parameter's scale; padding is 0."""
+    n = shard.size
+    full = _place_shard(shard, shard_index, num_shards)
+    out = jnp.zeros((num_shards * n,), dtype)
+    for p, (off, numel, *_) in enumerate(table):
+        if numel:
+            q = to_fp8_saturating(full[off:off + numel] * scale[p], dtype)
+            out = jax.lax.dynamic_update_slice(out, q, (off,))
+    return jax.lax.dynamic_slice(out, (shard_index * n,), (n,))

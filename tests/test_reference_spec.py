@@ -6,6 +6,8 @@ expected values, jaxquant is only called (with impl="reference") to produce the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -26,11 +28,25 @@ NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, jnp.float8_e4m3fn, 448.0),
 
 
 # The quantizers under test, jitted (one compile per configuration instead of op-by-op dispatch).
-q_nvfp4 = jax.jit(jaxquant.quantize_nvfp4, static_argnames=("columnwise", "compute_dtype", "impl"))
-q_fp8 = jax.jit(jaxquant.quantize_fp8, static_argnames=(
-    "dtype", "columnwise", "amax_epsilon", "force_pow_2_scales", "compute_dtype", "impl"))
+# Options are always passed explicitly (compute_dtype None unless a test says otherwise), so the tests
+# do not depend on the library's defaults and calls with the same options share one compiled program.
+q_nvfp4 = functools.partial(
+    jax.jit(jaxquant.quantize_nvfp4, static_argnames=("columnwise", "compute_dtype", "impl")),
+    columnwise=False, compute_dtype=None)
+q_fp8 = functools.partial(jax.jit(jaxquant.quantize_fp8, static_argnames=(
+    "dtype", "columnwise", "amax_epsilon", "force_pow_2_scales", "compute_dtype", "impl")),
+    dtype=jnp.float8_e4m3fn, columnwise=False, amax_epsilon=0.0, force_pow_2_scales=False, compute_dtype=None)
 fp8_cast_j = jax.jit(jaxquant.ops.fp8_cast, static_argnames=(
     "dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
+
+# Known library bug off the CPU (seen on an H200): XLA:GPU's xla_allow_excess_precision (on by default)
+# elides the fp32 -> bf16 -> fp32 round trip of compute_dtype=bfloat16 inside the pure-JAX reference, so
+# the reference quantizes the unrounded fp32 values. Strict: the marker must go once that is fixed.
+REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU = pytest.mark.xfail(
+    jax.default_backend() != "cpu", strict=True,
+    reason="library bug off the CPU: XLA excess precision elides the bf16 rounding of compute_dtype in "
+           "the reference (passes with XLA_FLAGS=--xla_allow_excess_precision=false)")
+
 
 # ----------------------------------------------------------------------------------------------
 # The oracle (SPEC §1 and §2 in numpy; all arithmetic fp32 as numpy performs it, IEEE, RNE)
@@ -248,7 +264,8 @@ def test_nvfp4_random_matches_spec(rng, shape):
         assert (s8 == 0).any() and ((s8 > 0) & (s8 < 2.0 ** -6)).any() and (s8 == 448).any()
 
 
-@pytest.mark.parametrize("input_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("input_dtype", [
+    pytest.param("float32", marks=REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU), "bfloat16"])
 def test_nvfp4_compute_dtype_bf16_matches_spec(rng, input_dtype):
     x = rng.standard_normal((48, 80)).astype(np.float32)
     xin = jnp.asarray(x).astype(input_dtype)
@@ -372,6 +389,7 @@ def test_fp8_rowwise_only_has_no_data_t(rng):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU
 def test_fp8_compute_dtype_bf16_matches_spec(rng, fmt):
     x = rng.standard_normal((32, 48)).astype(np.float32)
     t = q_fp8(jnp.asarray(x), dtype=NP_FP8[fmt][1], compute_dtype=jnp.bfloat16,
@@ -462,7 +480,7 @@ def test_fp8_dequantize_formula(rng):
         t = q_fp8(jnp.asarray(x), dtype=NP_FP8[fmt][1], impl="reference")
         exp = np.asarray(t.data).astype(np.float32) * np.float32(np.asarray(t.scale_inv))
         assert_bytes_equal(t.dequantize(), exp, fmt + " dequantize")
-        np.testing.assert_allclose(exp, x, rtol=0.07 if fmt == "e4m3" else 0.13, atol=1e-6)
+        np.testing.assert_allclose(exp, x, rtol=0.07 if fmt == "e4m3" else 0.13, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,9 +523,6 @@ def test_subnormal_oracle_is_ieee():
 
 
 @pytest.mark.parametrize("name", sorted(_subnormal_cases()))
-@pytest.mark.xfail(jax.default_backend() == "cpu", strict=False,
-                   reason="library bug on CPU: the C++ handlers run inside XLA:CPU's threads with FTZ/DAZ "
-                          "set and flush subnormals too (docs/decisions.md #8 says they follow IEEE)")
 def test_subnormal_cases_custom_call_match_ieee_oracle(name):
     kind, x = _subnormal_cases()[name]
     _check_against_oracle(kind, x, "custom_call")
@@ -526,11 +541,10 @@ def test_subnormal_cases_reference_match_ieee_oracle_off_cpu(name):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: quantize_nvfp4/quantize_fp8 default "
-                                       "compute_dtype=None, SPEC says the default is bfloat16")
+@REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU
 def test_compute_dtype_defaults_to_bfloat16(rng):
     x = rng.standard_normal((16, 32)).astype(np.float32)
-    t = q_nvfp4(jnp.asarray(x), impl="reference")
+    t = jaxquant.quantize_nvfp4(jnp.asarray(x), impl="reference")  # library default compute_dtype
     check_nvfp4(t, np_nvfp4_quantize(bf16_round(x)), False, "nvfp4 default")
-    t = q_fp8(jnp.asarray(x), impl="reference")
+    t = jaxquant.quantize_fp8(jnp.asarray(x), impl="reference")
     check_fp8(t, bf16_round(x), "e4m3", what="fp8 default")

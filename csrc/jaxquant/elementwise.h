@@ -66,4 +66,29 @@ JQ_HD uint8_t scale_t_entry(const uint8_t* scale_inv, int64_t rows, int64_t cols
   return scale_inv[(i * kTile) * nvfp4_scale_cols(cols) + k / kTile];
 }
 
+// Static parameter table of a ZeRO group (ops.group_table): per parameter, in this column order.
+struct GroupTable {
+  enum Field { kOffset = 0, kNumel, kRows, kCols, kTileBase, kByteBase, kFields };
+  const int64_t* t;  // [P, kFields]
+  int64_t num_params;
+
+  JQ_HD int64_t at(int64_t p, int f) const { return t[p * kFields + f]; }
+
+  // The last parameter p with at(p, f) <= pos (f: kOffset or kByteBase, both ascending), or -1.
+  JQ_HD int64_t find(int64_t pos, int f) const {
+    int64_t lo = 0, hi = num_params;  // answer in [lo - 1, hi - 1]
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (at(mid, f) <= pos) lo = mid + 1; else hi = mid;
+    }
+    return lo - 1;
+  }
+
+  // Packed tile index of element e of parameter p.
+  JQ_HD int64_t tile_of(int64_t p, int64_t e) const {
+    const int64_t cols = at(p, kCols), row = e / cols, col = e - row * cols;
+    return at(p, kTileBase) + (row / kTile) * (cols / kTile) + col / kTile;
+  }
+};
+
 }  // namespace jaxquant

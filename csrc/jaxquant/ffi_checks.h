@@ -132,6 +132,34 @@ inline ffi::Error check_scale_transpose(const ffi::Buffer<ffi::U8>& scale_inv, i
   return check_2d(scale_inv_t, nvfp4_scale_rows(cols), nvfp4_scale_cols(rows), "scale_inv_t");
 }
 
+// Shapes of the grouped ops' operands; the table contents are checked where the host can read
+// them (CPU: check_group_table_contents), the GPU kernels bound every index they derive from it.
+inline ffi::Error check_group(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,
+                              const ffi::Buffer<ffi::U32>& table, int64_t* num_params) {
+  if (auto e = check_input(x, "shard"); e.failure()) return e;
+  if (x.dimensions().size() != 1) return invalid("shard: must be rank 1");
+  if (auto e = check_count(index, 1, "shard_index"); e.failure()) return e;
+  if (table.element_count() % 12 != 0) return invalid("table: must be an int64 [P, 6] table as uint32 words");
+  *num_params = static_cast<int64_t>(table.element_count() / 12);
+  return ffi::Error::Success();
+}
+
+// Host-readable table: parameters in order, inside the flat buffer, tiles and bytes inside bounds.
+inline ffi::Error check_group_table_contents(const int64_t* t, int64_t num_params, int64_t flat_size,
+                                             int64_t num_tiles, bool nvfp4) {
+  int64_t end = 0;
+  for (int64_t p = 0; p < num_params; ++p) {
+    const int64_t* row = t + p * 6;
+    const int64_t off = row[0], numel = row[1], rows = row[2], cols = row[3];
+    if (off < end || numel < 0 || off + numel > flat_size || rows * cols != numel || cols <= 0)
+      return invalid("table: row " + std::to_string(p) + " is not a parameter inside the flat buffer, in order");
+    if (nvfp4 && (rows % kTile || cols % kTile || row[4] + numel / (kTile * kTile) > num_tiles))
+      return invalid("table: row " + std::to_string(p) + " breaks the 16x16 grid or the tile vector");
+    end = off + numel;
+  }
+  return ffi::Error::Success();
+}
+
 #define JQ_RETURN_IF_ERROR(expr)        \
   do {                                  \
     ::xla::ffi::Error _jq_err = (expr); \

@@ -13,7 +13,11 @@
   X("jq_nvfp4_scale", JqNvfp4Scale)                \
   X("jq_nvfp4_cast_partial", JqNvfp4CastPartial)   \
   X("jq_nvfp4_transpose", JqNvfp4Transpose)        \
-  X("jq_nvfp4_scale_transpose", JqNvfp4ScaleTranspose)
+  X("jq_nvfp4_scale_transpose", JqNvfp4ScaleTranspose) \
+  X("jq_nvfp4_group_tile_amax", JqNvfp4GroupTileAmax) \
+  X("jq_nvfp4_group_cast", JqNvfp4GroupCast)         \
+  X("jq_fp8_group_amax", JqFp8GroupAmax)             \
+  X("jq_fp8_group_cast", JqFp8GroupCast)
 
 #define JQ_NO_CTX
 #define JQ_CUDA_CTX .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
@@ -65,4 +69,29 @@
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
                                     .Attr<int64_t>("rows")                                          \
                                     .Attr<int64_t>("cols")                                          \
-                                    .Ret<F::Buffer<F::U8>>());
+                                    .Ret<F::Buffer<F::U8>>()); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupTileAmax##S, GroupTileAmax##S,                          \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::S32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::S32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupCast##S, GroupCast##S,                                  \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::S32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::U8>>());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupAmax##S, Fp8GroupAmax##S,                                 \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::S32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::S32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupCast##S, Fp8GroupCast##S,                                 \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::S32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::AnyBuffer>());
