@@ -12,10 +12,12 @@ Per device, under ``shard_map`` over the data-parallel mesh axis ``axis``:
 5. partial cast of the owned pieces into a fixed-size local byte chunk;
 6. ``lax.all_gather`` of that chunk (quantized bytes only) and assembly of every weight.
 
-The pieces a shard owns differ from shard to shard, and the ``ops`` take the piece geometry (``start``)
-as a static attribute, so steps 2 and 5 are each a ``lax.switch`` on ``axis_index(axis)`` with one
-branch per shard, traced with that shard's static pieces. Every branch reads only its own pieces:
-no masked or redundant work. See docs/distributed.md for the byte layout of the gathered chunk.
+Steps 2 and 5 are the grouped ops (``ops.nvfp4_group_tile_amax`` / ``nvfp4_group_cast``,
+``ops.fp8_group_amax`` / ``fp8_group_cast``): one call for the whole group whose shard index is
+``lax.axis_index(axis)``, a device value, so every shard runs the same program with no branch on
+the shard (XLA:GPU would run a ``lax.switch`` with a device-to-host copy of the branch index) and
+each shard reads only its own ``shard_size`` elements. See docs/distributed.md for the byte layout
+of the gathered chunk.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import formats, ops
+from jaxquant import formats, ops, reference
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
@@ -206,87 +208,61 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     return weights, NonFiniteReport(counts=counts, names=layout.names)
 
 
-def _stats_switch(x, layout, axis, check_finite, per_piece, stat_sizes):
-    """lax.switch over shards: each branch fills the packed int32 statistics vector from its pieces.
+@functools.lru_cache(maxsize=128)
+def _group_plan(layout: FlatLayout, nvfp4: bool):
+    """Static tables of the grouped ops: the parameter table and, for NVFP4, where each shard's
+    chunk starts in the group's param-byte space (its first piece's first byte)."""
+    table = ops.group_table(layout.param_offsets, layout.shapes, num_shards=layout.num_shards,
+                            shard_size=layout.shard_size, nvfp4=nvfp4)
+    if not nvfp4:
+        return table, None, None
+    plan = nvfp4_chunk_plan(layout)
+    chunk_lo = tuple(int(table[row[0][0].param, 5]) + row[0][0].start // 2 if row else 0 for row in plan.entries)
+    return table, plan, chunk_lo
 
-    ``per_piece(seg, piece) -> (float32 stats, count or None)``; ``stat_sizes[p]`` the flat size of param p's
-    stats. Returns (per-param float32 stats (flat), counts [S, P] or None) after ONE pmax.
-    """
-    S, Pn = layout.num_shards, layout.num_params
-    offs = np.concatenate([[0], np.cumsum(stat_sizes)]).astype(int)
 
-    def branch(r):
-        def f(x):
-            stats = [jnp.zeros((n,), jnp.int32) for n in stat_sizes]
-            counts = [jnp.int32(0)] * Pn
-            for pc in layout.pieces(r):
-                seg = x[pc.local_offset:pc.local_offset + pc.length]
-                st, c = per_piece(seg, pc)
-                stats[pc.param] = _f32_bits(st).reshape(-1)
-                if check_finite:
-                    counts[pc.param] = c
-            parts = list(stats)
-            if check_finite:
-                block = jnp.zeros((S, Pn), jnp.int32).at[r].set(jnp.stack(counts).astype(jnp.int32))
-                parts.append(block.reshape(-1))
-            return jnp.concatenate(parts)
-        return f
-
-    packed = jax.lax.switch(jax.lax.axis_index(axis), [branch(r) for r in range(S)], x)
-    packed = jax.lax.pmax(packed, axis)        # the one all-reduce of the group
-    stats = [_bits_f32(packed[offs[p]:offs[p + 1]]) for p in range(Pn)]
-    counts = packed[offs[-1]:].reshape(S, Pn) if check_finite else None
-    return stats, counts
+def _reduce_stats(stats_f32, counts, layout, axis, check_finite):
+    """ONE pmax over ``axis`` of one int32 vector: fp32 statistics (non-negative, so their bits order
+    as int32 do) and, with ``check_finite``, a [S, P] block in which each shard fills its own row."""
+    parts = [_f32_bits(stats_f32)]
+    if check_finite:
+        block = jnp.zeros((layout.num_shards, layout.num_params), jnp.int32)
+        block = jax.lax.dynamic_update_slice(block, counts.astype(jnp.int32)[None], (jax.lax.axis_index(axis), 0))
+        parts.append(block.reshape(-1))
+    packed = jax.lax.pmax(jnp.concatenate(parts), axis)        # the one all-reduce of the group
+    n = stats_f32.shape[0]
+    counts = packed[n:].reshape(layout.num_shards, layout.num_params) if check_finite else None
+    return _bits_f32(packed[:n]), counts
 
 
 def _nvfp4_local(x, layout, axis, check_finite, impl):
     S = layout.num_shards
     dims = [tuple(s) for s in layout.shapes]
-    tile_shapes = [(m // formats.TILE, k // formats.TILE) for m, k in dims]
-
-    def per_piece(seg, pc):
-        m, k = dims[pc.param]
-        res = ops.nvfp4_tile_amax(seg, rows=m, cols=k, start=pc.start, return_nonfinite=check_finite,
-                                  impl=impl)
-        return res if check_finite else (res, None)
-
-    stats, counts = _stats_switch(x, layout, axis, check_finite, per_piece,
-                                  [a * b for a, b in tile_shapes])
-    tile_amax = [s.reshape(t) for s, t in zip(stats, tile_shapes)]
-    amax = [jnp.max(t).reshape(1) for t in tile_amax]          # as quantize_nvfp4
-    scale_inv = [ops.nvfp4_scale(t, a, rows=m, cols=k, impl=impl)
-                 for t, a, (m, k) in zip(tile_amax, amax, dims)]
-
-    plan = nvfp4_chunk_plan(layout)
-
-    def branch(r):
-        def f(x, scale_inv, amax):
-            parts, pos = [], 0
-            for pc, off, nbytes in plan.entries[r]:
-                m, k = dims[pc.param]
-                seg = x[pc.local_offset:pc.local_offset + pc.length]
-                parts.append(ops.nvfp4_cast_partial(
-                    seg, jnp.zeros((nbytes,), jnp.uint8), scale_inv[pc.param], amax[pc.param],
-                    rows=m, cols=k, start=pc.start, impl=impl))
-                pos += nbytes
-            if plan.size > pos:
-                parts.append(jnp.zeros((plan.size - pos,), jnp.uint8))
-            return jnp.concatenate(parts)
-        return f
-
-    chunk = jax.lax.switch(jax.lax.axis_index(axis), [branch(r) for r in range(S)], x, scale_inv, amax)
+    table, plan, chunk_lo = _group_plan(layout, True)
+    r = jax.lax.axis_index(axis)
+    tiles, counts = ops.nvfp4_group_tile_amax(x, r, table=table, num_shards=S, return_nonfinite=True, impl=impl)
+    tiles, counts = _reduce_stats(tiles, counts, layout, axis, check_finite)
+    tile_amax, amax, scale_inv, enc = [], [], [], []
+    for p, (m, k) in enumerate(dims):
+        base, t = int(table[p, 4]), (m // formats.TILE) * (k // formats.TILE)
+        tile_amax.append(tiles[base:base + t].reshape(m // formats.TILE, k // formats.TILE))
+        amax.append(jnp.max(tile_amax[p]).reshape(1))          # as quantize_nvfp4
+        scale_inv.append(ops.nvfp4_scale(tile_amax[p], amax[p], rows=m, cols=k, impl=impl))
+        enc.append(reference.tile_encode(scale_inv[p], amax[p], m, k).reshape(-1))
+    chunk = ops.nvfp4_group_cast(x, r, jnp.concatenate(enc), table=table, num_shards=S, chunk_lo=chunk_lo,
+                                 chunk_size=plan.size, impl=impl)
     gathered = jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")   # uint8 [S * chunk]
 
     # Assemble each weight from its pieces; a byte split between two shards is the OR of both.
     where = {}
-    for r in range(S):
-        for pc, off, nbytes in plan.entries[r]:
-            where[(r, pc.param)] = (pc, r * plan.size + off, nbytes)
+    for r_, row in enumerate(plan.entries):
+        for pc, off, nbytes in row:
+            where[(r_, pc.param)] = (pc, r_ * plan.size + off, nbytes)
     weights = []
     for p, (m, k) in enumerate(dims):
         segs = []
-        for r in layout.owners(p):
-            pc, off, nbytes = where[(r, p)]
+        for r_ in layout.owners(p):
+            pc, off, nbytes = where[(r_, p)]
             blk = gathered[off:off + nbytes]
             if segs and pc.start % 2:
                 last = segs.pop()
@@ -299,39 +275,20 @@ def _nvfp4_local(x, layout, axis, check_finite, impl):
 
 
 def _fp8_local(x, layout, axis, check_finite, dtype, amax_epsilon, force_pow_2_scales, impl):
-    S, n = layout.num_shards, layout.shard_size
+    S = layout.num_shards
     fmax = formats.fp8_max(dtype)
-
-    def per_piece(seg, pc):
-        res = ops.amax(seg, return_nonfinite=check_finite, impl=impl)
-        return res if check_finite else (res, None)
-
-    stats, counts = _stats_switch(x, layout, axis, check_finite, per_piece, [1] * layout.num_params)
-    amax = [s.reshape(()) for s in stats]
-
-    def branch(r):
-        def f(x, amax):
-            parts, pos = [], 0
-            for pc in layout.pieces(r):
-                if pc.local_offset > pos:
-                    parts.append(jnp.zeros((pc.local_offset - pos,), jnp.uint8))
-                seg = x[pc.local_offset:pc.local_offset + pc.length]
-                data, _, _ = ops.fp8_cast(seg, amax[pc.param], dtype=dtype, amax_epsilon=amax_epsilon,
-                                          force_pow_2_scales=force_pow_2_scales, impl=impl)
-                parts.append(jax.lax.bitcast_convert_type(data, jnp.uint8))
-                pos = pc.local_offset + pc.length
-            if n > pos:
-                parts.append(jnp.zeros((n - pos,), jnp.uint8))
-            return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
-        return f
-
-    chunk = jax.lax.switch(jax.lax.axis_index(axis), [branch(r) for r in range(S)], x, amax)
+    table, _, _ = _group_plan(layout, False)
+    r = jax.lax.axis_index(axis)
+    amax, counts = ops.fp8_group_amax(x, r, table=table, num_shards=S, return_nonfinite=True, impl=impl)
+    amax, counts = _reduce_stats(amax, counts, layout, axis, check_finite)
+    scale, scale_inv = formats.fp8_scale_from_amax(amax, fmax, amax_epsilon, force_pow_2_scales)
+    chunk = ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype, impl=impl)
+    chunk = jax.lax.bitcast_convert_type(chunk, jnp.uint8)
     gathered = jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")   # uint8 [total_size]
     weights = []
     for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.shapes)):
         data = jax.lax.bitcast_convert_type(gathered[o:o + numel], dtype).reshape(shape)
-        _, scale_inv = formats.fp8_scale_from_amax(amax[p], fmax, amax_epsilon, force_pow_2_scales)
-        weights.append(Float8Tensor(data=data, scale_inv=scale_inv, amax=amax[p]))
+        weights.append(Float8Tensor(data=data, scale_inv=scale_inv[p], amax=amax[p]))
     return weights, counts
 
 
@@ -343,9 +300,8 @@ def _fp8_local(x, layout, axis, check_finite, dtype, amax_epsilon, force_pow_2_s
 @functools.lru_cache(maxsize=128)
 def _build(layout, mesh, axis, options):
     body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, **dict(options))
-    # check_vma=False: the results are replicated over ``axis`` by construction (pmax / all_gather), and
-    # FFI custom calls do not propagate varying-manual-axis types (see docs/distributed.md).
-    smap = jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False)
+    # The results are replicated over ``axis`` (pmax / all_gather), which check_vma verifies.
+    smap = jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P())
     explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
     def run(master_flat):

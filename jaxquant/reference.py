@@ -123,7 +123,7 @@ def nvfp4_scale(tile_amax: jax.Array, amax_value: jax.Array, *, rows: int, cols:
     return jnp.pad(per_row, ((0, pr - rows), (0, pc - cols // TILE)))
 
 
-def _tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: int) -> jax.Array:
+def tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: int) -> jax.Array:
     """Per-tile encode multiplier [rows/16, cols/16] from the stored scales (SPEC §2.5)."""
     s_dec = formats.nvfp4_global_decode_scale(jnp.reshape(amax_value, ()))
     s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
@@ -135,7 +135,7 @@ def _tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: i
 def nvfp4_codes(x: jax.Array, scale_inv: jax.Array, amax_value: jax.Array) -> jax.Array:
     """E2M1 codes [rows, cols] of a whole tensor given its scales."""
     rows, cols = x.shape
-    enc = _tile_encode(scale_inv, amax_value, rows, cols)[:, None, :, None]
+    enc = tile_encode(scale_inv, amax_value, rows, cols)[:, None, :, None]
     scaled = x.astype(jnp.float32).reshape(rows // TILE, TILE, cols // TILE, TILE) * enc
     return fp32_to_e2m1_code(scaled).reshape(rows, cols)
 
