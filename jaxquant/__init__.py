@@ -1,6 +1,21 @@
-"""jaxquant: FP8 and NVFP4 weights for sharded JAX training, bit-compatible with TransformerEngine."""
+"""jaxquant: FP8 and NVFP4 weights for sharded JAX training, bit-compatible with TransformerEngine.
+
+Flat public API: single-tensor quantization (``quantize_fp8``, ``quantize_nvfp4``), the quantized
+tensor pytrees, ZeRO master-weight quantization on meshes (``FlatLayout``,
+``quantize_master_weights``, ``post_all_gather_processing``), the primitives in ``jaxquant.ops``
+and their pure-JAX references in ``jaxquant.reference``. Checkpoints: ``jaxquant.checkpoint``.
+"""
 
 from jaxquant import formats, ops, reference
+from jaxquant.distributed import (
+    NonFiniteReport,
+    gathered_bytes,
+    master_sharding,
+    post_all_gather_processing,
+    quantize_master_weights,
+    quantize_master_weights_local,
+)
+from jaxquant.layout import FlatLayout
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
@@ -13,6 +28,13 @@ __all__ = [
     "quantize_nvfp4",
     "fp8_columnwise",
     "nvfp4_columnwise",
+    "FlatLayout",
+    "quantize_master_weights",
+    "quantize_master_weights_local",
+    "post_all_gather_processing",
+    "NonFiniteReport",
+    "gathered_bytes",
+    "master_sharding",
     "formats",
     "ops",
     "reference",

@@ -191,7 +191,7 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     size = _axis_size(axis)
     if size != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has {size} devices")
-    x = shard if compute_dtype is None else shard.astype(compute_dtype)
+    x = shard if compute_dtype is None else formats.to_compute_dtype(shard, compute_dtype)
     if layout.num_params == 0:
         weights = []
     elif recipe == "nvfp4":

@@ -133,6 +133,19 @@ def _div_rn_integer(a, b):
 # ----------------------------------------------------------------------------------------------
 
 
+def to_compute_dtype(x: jax.Array, dtype) -> jax.Array:
+    """``x`` converted to ``dtype`` (float32 or bfloat16) with RNE, rounding guaranteed.
+
+    XLA's excess-precision rewrite (on by default on the GPU) may drop an f32 -> bf16 -> f32
+    round trip inside a fusion, which would quantize the unrounded fp32 values; reduce_precision
+    to bf16's 8 exponent and 7 mantissa bits is never dropped.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.dtype(jnp.bfloat16) and jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
+        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return x.astype(dtype)
+
+
 def abs_ignoring_nan(x: jax.Array) -> jax.Array:
     """|x| in fp32 with NaN replaced by 0, so a max over it ignores NaN (SPEC §1.1)."""
     x = x.astype(jnp.float32)

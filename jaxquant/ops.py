@@ -133,8 +133,8 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
     formats.fp8_max(dtype)  # validates dtype
     if columnwise and x.ndim != 2:
         raise ValueError(f"x: columnwise=True needs a rank-2 tensor, got shape {tuple(x.shape)}")
-    if not np.isfinite(amax_epsilon) or amax_epsilon < 0:
-        raise ValueError(f"amax_epsilon: must be finite and >= 0, got {amax_epsilon}")
+    if not np.isfinite(np.float32(amax_epsilon)) or amax_epsilon < 0:
+        raise ValueError(f"amax_epsilon: must be finite in float32 and >= 0, got {amax_epsilon}")
     dtype = jnp.dtype(dtype)
     kw = dict(amax_epsilon=float(amax_epsilon), force_pow_2_scales=bool(force_pow_2_scales))
 

@@ -15,7 +15,7 @@ def _to_compute_dtype(x, compute_dtype):
         return x
     if jnp.dtype(compute_dtype) not in ops.INPUT_DTYPES:
         raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
-    return x.astype(compute_dtype)
+    return formats.to_compute_dtype(x, compute_dtype)
 
 
 def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_epsilon: float = 0.0,

@@ -39,10 +39,6 @@ _dequantize_t_j = jax.jit(lambda t: t.dequantize_t())
 # Known library bug off the CPU (seen on an H200): XLA:GPU's xla_allow_excess_precision (on by default)
 # elides the fp32 -> bf16 -> fp32 round trip of compute_dtype=bfloat16 inside the pure-JAX reference, so
 # the reference quantizes the unrounded fp32 values. Strict: the marker must go once that is fixed.
-REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU = pytest.mark.xfail(
-    jax.default_backend() != "cpu", strict=True,
-    reason="library bug off the CPU: XLA excess precision elides the bf16 rounding of compute_dtype in "
-           "the reference (passes with XLA_FLAGS=--xla_allow_excess_precision=false)")
 
 
 
@@ -97,7 +93,7 @@ def test_quantize_nvfp4_custom_equals_reference(rng, shape, dtype):
     assert cus.data_t is not None and cus.data_t.shape == (shape[1], shape[0] // 2)
 
 
-@pytest.mark.parametrize("impl", [pytest.param("reference", marks=REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU),
+@pytest.mark.parametrize("impl", ["reference",
                                   "custom_call"])
 def test_quantize_nvfp4_compute_dtype_bf16_equals_precast_input(rng, impl):
     """compute_dtype=bfloat16 on an fp32 input == quantizing the input rounded to bf16 beforehand."""
@@ -109,7 +105,6 @@ def test_quantize_nvfp4_compute_dtype_bf16_equals_precast_input(rng, impl):
     assert_nvfp4_equal(via, direct, f"compute_dtype vs pre-cast ({impl})")
 
 
-@REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU
 def test_quantize_nvfp4_rowwise_only_and_bf16_compute(rng):
     x = jnp.asarray(random_tiled(rng, 48, 80, -4, 4))
     ref = q_nvfp4(x, columnwise=False, compute_dtype=jnp.bfloat16, impl="reference")
@@ -174,8 +169,7 @@ def test_quantize_fp8_custom_equals_reference(rng, fmt, pow2, eps):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("case", ["bf16_input", pytest.param("fp32_input_bf16_compute",
-                                                             marks=REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU)])
+@pytest.mark.parametrize("case", ["bf16_input", "fp32_input_bf16_compute"])
 def test_quantize_fp8_bf16_input_and_compute_dtype(rng, fmt, case):
     x = rng.standard_normal((48, 80)).astype(np.float32) * np.float32(100)
     x[0, 0], x[1, 1] = np.inf, np.nan

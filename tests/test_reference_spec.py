@@ -42,10 +42,6 @@ fp8_cast_j = jax.jit(jaxquant.ops.fp8_cast, static_argnames=(
 # Known library bug off the CPU (seen on an H200): XLA:GPU's xla_allow_excess_precision (on by default)
 # elides the fp32 -> bf16 -> fp32 round trip of compute_dtype=bfloat16 inside the pure-JAX reference, so
 # the reference quantizes the unrounded fp32 values. Strict: the marker must go once that is fixed.
-REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU = pytest.mark.xfail(
-    jax.default_backend() != "cpu", strict=True,
-    reason="library bug off the CPU: XLA excess precision elides the bf16 rounding of compute_dtype in "
-           "the reference (passes with XLA_FLAGS=--xla_allow_excess_precision=false)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,8 +260,7 @@ def test_nvfp4_random_matches_spec(rng, shape):
         assert (s8 == 0).any() and ((s8 > 0) & (s8 < 2.0 ** -6)).any() and (s8 == 448).any()
 
 
-@pytest.mark.parametrize("input_dtype", [
-    pytest.param("float32", marks=REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU), "bfloat16"])
+@pytest.mark.parametrize("input_dtype", ["float32", "bfloat16"])
 def test_nvfp4_compute_dtype_bf16_matches_spec(rng, input_dtype):
     x = rng.standard_normal((48, 80)).astype(np.float32)
     xin = jnp.asarray(x).astype(input_dtype)
@@ -389,7 +384,6 @@ def test_fp8_rowwise_only_has_no_data_t(rng):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@REFERENCE_BF16_ROUNDING_ELIDED_OFF_CPU
 def test_fp8_compute_dtype_bf16_matches_spec(rng, fmt):
     x = rng.standard_normal((32, 48)).astype(np.float32)
     t = q_fp8(jnp.asarray(x), dtype=NP_FP8[fmt][1], compute_dtype=jnp.bfloat16,

@@ -1,0 +1,158 @@
+"""Grouped ops over one shard of a ZeRO flat buffer: custom call == reference, bit for bit, and
+assembled over all shards == single-tensor quantization. Runs on the default backend."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import formats, ops, reference
+from tests.conftest import assert_bytes_equal
+
+
+def _layout(rng, num_params, num_shards, odd):
+    """Random group: shapes on the 16-grid, optional odd gaps between parameters, odd shard size."""
+    shapes = [(16 * int(rng.integers(1, 5)), 16 * int(rng.choice([1, 2, 3, 5]))) for _ in range(num_params)]
+    offsets, pos = [], 0
+    for m, k in shapes:
+        pos += int(rng.integers(1, 6)) if odd else 0
+        offsets.append(pos)
+        pos += m * k
+    shard_size = -(-(pos + int(rng.integers(0, 7))) // num_shards)
+    return shapes, offsets, shard_size
+
+
+def _chunk_plan(shapes, offsets, num_shards, shard_size):
+    """Each shard's range [lo, hi) in the group's param-byte space, and the common chunk size."""
+    base = np.concatenate([[0], np.cumsum([m * k // 2 for m, k in shapes])])
+    los, his = [], []
+    for r in range(num_shards):
+        lo = hi = None
+        for p, (off, (m, k)) in enumerate(zip(offsets, shapes)):
+            s, e = max(off, r * shard_size), min(off + m * k, (r + 1) * shard_size)
+            if s < e:
+                lo = base[p] + (s - off) // 2 if lo is None else lo
+                hi = base[p] + (e - off + 1) // 2
+        los.append(int(lo or 0))
+        his.append(int(hi or 0))
+    return los, his, max(h - l for l, h in zip(los, his))
+
+
+def _flat(rng, shapes, offsets, num_shards, shard_size):
+    flat = np.zeros(num_shards * shard_size, np.float32)
+    for off, (m, k) in zip(offsets, shapes):
+        w = rng.standard_normal((m // 16, 16, k // 16, 16)) * 10.0 ** rng.uniform(-3, 3, (m // 16, 1, k // 16, 1))
+        flat[off:off + m * k] = w.reshape(-1)
+    return flat
+
+
+CASES = [(1, 1, False), (2, 3, True), (3, 4, False), (4, 2, True), (5, 3, True)]
+
+
+@pytest.mark.parametrize("num_params,num_shards,odd", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dtype):
+    rng = np.random.default_rng(num_params * 10 + num_shards)
+    shapes, offsets, n = _layout(rng, num_params, num_shards, odd)
+    flat = _flat(rng, shapes, offsets, num_shards, n)
+    flat[offsets[0] + 3] = np.nan  # non-finite values are counted per parameter
+    flat[offsets[-1]] = -np.inf
+    table = ops.group_table(offsets, shapes, num_shards=num_shards, shard_size=n, nvfp4=True)
+    los, _, size = _chunk_plan(shapes, offsets, num_shards, n)
+    tiles = int(table[:, 1].sum() // 256)
+    enc = jnp.asarray(rng.uniform(0.25, 8.0, tiles).astype(np.float32))
+    scale = jnp.asarray(rng.uniform(0.25, 8.0, num_params).astype(np.float32))
+    kw = dict(table=table, num_shards=num_shards)
+    for r in range(num_shards):
+        shard, index = jnp.asarray(flat[r * n:(r + 1) * n]).astype(dtype), jnp.int32(r)
+        for impl_pair in (("reference", "custom_call"),):
+            a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
+            assert_bytes_equal(b[0], a[0], f"tile amax shard {r}")
+            assert_bytes_equal(b[1], a[1], f"counts shard {r}")
+            a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **kw)
+                    for i in impl_pair)
+            assert_bytes_equal(b, a, f"nvfp4 chunk shard {r}")
+            a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
+            assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
+            assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
+            for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+                a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **kw) for i in impl_pair)
+                assert_bytes_equal(b, a, f"fp8 data shard {r}")
+
+
+@pytest.mark.parametrize("impl", ["reference", "custom_call"])
+def test_group_ops_assemble_to_single_tensor_quantization(impl):
+    """Max of the shards' statistics, then the chunks ORed into place == quantize_nvfp4 / quantize_fp8."""
+    rng = np.random.default_rng(7)
+    num_shards = 3
+    shapes, offsets, n = _layout(rng, 3, num_shards, odd=True)
+    flat = _flat(rng, shapes, offsets, num_shards, n)
+    table = ops.group_table(offsets, shapes, num_shards=num_shards, shard_size=n, nvfp4=True)
+    los, his, size = _chunk_plan(shapes, offsets, num_shards, n)
+    kw = dict(table=table, num_shards=num_shards, impl=impl)
+    shards = [(jnp.asarray(flat[r * n:(r + 1) * n]), jnp.int32(r)) for r in range(num_shards)]
+    tiles = jnp.max(jnp.stack([ops.nvfp4_group_tile_amax(s, i, **kw) for s, i in shards]), axis=0)
+    amaxes = jnp.max(jnp.stack([ops.fp8_group_amax(s, i, **kw) for s, i in shards]), axis=0)
+    scale_invs, encs = [], []
+    for p, (m, k) in enumerate(shapes):
+        t = tiles[table[p, 4]:table[p, 4] + m * k // 256].reshape(m // 16, k // 16)
+        amax = jnp.max(t).reshape(1)
+        scale_invs.append(ops.nvfp4_scale(t, amax, rows=m, cols=k, impl=impl))
+        encs.append(reference.tile_encode(scale_invs[-1], amax, m, k).reshape(-1))
+    space = np.zeros(int(table[:, 1].sum() // 2), np.uint8)
+    for (s, i), lo, hi in zip(shards, los, his):
+        chunk = np.asarray(ops.nvfp4_group_cast(s, i, jnp.concatenate(encs), chunk_lo=los, chunk_size=size, **kw))
+        space[lo:hi] |= chunk[:hi - lo]
+    scale, _ = formats.fp8_scale_from_amax(amaxes, 448.0)
+    fp8 = np.concatenate([np.asarray(ops.fp8_group_cast(s, i, scale, **kw)).view(np.uint8) for s, i in shards])
+    for p, (off, (m, k)) in enumerate(zip(offsets, shapes)):
+        w = jnp.asarray(flat[off:off + m * k].reshape(m, k))
+        want = jq.quantize_nvfp4(w, compute_dtype=None, impl="reference")
+        got = space[table[p, 5]:table[p, 5] + m * k // 2].reshape(m, k // 2)
+        assert_bytes_equal(got, want.data, f"nvfp4 data of param {p}")
+        assert_bytes_equal(scale_invs[p], want.scale_inv, f"nvfp4 scale_inv of param {p}")
+        want8 = jq.quantize_fp8(w, compute_dtype=None, impl="reference")
+        assert_bytes_equal(fp8[off:off + m * k].reshape(m, k), np.asarray(want8.data).view(np.uint8), f"fp8 {p}")
+
+
+def test_group_table_rejects_bad_layouts():
+    with pytest.raises(ValueError, match="offsets\\[1\\]"):
+        ops.group_table([0, 100], [(16, 16), (16, 16)], num_shards=2, shard_size=512, nvfp4=True)
+    with pytest.raises(ValueError, match="outside the flat buffer"):
+        ops.group_table([0], [(32, 32)], num_shards=2, shard_size=256, nvfp4=True)
+    with pytest.raises(ValueError, match="shapes\\[0\\]"):
+        ops.group_table([0], [(20, 16)], num_shards=1, shard_size=512, nvfp4=True)
+    with pytest.raises(ValueError, match="num_shards"):
+        ops.group_table([0], [(16, 16)], num_shards=0, shard_size=512, nvfp4=True)
+
+
+def test_group_ops_reject_bad_arguments():
+    table = ops.group_table([0], [(16, 16)], num_shards=2, shard_size=128, nvfp4=True)
+    shard = jnp.zeros((128,), jnp.float32)
+    with pytest.raises(ValueError, match="shard: must have shape"):
+        ops.nvfp4_group_tile_amax(jnp.zeros((16, 8)), jnp.int32(0), table=table, num_shards=2)
+    with pytest.raises(TypeError, match="shard_index"):
+        ops.nvfp4_group_tile_amax(shard, 0.5, table=table, num_shards=2)
+    with pytest.raises(ValueError, match="table"):
+        ops.fp8_group_amax(shard, jnp.int32(0), table=np.zeros((1, 5), np.int64), num_shards=2)
+    with pytest.raises(ValueError, match="enc: shape"):
+        ops.nvfp4_group_cast(shard, jnp.int32(0), jnp.zeros((3,)), table=table, num_shards=2, chunk_lo=[0, 64],
+                             chunk_size=64)
+    with pytest.raises(ValueError, match="chunk_lo"):
+        ops.nvfp4_group_cast(shard, jnp.int32(0), jnp.zeros((1,)), table=table, num_shards=2, chunk_lo=[0],
+                             chunk_size=64)
+    with pytest.raises(ValueError, match="scale: shape"):
+        ops.fp8_group_cast(shard, jnp.int32(0), jnp.zeros((2,)), table=table, num_shards=2)
+    with pytest.raises(ValueError, match="impl"):
+        ops.fp8_group_cast(shard, jnp.int32(0), jnp.zeros((1,)), table=table, num_shards=2, impl="fast")
+
+
+def test_group_handler_rejects_out_of_range_shard_index_on_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU handler reads the index on the host; GPU kernels treat it as owning nothing")
+    table = ops.group_table([0], [(16, 16)], num_shards=2, shard_size=128, nvfp4=True)
+    with pytest.raises(Exception, match="shard_index"):
+        jax.block_until_ready(ops.nvfp4_group_cast(jnp.zeros((128,)), jnp.int32(5), jnp.zeros((1,)), table=table,
+                                                   num_shards=2, chunk_lo=[0, 64], chunk_size=64,
+                                                   impl="custom_call"))
