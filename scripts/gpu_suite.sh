@@ -30,7 +30,7 @@ print("registered platforms:", f.built_platforms(), "default backend:", jax.defa
 PY
 
 echo "== tests" | tee -a "$report"
-sel=("$@"); [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py)
+sel=("$@"); [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py tests/test_distributed_gpu.py)
 python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1
 test_rc=$?
 tail -25 "$OUT/tests.log" | tee -a "$report"
