@@ -72,19 +72,28 @@ __global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* ama
   const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
   const int64_t nvec = aligned ? n / kVec : 0;
-  for (int64_t i = tid; i < nvec; i += stride) {
-    const uint4 v = reinterpret_cast<const uint4*>(x)[i];
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  constexpr int kInFlight = 4;  // independent 16-byte loads issued before the first use
+  for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
+    uint4 vs[kInFlight];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (kBf16) {
-        const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
-        m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
-        c += !is_finite(a) + !is_finite(b);
-      } else {
-        const float a = __uint_as_float(w[k]);
-        m = fmaxf(m, abs_ignoring_nan(a));
-        c += !is_finite(a);
+    for (int j = 0; j < kInFlight; ++j) {
+      const int64_t i = i0 + j * stride;
+      vs[j] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const uint32_t w[4] = {vs[j].x, vs[j].y, vs[j].z, vs[j].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (kBf16) {
+          const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
+          m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
+          c += !is_finite(a) + !is_finite(b);
+        } else {
+          const float a = __uint_as_float(w[k]);
+          m = fmaxf(m, abs_ignoring_nan(a));
+          c += !is_finite(a);
+        }
       }
     }
   }
@@ -562,25 +571,36 @@ __global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, in
                                        int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
   for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i0 = grp * kGroupElems;
+    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
     load16(x, bf16, i0, n, v);
-    int64_t p = table.find(r * n + i0, GroupTable::kOffset), tile = -1;
+    ParamCursor cur{table};
+    cur.seek(g0);
+    int64_t held = -1, row = 0, col = 0, cols = 1, tile_base = 0, tile = -1;
     float m = 0.0f;
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
-      const int64_t g = r * n + i0 + k;
-      if (i0 + k >= n) break;
-      while (p + 1 < table.num_params && g >= table.at(p + 1, GroupTable::kOffset)) ++p;
-      if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
-      const int64_t t = table.tile_of(p, g - table.at(p, GroupTable::kOffset));
+      if (i0 + k >= n || !cur.inside(g0 + k)) continue;
+      if (cur.p != held) {  // entering a parameter: one division, then rows and columns step along
+        held = cur.p;
+        cols = table.at(held, GroupTable::kCols);
+        tile_base = table.at(held, GroupTable::kTileBase);
+        const int64_t e = g0 + k - cur.begin;
+        row = e / cols;
+        col = e - row * cols;
+      }
+      const int64_t t = tile_base + (row / kTile) * (cols / kTile) + col / kTile;
       if (t != tile) {  // amax >= 0: its bits order like the value, so an integer max is a float max
         if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
         tile = t;
         m = 0.0f;
       }
       m = fmaxf(m, abs_ignoring_nan(v[k]));
-      if (!is_finite(v[k])) atomicAdd(counts + p, 1);  // rare: no need to batch
+      if (!is_finite(v[k])) atomicAdd(counts + held, 1);  // rare: no need to batch
+      if (++col == cols) {
+        col = 0;
+        ++row;
+      }
     }
     if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
   }
@@ -679,24 +699,23 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int
                                       GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
   for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i0 = grp * kGroupElems;
+    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
     load16(x, bf16, i0, n, v);
-    int64_t p = table.find(r * n + i0, GroupTable::kOffset), held = -1;
+    ParamCursor cur{table};
+    cur.seek(g0);
+    int64_t held = -1;
     float m = 0.0f;
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
-      const int64_t g = r * n + i0 + k;
-      if (i0 + k >= n) break;
-      while (p + 1 < table.num_params && g >= table.at(p + 1, GroupTable::kOffset)) ++p;
-      if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
-      if (p != held) {
+      if (i0 + k >= n || !cur.inside(g0 + k)) continue;
+      if (cur.p != held) {
         if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
-        held = p;
+        held = cur.p;
         m = 0.0f;
       }
       m = fmaxf(m, abs_ignoring_nan(v[k]));
-      if (!is_finite(v[k])) atomicAdd(counts + p, 1);
+      if (!is_finite(v[k])) atomicAdd(counts + held, 1);
     }
     if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
   }
@@ -728,14 +747,20 @@ __global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, int
     const int64_t i0 = grp * kGroupElems;
     float v[16];
     load16(x, bf16, i0, n, v);
-    int64_t p = table.find(r * n + i0, GroupTable::kOffset);
+    ParamCursor cur{table};
+    cur.seek(r * n + i0);
     uint8_t q[16];
+    bool inside[16];
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
-      const int64_t g = r * n + i0 + k;
-      while (p + 1 < table.num_params && g >= table.at(p + 1, GroupTable::kOffset)) ++p;
-      const bool inside = p >= 0 && g - table.at(p, GroupTable::kOffset) < table.at(p, GroupTable::kNumel);
-      q[k] = inside ? fp8_encode(v[k] * scale[p], e5m2) : 0;
+      inside[k] = cur.inside(r * n + i0 + k);
+      v[k] *= inside[k] ? scale[cur.p] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 16; k += 2) {  // hardware pair conversion; padding bytes are 0
+      const uint32_t pair = fp8_pair(v[k], v[k + 1], e5m2);
+      q[k] = inside[k] ? uint8_t(pair) : 0;
+      q[k + 1] = inside[k + 1] ? uint8_t(pair >> 8) : 0;
     }
     if (i0 + 16 <= n && reinterpret_cast<uintptr_t>(out + i0) % 16 == 0) {
       uint4 w;

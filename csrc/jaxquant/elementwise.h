@@ -2,6 +2,7 @@
 // so that both compute every output unit through the same code.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "jaxquant/numerics.h"
@@ -88,6 +89,31 @@ struct GroupTable {
   JQ_HD int64_t tile_of(int64_t p, int64_t e) const {
     const int64_t cols = at(p, kCols), row = e / cols, col = e - row * cols;
     return at(p, kTileBase) + (row / kTile) * (cols / kTile) + col / kTile;
+  }
+};
+
+// Walks a non-decreasing sequence of flat positions through the parameters of a group, keeping
+// the current parameter's bounds in registers (one table lookup per parameter change).
+struct ParamCursor {
+  GroupTable table;
+  int64_t p = -1, begin = 0, end = 0, next = 0;  // p owns [begin, end); the next one starts at next
+
+  JQ_HD void seek(int64_t g) {
+    p = table.find(g, GroupTable::kOffset);
+    load();
+  }
+  JQ_HD void load() {
+    begin = p >= 0 ? table.at(p, GroupTable::kOffset) : 0;
+    end = p >= 0 ? begin + table.at(p, GroupTable::kNumel) : 0;
+    next = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kOffset) : INT64_MAX;
+  }
+  // Moves to the parameter holding or preceding g; true when g is one of its elements.
+  JQ_HD bool inside(int64_t g) {
+    while (g >= next) {
+      ++p;
+      load();
+    }
+    return p >= 0 && g < end;
   }
 };
 

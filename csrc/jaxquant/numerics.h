@@ -95,10 +95,16 @@ JQ_HD uint8_t float_to_e5m2(float f) {
 
 // fp32 -> E2M1 code (bit 3 sign), RNE on the grid, saturating to ±6; -0 and negative values
 // that round to 0 keep the sign (code 8). Software path, bit-exact with cvt.rn.satfinite.e2m1x2.
+// The magnitude code counts the decision boundaries below |f|: strict (>) below an even code and
+// inclusive (>=) below an odd one, which is round-half-to-even on this grid. Branch-free (GPU warps
+// see no divergence between the normal and subnormal ranges); NaN gives 7, as round_magnitude would.
 JQ_HD uint8_t float_to_e2m1(float f) {
   const uint32_t u = float_bits(f);
   const uint32_t sign = (u >> 28) & 0x8u;
-  return static_cast<uint8_t>(sign | round_magnitude<1, 0, 1>(u & 0x7FFFFFFFu, 0x7u));
+  const float a = bits_float(u & 0x7FFFFFFFu);
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                        (a > 5.0f);
+  return static_cast<uint8_t>(sign | (is_nan(f) ? 7u : code));
 }
 
 JQ_HD float e4m3_to_float(uint8_t b) {
