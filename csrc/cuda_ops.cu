@@ -695,17 +695,35 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return last_error("group cast kernel");
 }
 
+// One atomic per distinct parameter per warp: lanes holding the same parameter are combined first.
+// Called by all 32 lanes (full warps); held < 0 means nothing to publish.
+__device__ void warp_publish_param_max(float* amax, int64_t held, float m) {
+  const int lane = threadIdx.x % 32;
+  unsigned pending = __ballot_sync(0xFFFFFFFFu, held >= 0);
+  while (pending) {
+    const int leader = __ffs(pending) - 1;
+    const int64_t p = __shfl_sync(0xFFFFFFFFu, held, leader);
+    const float v = warp_max(held == p ? m : 0.0f);
+    if (lane == leader) atomicMax(reinterpret_cast<uint32_t*>(amax + p), __float_as_uint(v));
+    pending &= ~__ballot_sync(0xFFFFFFFFu, held == p);
+  }
+}
+
+// Each block reduces one contiguous range of the shard (coalesced within the block), so a thread
+// meets few parameters and the per-parameter atomics (few addresses, all blocks) stay rare.
 __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
                                       GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
-  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
+  const int64_t first = blockIdx.x * per_block, last = groups < first + per_block ? groups : first + per_block;
+  int64_t held = -1;
+  float m = 0.0f;
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
     load16(x, bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(g0);
-    int64_t held = -1;
-    float m = 0.0f;
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
       if (i0 + k >= n || !cur.inside(g0 + k)) continue;
@@ -717,8 +735,8 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int
       m = fmaxf(m, abs_ignoring_nan(v[k]));
       if (!is_finite(v[k])) atomicAdd(counts + held, 1);
     }
-    if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
   }
+  warp_publish_param_max(amax, held, m);
 }
 
 ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
