@@ -279,16 +279,13 @@ ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
                            ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> data) {
   const IeeeSubnormals ieee;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
-  JQ_RETURN_IF_ERROR(check_count(scale, num_params, "scale"));
-  const ffi::DataType t = data->element_type();
-  if (t != ffi::DataType::F8E4M3FN && t != ffi::DataType::F8E5M2) return invalid("data: dtype must be F8E4M3FN or F8E5M2");
-  if (data->element_count() != x.element_count()) return invalid("data: must have as many elements as shard");
+  bool e5m2;
+  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, *data, &num_params, &e5m2));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, 0, false));
   const GroupTable table{as_i64(table_words), num_params};
   const int64_t n = static_cast<int64_t>(x.element_count()), r = index.typed_data()[0];
   if (r < 0) return invalid("shard_index: must be >= 0");
-  const bool bf16 = x.element_type() == ffi::DataType::BF16, e5m2 = t == ffi::DataType::F8E5M2;
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
   auto* out = static_cast<uint8_t*>(data->untyped_data());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);

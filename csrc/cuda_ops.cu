@@ -797,11 +797,8 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
                             ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale,
                             ffi::Result<ffi::AnyBuffer> data) {
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
-  JQ_RETURN_IF_ERROR(check_count(scale, num_params, "scale"));
-  const ffi::DataType t = data->element_type();
-  if (t != ffi::DataType::F8E4M3FN && t != ffi::DataType::F8E5M2) return invalid("data: dtype must be F8E4M3FN or F8E5M2");
-  if (data->element_count() != x.element_count()) return invalid("data: must have as many elements as shard");
+  bool e5m2;
+  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, *data, &num_params, &e5m2));
   const int64_t n = static_cast<int64_t>(x.element_count());
   if (n == 0) return ffi::Error::Success();
   if (num_params == 0) {
@@ -810,7 +807,7 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   }
   fp8_group_cast_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
       x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
-      GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), t == ffi::DataType::F8E5M2,
+      GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
   return last_error("fp8 group cast kernel");
 }

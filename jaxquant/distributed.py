@@ -149,14 +149,11 @@ def _check_options(layout, recipe, compute_dtype, columnwise):
             raise ValueError(f"{where}: columnwise=True needs rank-2 weights, got shape {shape}")
 
 
-def _check_shard(shard, layout):
-    if not hasattr(shard, "dtype") or not hasattr(shard, "shape"):
-        raise TypeError(f"shard: must be an array, got {type(shard).__name__}")
-    if jnp.dtype(shard.dtype) not in ops.INPUT_DTYPES:
-        raise TypeError(f"shard: dtype must be float32 or bfloat16, got {shard.dtype}")
-    if tuple(shard.shape) != (layout.shard_size,):
-        raise ValueError(f"shard: the local shard must have shape ({layout.shard_size},) "
-                         f"(layout.shard_size), got {tuple(shard.shape)}")
+def _check_flat(name, x, length, what):
+    """``x`` is a float32/bfloat16 array of shape (length,); ``what`` says where length comes from."""
+    ops._check_input(name, x)
+    if tuple(x.shape) != (length,):
+        raise ValueError(f"{name}: shape must be ({length},) ({what}), got {tuple(x.shape)}")
 
 
 def _axis_size(axis) -> int:
@@ -186,7 +183,7 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     ``all_gather`` (uint8, quantized bytes only).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
-    _check_shard(shard, layout)
+    _check_flat("shard", shard, layout.shard_size, "layout.shard_size")
     ops._check_impl(impl)
     size = _axis_size(axis)
     if size != layout.num_shards:
@@ -340,13 +337,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     if mesh.shape[axis] != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has "
                          f"{mesh.shape[axis]} devices")
-    if not hasattr(master_flat, "dtype") or not hasattr(master_flat, "shape"):
-        raise TypeError(f"master_flat: must be an array, got {type(master_flat).__name__}")
-    if jnp.dtype(master_flat.dtype) not in ops.INPUT_DTYPES:
-        raise TypeError(f"master_flat: dtype must be float32 or bfloat16, got {master_flat.dtype}")
-    if tuple(master_flat.shape) != (layout.total_size,):
-        raise ValueError(f"master_flat: shape must be ({layout.total_size},) (layout.total_size = "
-                         f"num_shards * shard_size), got {tuple(master_flat.shape)}")
+    _check_flat("master_flat", master_flat, layout.total_size, "layout.total_size = num_shards * shard_size")
     options = (("recipe", recipe),
                ("compute_dtype", None if compute_dtype is None else jnp.dtype(compute_dtype)),
                ("columnwise", bool(columnwise)),

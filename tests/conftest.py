@@ -12,9 +12,26 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+import jaxquant  # noqa: E402
+
+# The quantizers under test, jitted (one compile per configuration instead of op-by-op dispatch).
+# Options are always passed explicitly (compute_dtype None unless a test says otherwise), so the tests
+# do not depend on the library's defaults and calls with the same options share one compiled program.
+q_nvfp4 = functools.partial(
+    jax.jit(jaxquant.quantize_nvfp4, static_argnames=("columnwise", "compute_dtype", "impl")),
+    columnwise=False, compute_dtype=None)
+q_fp8 = functools.partial(jax.jit(jaxquant.quantize_fp8, static_argnames=(
+    "dtype", "columnwise", "amax_epsilon", "force_pow_2_scales", "compute_dtype", "impl")),
+    dtype=jnp.float8_e4m3fn, columnwise=False, amax_epsilon=0.0, force_pow_2_scales=False, compute_dtype=None)
+fp8_cast_j = jax.jit(jaxquant.ops.fp8_cast, static_argnames=(
+    "dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
 
 
 def pytest_configure(config):

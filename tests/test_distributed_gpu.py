@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant.layout import FlatLayout
-from tests.conftest import assert_bytes_equal
+from conftest import assert_bytes_equal
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2,

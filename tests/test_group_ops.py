@@ -8,7 +8,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import formats, ops, reference
-from tests.conftest import assert_bytes_equal
+from conftest import assert_bytes_equal
 
 
 def _layout(rng, num_params, num_shards, odd):

@@ -5,7 +5,6 @@ assembly, transposes, non-finite counts, and every error path.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,23 +14,13 @@ import pytest
 
 import jaxquant
 from jaxquant import formats, ops
-from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_edge_inputs,
-                      nvfp4_edge_inputs, random_tiled, requires_gpu)
+from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_cast_j, fp8_edge_inputs,
+                      nvfp4_edge_inputs, q_fp8, q_nvfp4, random_tiled, requires_gpu)
 
 IMPLS = ("reference", "custom_call")
 ON_CPU = jax.default_backend() == "cpu"
 FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
-# Options are always passed explicitly (compute_dtype None unless a test says otherwise), so the tests
-# do not depend on the library's defaults and calls with the same options share one compiled program.
-q_nvfp4 = functools.partial(
-    jax.jit(jaxquant.quantize_nvfp4, static_argnames=("columnwise", "compute_dtype", "impl")),
-    columnwise=False, compute_dtype=None)
-q_fp8 = functools.partial(jax.jit(jaxquant.quantize_fp8, static_argnames=(
-    "dtype", "columnwise", "amax_epsilon", "force_pow_2_scales", "compute_dtype", "impl")),
-    dtype=jnp.float8_e4m3fn, columnwise=False, amax_epsilon=0.0, force_pow_2_scales=False, compute_dtype=None)
-fp8_cast_j = jax.jit(ops.fp8_cast, static_argnames=(
-    "dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
 _cast_j = jax.jit(ops.nvfp4_cast_partial, static_argnames=("rows", "cols", "start", "impl"))
 _dequantize_j = jax.jit(lambda t: t.dequantize())
 _dequantize_t_j = jax.jit(lambda t: t.dequantize_t())

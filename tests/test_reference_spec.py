@@ -6,7 +6,6 @@ expected values, jaxquant is only called (with impl="reference") to produce the 
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,8 @@ import numpy as np
 import pytest
 
 import jaxquant
-from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_edge_inputs,
-                      nvfp4_edge_inputs, random_tiled)
+from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_cast_j, fp8_edge_inputs,
+                      nvfp4_edge_inputs, q_fp8, q_nvfp4, random_tiled)
 
 F32 = np.float32
 FLT_MAX = np.finfo(np.float32).max
@@ -27,17 +26,6 @@ NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, jnp.float8_e4m3fn, 448.0),
           "e5m2": (ml_dtypes.float8_e5m2, jnp.float8_e5m2, 57344.0)}
 
 
-# The quantizers under test, jitted (one compile per configuration instead of op-by-op dispatch).
-# Options are always passed explicitly (compute_dtype None unless a test says otherwise), so the tests
-# do not depend on the library's defaults and calls with the same options share one compiled program.
-q_nvfp4 = functools.partial(
-    jax.jit(jaxquant.quantize_nvfp4, static_argnames=("columnwise", "compute_dtype", "impl")),
-    columnwise=False, compute_dtype=None)
-q_fp8 = functools.partial(jax.jit(jaxquant.quantize_fp8, static_argnames=(
-    "dtype", "columnwise", "amax_epsilon", "force_pow_2_scales", "compute_dtype", "impl")),
-    dtype=jnp.float8_e4m3fn, columnwise=False, amax_epsilon=0.0, force_pow_2_scales=False, compute_dtype=None)
-fp8_cast_j = jax.jit(jaxquant.ops.fp8_cast, static_argnames=(
-    "dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
 
 # Known library bug off the CPU (seen on an H200): XLA:GPU's xla_allow_excess_precision (on by default)
 # elides the fp32 -> bf16 -> fp32 round trip of compute_dtype=bfloat16 inside the pure-JAX reference, so
