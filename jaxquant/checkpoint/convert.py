@@ -2,8 +2,9 @@
 
 Memory: a DCP source is read one chunk at a time and a DCP destination written one chunk at a time, so
 DCP -> DCP peaks at about one chunk. An Orbax source is restored one tensor at a time (Orbax -> DCP peaks
-at about the largest tensor). An Orbax destination assembles tensors in file-backed scratch arrays and is
-saved by Orbax at the end (anonymous memory ~ one chunk; the page cache holds the rest).
+at about the largest tensor). An Orbax destination is written chunk by chunk into the TensorStore arrays of
+the Orbax layout, its zarr chunks aligned to the DCP chunks (peak about one chunk, or one tensor when the DCP
+chunks cannot be aligned to a reasonable zarr grid); see ``orbax_io.OrbaxSink``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class DcpSource:
         self.r.check_coverage(e)
         return self.r.read_boxes(e, [((0,) * len(e.size), tuple(e.size))])[0]
 
+    def boxes(self, key):
+        """(offsets, sizes) of the stored chunks of tensor ``key``."""
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in self.md.entries[key].chunks]
+
     def chunks(self, key):
         e = self.md.entries[key]
         self.r.check_coverage(e)
@@ -72,7 +77,7 @@ class DcpSink:
         fsutil.make_staging(self.staging)
         self.w = DcpWriter(self.staging, 0)
 
-    def declare_tensor(self, key, dtype, shape, parts=None):
+    def declare_tensor(self, key, dtype, shape, parts=None, boxes=None):
         self.w.declare_tensor(key, dtype, shape, parts)
 
     def write_chunk(self, key, offsets, arr):
@@ -162,15 +167,21 @@ def convert(src: str, dst: str, *, to: str, dequantize=None, transpose: Iterable
                 if source.kind(key) == "value":
                     sink.write_value(key, source.value_pickle(key), parts)
                     continue
+                # the boxes the chunks will have (lets an Orbax sink align its zarr chunks to them)
+                boxes = source.boxes(key) if hasattr(source, "boxes") else None
                 if dq is not None and key in quant:
                     info = quant[key]
                     shape = tuple(info["shape"])
                     chunks, dtype = _dequantized_chunks(source, key, info, dq), dq
+                    if boxes is not None and info["format"] == "nvfp4":
+                        boxes = [((o[0], 2 * o[1]), (s[0], 2 * s[1])) for o, s in boxes]
                 else:
                     dtype, shape = source.tensor_meta(key)
                     chunks = source.chunks(key)
                 tr = tmap.check(key, shape, quantized=key in comp_keys and dq is None)
-                sink.declare_tensor(key, dtype, shape[::-1] if tr else shape, parts)
+                if tr and boxes is not None:
+                    boxes = [(tuple(o)[::-1], tuple(s)[::-1]) for o, s in boxes]
+                sink.declare_tensor(key, dtype, shape[::-1] if tr else shape, parts, boxes=boxes)
                 for off, arr in chunks:
                     if tr:
                         arr, off = np.ascontiguousarray(arr.T), tuple(off)[::-1]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
+import time
 
 import numpy as np
 
@@ -121,52 +123,178 @@ class OrbaxSource:
         pass
 
 
+# Orbax's layout of a PyTree checkpoint (orbax-checkpoint 0.12; what ``PyTreeCheckpointer().save`` of a flat
+# ``{key: np.ndarray, EXTRA_KEY: str}`` dict writes, and what its restore reads):
+#   manifest.ocdbt + d/...   one OCDBT key-value store (TensorStore) holding a zarr v2 array per key, at
+#                            kvstore path ``key``, zstd level 1, data equal to the fill value still stored
+#   _strings.json            {"<key>": "<string>"} for string leaves
+#   _METADATA                {"tree_metadata": {"('<key>',)": {...value_type...}}, "use_ocdbt": true, ...}
+#   _CHECKPOINT_METADATA     handler name + timestamps
+# Orbax writes the arrays into ``ocdbt.process_<i>/`` and merges them into the top-level store; with one
+# writer we write the top-level store directly (Orbax restores it the same way).
+_OCDBT_TARGET_FILE_BYTES = 2 ** 31  # Orbax's default OCDBT target data file size, also its zarr chunk cap
+_OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"}
+_TS_CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 100000000}, "file_io_concurrency": {"limit": 128}}
+_PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+# Staged writes are committed once this many bytes are pending (small tensors share a commit; a chunk at least
+# this large is committed on its own), so at most ~FLUSH_BYTES + one chunk is held.
+FLUSH_BYTES = 8 << 20
+# A zarr chunk grid aligned to the DCP chunks is used unless its chunks would be smaller than this (e.g. odd
+# uneven splits); then the tensor gets one zarr chunk (capped at 2 GiB) and is committed whole.
+MIN_ALIGNED_CHUNK_BYTES = 1 << 20
+
+
+def _kvstore_spec(directory: str) -> dict:
+    base = {"driver": "file", "path": directory.rstrip("/") + "/"}
+    return {"driver": "ocdbt", "base": {**base, "file_io_locking": {"mode": "non_atomic"}}, "manifest": base,
+            "target_data_file_size": _OCDBT_TARGET_FILE_BYTES, "config": dict(_OCDBT_CONFIG),
+            "assume_config": True, "cache_pool": "cache_pool#ocdbt"}
+
+
+def _cap_chunk(chunk, itemsize, cap=_OCDBT_TARGET_FILE_BYTES):
+    """Split ``chunk`` (by a divisor of one dim at a time, largest dim first) until it has <= cap bytes."""
+    chunk = list(chunk)
+    while volume(chunk) * itemsize > cap and any(c > 1 for c in chunk):
+        d = max(range(len(chunk)), key=lambda i: chunk[i])
+        n = chunk[d]
+        chunk[d] = n // next(p for p in range(2, n + 1) if n % p == 0)
+    return tuple(chunk)
+
+
+def zarr_chunk_shape(shape, boxes, itemsize) -> tuple[tuple, bool]:
+    """(zarr chunk shape, aligned): aligned when every zarr chunk lies inside one of ``boxes``.
+
+    ``boxes``: the (offsets, sizes) of the chunks that will be written (they tile ``shape``), or None. Per
+    dimension the chunk size is the gcd of the interior chunk boundaries, so grid cells never straddle a
+    boundary and each written region is a union of whole zarr chunks (written without reading anything back).
+    """
+    shape = tuple(int(n) for n in shape)
+    whole = _cap_chunk(shape, itemsize)
+    if not boxes:
+        return whole, False
+    grid = []
+    for d, n in enumerate(shape):
+        g = 0
+        for off, size in boxes:
+            for cut in (int(off[d]), int(off[d]) + int(size[d])):
+                if 0 < cut < n:
+                    g = math.gcd(g, cut)
+        grid.append(g or n)
+    grid = _cap_chunk(grid, itemsize)
+    if volume(grid) * itemsize < MIN_ALIGNED_CHUNK_BYTES and volume(grid) < volume(shape):
+        return whole, False
+    return grid, True
+
+
 class OrbaxSink:
-    """Assembles each tensor in a file-backed scratch array, then writes one Orbax checkpoint."""
+    """Writes an Orbax PyTree checkpoint chunk by chunk, straight into its TensorStore arrays.
+
+    Each tensor is a zarr array in the checkpoint's OCDBT store (the spec Orbax would use), with a zarr chunk
+    grid aligned to the incoming chunks when they are known (``declare_tensor(..., boxes=...)``). Chunks are
+    staged in a TensorStore transaction that is committed every ``FLUSH_BYTES``, so memory stays about one
+    chunk (one tensor when the grid cannot be aligned). ``commit`` adds Orbax's metadata files and renames.
+    """
 
     def __init__(self, dst: str):
+        import tensorstore as ts
+
+        self._ts = ts
         self.dst = os.path.abspath(dst)
         fsutil.check_destination(dst)
         self.staging = fsutil.staging_path(dst)
-        self.scratch = self.staging + "-scratch"
-        fsutil.make_staging(self.scratch)
-        self.arrays, self.values, self.empty, self.planner, self.order = {}, {}, {}, {}, []
+        fsutil.make_staging(self.staging)
+        self._ctx = ts.Context(_TS_CONTEXT)
+        self._kv = _kvstore_spec(self.staging)
+        self._txn, self._pending = ts.Transaction(), 0
+        self._cur = None  # (key, TensorStore in the transaction, aligned)
+        self.arrays, self.values, self.empty, self.planner, self.order = [], {}, {}, {}, []
 
-    def declare_tensor(self, key, dtype, shape, parts=None):
+    def _flush(self):
+        """Commit the staged writes (new zarr arrays and chunks) to the OCDBT store; start a new transaction."""
+        self._txn.commit_async().result()
+        self._txn, self._pending = self._ts.Transaction(), 0
+        if self._cur is not None:
+            key, t, aligned = self._cur
+            self._cur = (key, t.with_transaction(self._txn), aligned)
+
+    def _end_tensor(self):
+        if self._cur is not None and self._pending >= FLUSH_BYTES:
+            self._flush()
+        self._cur = None
+
+    def declare_tensor(self, key, dtype, shape, parts=None, boxes=None):
+        self._end_tensor()
         self.order.append(key)
         self.planner[key] = list(parts or (key,))
+        dtype = np.dtype(dtype)
         if volume(shape) == 0:
             self.empty[key] = [dt.to_torch_name(dtype, what=f"key {key!r}"), list(shape)]
             return
         dt.to_torch_name(dtype, what=f"key {key!r}")
-        self.arrays[key] = np.memmap(os.path.join(self.scratch, f"{len(self.arrays)}.bin"), dtype=dtype,
-                                     mode="w+", shape=tuple(shape))
+        if key == EXTRA_KEY:
+            raise CheckpointError(f"key {key!r} is reserved for jaxquant's Orbax metadata leaf")
+        if boxes is not None:
+            boxes = [(tuple(o), tuple(s)) for o, s in boxes if volume(s) > 0]
+        chunks, aligned = zarr_chunk_shape(shape, boxes, dtype.itemsize)
+        spec = {"driver": "zarr", "kvstore": {**self._kv, "path": key}, "recheck_cached_data": False,
+                "recheck_cached_metadata": False, "store_data_equal_to_fill_value": True,
+                "metadata": {"shape": [int(n) for n in shape], "chunks": list(chunks),
+                             "compressor": {"id": "zstd", "level": 1}},
+                "dtype": self._ts.dtype(dtype).name}
+        try:
+            t = self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx, transaction=self._txn).result()
+        except Exception as e:
+            raise CheckpointError(f"key {key!r}: cannot create its Orbax/TensorStore array ({e})") from e
+        self._cur = (key, t, aligned)
+        self.arrays.append(key)
 
     def write_chunk(self, key, offsets, arr):
         if key in self.empty:
             return 0
-        mm = self.arrays[key]
+        if self._cur is None or self._cur[0] != key:
+            raise CheckpointError(f"key {key!r}: chunk written outside its declare_tensor")
+        _, t, aligned = self._cur
         hi = tuple(o + s for o, s in zip(offsets, arr.shape))
-        mm[rel_slices(offsets, hi, (0,) * len(offsets))] = arr
+        region = rel_slices(offsets, hi, (0,) * len(offsets))
+        # the transaction keeps a reference to ``arr`` (not a copy) until it is committed
+        t[region].write(np.require(arr, requirements="C"), can_reference_source_data_indefinitely=True).result()
+        self._pending += arr.nbytes
+        if aligned and self._pending >= FLUSH_BYTES:
+            self._flush()
         return arr.nbytes
 
     def write_value(self, key, pickled, parts=None):
+        self._end_tensor()
         self.order.append(key)
         self.planner[key] = list(parts or (key,))
         self.values[key] = base64.b64encode(pickled).decode()
 
+    def _write_json(self, name, obj):
+        with open(os.path.join(self.staging, name), "w") as f:
+            json.dump(obj, f)
+
     def commit(self):
-        tree = {k: np.asarray(mm) for k, mm in self.arrays.items()}  # plain views of the scratch files
-        for mm in self.arrays.values():
-            mm.flush()
-        tree[EXTRA_KEY] = json.dumps({"version": 1, "values": self.values, "empty": self.empty,
-                                      "planner": self.planner, "order": self.order})
-        _ocp().PyTreeCheckpointer().save(self.staging, tree)
-        self.arrays.clear()
-        fsutil.remove(self.scratch)
+        t0 = time.time_ns()
+        self._flush()
+        self._cur, self._txn = None, None
+        extra = json.dumps({"version": 1, "values": self.values, "empty": self.empty,
+                            "planner": self.planner, "order": self.order})
+        self._write_json("_strings.json", {EXTRA_KEY: extra})
+        leaves = {k: "np.ndarray" for k in self.arrays}
+        leaves[EXTRA_KEY] = "string"
+        self._write_json("_METADATA", {
+            "tree_metadata": {str((k,)): {"key_metadata": [{"key": k, "key_type": 2}],
+                                          "value_metadata": {"value_type": leaves[k], "skip_deserialize": False}}
+                              for k in sorted(leaves)},
+            "use_ocdbt": True, "use_zarr3": False, "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None})
+        self._write_json("_CHECKPOINT_METADATA", {
+            "item_handlers": _PYTREE_HANDLER, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": t0, "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
+        with open(os.path.join(self.staging, "commit_success.txt"), "w") as f:
+            f.write(f"Checkpoint commit was successful to {self.dst}")
         fsutil.commit(self.staging, self.dst)
 
     def abort(self):
-        self.arrays.clear()
-        fsutil.remove(self.scratch)
+        self._cur, self._txn = None, None
         fsutil.remove(self.staging)
