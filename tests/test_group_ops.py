@@ -148,9 +148,9 @@ def test_group_ops_reject_bad_arguments():
         ops.fp8_group_cast(shard, jnp.int32(0), jnp.zeros((1,)), table=table, num_shards=2, impl="fast")
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="the CPU handler reads the index on the host; GPU kernels treat it as owning nothing")
 def test_group_handler_rejects_out_of_range_shard_index_on_cpu():
-    if jax.default_backend() != "cpu":
-        pytest.skip("the CPU handler reads the index on the host; GPU kernels treat it as owning nothing")
     table = ops.group_table([0], [(16, 16)], num_shards=2, shard_size=128, nvfp4=True)
     with pytest.raises(Exception, match="shard_index"):
         jax.block_until_ready(ops.nvfp4_group_cast(jnp.zeros((128,)), jnp.int32(5), jnp.zeros((1,)), table=table,
