@@ -134,14 +134,36 @@ class OrbaxSource:
 # writer we write the top-level store directly (Orbax restores it the same way).
 _OCDBT_TARGET_FILE_BYTES = 2 ** 31  # Orbax's default OCDBT target data file size, also its zarr chunk cap
 _OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"}
-_TS_CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 100000000}, "file_io_concurrency": {"limit": 128}}
+# Orbax's TensorStore context, except: no OCDBT node cache (Orbax keeps up to 100 MB; with one commit per
+# ~FLUSH_BYTES it fills with what was written and RSS grows with the checkpoint) and one data-copy/compression
+# thread (the writes are sequential anyway; fewer threads = fewer malloc arenas holding freed chunk buffers).
+_TS_CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 128},
+               "data_copy_concurrency": {"limit": 1}}
 _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 # Staged writes are committed once this many bytes are pending (small tensors share a commit; a chunk at least
 # this large is committed on its own), so at most ~FLUSH_BYTES + one chunk is held.
-FLUSH_BYTES = 8 << 20
+FLUSH_BYTES = 4 << 20
 # A zarr chunk grid aligned to the DCP chunks is used unless its chunks would be smaller than this (e.g. odd
 # uneven splits); then the tensor gets one zarr chunk (capped at 2 GiB) and is committed whole.
 MIN_ALIGNED_CHUNK_BYTES = 1 << 20
+
+
+def _release_free_memory():
+    """Return freed heap memory to the OS (glibc keeps it in per-thread arenas; compressed chunk buffers freed
+    by TensorStore's threads would otherwise stay resident). No-op where ``malloc_trim`` does not exist."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _kvstore_spec(directory: str) -> dict:
@@ -191,8 +213,8 @@ class OrbaxSink:
 
     Each tensor is a zarr array in the checkpoint's OCDBT store (the spec Orbax would use), with a zarr chunk
     grid aligned to the incoming chunks when they are known (``declare_tensor(..., boxes=...)``). Chunks are
-    staged in a TensorStore transaction that is committed every ``FLUSH_BYTES``, so memory stays about one
-    chunk (one tensor when the grid cannot be aligned). ``commit`` adds Orbax's metadata files and renames.
+    staged in a TensorStore transaction that is committed every ``FLUSH_BYTES``, so memory stays a few times
+    the largest chunk (the largest tensor when its grid cannot be aligned). ``commit`` adds Orbax's metadata files and renames.
     """
 
     def __init__(self, dst: str):
@@ -206,6 +228,7 @@ class OrbaxSink:
         self._ctx = ts.Context(_TS_CONTEXT)
         self._kv = _kvstore_spec(self.staging)
         self._txn, self._pending = ts.Transaction(), 0
+        self._t0 = time.time_ns()
         self._cur = None  # (key, TensorStore in the transaction, aligned)
         self.arrays, self.values, self.empty, self.planner, self.order = [], {}, {}, {}, []
 
@@ -213,6 +236,7 @@ class OrbaxSink:
         """Commit the staged writes (new zarr arrays and chunks) to the OCDBT store; start a new transaction."""
         self._txn.commit_async().result()
         self._txn, self._pending = self._ts.Transaction(), 0
+        _release_free_memory()
         if self._cur is not None:
             key, t, aligned = self._cur
             self._cur = (key, t.with_transaction(self._txn), aligned)
@@ -236,12 +260,12 @@ class OrbaxSink:
         if boxes is not None:
             boxes = [(tuple(o), tuple(s)) for o, s in boxes if volume(s) > 0]
         chunks, aligned = zarr_chunk_shape(shape, boxes, dtype.itemsize)
-        spec = {"driver": "zarr", "kvstore": {**self._kv, "path": key}, "recheck_cached_data": False,
-                "recheck_cached_metadata": False, "store_data_equal_to_fill_value": True,
-                "metadata": {"shape": [int(n) for n in shape], "chunks": list(chunks),
-                             "compressor": {"id": "zstd", "level": 1}},
-                "dtype": self._ts.dtype(dtype).name}
         try:
+            spec = {"driver": "zarr", "kvstore": {**self._kv, "path": key}, "recheck_cached_data": False,
+                    "recheck_cached_metadata": False, "store_data_equal_to_fill_value": True,
+                    "metadata": {"shape": [int(n) for n in shape], "chunks": list(chunks),
+                                 "compressor": {"id": "zstd", "level": 1}},
+                    "dtype": self._ts.dtype(dtype).name}
             t = self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx, transaction=self._txn).result()
         except Exception as e:
             raise CheckpointError(f"key {key!r}: cannot create its Orbax/TensorStore array ({e})") from e
@@ -274,7 +298,6 @@ class OrbaxSink:
             json.dump(obj, f)
 
     def commit(self):
-        t0 = time.time_ns()
         self._flush()
         self._cur, self._txn = None, None
         extra = json.dumps({"version": 1, "values": self.values, "empty": self.empty,
@@ -290,7 +313,7 @@ class OrbaxSink:
             "custom_metadata": None})
         self._write_json("_CHECKPOINT_METADATA", {
             "item_handlers": _PYTREE_HANDLER, "metrics": {}, "performance_metrics": {},
-            "init_timestamp_nsecs": t0, "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
+            "init_timestamp_nsecs": self._t0, "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
         with open(os.path.join(self.staging, "commit_success.txt"), "w") as f:
             f.write(f"Checkpoint commit was successful to {self.dst}")
         fsutil.commit(self.staging, self.dst)
