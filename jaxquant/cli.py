@@ -37,7 +37,6 @@ DEMO_SHAPES = {
 def run_demo(args) -> int:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import jaxquant as jq
 

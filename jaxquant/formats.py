@@ -15,7 +15,6 @@ FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
-E2M1_MAX = 6.0
 # 6 * 448: the largest value an NVFP4 element times its E4M3 tile scale can represent.
 NVFP4_GLOBAL_RANGE = np.float32(2688.0)
 # The fp32 constant 1.0f/6.0f (0x3E2AAAAB) the tile-scale formula uses.

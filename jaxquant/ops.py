@@ -294,17 +294,24 @@ def group_table(offsets, shapes, *, num_shards: int, shard_size: int, nvfp4: boo
     return np.asarray(rows_out, np.int64).reshape(-1, 6)
 
 
-def _check_group_args(shard, shard_index, table, shard_size):
+def _check_group_args(impl, shard, shard_index, table):
+    """Validates the common arguments of the grouped ops.
+
+    Returns (table as int64 [P, 6], shard index as an int32 scalar, the table as nested tuples of
+    ints for the reference, the number of tiles T of the group)."""
+    _check_impl(impl)
     _check_input("shard", shard)
-    if shard.ndim != 1 or shard.shape[0] != shard_size:
-        raise ValueError(f"shard: must have shape ({shard_size},), got {tuple(shard.shape)}")
+    if shard.ndim != 1:
+        raise ValueError(f"shard: must have shape (shard_size,) (rank 1), got {tuple(shard.shape)}")
     if not hasattr(shard_index, "dtype") or not jnp.issubdtype(shard_index.dtype, jnp.integer) or shard_index.size != 1:
         raise TypeError(f"shard_index: must be an integer scalar array (e.g. lax.axis_index), got "
                         f"{getattr(shard_index, 'dtype', type(shard_index).__name__)}")
     table = np.asarray(table)
     if table.ndim != 2 or table.shape[1] != 6 or table.dtype != np.int64:
         raise ValueError("table: must be the int64 [P, 6] array built by ops.group_table")
-    return table, jnp.reshape(shard_index, ()).astype(jnp.int32)
+    rows = tuple(tuple(int(c) for c in row) for row in table)
+    num_tiles = int(table[:, 1].sum() // (TILE * TILE))
+    return table, jnp.reshape(shard_index, ()).astype(jnp.int32), rows, num_tiles
 
 
 def _i64_operand(a: np.ndarray) -> jax.Array:
@@ -317,16 +324,14 @@ def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_
     """Tile amax of every parameter of the group over this shard's elements, packed [T] (tile
     ``table[p, 4] + i * cols/16 + j``), tiles the shard does not touch 0; with ``return_nonfinite``
     also the int32 [P] count of NaN/±inf elements per parameter (same pass over memory)."""
-    _check_impl(impl)
-    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
-    num_tiles = int(table[:, 1].sum() // (TILE * TILE))
+    table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
     outs = [jax.ShapeDtypeStruct((num_tiles,), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
 
     def custom(v, r):
         return tuple(_ffi.call("jq_nvfp4_group_tile_amax", outs, v, r, _i64_operand(table)))
 
     def ref(v, r):
-        return reference.nvfp4_group_tile_amax(v, r, table=[tuple(int(c) for c in row) for row in table],
+        return reference.nvfp4_group_tile_amax(v, r, table=rows,
                                                num_shards=num_shards)
 
     result = _dispatch(impl, custom, ref, shard, index)
@@ -342,9 +347,7 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
     elements it does not own are 0, so a byte split between two shards is the OR of their chunks.
     ``enc``: fp32 [T] encode multiplier of every tile (``formats.nvfp4_tile_encode``).
     """
-    _check_impl(impl)
-    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
-    num_tiles = int(table[:, 1].sum() // (TILE * TILE))
+    table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
     _check_array("enc", enc, jnp.float32, (num_tiles,))
     chunk_lo = np.asarray(chunk_lo, np.int64)
     if chunk_lo.shape != (num_shards,):
@@ -355,7 +358,7 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
         return _ffi.call("jq_nvfp4_group_cast", [out], v, r, _i64_operand(table), _i64_operand(chunk_lo), e)[0]
 
     def ref(v, r, e):
-        return reference.nvfp4_group_cast(v, r, e, table=[tuple(int(c) for c in row) for row in table],
+        return reference.nvfp4_group_cast(v, r, e, table=rows,
                                           num_shards=num_shards, chunk_lo=chunk_lo, chunk_size=chunk_size)
 
     return _dispatch(impl, custom, ref, shard, index, enc)
@@ -365,15 +368,14 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfini
                    impl: str = "auto"):
     """amax of every parameter over this shard's elements [P] (0 where it owns none); with
     ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory)."""
-    _check_impl(impl)
-    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
+    table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
     outs = [jax.ShapeDtypeStruct((table.shape[0],), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
 
     def custom(v, r):
         return tuple(_ffi.call("jq_fp8_group_amax", outs, v, r, _i64_operand(table)))
 
     def ref(v, r):
-        return reference.fp8_group_amax(v, r, table=[tuple(int(c) for c in row) for row in table],
+        return reference.fp8_group_amax(v, r, table=rows,
                                         num_shards=num_shards)
 
     result = _dispatch(impl, custom, ref, shard, index)
@@ -384,10 +386,9 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=j
                    impl: str = "auto") -> jax.Array:
     """fp8 [n]: each element of the shard times its parameter's ``scale`` (fp32 [P]), RNE,
     saturating; elements outside every parameter (alignment padding) are 0."""
-    _check_impl(impl)
+    table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
     formats.fp8_max(dtype)
     dtype = jnp.dtype(dtype)
-    table, index = _check_group_args(shard, shard_index, table, shard.shape[0] if shard.ndim == 1 else -1)
     _check_array("scale", scale, jnp.float32, (table.shape[0],))
     out = jax.ShapeDtypeStruct(shard.shape, dtype)
 
@@ -395,7 +396,7 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=j
         return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s)[0]
 
     def ref(v, r, s):
-        return reference.fp8_group_cast(v, r, s, table=[tuple(int(c) for c in row) for row in table],
+        return reference.fp8_group_cast(v, r, s, table=rows,
                                         num_shards=num_shards, dtype=dtype)
 
     return _dispatch(impl, custom, ref, shard, index, scale)

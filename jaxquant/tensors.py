@@ -11,7 +11,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxquant import formats
 
 
 @jax.tree_util.register_dataclass

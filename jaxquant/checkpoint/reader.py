@@ -58,19 +58,20 @@ class ChunkReader:
                                          f"{want}{list(c.sizes)}")
         return arr
 
-    def value(self, e: BytesEntry) -> Any:
+    def _read_entry(self, e: BytesEntry, read):
         what = f"{self.root}: byte entry {e.key!r}"
         if e.storage is None:
             raise CorruptCheckpointError(f"{what}: no storage entry in .metadata")
-        return torchsave.read_value(self._file(e.storage.relative_path, e.key), e.storage.offset,
-                                    e.storage.length, what, self.verify)
+        return read(self._file(e.storage.relative_path, e.key), e.storage.offset, e.storage.length, what,
+                    self.verify)
+
+    def value(self, e: BytesEntry) -> Any:
+        """The Python value of a byte entry."""
+        return self._read_entry(e, torchsave.read_value)
 
     def value_pickle(self, e: BytesEntry) -> bytes:
-        what = f"{self.root}: byte entry {e.key!r}"
-        if e.storage is None:
-            raise CorruptCheckpointError(f"{what}: no storage entry in .metadata")
-        return torchsave.read_value_pickle(self._file(e.storage.relative_path, e.key), e.storage.offset,
-                                           e.storage.length, what, self.verify)
+        """The raw pickle of a byte entry (to copy it verbatim)."""
+        return self._read_entry(e, torchsave.read_value_pickle)
 
     def check_coverage(self, e: TensorEntry) -> None:
         problems = coverage_problems(e)
