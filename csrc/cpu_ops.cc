@@ -16,7 +16,7 @@
 namespace jaxquant {
 namespace {
 
-// XLA:CPU runs handlers on threads with flush-to-zero and denormals-are-zero set; SPEC asks for
+// XLA:CPU runs handlers on threads with flush-to-zero and denormals-are-zero set; docs/numerics.md asks for
 // IEEE arithmetic, subnormals included, so each handler clears both for its duration.
 class IeeeSubnormals {
  public:

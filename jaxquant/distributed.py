@@ -1,4 +1,4 @@
-"""Quantize ZeRO-sharded fp32 master weights to FP8 / NVFP4 model weights (SPEC §3).
+"""Quantize ZeRO-sharded fp32 master weights to FP8 / NVFP4 model weights (docs/numerics.md §3).
 
 Per device, under ``shard_map`` over the data-parallel mesh axis ``axis``:
 
@@ -325,7 +325,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ``columnwise``: also produce the columnwise data (``data_t`` and, for NVFP4, ``scale_inv_t``); with
     ``manual_post_all_gather_processing=True`` (default) it is left to the caller, who runs
     :func:`post_all_gather_processing` when it suits (e.g. overlapped with the next layer's compute).
-    ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (SPEC §1).
+    ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (docs/numerics.md §1).
     Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)

@@ -1,4 +1,4 @@
-"""Format constants, layout arithmetic and the scale formulas of SPEC §1 and §2.
+"""Format constants, layout arithmetic and the scale formulas of docs/numerics.md §1 and §2.
 
 The scale formulas are written once here in jnp and used by every pure-JAX path; the C++/CUDA
 side has the same formulas in ``csrc/jaxquant/numerics.h``. Both must agree bit for bit.
@@ -48,7 +48,7 @@ def fp8_max(dtype) -> float:
 
 
 def nvfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
-    """Padded shape of the E4M3 scale array of a [rows, cols] NVFP4 tensor (SPEC §2.7)."""
+    """Padded shape of the E4M3 scale array of a [rows, cols] NVFP4 tensor (docs/numerics.md §2.7)."""
     return round_up(rows, 128), round_up(cols // TILE, 4)
 
 
@@ -146,14 +146,14 @@ def to_compute_dtype(x: jax.Array, dtype) -> jax.Array:
 
 
 def abs_ignoring_nan(x: jax.Array) -> jax.Array:
-    """|x| in fp32 with NaN replaced by 0, so a max over it ignores NaN (SPEC §1.1)."""
+    """|x| in fp32 with NaN replaced by 0, so a max over it ignores NaN (docs/numerics.md §1.1)."""
     x = x.astype(jnp.float32)
     return jnp.where(jnp.isnan(x), jnp.float32(0), jnp.abs(x))
 
 
 def fp8_scale_from_amax(amax, fp8_max_value: float, amax_epsilon: float = 0.0,
                         force_pow_2_scales: bool = False):
-    """SPEC §1 steps 2-5: returns (scale, scale_inv), fp32 scalars."""
+    """docs/numerics.md §1 steps 2-5: returns (scale, scale_inv), fp32 scalars."""
     amax = jnp.asarray(amax, jnp.float32)
     a = jnp.fmax(amax, jnp.float32(amax_epsilon))
     degenerate = (a == 0) | jnp.isinf(a) | jnp.isnan(a)
@@ -167,7 +167,7 @@ def fp8_scale_from_amax(amax, fp8_max_value: float, amax_epsilon: float = 0.0,
 
 
 def nvfp4_global_encode_scale(amax):
-    """SPEC §2 step 2: S_enc from the global amax (fp32 scalar)."""
+    """docs/numerics.md §2 step 2: S_enc from the global amax (fp32 scalar)."""
     amax = jnp.asarray(amax, jnp.float32)
     degenerate = (amax == 0) | ~jnp.isfinite(amax)
     safe = jnp.where(degenerate, jnp.float32(1), jnp.fmax(amax, FLT_MIN))
@@ -176,17 +176,17 @@ def nvfp4_global_encode_scale(amax):
 
 
 def nvfp4_global_decode_scale(amax):
-    """SPEC §2 step 3: S_dec = 1 / S_enc."""
+    """docs/numerics.md §2 step 3: S_dec = 1 / S_enc."""
     return div_rn(jnp.float32(1), nvfp4_global_encode_scale(amax))
 
 
 def nvfp4_tile_scale(tile_amax, s_enc):
-    """SPEC §2 step 4 before the E4M3 cast: fp32 tile decode scale."""
+    """docs/numerics.md §2 step 4 before the E4M3 cast: fp32 tile decode scale."""
     return jnp.fmin(tile_amax * (s_enc * C6), FLT_MAX)  # fmin: a NaN operand is ignored
 
 
 def nvfp4_tile_encode(s8_value, s_dec):
-    """SPEC §2 step 5: per-tile encode multiplier from the stored E4M3 scale value."""
+    """docs/numerics.md §2 step 5: per-tile encode multiplier from the stored E4M3 scale value."""
     denom = s8_value * s_dec
     zero = denom == 0  # s8 == 0, or the product underflowed: 1/0 = inf -> FLT_MAX either way
     safe = jnp.where(zero, jnp.float32(1), denom)

@@ -1,4 +1,4 @@
-"""ZeRO-style flat layout of a parameter group (SPEC §3).
+"""ZeRO-style flat layout of a parameter group (docs/numerics.md §3).
 
 A :class:`FlatLayout` lays the row-major elements of an ordered list of parameters end to end in
 one flat buffer (parameter ``p`` starts at element ``param_offsets[p]``, optionally after alignment

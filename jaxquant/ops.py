@@ -5,7 +5,7 @@ Every op takes ``impl``:
   "custom_call"  the XLA FFI custom call (error if the extension is not built),
   "auto"         the custom call on each platform it is built for, the reference elsewhere.
 
-Arguments are checked at trace time; errors name the argument and the rule (SPEC §5).
+Arguments are checked at trace time; errors name the argument and the rule (docs/numerics.md §5).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _scalar(x) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 (SPEC §1)
+# FP8 (docs/numerics.md §1)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -154,7 +154,7 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
 
 
 # ----------------------------------------------------------------------------------------------
-# NVFP4 2D (SPEC §2)
+# NVFP4 2D (docs/numerics.md §2)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -251,7 +251,7 @@ def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto"
 
 
 # ----------------------------------------------------------------------------------------------
-# Grouped primitives over one shard of a ZeRO flat buffer (SPEC §3)
+# Grouped primitives over one shard of a ZeRO flat buffer (docs/numerics.md §3)
 # ----------------------------------------------------------------------------------------------
 #
 # One call covers every parameter of a group, and the shard index is a traced value (e.g.

@@ -19,7 +19,7 @@ def _to_compute_dtype(x, compute_dtype):
 
 def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_epsilon: float = 0.0,
                  force_pow_2_scales: bool = False, compute_dtype=jnp.bfloat16, impl: str = "auto") -> Float8Tensor:
-    """FP8 per-tensor current scaling of ``x`` (SPEC §1).
+    """FP8 per-tensor current scaling of ``x`` (docs/numerics.md §1).
 
     ``compute_dtype`` (default bfloat16, as TransformerEngine converts the master weight to the
     model's compute dtype first) casts ``x`` with RNE before quantizing; None quantizes ``x`` as is.
@@ -35,7 +35,7 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_e
 
 
 def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=jnp.bfloat16, impl: str = "auto") -> NVFP4Tensor:
-    """NVFP4 with 2D 16x16 block scaling of a [M, K] tensor (SPEC §2).
+    """NVFP4 with 2D 16x16 block scaling of a [M, K] tensor (docs/numerics.md §2).
 
     ``compute_dtype`` as in ``quantize_fp8`` (default bfloat16; None quantizes ``x`` as is).
     """

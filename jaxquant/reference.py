@@ -1,4 +1,4 @@
-"""Pure-JAX reference of every primitive: the executable form of SPEC §1 and §2.
+"""Pure-JAX reference of every primitive: the executable form of docs/numerics.md §1 and §2.
 
 Each function here has a custom-call twin in ``jaxquant.ops`` that must match it bit for bit.
 No validation happens here; ``jaxquant.ops`` validates arguments before dispatching.
@@ -19,7 +19,7 @@ from jaxquant.formats import TILE
 
 
 def to_fp8_saturating(v: jax.Array, dtype) -> jax.Array:
-    """fp32 -> fp8, RNE, finite overflow and ±inf saturate to ±max, NaN stays NaN (SPEC §1.6)."""
+    """fp32 -> fp8, RNE, finite overflow and ±inf saturate to ±max, NaN stays NaN (docs/numerics.md §1.6)."""
     m = jnp.float32(formats.fp8_max(dtype))
     return jnp.clip(v.astype(jnp.float32), -m, m).astype(dtype)
 
@@ -36,7 +36,7 @@ def e4m3_bits_to_fp32(bits: jax.Array) -> jax.Array:
 def fp32_to_e2m1_code(v: jax.Array) -> jax.Array:
     """fp32 -> E2M1 code (uint8 0..15), RNE on the E2M1 grid, saturating to ±6, sign kept.
 
-    The magnitude code counts the decision boundaries at or below |v|; at a tie (SPEC §2.6) the
+    The magnitude code counts the decision boundaries at or below |v|; at a tie (docs/numerics.md §2.6) the
     even code wins, so boundaries below an even code are strict (>) and those below an odd code
     are inclusive (>=). NaN maps to code 7, as the C++ path does (NaN is outside the contract).
     """
@@ -64,7 +64,7 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 per-tensor current scaling (SPEC §1)
+# FP8 per-tensor current scaling (docs/numerics.md §1)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -89,7 +89,7 @@ def fp8_cast(x, amax_value, *, dtype, amax_epsilon=0.0, force_pow_2_scales=False
 
 
 # ----------------------------------------------------------------------------------------------
-# NVFP4, 2D 16x16 block scaling (SPEC §2)
+# NVFP4, 2D 16x16 block scaling (docs/numerics.md §2)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -124,7 +124,7 @@ def nvfp4_scale(tile_amax: jax.Array, amax_value: jax.Array, *, rows: int, cols:
 
 
 def tile_encode(scale_inv: jax.Array, amax_value: jax.Array, rows: int, cols: int) -> jax.Array:
-    """Per-tile encode multiplier [rows/16, cols/16] from the stored scales (SPEC §2.5)."""
+    """Per-tile encode multiplier [rows/16, cols/16] from the stored scales (docs/numerics.md §2.5)."""
     s_dec = formats.nvfp4_global_decode_scale(jnp.reshape(amax_value, ()))
     s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
     # Materialize the per-tile values: without the barrier XLA fuses them into the per-element
@@ -181,7 +181,7 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# Grouped primitives over one shard of a ZeRO flat buffer (SPEC §3)
+# Grouped primitives over one shard of a ZeRO flat buffer (docs/numerics.md §3)
 # ----------------------------------------------------------------------------------------------
 #
 # ``table`` is the static int64 [P, 6] parameter table built by ``ops.group_table``: per parameter

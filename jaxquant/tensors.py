@@ -1,6 +1,6 @@
 """Quantized tensor types: pytrees that travel through jit, device_put and sharding.
 
-Layouts are exactly SPEC §1.7 (FP8) and §2.7 (NVFP4). The logical shape is static metadata.
+Layouts are exactly docs/numerics.md §1.7 (FP8) and §2.7 (NVFP4). The logical shape is static metadata.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Float8Tensor:
         return self.data.dtype
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """SPEC §1.8: float(data) * scale_inv."""
+        """docs/numerics.md §1.8: float(data) * scale_inv."""
         return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
 
 
@@ -67,7 +67,7 @@ class NVFP4Tensor:
         return jnp.dtype(jnp.uint8)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """SPEC §2.8: (value(q) * float(s8)) * (amax * (1/2688))."""
+        """docs/numerics.md §2.8: (value(q) * float(s8)) * (amax * (1/2688))."""
         from jaxquant import reference
 
         return reference.nvfp4_dequantize(self.data, self.scale_inv, self.amax, self.shape).astype(dtype)

@@ -94,7 +94,7 @@ def bytes_equal_nan_aware():
 # Input builders shared by the test files (plain numpy; import with `from conftest import ...`).
 # ----------------------------------------------------------------------------------------------
 
-# Exact ties of the E2M1 grid and the code SPEC §2.6 sends each to.
+# Exact ties of the E2M1 grid and the code docs/numerics.md §2.6 sends each to.
 E2M1_TIES = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}
 
 

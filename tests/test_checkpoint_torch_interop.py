@@ -89,7 +89,7 @@ def test_jax_save_loads_into_fsdp2_tp_dtensors_in_4_processes(tmp_path, request)
         assert set(r["checked"]) == {n for n, _, _ in TENSORS}
         assert "_StridedShard" in r["checked"]["col_bf16"]["placements"][0]
         assert r["checked"]["row_f32"]["placements"] == ["Shard(dim=0)", "Shard(dim=1)"]
-    # SPEC §4: rank (fsdp=i, tp=j) of a column-parallel [N, K] weight holds rows from j*N/tp + i*N/(tp*fsdp)
+    # docs/numerics.md §4: rank (fsdp=i, tp=j) of a column-parallel [N, K] weight holds rows from j*N/tp + i*N/(tp*fsdp)
     for rank, r in enumerate(results):
         i, j = divmod(rank, 2)
         assert r["checked"]["col_bf16"]["offset"] == [j * 16 // 2 + i * 16 // 4, 0]

@@ -409,7 +409,7 @@ def test_partial_tile_amax_and_nonfinite_counts_per_shard(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# Transposes (SPEC §2.7)
+# Transposes (docs/numerics.md §2.7)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -444,7 +444,7 @@ def test_transposes(rng, shape):
 
 
 # ----------------------------------------------------------------------------------------------
-# Error paths (SPEC §5): Python validation names the argument
+# Error paths (docs/numerics.md §5): Python validation names the argument
 # ----------------------------------------------------------------------------------------------
 
 X = jnp.ones((32, 48), jnp.float32)

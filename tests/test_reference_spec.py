@@ -1,6 +1,6 @@
-"""Independent check of the pure-JAX reference against SPEC §1 (FP8) and §2 (NVFP4).
+"""Independent check of the pure-JAX reference against docs/numerics.md §1 (FP8) and §2 (NVFP4).
 
-The oracle below is written from SPEC in plain numpy + ml_dtypes; no jaxquant code is used to compute
+The oracle below is written from docs/numerics.md in plain numpy + ml_dtypes; no jaxquant code is used to compute
 expected values, jaxquant is only called (with impl="reference") to produce the results under test.
 """
 
@@ -33,7 +33,7 @@ NP_FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, jnp.float8_e4m3fn, 448.0),
 
 
 # ----------------------------------------------------------------------------------------------
-# The oracle (SPEC §1 and §2 in numpy; all arithmetic fp32 as numpy performs it, IEEE, RNE)
+# The oracle (docs/numerics.md §1 and §2 in numpy; all arithmetic fp32 as numpy performs it, IEEE, RNE)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -106,7 +106,7 @@ def ru(a, b):
 
 
 def np_nvfp4_quantize(x):
-    """SPEC §2 steps 1-7: returns dict of data, scale_inv, amax, data_t, scale_inv_t, s8 value."""
+    """docs/numerics.md §2 steps 1-7: returns dict of data, scale_inv, amax, data_t, scale_inv_t, s8 value."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
     a = np.abs(x)
@@ -162,7 +162,7 @@ def check_nvfp4(t, exp, columnwise, what=""):
 
 
 # ----------------------------------------------------------------------------------------------
-# Self-checks of the oracle against SPEC tables (so a wrong oracle cannot mask a wrong reference)
+# Self-checks of the oracle against docs/numerics.md tables (so a wrong oracle cannot mask a wrong reference)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -175,7 +175,7 @@ def test_oracle_e2m1_tie_table():
 
 
 # ----------------------------------------------------------------------------------------------
-# E2M1 conversion and packing of the reference (SPEC §2 header, §2.6)
+# E2M1 conversion and packing of the reference (docs/numerics.md §2 header, §2.6)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -232,7 +232,7 @@ def test_packing_order_low_nibble_is_even_element():
 
 
 # ----------------------------------------------------------------------------------------------
-# NVFP4 end to end (SPEC §2)
+# NVFP4 end to end (docs/numerics.md §2)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -340,7 +340,7 @@ def test_nvfp4_dequantize_formula(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 (SPEC §1)
+# FP8 (docs/numerics.md §1)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -449,7 +449,7 @@ def test_fp8_amax_ignores_nan_and_degenerate_scales():
 
 
 def test_fp8_scale_overflow_clamps_to_flt_max():
-    """448 / 1e-37 overflows to +inf -> scale FLT_MAX (SPEC §1.3); data = fp8(x * FLT_MAX)."""
+    """448 / 1e-37 overflows to +inf -> scale FLT_MAX (docs/numerics.md §1.3); data = fp8(x * FLT_MAX)."""
     x = np.full((2, 2), 1e-37, np.float32)
     data, _, _ = fp8_cast_j(jnp.asarray(x), jnp.float32(1e-37), impl="reference")
     exp, _, _ = np_fp8_quantize(x, "e4m3")
@@ -519,7 +519,7 @@ def test_subnormal_cases_reference_match_ieee_oracle_off_cpu(name):
 
 
 # ----------------------------------------------------------------------------------------------
-# Compute dtype default (SPEC §2, "Compute dtype": defaults to bfloat16)
+# Compute dtype default (docs/numerics.md §2, "Compute dtype": defaults to bfloat16)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-// jaxquant numerics: SPEC §1 and §2 written once, for host (CPU handlers) and device (CUDA kernels).
+// jaxquant numerics: docs/numerics.md §1 and §2 written once, for host (CPU handlers) and device (CUDA kernels).
 //
 // Everything is plain IEEE fp32 arithmetic with round-to-nearest-even and integer bit manipulation,
 // so host and device give identical bits. Build without fast-math and with -fmad=false on nvcc
@@ -49,7 +49,7 @@ JQ_HD bool is_finite(float f) { return (float_bits(f) & 0x7F800000u) != 0x7F8000
 JQ_HD float fmin_ignore_nan(float a, float b) { return is_nan(a) ? b : (is_nan(b) ? a : (a < b ? a : b)); }
 JQ_HD float fmax_ignore_nan(float a, float b) { return is_nan(a) ? b : (is_nan(b) ? a : (a > b ? a : b)); }
 
-// |x| with NaN mapped to 0: a max over it ignores NaN (SPEC §1.1).
+// |x| with NaN mapped to 0: a max over it ignores NaN (docs/numerics.md §1.1).
 JQ_HD float abs_ignoring_nan(float x) { return is_nan(x) ? 0.0f : bits_float(float_bits(x) & 0x7FFFFFFFu); }
 
 JQ_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
@@ -123,7 +123,7 @@ JQ_HD float e2m1_to_float(uint8_t code) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// FP8 per-tensor current scaling (SPEC §1 steps 2-5)
+// FP8 per-tensor current scaling (docs/numerics.md §1 steps 2-5)
 // ---------------------------------------------------------------------------------------------
 struct Fp8Scale {
   float scale;
@@ -144,7 +144,7 @@ JQ_HD Fp8Scale fp8_scale_from_amax(float amax, float fp8_max, float amax_epsilon
 }
 
 // ---------------------------------------------------------------------------------------------
-// NVFP4 2D block scaling (SPEC §2 steps 2-5)
+// NVFP4 2D block scaling (docs/numerics.md §2 steps 2-5)
 // ---------------------------------------------------------------------------------------------
 JQ_HD float nvfp4_global_encode_scale(float amax) {
   if (amax == 0.0f || !is_finite(amax)) return 1.0f;
@@ -164,7 +164,7 @@ JQ_HD float nvfp4_tile_encode(uint8_t s8_bits, float s_dec) {
   return fmin_ignore_nan(1.0f / (s8 * s_dec), kFltMax);
 }
 
-// Layout helpers (SPEC §2.7).
+// Layout helpers (docs/numerics.md §2.7).
 JQ_HD int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 JQ_HD int64_t nvfp4_scale_rows(int64_t rows) { return round_up(rows, 128); }
 JQ_HD int64_t nvfp4_scale_cols(int64_t cols) { return round_up(cols / kTile, 4); }

@@ -1,4 +1,4 @@
-"""Dequantizing stored components block by block in numpy (SPEC §1.8, §2.8), for streaming conversion."""
+"""Dequantizing stored components block by block in numpy (docs/numerics.md §1.8, §2.8), for streaming conversion."""
 
 from __future__ import annotations
 
