@@ -251,6 +251,69 @@ def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto"
 
 
 # ----------------------------------------------------------------------------------------------
+# Single-tensor stages: statistics pass, then cast pass (what quantize_fp8 / quantize_nvfp4 run)
+# ----------------------------------------------------------------------------------------------
+#
+# A quantizer is two passes over x: ``*_stats`` (one read: amax / tile amaxes and the non-finite
+# count) and ``*_quantize`` (one read: every output, scales derived inside from the statistics).
+# Sharded callers run both on the local block and max-reduce the amax in between.
+# ``compute_dtype`` rounding (docs/numerics.md §2, "Compute dtype") happens inside each pass.
+
+
+def _compute_values(x, compute_dtype):
+    _check_input("x", x)
+    if compute_dtype is None:
+        return x
+    if jnp.dtype(compute_dtype) not in INPUT_DTYPES:
+        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
+    return formats.to_compute_dtype(x, compute_dtype)
+
+
+def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
+    """(amax fp32 scalar, non-finite count int32 scalar) of ``x`` after ``compute_dtype`` rounding."""
+    return amax(_compute_values(x, compute_dtype), return_nonfinite=True, impl=impl)
+
+
+def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bfloat16,
+                 amax_epsilon: float = 0.0, force_pow_2_scales: bool = False, columnwise: bool = False,
+                 impl: str = "auto"):
+    """(data, scale_inv, data_t or None) of ``x`` (after ``compute_dtype`` rounding) for the given
+    (global) amax: docs/numerics.md §1.2-§1.7."""
+    return fp8_cast(_compute_values(x, compute_dtype), amax_value, dtype=dtype, amax_epsilon=amax_epsilon,
+                    force_pow_2_scales=force_pow_2_scales, columnwise=columnwise, impl=impl)
+
+
+def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
+    """(tile_amax fp32 [M/16, K/16], amax fp32 [1], non-finite count int32 scalar) of a [M, K] ``x``
+    after ``compute_dtype`` rounding."""
+    v = _compute_values(x, compute_dtype)
+    if v.ndim != 2:
+        raise ValueError(f"x: must have rank 2, got shape {tuple(v.shape)}")
+    rows, cols = (int(d) for d in v.shape)
+    check_nvfp4_shape(rows, cols, name="x")
+    tiles, count = nvfp4_tile_amax(v, rows=rows, cols=cols, return_nonfinite=True, impl=impl)
+    return tiles, jnp.max(tiles).reshape(1), count
+
+
+def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, columnwise: bool = False,
+                   impl: str = "auto"):
+    """(data, scale_inv, data_t or None, scale_inv_t or None) of a [M, K] ``x`` (after
+    ``compute_dtype`` rounding) from its tile amaxes and the (global) amax: docs/numerics.md §2.2-§2.7."""
+    v = _compute_values(x, compute_dtype)
+    if v.ndim != 2:
+        raise ValueError(f"x: must have rank 2, got shape {tuple(v.shape)}")
+    rows, cols = (int(d) for d in v.shape)
+    check_nvfp4_shape(rows, cols, name="x")
+    scale_inv = nvfp4_scale(tile_amax, amax_value, rows=rows, cols=cols, impl=impl)
+    data = nvfp4_cast_partial(v, jnp.zeros((rows * cols // 2,), jnp.uint8), scale_inv, amax_value,
+                              rows=rows, cols=cols, impl=impl).reshape(rows, cols // 2)
+    if not columnwise:
+        return data, scale_inv, None, None
+    return (data, scale_inv, nvfp4_transpose(data, impl=impl),
+            nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols, impl=impl))
+
+
+# ----------------------------------------------------------------------------------------------
 # Grouped primitives over one shard of a ZeRO flat buffer (docs/numerics.md §3)
 # ----------------------------------------------------------------------------------------------
 #

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxquant import formats, ops
+from jaxquant import ops
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
-
-
-def _to_compute_dtype(x, compute_dtype):
-    ops._check_input("x", x)
-    if compute_dtype is None:
-        return x
-    if jnp.dtype(compute_dtype) not in ops.INPUT_DTYPES:
-        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
-    return formats.to_compute_dtype(x, compute_dtype)
 
 
 def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_epsilon: float = 0.0,
@@ -24,13 +15,13 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_e
     ``compute_dtype`` (default bfloat16, as TransformerEngine converts the master weight to the
     model's compute dtype first) casts ``x`` with RNE before quantizing; None quantizes ``x`` as is.
     """
-    x = _to_compute_dtype(x, compute_dtype)
+    ops._check_input("x", x)
     if x.ndim != 2:
         raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
-    amax = ops.amax(x, impl=impl)
-    data, scale_inv, data_t = ops.fp8_cast(
-        x, amax, dtype=dtype, amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
-        columnwise=columnwise, impl=impl)
+    amax, _ = ops.fp8_stats(x, compute_dtype=compute_dtype, impl=impl)
+    data, scale_inv, data_t = ops.fp8_quantize(
+        x, amax, dtype=dtype, compute_dtype=compute_dtype, amax_epsilon=amax_epsilon,
+        force_pow_2_scales=force_pow_2_scales, columnwise=columnwise, impl=impl)
     return Float8Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t)
 
 
@@ -39,20 +30,13 @@ def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=jnp.bfloat16, i
 
     ``compute_dtype`` as in ``quantize_fp8`` (default bfloat16; None quantizes ``x`` as is).
     """
-    x = _to_compute_dtype(x, compute_dtype)
+    ops._check_input("x", x)
     if x.ndim != 2:
         raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
     rows, cols = (int(d) for d in x.shape)
-    ops.check_nvfp4_shape(rows, cols, name="x")
-    tile_amax = ops.nvfp4_tile_amax(x, rows=rows, cols=cols, impl=impl)
-    amax = jnp.max(tile_amax).reshape(1)
-    scale_inv = ops.nvfp4_scale(tile_amax, amax, rows=rows, cols=cols, impl=impl)
-    data = ops.nvfp4_cast_partial(x, jnp.zeros((rows * cols // 2,), jnp.uint8), scale_inv, amax,
-                                  rows=rows, cols=cols, impl=impl).reshape(rows, cols // 2)
-    data_t = scale_inv_t = None
-    if columnwise:
-        data_t = ops.nvfp4_transpose(data, impl=impl)
-        scale_inv_t = ops.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols, impl=impl)
+    tile_amax, amax, _ = ops.nvfp4_stats(x, compute_dtype=compute_dtype, impl=impl)
+    data, scale_inv, data_t, scale_inv_t = ops.nvfp4_quantize(
+        x, tile_amax, amax, compute_dtype=compute_dtype, columnwise=columnwise, impl=impl)
     return NVFP4Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t,
                        scale_inv_t=scale_inv_t, shape=(rows, cols))
 
