@@ -126,10 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "devices", None):
-        _force_host_devices(args.devices)
-    return int(args.func(args) or 0)
+    # First: SIGINT/SIGTERM become one exception (checkpoint writes clean up on it) and end in one line with
+    # exit status 128 + signal number, not a traceback.
+    from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers
+
+    with cli_handlers():
+        try:
+            args = build_parser().parse_args(argv)
+            if getattr(args, "devices", None):
+                _force_host_devices(args.devices)
+            return int(args.func(args) or 0)
+        except Interrupted as e:
+            print(f"jaxquant: interrupted by {e.signame}", file=sys.stderr)
+            return e.exit_code
 
 
 if __name__ == "__main__":

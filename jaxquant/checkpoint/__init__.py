@@ -5,9 +5,11 @@ safety model.
 """
 
 from jaxquant.checkpoint.convert import convert, dcp_to_dcp, dcp_to_orbax, orbax_to_dcp
-from jaxquant.checkpoint.errors import (CheckpointError, CorruptCheckpointError, CoverageError,
-                                        DestinationExistsError, IncompleteCheckpointError, KeyMismatchError,
-                                        UnknownDtypeError, UnsafePickleError)
+from jaxquant.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                        CoverageError, DestinationError, DestinationExistsError,
+                                        IncompleteCheckpointError, KeyMismatchError, UnknownDtypeError,
+                                        UnsafePickleError)
+from jaxquant.checkpoint.interrupt import Interrupted
 from jaxquant.checkpoint.inspect import inspect_dcp
 from jaxquant.checkpoint.reader import load_dcp
 from jaxquant.checkpoint.tree import QUANT_INFO_KEY
@@ -17,5 +19,6 @@ __all__ = [
     "save_dcp", "finalize_dcp", "load_dcp", "dcp_to_orbax", "orbax_to_dcp", "dcp_to_dcp", "convert",
     "inspect_dcp", "LocalShards", "QUANT_INFO_KEY",
     "CheckpointError", "CorruptCheckpointError", "UnsafePickleError", "UnknownDtypeError", "CoverageError",
-    "KeyMismatchError", "DestinationExistsError", "IncompleteCheckpointError",
+    "KeyMismatchError", "DestinationError", "DestinationExistsError", "IncompleteCheckpointError",
+    "CheckpointNotFoundError", "Interrupted",
 ]

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers
+
+
+def _error(command: str, e: Exception) -> int:
+    from jaxquant.checkpoint.fsutil import os_error_cause
+
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        e = f"{where}{os_error_cause(e)}"
+    print(f"jaxquant ckpt {command}: error: {e}", file=sys.stderr)
+    return 1
 
 
 def _inspect(args) -> int:
@@ -14,8 +27,10 @@ def _inspect(args) -> int:
     try:
         rep = inspect_dcp(args.path, verify=args.verify)
     except (CheckpointError, OSError) as e:
-        print(f"jaxquant ckpt inspect: error: {e}", file=sys.stderr)
-        return 1
+        return _error("inspect", e)
+    except Interrupted as e:
+        print(f"jaxquant ckpt inspect: interrupted by {e.signame}", file=sys.stderr)
+        return e.exit_code
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0 if rep["ok"] else 1
 
@@ -23,13 +38,20 @@ def _inspect(args) -> int:
 def _convert(args) -> int:
     from jaxquant.checkpoint.convert import convert
     from jaxquant.checkpoint.errors import CheckpointError
+    from jaxquant.checkpoint.fsutil import INCOMPLETE_MARKER
 
     try:
         convert(args.src, args.dst, to=args.to, dequantize=args.dequantize, transpose=args.transpose_linear,
                 progress=not args.no_progress, verify=not args.no_verify)
     except (CheckpointError, OSError) as e:
-        print(f"jaxquant ckpt convert: error: {e}", file=sys.stderr)
-        return 1
+        return _error("convert", e)
+    except Interrupted as e:
+        done = os.path.isdir(args.dst) and os.listdir(args.dst) and \
+            not os.path.exists(os.path.join(args.dst, INCOMPLETE_MARKER))
+        state = f"{args.dst} was complete already" if done else f"nothing was written to {args.dst}"
+        print(f"jaxquant ckpt convert: interrupted by {e.signame}; {state}; {args.src} is untouched",
+              file=sys.stderr)
+        return e.exit_code
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0
 
@@ -60,10 +82,15 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxquant")
-    add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    with cli_handlers():
+        try:
+            parser = argparse.ArgumentParser(prog="jaxquant")
+            add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
+            args = parser.parse_args(argv)
+            return args.func(args)
+        except Interrupted as e:
+            print(f"jaxquant: interrupted by {e.signame}", file=sys.stderr)
+            return e.exit_code
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import fsutil, quantnp
+from jaxquant.checkpoint import fsutil, interrupt, quantnp
 from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from jaxquant.checkpoint.layout import volume
 from jaxquant.checkpoint.metadata import BytesEntry
@@ -70,11 +70,10 @@ class DcpSource:
 
 
 class DcpSink:
-    def __init__(self, dst: str):
-        fsutil.check_destination(dst)
-        self.dst = dst
-        self.staging = fsutil.staging_path(dst)
-        fsutil.make_staging(self.staging)
+    """Writes a DCP directory into ``staging`` (created by the caller), renamed to ``dst`` on commit."""
+
+    def __init__(self, dst: str, staging: str):
+        self.dst, self.staging = dst, staging
         self.w = DcpWriter(self.staging, 0)
 
     def declare_tensor(self, key, dtype, shape, parts=None, boxes=None):
@@ -92,14 +91,11 @@ class DcpSink:
         fsutil.commit(self.staging, self.dst)
 
     def abort(self):
-        self.w.close()
-        fsutil.remove(self.staging)
+        self.w.close(sync=False)
 
 
 def _open_source(src: str, verify: bool):
-    if not os.path.isdir(src):
-        raise CorruptCheckpointError(f"{src}: source does not exist or is not a directory")
-    fsutil.check_complete(src)
+    fsutil.check_source_dir(src, "source")
     if os.path.exists(os.path.join(src, ".metadata")):
         return DcpSource(src, verify)
     if is_orbax(src):
@@ -134,8 +130,14 @@ def convert(src: str, dst: str, *, to: str, dequantize=None, transpose: Iterable
 
     ``dequantize``: a dtype (e.g. "bfloat16"); quantized tensors (listed in the ``__jaxquant__`` entry)
     become one tensor of their logical shape. ``transpose``: fnmatch patterns of 2-D keys to transpose
-    (``[out, in]`` <-> ``[in, out]``). ``dst`` is written atomically; ``src`` is only read.
+    (``[out, in]`` <-> ``[in, out]``). ``dst`` is written atomically; ``src`` is only read. An exception,
+    SIGINT or SIGTERM removes the staging directory (see ``interrupt``).
     """
+    with interrupt.default_signals_clean_up():
+        return _convert(src, dst, to, dequantize, transpose, progress, verify)
+
+
+def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
     if to not in ("dcp", "orbax"):
         raise CheckpointError(f"to: must be 'dcp' or 'orbax', got {to!r}")
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -156,9 +158,11 @@ def convert(src: str, dst: str, *, to: str, dequantize=None, transpose: Iterable
         if source.kind(k) == "tensor":
             d, s = source.tensor_meta(k)
             total += volume(s) * d.itemsize
-    sink = None
+    sink, staging = None, fsutil.staging_path(dst)
     try:
-        sink = DcpSink(dst) if to == "dcp" else OrbaxSink(dst)
+        fsutil.remove_stale_staging(dst)
+        fsutil.make_staging(staging, dst)
+        sink = DcpSink(dst, staging) if to == "dcp" else OrbaxSink(dst, staging)
         with Progress(total, f"convert -> {to}", enabled=progress) as bar:
             for key in source.keys():
                 parts = source.parts(key)
@@ -192,7 +196,8 @@ def convert(src: str, dst: str, *, to: str, dequantize=None, transpose: Iterable
         sink.commit()
     except BaseException:
         if sink is not None:
-            sink.abort()
+            sink.abort()  # stops its writers before the directory goes
+        fsutil.remove_staging(staging)
         raise
     finally:
         source.close()

@@ -30,7 +30,15 @@ class KeyMismatchError(CheckpointError):
     """A key is missing, or its shape/dtype/kind differs from what was asked for."""
 
 
-class DestinationExistsError(CheckpointError):
+class CheckpointNotFoundError(CorruptCheckpointError):
+    """The checkpoint directory to read does not exist (or is not a directory)."""
+
+
+class DestinationError(CheckpointError):
+    """The destination cannot be written (read-only file system, permissions, missing parent, ...)."""
+
+
+class DestinationExistsError(DestinationError):
     """The destination exists and is not an empty directory."""
 
 

@@ -1,16 +1,41 @@
-"""Atomic directory writes: stage in ``DST.tmp-<token>``, fsync, rename; refuse staging dirs on read."""
+"""Atomic directory writes: stage in ``DST.tmp-<token>``, fsync, rename; refuse staging dirs on read.
+
+A staging directory holds the incomplete marker for as long as it holds anything: the marker is written
+right after ``mkdir``, removed just before the rename (with SIGINT/SIGTERM held), and deleted last when the
+directory is removed. Its name records the writer (``DST.tmp-<host>-<pid>-<random>``), so a later write to the
+same destination removes staging directories whose writer died (SIGKILL, power loss).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
+import socket
 import uuid
+import zlib
 
-from jaxquant.checkpoint.errors import DestinationExistsError, IncompleteCheckpointError
+from jaxquant.checkpoint import interrupt
+from jaxquant.checkpoint.errors import (CheckpointNotFoundError, DestinationError, DestinationExistsError,
+                                        IncompleteCheckpointError)
 
 # Present in a staging directory from its creation until just before the final rename. A directory that
 # still has it (e.g. after a SIGKILL) is refused by inspect/load; it is safe to delete.
 INCOMPLETE_MARKER = ".jaxquant-incomplete"
+# This host, in staging directory names (a short hash: host names may hold any character).
+HOST_TAG = "%08x" % zlib.crc32(socket.gethostname().encode())
+_OWNED_TOKEN = re.compile(r"(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+# errno -> the cause in our words
+_CAUSES = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+           errno.EPERM: "permission denied", errno.ENOENT: "its parent directory does not exist",
+           errno.ENOTDIR: "a component of the path is not a directory", errno.ENOSPC: "no space left on the device",
+           errno.EDQUOT: "disk quota exceeded", errno.ENAMETOOLONG: "the path is too long"}
+
+
+def os_error_cause(e: OSError) -> str:
+    return _CAUSES.get(e.errno, e.strerror or str(e))
 
 
 def check_destination(dst: str) -> None:
@@ -21,16 +46,23 @@ def check_destination(dst: str) -> None:
 
 
 def staging_path(dst: str, token: str | None = None) -> str:
+    """``DST.tmp-<token>``; without a token one naming this host and process (see remove_stale_staging)."""
     dst = os.path.abspath(dst)
-    return f"{dst}.tmp-{token or uuid.uuid4().hex[:12]}"
+    return f"{dst}.tmp-{token or f'{HOST_TAG}-{os.getpid()}-{uuid.uuid4().hex[:8]}'}"
 
 
-def make_staging(path: str, exist_ok: bool = False) -> None:
-    os.makedirs(path, exist_ok=exist_ok)
-    marker = os.path.join(path, INCOMPLETE_MARKER)
-    if not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write("interrupted or in-progress jaxquant checkpoint write; safe to delete\n")
+def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
+    """Create the staging directory ``path`` of destination ``dst`` and its marker (errors name ``dst``)."""
+    try:
+        os.makedirs(path, exist_ok=exist_ok)
+        marker = os.path.join(path, INCOMPLETE_MARKER)
+        if not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write("interrupted or in-progress jaxquant checkpoint write; safe to delete\n")
+    except OSError as e:
+        parent = os.path.dirname(os.path.abspath(dst))
+        raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} "
+                               f"(creating its staging directory in {parent})") from e
 
 
 def fsync_dir(path: str) -> None:
@@ -58,17 +90,91 @@ def commit(staging: str, dst: str, *, sync: bool = True) -> None:
     if sync:
         fsync_tree(staging)
     marker = os.path.join(staging, INCOMPLETE_MARKER)
-    if os.path.exists(marker):
-        os.unlink(marker)
-    if os.path.isdir(dst):
-        os.rmdir(dst)  # empty (checked above); rename cannot replace a directory on every platform
-    os.rename(staging, dst)
+    with interrupt.deferred():  # unmarked but not yet renamed: no signal may land in between
+        if os.path.exists(marker):
+            os.unlink(marker)
+        try:
+            if os.path.isdir(dst):
+                os.rmdir(dst)  # empty (checked above); rename cannot replace a directory on every platform
+            os.rename(staging, dst)
+        except BaseException:
+            open(marker, "w").close()
+            raise
     if sync:
         fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
 
 
-def remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def remove_staging(path: str) -> None:
+    """Delete a staging directory, its marker last, so that it is marked for as long as it exists."""
+    for _ in range(5):  # retried: a writer thread may still add a file while we delete
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name == INCOMPLETE_MARKER:
+                continue
+            p = os.path.join(path, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        try:
+            if set(os.listdir(path)) <= {INCOMPLETE_MARKER}:
+                try:
+                    os.unlink(os.path.join(path, INCOMPLETE_MARKER))
+                except FileNotFoundError:
+                    pass
+                os.rmdir(path)
+                return
+        except FileNotFoundError:
+            return
+        except OSError:
+            continue
+
+
+def _writer_is_gone(token: str) -> bool:
+    m = _OWNED_TOKEN.fullmatch(token)
+    if m is None or m["host"] != HOST_TAG:
+        return False  # a multi-process save's directory, or another host's: not ours to judge
+    pid = int(m["pid"])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def remove_stale_staging(dst: str) -> list[str]:
+    """Remove staging directories of ``dst`` left by writers on this host that no longer run; their paths."""
+    dst = os.path.abspath(dst)
+    parent, prefix = os.path.dirname(dst), os.path.basename(dst) + ".tmp-"
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if name.startswith(prefix) and _writer_is_gone(name[len(prefix):]):
+            remove_staging(os.path.join(parent, name))
+            removed.append(os.path.join(parent, name))
+    return removed
+
+
+def check_source_dir(path: str, what: str = "checkpoint") -> None:
+    """A checkpoint to read must be an existing, complete directory."""
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path}: {what} directory does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path}: {what} path is not a directory")
+    check_complete(path)
 
 
 def check_complete(path: str) -> None:

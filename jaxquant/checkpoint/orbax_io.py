@@ -217,14 +217,12 @@ class OrbaxSink:
     the largest chunk (the largest tensor when its grid cannot be aligned). ``commit`` adds Orbax's metadata files and renames.
     """
 
-    def __init__(self, dst: str):
+    def __init__(self, dst: str, staging: str):
         import tensorstore as ts
 
         self._ts = ts
-        self.dst = os.path.abspath(dst)
-        fsutil.check_destination(dst)
-        self.staging = fsutil.staging_path(dst)
-        fsutil.make_staging(self.staging)
+        self.dst, self.staging = os.path.abspath(dst), staging
+        self._committing = None  # the commit in flight: abort waits for it before the directory is removed
         self._ctx = ts.Context(_TS_CONTEXT)
         self._kv = _kvstore_spec(self.staging)
         self._txn, self._pending = ts.Transaction(), 0
@@ -234,7 +232,9 @@ class OrbaxSink:
 
     def _flush(self):
         """Commit the staged writes (new zarr arrays and chunks) to the OCDBT store; start a new transaction."""
-        self._txn.commit_async().result()
+        self._committing = self._txn.commit_async()
+        self._committing.result()
+        self._committing = None
         self._txn, self._pending = self._ts.Transaction(), 0
         _release_free_memory()
         if self._cur is not None:
@@ -319,5 +319,13 @@ class OrbaxSink:
         fsutil.commit(self.staging, self.dst)
 
     def abort(self):
-        self._cur, self._txn = None, None
-        fsutil.remove(self.staging)
+        """Stop writing: wait for a commit in flight (its threads write into the staging directory), drop the rest."""
+        committing, txn = self._committing, self._txn
+        self._committing = self._cur = self._txn = None
+        try:
+            if committing is not None:
+                committing.result()
+            elif txn is not None:
+                txn.abort()
+        except Exception:  # the commit failed: nothing writes any more either way
+            pass

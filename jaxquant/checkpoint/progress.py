@@ -21,7 +21,9 @@ class Progress:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self._bar is not None:
+            if exc_type is not None:
+                self._bar.leave = False  # an error or interrupt: its one-line message is all that stays
             self._bar.close()
         return False

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import fsutil, torchsave
+from jaxquant.checkpoint import fsutil, interrupt, torchsave
 from jaxquant.checkpoint.errors import CheckpointError, CoverageError
 from jaxquant.checkpoint.layout import coverage_problems, index_to_box
 from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpMetadata, StorageInfo, TensorEntry,
@@ -66,10 +66,11 @@ class DcpWriter:
         self.entries[key] = BytesEntry(key, StorageInfo(self.rel, offset, length))
         self.planner[key] = tuple(parts or (key,))
 
-    def close(self) -> None:
+    def close(self, sync: bool = True) -> None:
         if not self.file.closed:
             self.file.flush()
-            os.fsync(self.file.fileno())
+            if sync:
+                os.fsync(self.file.fileno())
             self.file.close()
 
     def metadata(self) -> DcpMetadata:
@@ -179,6 +180,11 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
     count = jax.process_count() if process_count is None else int(process_count)
     if not 0 <= rank < count:
         raise CheckpointError(f"save_dcp: process_index {rank} not in [0, {count})")
+    with interrupt.default_signals_clean_up():
+        return _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, progress)
+
+
+def _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, progress) -> str:
     fsutil.check_destination(path)
     plan = _plan(tree, TransposeMap(transpose), dequantize, rank)
     if count > 1 and save_id is None:
@@ -187,15 +193,19 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
         from jax.experimental import multihost_utils
         save_id = "%08x" % int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(2 ** 31))))
     staging = fsutil.staging_path(path, save_id)
-    fsutil.make_staging(staging, exist_ok=count > 1)
     total = sum(_host_nbytes(c) for *_, kind, p in plan if kind == "array" for _, c in p[2])
     try:
+        if count == 1:
+            fsutil.remove_stale_staging(path)
+        fsutil.make_staging(staging, path, exist_ok=count > 1)
         w = DcpWriter(staging, rank)
         with Progress(total, "save_dcp", enabled=progress) as bar:
             try:
                 _write_plan(w, plan, rank, bar)
-            finally:
-                w.close()
+            except BaseException:
+                w.close(sync=False)
+                raise
+            w.close()
         if count == 1:
             write_metadata(staging, w.metadata(), os.path.abspath(path))
             fsutil.commit(staging, path)
@@ -203,7 +213,7 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
         _write_rank_plan(staging, rank, w)
     except BaseException:
         if count == 1:
-            fsutil.remove(staging)
+            fsutil.remove_staging(staging)
         raise
     if finalize and jax.process_count() == count > 1:
         from jax.experimental import multihost_utils
@@ -270,6 +280,6 @@ def finalize_dcp(path: str, *, save_id: str, process_count: int) -> str:
             os.unlink(os.path.join(staging, f"__{rank}{_PLAN_SUFFIX}"))
         fsutil.commit(staging, path)
     except BaseException:
-        fsutil.remove(staging)
+        fsutil.remove_staging(staging)
         raise
     return path
