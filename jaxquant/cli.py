@@ -128,17 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # First: SIGINT/SIGTERM become one exception (checkpoint writes clean up on it) and end in one line with
     # exit status 128 + signal number, not a traceback.
-    from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers
+    from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
 
-    with cli_handlers():
-        try:
+    try:
+        with cli_handlers():
             args = build_parser().parse_args(argv)
             if getattr(args, "devices", None):
                 _force_host_devices(args.devices)
             return int(args.func(args) or 0)
-        except Interrupted as e:
-            print(f"jaxquant: interrupted by {e.signame}", file=sys.stderr)
-            return e.exit_code
+    except Interrupted as e:
+        return report(f"jaxquant: interrupted by {e.signame}", e)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers
+from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
 
 
 def _error(command: str, e: Exception) -> int:
@@ -29,8 +29,7 @@ def _inspect(args) -> int:
     except (CheckpointError, OSError) as e:
         return _error("inspect", e)
     except Interrupted as e:
-        print(f"jaxquant ckpt inspect: interrupted by {e.signame}", file=sys.stderr)
-        return e.exit_code
+        return report(f"jaxquant ckpt inspect: interrupted by {e.signame}", e)
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     return 0 if rep["ok"] else 1
 
@@ -49,9 +48,7 @@ def _convert(args) -> int:
         done = os.path.isdir(args.dst) and os.listdir(args.dst) and \
             not os.path.exists(os.path.join(args.dst, INCOMPLETE_MARKER))
         state = f"{args.dst} was complete already" if done else f"nothing was written to {args.dst}"
-        print(f"jaxquant ckpt convert: interrupted by {e.signame}; {state}; {args.src} is untouched",
-              file=sys.stderr)
-        return e.exit_code
+        return report(f"jaxquant ckpt convert: interrupted by {e.signame}; {state}; {args.src} is untouched", e)
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0
 
@@ -82,15 +79,14 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    with cli_handlers():
-        try:
+    try:
+        with cli_handlers():
             parser = argparse.ArgumentParser(prog="jaxquant")
             add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
             args = parser.parse_args(argv)
             return args.func(args)
-        except Interrupted as e:
-            print(f"jaxquant: interrupted by {e.signame}", file=sys.stderr)
-            return e.exit_code
+    except Interrupted as e:
+        return report(f"jaxquant: interrupted by {e.signame}", e)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ the same destination removes (``fsutil.remove_stale_staging``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
+import sys
 import threading
+import warnings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -47,7 +50,8 @@ def cli_handlers():
     """For a command: SIGINT/SIGTERM raise :class:`Interrupted` (once) until the block ends.
 
     Signals that were blocked while the process started (a supervisor may start us with them blocked so that
-    none is lost before the handlers exist) are unblocked here, after the handlers are in place.
+    none is lost before the handlers exist) are unblocked once the handlers are in place, so one may be raised
+    on entering the block: catch :class:`Interrupted` around the ``with``.
     """
     if not _in_main_thread():
         yield
@@ -55,8 +59,8 @@ def cli_handlers():
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, _raise_once)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         yield
     finally:
         for s, h in previous.items():
@@ -111,3 +115,20 @@ def deferred():
             signal.signal(s, h)
         for signum in caught[:1]:
             signal.raise_signal(signum)
+
+
+def report(message: str, e: Interrupted) -> int:
+    """Print the one line an interrupted command ends with; its exit status.
+
+    What the interrupted code left half-built (an asyncio loop inside Orbax, unawaited coroutines) is freed
+    here with its ``__del__`` complaints silenced: the process is about to exit and the line above says why.
+    """
+    if _in_main_thread():
+        for s in SIGNALS:  # exiting: a second signal must not turn the line below into a traceback
+            signal.signal(s, signal.SIG_IGN)
+    print(message, file=sys.stderr, flush=True)
+    e.__traceback__ = e.__context__ = None  # lets the interrupted frames go now
+    sys.unraisablehook = lambda _unraisable: None
+    warnings.simplefilter("ignore")
+    gc.collect()
+    return e.exit_code

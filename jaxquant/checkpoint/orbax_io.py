@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import fsutil
+from jaxquant.checkpoint import fsutil, interrupt
 from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from jaxquant.checkpoint.layout import rel_slices, volume
 from jaxquant.checkpoint.safepickle import dumps
@@ -72,8 +72,11 @@ class OrbaxSource:
         item, args = meta, ocp.RestoreArgs(restore_type=np.ndarray) if is_array else ocp.RestoreArgs()
         for p in reversed(parts):
             item, args = {p: item}, {p: args}
-        out = self._ck.restore(self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
-                                                                     partial_restore=True))
+        # Orbax's restore runs an asyncio loop fed by TensorStore threads; cut short it leaves them calling a closed
+        # loop. SIGINT/SIGTERM therefore take effect once this key is read.
+        with interrupt.deferred():
+            out = self._ck.restore(self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                                         partial_restore=True))
         for p in parts:
             out = out[p]
         return out
@@ -208,6 +211,14 @@ def zarr_chunk_shape(shape, boxes, itemsize) -> tuple[tuple, bool]:
     return grid, True
 
 
+def _wait(future):
+    """The result of a TensorStore future, with SIGINT/SIGTERM held until it is done: a wait cut short would leave
+    TensorStore threads writing into (and, through the file driver, re-creating) the staging directory while it
+    is removed. The hold lasts one commit (about FLUSH_BYTES or one chunk)."""
+    with interrupt.deferred():
+        return future.result()
+
+
 class OrbaxSink:
     """Writes an Orbax PyTree checkpoint chunk by chunk, straight into its TensorStore arrays.
 
@@ -222,7 +233,6 @@ class OrbaxSink:
 
         self._ts = ts
         self.dst, self.staging = os.path.abspath(dst), staging
-        self._committing = None  # the commit in flight: abort waits for it before the directory is removed
         self._ctx = ts.Context(_TS_CONTEXT)
         self._kv = _kvstore_spec(self.staging)
         self._txn, self._pending = ts.Transaction(), 0
@@ -232,9 +242,7 @@ class OrbaxSink:
 
     def _flush(self):
         """Commit the staged writes (new zarr arrays and chunks) to the OCDBT store; start a new transaction."""
-        self._committing = self._txn.commit_async()
-        self._committing.result()
-        self._committing = None
+        _wait(self._txn.commit_async())
         self._txn, self._pending = self._ts.Transaction(), 0
         _release_free_memory()
         if self._cur is not None:
@@ -266,7 +274,7 @@ class OrbaxSink:
                     "metadata": {"shape": [int(n) for n in shape], "chunks": list(chunks),
                                  "compressor": {"id": "zstd", "level": 1}},
                     "dtype": self._ts.dtype(dtype).name}
-            t = self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx, transaction=self._txn).result()
+            t = _wait(self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx, transaction=self._txn))
         except Exception as e:
             raise CheckpointError(f"key {key!r}: cannot create its Orbax/TensorStore array ({e})") from e
         self._cur = (key, t, aligned)
@@ -281,7 +289,7 @@ class OrbaxSink:
         hi = tuple(o + s for o, s in zip(offsets, arr.shape))
         region = rel_slices(offsets, hi, (0,) * len(offsets))
         # the transaction keeps a reference to ``arr`` (not a copy) until it is committed
-        t[region].write(np.require(arr, requirements="C"), can_reference_source_data_indefinitely=True).result()
+        _wait(t[region].write(np.require(arr, requirements="C"), can_reference_source_data_indefinitely=True))
         self._pending += arr.nbytes
         if aligned and self._pending >= FLUSH_BYTES:
             self._flush()
@@ -319,13 +327,10 @@ class OrbaxSink:
         fsutil.commit(self.staging, self.dst)
 
     def abort(self):
-        """Stop writing: wait for a commit in flight (its threads write into the staging directory), drop the rest."""
-        committing, txn = self._committing, self._txn
-        self._committing = self._cur = self._txn = None
-        try:
-            if committing is not None:
-                committing.result()
-            elif txn is not None:
+        """Drop what is staged in the open transaction (no TensorStore operation is in flight: see ``_wait``)."""
+        txn, self._cur, self._txn = self._txn, None, None
+        if txn is not None:
+            try:
                 txn.abort()
-        except Exception:  # the commit failed: nothing writes any more either way
-            pass
+            except Exception:  # already committed or failed: nothing is pending either way
+                pass
