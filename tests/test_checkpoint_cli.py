@@ -208,3 +208,45 @@ def test_kill_during_convert_leaves_no_destination(tmp_path):
             ck.load_dcp(str(tmp_path / n), {"x": int})
     r = cli("inspect", big)  # and the source is intact
     assert r.returncode == 0
+
+
+def test_missing_directory_is_named_as_missing(tmp_path):
+    r = cli("inspect", tmp_path / "nope")
+    assert r.returncode == 1 and f"{tmp_path / 'nope'}: checkpoint directory does not exist" in r.stderr, r.stderr
+    r = cli("convert", tmp_path / "nope", tmp_path / "out", "--to", "dcp")
+    assert r.returncode == 1 and "source directory does not exist" in r.stderr and not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("case", ["under_a_file", "sysfs", "chmod"])
+def test_unwritable_destination_is_named_with_its_cause(src, tmp_path, case):
+    if case == "under_a_file":
+        (tmp_path / "afile").write_text("x")
+        dst, cause = tmp_path / "afile" / "dst", "a component of the path is not a directory"
+    elif case == "sysfs":  # the kernel refuses new entries there, root included
+        if not os.path.isdir("/sys/kernel"):
+            pytest.skip("no /sys/kernel on this system")
+        dst, cause = "/sys/kernel/jaxquant-test-dst", "operation not permitted"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("running as root: chmod does not stop root from writing (the other cases cover it)")
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        dst, cause = ro / "dst", "permission denied"
+    r = cli("convert", src, dst, "--to", "dcp")
+    assert r.returncode == 1 and f"{dst}: cannot write the destination: {cause}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Errno" not in r.stderr
+    with pytest.raises(ck.DestinationError, match="cannot write the destination"):
+        ck.save_dcp(str(dst), {"a": np.ones(2)})
+
+
+def test_read_only_file_system_is_said_in_words(src, tmp_path, monkeypatch):
+    import errno
+
+    def read_only(path, *a, **k):  # what mkdir on a read-only mount raises (no such mount as a test fixture)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    dst = tmp_path / "dst"
+    with pytest.raises(ck.DestinationError, match=f"{dst}: cannot write the destination: the file system is "
+                                                  f"read-only"):
+        ck.convert(src, str(dst), to="dcp")

@@ -29,7 +29,7 @@ _OWNED_TOKEN = re.compile(r"(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]{8}")
 
 # errno -> the cause in our words
 _CAUSES = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-           errno.EPERM: "permission denied", errno.ENOENT: "its parent directory does not exist",
+           errno.EPERM: "operation not permitted", errno.ENOENT: "a directory on the way does not exist",
            errno.ENOTDIR: "a component of the path is not a directory", errno.ENOSPC: "no space left on the device",
            errno.EDQUOT: "disk quota exceeded", errno.ENAMETOOLONG: "the path is too long"}
 
@@ -60,9 +60,8 @@ def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
             with open(marker, "w") as f:
                 f.write("interrupted or in-progress jaxquant checkpoint write; safe to delete\n")
     except OSError as e:
-        parent = os.path.dirname(os.path.abspath(dst))
         raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} "
-                               f"(creating its staging directory in {parent})") from e
+                               f"(creating {e.filename or path})") from e
 
 
 def fsync_dir(path: str) -> None:
@@ -105,11 +104,14 @@ def commit(staging: str, dst: str, *, sync: bool = True) -> None:
 
 
 def remove_staging(path: str) -> None:
-    """Delete a staging directory, its marker last, so that it is marked for as long as it exists."""
-    for _ in range(5):  # retried: a writer thread may still add a file while we delete
+    """Delete a staging directory, its marker last, so that it is marked for as long as it exists.
+
+    Best effort and silent (it runs while another error propagates): what cannot be deleted stays marked.
+    """
+    for _ in range(5):  # retried: a writer may still add a file while we delete
         try:
             names = os.listdir(path)
-        except FileNotFoundError:
+        except OSError:  # gone, never created, or unreadable
             return
         for name in names:
             if name == INCOMPLETE_MARKER:
@@ -120,18 +122,14 @@ def remove_staging(path: str) -> None:
             else:
                 try:
                     os.unlink(p)
-                except FileNotFoundError:
+                except OSError:
                     pass
         try:
             if set(os.listdir(path)) <= {INCOMPLETE_MARKER}:
-                try:
+                if os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
                     os.unlink(os.path.join(path, INCOMPLETE_MARKER))
-                except FileNotFoundError:
-                    pass
                 os.rmdir(path)
                 return
-        except FileNotFoundError:
-            return
         except OSError:
             continue
 

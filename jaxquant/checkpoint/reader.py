@@ -21,7 +21,7 @@ class ChunkReader:
     """Reads chunks and byte entries of one DCP directory, keeping data files open; read-only."""
 
     def __init__(self, root: str, verify: bool = True):
-        fsutil.check_complete(root)
+        fsutil.check_source_dir(root)
         self.root, self.verify = root, verify
         self.metadata: DcpMetadata = read_metadata(root)
         self._files: dict = {}
