@@ -250,3 +250,38 @@ def test_read_only_file_system_is_said_in_words(src, tmp_path, monkeypatch):
     with pytest.raises(ck.DestinationError, match=f"{dst}: cannot write the destination: the file system is "
                                                   f"read-only"):
         ck.convert(src, str(dst), to="dcp")
+
+
+def _flip_byte(path, key, entry, delta=3):
+    """Flip one byte of zip entry ``entry`` (e.g. "data/0", "data.pkl", "byteorder") in the record of ``key``."""
+    from jaxquant.checkpoint import torchsave
+    s = mdmod.read_metadata(path).entries[key]
+    s = (s.chunks[0] if hasattr(s, "chunks") else s).storage
+    f = os.path.join(path, s.relative_path)
+    with open(f, "r+b") as fh:
+        pos = torchsave.read_archive(fh, s.offset, s.length, key)["archive/" + entry].data_offset + delta
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
+def test_inspect_verify_says_what_it_read_and_fails_on_a_flipped_byte(src, tmp_path):
+    import shutil
+    r = cli("inspect", src)
+    assert r.returncode == 0 and "not verified" in r.stdout and "--verify" in r.stdout
+    r = cli("inspect", src, "--verify")
+    assert r.returncode == 0, r.stdout
+    assert "verified: read all" in r.stdout and "zip entries in 3 records (1 file)" in r.stdout
+    assert "every CRC-32 matched" in r.stdout
+    # tensor bytes, a version record of another tensor, and the pickle of a byte entry: each caught by --verify
+    for key, entry, delta in (("w", "data/0", 5), ("u", "byteorder", 1), ("step", "data.pkl", 4)):
+        bad = str(tmp_path / f"bad_{key}")
+        shutil.copytree(src, bad)
+        _flip_byte(bad, key, entry, delta)
+        r = cli("inspect", bad, "--verify")
+        assert r.returncode == 1 and "NOT SOUND" in r.stdout, (key, r.stdout)
+        assert f"__0_0.distcp" in r.stdout and f"'{key}'" in r.stdout and "CRC-32 mismatch" in r.stdout, r.stdout
+        assert f"zip entry archive/{entry}" in r.stdout, r.stdout
+    r = cli("inspect", str(tmp_path / "bad_w"))  # without --verify the data is not read, and it says so
+    assert r.returncode == 0 and "not verified" in r.stdout

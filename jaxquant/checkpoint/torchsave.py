@@ -346,6 +346,17 @@ def _crc_stream(f, e: Entry, what: str, block: int = 64 << 20) -> None:
         raise CorruptCheckpointError(f"{what}: CRC-32 mismatch: the stored bytes are corrupt")
 
 
+def verify_record(f, start: int, length: int, what: str) -> tuple[int, int]:
+    """Read every zip entry of the record at ``[start, start+length)`` and check its CRC-32.
+
+    Returns (entries checked, bytes read). Raises :class:`CorruptCheckpointError` naming the entry on a mismatch.
+    """
+    entries = read_archive(f, start, length, what)
+    for name, e in entries.items():
+        _crc_stream(f, e, f"{what}: zip entry {name}")
+    return len(entries), sum(e.size for e in entries.values())
+
+
 def probe_tensor(f, start: int, length: int, what: str, verify: bool = False) -> TensorRef:
     """Check a tensor record without loading its data (CRC-checked in blocks when ``verify``)."""
     entries = read_archive(f, start, length, what)
