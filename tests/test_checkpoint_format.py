@@ -35,7 +35,7 @@ def _sample(dtype, shape=(5, 3)):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_tensor_record_roundtrips_through_torch_load_bit_identical(dtype):
-    torch = pytest.importorskip("torch")
+    torch = common.require_torch()
     for arr in (_sample(dtype), _sample(dtype, ()), _sample(dtype, (0, 4))):
         buf = io.BytesIO()
         buf.write(b"prefix")  # records live at arbitrary offsets inside a .distcp file
@@ -48,7 +48,7 @@ def test_tensor_record_roundtrips_through_torch_load_bit_identical(dtype):
 
 
 def test_reads_torch_save_records_including_strided_tensors():
-    torch = pytest.importorskip("torch")
+    torch = common.require_torch()
     src = torch.arange(24, dtype=torch.int64).reshape(4, 6)
     for t in (src, src.t(), src[1:, 2:], torch.ones(3, dtype=torch.bfloat16), torch.tensor(5)):
         buf = io.BytesIO()
@@ -66,7 +66,7 @@ def test_record_is_a_valid_zip_and_zip64_records_are_read():
     assert zipfile.ZipFile(io.BytesIO(buf.getvalue()[:n])).testzip() is None
     # a ZIP64 archive written by Python's zipfile (force_zip64) with torch's entry names
     ref = io.BytesIO()
-    torch = pytest.importorskip("torch")
+    torch = common.require_torch()
     torch.save(torch.from_numpy(arr), ref)
     z_in = zipfile.ZipFile(io.BytesIO(ref.getvalue()))
     out = io.BytesIO()
@@ -102,7 +102,7 @@ def test_truncated_and_garbled_records_raise_corrupt_errors():
 
 
 def test_reads_metadata_written_by_torch_dcp_save(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = common.require_torch()
     import torch.distributed.checkpoint as dcp
 
     sd = {"w": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "step": 5, "nested": {"a": torch.ones(2)},

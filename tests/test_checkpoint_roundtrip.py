@@ -116,7 +116,7 @@ def test_quantized_components_naming_and_dequantize(tmp_path):
 def test_transpose_mapping_is_explicit_per_key(tmp_path):
     k = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)  # JAX kernel [in=3, out=4]
     ck.save_dcp(str(tmp_path / "t"), {"dense": {"kernel": k}, "other": k}, transpose=["dense.*"])
-    torch = pytest.importorskip("torch")
+    torch = common.require_torch()
     import torch.distributed.checkpoint as dcp
     sd = {"dense.kernel": torch.zeros(4, 3), "other": torch.zeros(3, 4)}
     dcp.load(sd, checkpoint_id=str(tmp_path / "t"), no_dist=True)

@@ -5,13 +5,12 @@ import sys
 
 import ml_dtypes
 import numpy as np
-import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import common  # noqa: E402
 
 common.setup_devices()
-torch = pytest.importorskip("torch")
+torch = common.require_torch()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -7,9 +7,25 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+# Why a torch test skips, and how to enable it without downloading a CUDA build on a CPU machine.
+TORCH_SKIP_REASON = ("needs PyTorch (not in the 'test' extra): install a CPU build with `pip install torch==2.13.0 "
+                     "--index-url https://download.pytorch.org/whl/cpu` (on jaxquant's CI and dev machines plain "
+                     "`pip install torch==2.13.0` finds the local CPU wheel)")
+
+
+def require_torch():
+    """``torch``, or a skip saying how to install it; with JAXQUANT_REQUIRE_TORCH=1 (CI) a missing torch fails."""
+    if os.environ.get("JAXQUANT_REQUIRE_TORCH") == "1":
+        import torch
+
+        return torch
+    return pytest.importorskip("torch", reason=TORCH_SKIP_REASON)
 
 
 def env(**extra):
