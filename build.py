@@ -81,8 +81,15 @@ def _run(cmd: list[str], verbose: bool) -> None:
         raise SystemExit(f"jaxquant build failed: {' '.join(cmd[:2])} ... exited {proc.returncode}")
 
 
+def _announce(line: str) -> None:
+    # One line per extension, before its compile starts (nvcc takes a minute or more), on stderr so that
+    # `pip install -v` and `python build.py` show it as it happens.
+    print(f"jaxquant build: {line}", file=sys.stderr, flush=True)
+
+
 def build_cpu(output: Path, verbose: bool = False) -> Path:
     cxx = os.environ.get("CXX", "c++")
+    _announce(f"{output.name}: CPU handlers with {cxx}")
     flags = _common_flags("_jaxquant_cpu", "Cpu", "")
     _run([cxx, *flags, "-shared", str(CSRC / "cpu_ops.cc"), str(CSRC / "module.cc"), "-o", str(output)], verbose)
     return output
@@ -93,6 +100,8 @@ def build_cuda(output: Path, verbose: bool = False) -> Path:
     if nvcc is None:
         raise SystemExit("CUDA build: nvcc not found")
     home = cuda_home(nvcc)
+    _announce(f"{output.name}: CUDA handlers with {nvcc} for {CUDA_ARCHS} (about a minute; "
+              f"JAXQUANT_CUDA=off skips it)")
     flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
     with tempfile.TemporaryDirectory() as tmp:
         obj = Path(tmp) / "cuda_ops.o"
@@ -110,11 +119,23 @@ def ext_filename(module: str) -> str:
     return module + sysconfig.get_config_var("EXT_SUFFIX")
 
 
+def remove_stale_cuda(pkg: Path = ROOT / "jaxquant") -> list[Path]:
+    """Delete CUDA extensions left in the source tree by an earlier build (when this build makes none): one
+    built from older sources or against another jaxlib would be loaded, or refused, at import."""
+    stale = sorted(pkg.glob("_jaxquant_cuda*.so")) + sorted(pkg.glob("_jaxquant_cuda*.pyd"))
+    for path in stale:
+        path.unlink()
+        _announce(f"removed {path.name} (left by an earlier build; this one builds no CUDA handlers)")
+    return stale
+
+
 def build_inplace(cuda: str | None = None, verbose: bool = False) -> list[Path]:
     pkg = ROOT / "jaxquant"
     built = [build_cpu(pkg / ext_filename("_jaxquant_cpu"), verbose)]
     if want_cuda(cuda):
         built.append(build_cuda(pkg / ext_filename("_jaxquant_cuda"), verbose))
+    else:
+        remove_stale_cuda(pkg)
     return built
 
 

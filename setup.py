@@ -21,5 +21,8 @@ class BuildExt(build_ext):
             jq_build.build_cpu(out, verbose=self.verbose > 1)
 
 
-modules = ["jaxquant._jaxquant_cpu"] + (["jaxquant._jaxquant_cuda"] if jq_build.want_cuda() else [])
+_cuda = jq_build.want_cuda()
+if not _cuda:  # an editable install loads extensions from the source tree: no stale CUDA module may stay there
+    jq_build.remove_stale_cuda()
+modules = ["jaxquant._jaxquant_cpu"] + (["jaxquant._jaxquant_cuda"] if _cuda else [])
 setup(ext_modules=[Extension(name, sources=[]) for name in modules], cmdclass={"build_ext": BuildExt})

@@ -93,3 +93,22 @@ def call(target: str, results, *args, input_output_aliases=None, **attrs):
         out = [o if axes <= _varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o))), to="varying")
                for o in out]
     return out
+
+
+def backend_summary() -> str:
+    """One line: which custom calls are built and what ``impl="auto"`` runs on the default JAX backend.
+
+    Every op dispatches the same way (``ops._dispatch``): the custom call of the platform it is compiled for
+    when that platform's extension is built, the pure-JAX reference otherwise.
+    """
+    device = jax.devices()[0]
+    platform = device.platform  # "cpu", "gpu", "tpu", ...
+    if platform == "gpu":  # lax.platform_dependent names GPUs by their runtime
+        version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+        platform = "rocm" if "rocm" in version else "cuda"
+    built = ", ".join(built_platforms()) or "none"
+    uses = f"the {platform} custom calls" if platform in _MODULES else "the pure-JAX reference"
+    idle = [p for p in built_platforms() if p != platform]
+    unused = f" ({', '.join(idle)} built but no such device here)" if idle else ""
+    return (f"custom calls built for: {built}{unused}; default backend {jax.default_backend()} "
+            f"({device.device_kind}): impl='auto' runs every op as {uses}")

@@ -41,8 +41,7 @@ def run_demo(args) -> int:
     import jaxquant as jq
 
     devices = jax.devices()
-    print(f"jaxquant {jq.__version__} on {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}); "
-          f"custom calls built for: {', '.join(jq._ffi.built_platforms()) or 'none'}")
+    print(f"jaxquant {jq.__version__} on {len(devices)} x {devices[0].device_kind}; {jq._ffi.backend_summary()}")
     shapes = {k: (max(16, m // args.scale // 16 * 16), max(16, n // args.scale // 16 * 16))
               for k, (m, n) in DEMO_SHAPES.items()}
     key = jax.random.key(args.seed)
