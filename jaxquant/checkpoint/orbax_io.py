@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import fsutil, interrupt
+from jaxquant.checkpoint import fsutil, interrupt, orbax_layout
 from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from jaxquant.checkpoint.layout import rel_slices, volume
 from jaxquant.checkpoint.safepickle import dumps
@@ -126,23 +126,11 @@ class OrbaxSource:
         pass
 
 
-# Orbax's layout of a PyTree checkpoint (orbax-checkpoint 0.12; what ``PyTreeCheckpointer().save`` of a flat
-# ``{key: np.ndarray, EXTRA_KEY: str}`` dict writes, and what its restore reads):
-#   manifest.ocdbt + d/...   one OCDBT key-value store (TensorStore) holding a zarr v2 array per key, at
-#                            kvstore path ``key``, zstd level 1, data equal to the fill value still stored
-#   _strings.json            {"<key>": "<string>"} for string leaves
-#   _METADATA                {"tree_metadata": {"('<key>',)": {...value_type...}}, "use_ocdbt": true, ...}
-#   _CHECKPOINT_METADATA     handler name + timestamps
-# Orbax writes the arrays into ``ocdbt.process_<i>/`` and merges them into the top-level store; with one
-# writer we write the top-level store directly (Orbax restores it the same way).
-_OCDBT_TARGET_FILE_BYTES = 2 ** 31  # Orbax's default OCDBT target data file size, also its zarr chunk cap
-_OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100000000, "manifest_kind": "single"}
 # Orbax's TensorStore context, except: no OCDBT node cache (Orbax keeps up to 100 MB; with one commit per
 # ~FLUSH_BYTES it fills with what was written and RSS grows with the checkpoint) and one data-copy/compression
 # thread (the writes are sequential anyway; fewer threads = fewer malloc arenas holding freed chunk buffers).
 _TS_CONTEXT = {"cache_pool#ocdbt": {"total_bytes_limit": 0}, "file_io_concurrency": {"limit": 128},
                "data_copy_concurrency": {"limit": 1}}
-_PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 # Staged writes are committed once this many bytes are pending (small tensors share a commit; a chunk at least
 # this large is committed on its own), so at most ~FLUSH_BYTES + one chunk is held.
 FLUSH_BYTES = 4 << 20
@@ -169,14 +157,7 @@ def _release_free_memory():
 _malloc_trim = None
 
 
-def _kvstore_spec(directory: str) -> dict:
-    base = {"driver": "file", "path": directory.rstrip("/") + "/"}
-    return {"driver": "ocdbt", "base": {**base, "file_io_locking": {"mode": "non_atomic"}}, "manifest": base,
-            "target_data_file_size": _OCDBT_TARGET_FILE_BYTES, "config": dict(_OCDBT_CONFIG),
-            "assume_config": True, "cache_pool": "cache_pool#ocdbt"}
-
-
-def _cap_chunk(chunk, itemsize, cap=_OCDBT_TARGET_FILE_BYTES):
+def _cap_chunk(chunk, itemsize, cap=orbax_layout.TARGET_DATA_FILE_BYTES):
     """Split ``chunk`` (by a divisor of one dim at a time, largest dim first) until it has <= cap bytes."""
     chunk = list(chunk)
     while volume(chunk) * itemsize > cap and any(c > 1 for c in chunk):
@@ -231,10 +212,11 @@ class OrbaxSink:
     def __init__(self, dst: str, staging: str):
         import tensorstore as ts
 
+        orbax_layout.check_version()
         self._ts = ts
         self.dst, self.staging = os.path.abspath(dst), staging
         self._ctx = ts.Context(_TS_CONTEXT)
-        self._kv = _kvstore_spec(self.staging)
+        self._kv = orbax_layout.kvstore_spec(self.staging, "cache_pool#ocdbt")
         self._txn, self._pending = ts.Transaction(), 0
         self._t0 = time.time_ns()
         self._cur = None  # (key, TensorStore in the transaction, aligned)
@@ -269,11 +251,7 @@ class OrbaxSink:
             boxes = [(tuple(o), tuple(s)) for o, s in boxes if volume(s) > 0]
         chunks, aligned = zarr_chunk_shape(shape, boxes, dtype.itemsize)
         try:
-            spec = {"driver": "zarr", "kvstore": {**self._kv, "path": key}, "recheck_cached_data": False,
-                    "recheck_cached_metadata": False, "store_data_equal_to_fill_value": True,
-                    "metadata": {"shape": [int(n) for n in shape], "chunks": list(chunks),
-                                 "compressor": {"id": "zstd", "level": 1}},
-                    "dtype": self._ts.dtype(dtype).name}
+            spec = orbax_layout.array_spec(self._kv, key, shape, chunks, self._ts.dtype(dtype).name)
             t = _wait(self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx, transaction=self._txn))
         except Exception as e:
             raise CheckpointError(f"key {key!r}: cannot create its Orbax/TensorStore array ({e})") from e
@@ -301,29 +279,12 @@ class OrbaxSink:
         self.planner[key] = list(parts or (key,))
         self.values[key] = base64.b64encode(pickled).decode()
 
-    def _write_json(self, name, obj):
-        with open(os.path.join(self.staging, name), "w") as f:
-            json.dump(obj, f)
-
     def commit(self):
         self._flush()
         self._cur, self._txn = None, None
         extra = json.dumps({"version": 1, "values": self.values, "empty": self.empty,
                             "planner": self.planner, "order": self.order})
-        self._write_json("_strings.json", {EXTRA_KEY: extra})
-        leaves = {k: "np.ndarray" for k in self.arrays}
-        leaves[EXTRA_KEY] = "string"
-        self._write_json("_METADATA", {
-            "tree_metadata": {str((k,)): {"key_metadata": [{"key": k, "key_type": 2}],
-                                          "value_metadata": {"value_type": leaves[k], "skip_deserialize": False}}
-                              for k in sorted(leaves)},
-            "use_ocdbt": True, "use_zarr3": False, "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": None})
-        self._write_json("_CHECKPOINT_METADATA", {
-            "item_handlers": _PYTREE_HANDLER, "metrics": {}, "performance_metrics": {},
-            "init_timestamp_nsecs": self._t0, "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
-        with open(os.path.join(self.staging, "commit_success.txt"), "w") as f:
-            f.write(f"Checkpoint commit was successful to {self.dst}")
+        orbax_layout.write_tree_files(self.staging, self.arrays, {EXTRA_KEY: extra}, self._t0, self.dst)
         fsutil.commit(self.staging, self.dst)
 
     def abort(self):
