@@ -206,6 +206,7 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
 
 def dcp_to_orbax(src: str, dst: str, **kw) -> str:
     """DCP directory -> Orbax PyTree checkpoint (flat ``{dcp_key: array}``); see :func:`convert`."""
+    fsutil.check_source_dir(src, "source")
     if not os.path.exists(os.path.join(src, ".metadata")):
         raise CorruptCheckpointError(f"{src}: missing .metadata; not a DCP checkpoint directory")
     return convert(src, dst, to="orbax", **kw)
@@ -213,6 +214,7 @@ def dcp_to_orbax(src: str, dst: str, **kw) -> str:
 
 def orbax_to_dcp(src: str, dst: str, **kw) -> str:
     """Orbax PyTree checkpoint -> DCP directory (nested keys joined with '.'); see :func:`convert`."""
+    fsutil.check_source_dir(src, "source")
     if not is_orbax(src):
         raise CorruptCheckpointError(f"{src}: not an Orbax checkpoint directory")
     return convert(src, dst, to="dcp", **kw)
@@ -220,6 +222,7 @@ def orbax_to_dcp(src: str, dst: str, **kw) -> str:
 
 def dcp_to_dcp(src: str, dst: str, **kw) -> str:
     """DCP -> DCP (to dequantize or transpose keys); see :func:`convert`."""
+    fsutil.check_source_dir(src, "source")
     if not os.path.exists(os.path.join(src, ".metadata")):
         raise CorruptCheckpointError(f"{src}: missing .metadata; not a DCP checkpoint directory")
     return convert(src, dst, to="dcp", **kw)

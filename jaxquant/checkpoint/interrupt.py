@@ -60,7 +60,8 @@ def cli_handlers():
     for s in SIGNALS:
         signal.signal(s, _raise_once)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        if hasattr(signal, "pthread_sigmask"):  # POSIX
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         yield
     finally:
         for s, h in previous.items():
