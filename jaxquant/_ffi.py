@@ -95,6 +95,13 @@ def call(target: str, results, *args, input_output_aliases=None, **attrs):
     return out
 
 
+def _has_devices(platform: str) -> bool:
+    try:
+        return bool(jax.devices({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)))
+    except RuntimeError:  # no backend of that kind in this process
+        return False
+
+
 def backend_summary() -> str:
     """One line: which custom calls are built and what ``impl="auto"`` runs on the default JAX backend.
 
@@ -108,7 +115,7 @@ def backend_summary() -> str:
         platform = "rocm" if "rocm" in version else "cuda"
     built = ", ".join(built_platforms()) or "none"
     uses = f"the {platform} custom calls" if platform in _MODULES else "the pure-JAX reference"
-    idle = [p for p in built_platforms() if p != platform]
-    unused = f" ({', '.join(idle)} built but no such device here)" if idle else ""
+    idle = [p for p in built_platforms() if not _has_devices(p)]
+    unused = f" ({', '.join(idle)}: no such device here, so unused)" if idle else ""
     return (f"custom calls built for: {built}{unused}; default backend {jax.default_backend()} "
             f"({device.device_kind}): impl='auto' runs every op as {uses}")

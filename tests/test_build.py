@@ -40,3 +40,17 @@ def test_cuda_off_removes_a_stale_cuda_extension(build, tmp_path, monkeypatch, c
     built = build.build_inplace()
     assert [p.name for p in built] == [build.ext_filename("_jaxquant_cpu")] and not stale.exists()
     assert f"removed {stale.name}" in capsys.readouterr().err
+
+
+def test_backend_summary_says_what_auto_runs_here():
+    import jax
+
+    from jaxquant import _ffi
+
+    line = _ffi.backend_summary()
+    assert jax.default_backend() in line and "custom calls built for: " in line
+    if jax.default_backend() == "cpu":
+        want = "the cpu custom calls" if "cpu" in _ffi.built_platforms() else "the pure-JAX reference"
+        assert line.endswith(f"impl='auto' runs every op as {want}"), line
+        if "cuda" in _ffi.built_platforms():  # built on a machine without a GPU: said to be unused
+            assert "cuda: no such device here, so unused" in line, line
