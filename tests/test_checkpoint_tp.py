@@ -1,0 +1,229 @@
+"""DCP checkpoints of the FSDP x TP layout (docs/numerics.md §4, docs/checkpoint.md "FSDP x TP").
+
+fp32 master weights and TP-sharded quantized weights (components sharded over ``tp`` along their TP dim,
+replicated over ``fsdp``) from a JAX (fsdp, tp) mesh <-> PyTorch FSDP2 x TP (ColwiseParallel /
+RowwiseParallel, then fully_shard) on 4 gloo processes, and JAX -> DCP -> JAX across (fsdp, tp) meshes.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ckpt_helpers import common  # noqa: E402
+
+common.setup_devices()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxquant  # noqa: E402
+from jaxquant import checkpoint as ck  # noqa: E402
+from jaxquant.checkpoint.metadata import read_metadata  # noqa: E402
+from jaxquant.checkpoint.tree import components  # noqa: E402
+
+WORKER = "torch_fsdp_tp_worker.py"
+# fp32 master weights [out, in]: column-parallel, row-parallel, replicated over TP (FSDP only)
+MASTER_SPECS = {"col": P(("tp", "fsdp"), None), "row": P("fsdp", "tp"), "rep": P("fsdp", None)}
+# the weight's TP dim -> the torch style that shards a 2-D tensor over tp along that dim
+TP_DIM_STYLE = {0: "col", 1: "row"}
+
+
+def _x(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _mesh(fsdp, tp):
+    return Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
+
+
+def _component_tp_dim(attr, value, tp_dim):
+    """The dim of a quantized component that TP splits: data/scale_inv like the weight, data_t/scale_inv_t
+    the transposed dim; scalars (FP8 scale_inv, amax) are replicated (None)."""
+    if np.ndim(value) < 2:
+        return None
+    return tp_dim if attr in ("data", "scale_inv") else 1 - tp_dim
+
+
+def _tp_spec(dim):
+    return P() if dim is None else (P("tp", None) if dim == 0 else P(None, "tp"))
+
+
+def tp_shard_quantized(q, mesh, tp_dim):
+    """``q`` laid out as quantize_master_weights(..., tp_axis="tp") returns it: each component sharded over
+    tp along its TP dim and replicated over fsdp."""
+    return dataclasses.replace(q, **{attr: jax.device_put(v, NamedSharding(mesh, _tp_spec(_component_tp_dim(
+        attr, v, tp_dim)))) for attr, _, v in components(q)})
+
+
+def _quantized():
+    """{name: (whole-tensor quantized, TP dim)}; the TP splits (tp <= 2) are aligned to the NVFP4 scale
+    layout (local rows a multiple of 128 for dim 0, local cols a multiple of 64 for dim 1)."""
+    ref = dict(impl="reference", columnwise=True)
+    return {"nv_col": (jaxquant.quantize_nvfp4(jnp.asarray(_x((256, 32), 10)), **ref), 0),
+            "nv_row": (jaxquant.quantize_nvfp4(jnp.asarray(_x((32, 128), 11)), **ref), 1),
+            "f8_col": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 12)), **ref), 0),
+            "f8_row": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 13)), **ref), 1)}
+
+
+MASTERS = {"w_col": (_x((16, 8), 0), "col"), "w_row": (_x((8, 16), 1), "row"), "w_rep": (_x((8, 8), 2), "rep")}
+
+
+def jax_tree(mesh):
+    """The JAX state on ``mesh``: {"layers": {name: {"weight": ...}}} and the unsharded quantized tensors."""
+    layers = {n: {"weight": jax.device_put(a, NamedSharding(mesh, MASTER_SPECS[s]))} for n, (a, s) in MASTERS.items()}
+    quant = _quantized()
+    for n, (q, d) in quant.items():
+        layers[n] = {"weight": tp_shard_quantized(q, mesh, d)}
+    return {"layers": layers}, quant
+
+
+def torch_tensors(quant):
+    """[(DCP key, full numpy array, torch style)] of every tensor in :func:`jax_tree`."""
+    out = [(f"layers.{n}.weight", a, s) for n, (a, s) in MASTERS.items()]
+    for n, (q, d) in quant.items():
+        for attr, suffix, v in components(q):
+            dim = _component_tp_dim(attr, v, d)
+            out.append((f"layers.{n}.weight{suffix}", np.asarray(v), "plain" if dim is None else TP_DIM_STYLE[dim]))
+    return out
+
+
+def _target(mesh):
+    """load_dcp target: the same pytree as :func:`jax_tree` on ``mesh``, as ShapeDtypeStructs."""
+    tree, _ = jax_tree(mesh)
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _assert_same_layout_and_bytes(got, want_sharding, full, what):
+    assert got.sharding == want_sharding, (what, got.sharding, want_sharding)
+    assert common.same_bytes(np.asarray(got), full), what
+    for shard in got.addressable_shards:  # each device holds exactly its block
+        assert common.same_bytes(np.asarray(shard.data), full[shard.index]), (what, shard.index)
+
+
+torch_required = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                    reason="torch is not installed (needed for the FSDP2 x TP gloo processes)")
+
+
+@torch_required
+def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request):
+    if common.rerun_if_few_devices(request):
+        return
+    mesh = common.mesh22()
+    tree, quant = jax_tree(mesh)
+    tree["step"] = np.array(5, np.int64)
+    ck.save_dcp(str(tmp_path / "ck"), tree)
+    tensors = torch_tensors(quant)
+    results = common.torch_job("load", str(tmp_path / "ck"), tensors, 5, str(tmp_path / "work"), timeout=120,
+                               worker=WORKER)
+    # every rank checked the bytes of every local shard (worker); here: the placements and where blocks lie
+    keys = {k for k, _, _ in tensors}
+    for rank, r in enumerate(results):
+        assert set(r["checked"]) == keys
+        i, j = divmod(rank, 2)  # torch mesh (dp, tp): rank = dp * 2 + tp
+        for key, full, style in tensors:
+            got = r["checked"][key]
+            if style == "col":
+                assert "_StridedShard(dim=0" in got["placements"][0] and got["placements"][1] == "Shard(dim=0)", got
+                # docs/numerics.md §4: rank (fsdp=i, tp=j) of a column-parallel [N, K] holds rows j*N/tp + i*N/(tp*fsdp)
+                n = full.shape[0]
+                assert got["offset"] == [j * n // 2 + i * n // 4, 0] and got["shape"] == [n // 4, full.shape[1]], key
+            elif style == "row":
+                assert got["placements"] == ["Shard(dim=0)", "Shard(dim=1)"], got
+                assert got["offset"] == [i * full.shape[0] // 2, j * full.shape[1] // 2], key
+            elif style == "rep":
+                assert got["placements"] == ["Shard(dim=0)"] and got["offset"] == [i * full.shape[0] // 2, 0], got
+            else:
+                assert got["placements"] == ["plain"] and got["shape"] == list(full.shape), got
+    # the JAX (fsdp=i, tp=j) device of a column-parallel master holds the very block torch rank (i, j) holds
+    w = tree["layers"]["w_col"]["weight"]
+    for shard in w.addressable_shards:
+        i, j = (int(v[0]) for v in np.nonzero(mesh.devices == shard.device))
+        assert results[i * 2 + j]["checked"]["layers.w_col.weight"]["offset"][0] == shard.index[0].start
+
+
+@torch_required
+def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request):
+    if common.rerun_if_few_devices(request):
+        return
+    quant = _quantized()
+    tensors = torch_tensors(quant)
+    common.torch_job("save", str(tmp_path / "ck"), tensors, 17, str(tmp_path / "work"), timeout=120, worker=WORKER)
+    report = ck.inspect_dcp(str(tmp_path / "ck"), verify=True)
+    assert report["ok"]
+    chunks = {k["key"]: k["chunks"] for k in report["keys"]}
+    assert chunks["layers.w_col.weight"] == 4 and chunks["layers.nv_col.weight.data_t"] == 4
+    assert chunks["layers.w_rep.weight"] == 2 and chunks["layers.nv_col.weight.amax"] == 1
+    full = {k: a for k, a, _ in tensors}
+    for fsdp, tp in ((4, 2), (2, 4)):  # resharding: neither mesh is torch's (2, 2)
+        mesh = _mesh(fsdp, tp)
+        target = _target(mesh)
+        target["step"] = int
+        out = ck.load_dcp(str(tmp_path / "ck"), target)
+        assert out["step"] == 17
+        for n in MASTERS:
+            _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding,
+                                          full[f"layers.{n}.weight"], (fsdp, tp, n))
+        for n, (q, _) in quant.items():
+            got, want = out["layers"][n]["weight"], target["layers"][n]["weight"]
+            assert type(got) is type(q) and got.shape == q.shape
+            for (attr, suffix, v), (_, _, t) in zip(components(got), components(want)):
+                _assert_same_layout_and_bytes(v, t.sharding, full[f"layers.{n}.weight{suffix}"], (fsdp, tp, n, attr))
+            assert common.same_bytes(np.asarray(got.dequantize()), np.asarray(q.dequantize())), (fsdp, tp, n)
+
+
+@pytest.mark.parametrize("save_mesh,load_meshes", [((4, 2), ((2, 4), (8, 1), (1, 8))), ((2, 4), ((4, 2),))])
+def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, save_mesh, load_meshes):
+    if common.rerun_if_few_devices(request):
+        return
+    tree, quant = jax_tree(_mesh(*save_mesh))
+    ck.save_dcp(str(tmp_path / "ck"), tree)
+    tp = save_mesh[1]
+    # replicated over fsdp: each component is written once per TP rank, at its TP offset
+    report = {k["key"]: k for k in ck.inspect_dcp(str(tmp_path / "ck"))["keys"]}
+    assert report["layers.nv_col.weight"]["chunks"] == tp and report["layers.nv_col.weight.amax"]["chunks"] == 1
+    assert report["layers.w_col.weight"]["chunks"] == save_mesh[0] * tp
+    md = read_metadata(str(tmp_path / "ck"))
+    for n, (q, d) in quant.items():
+        for attr, suffix, v in components(q):
+            dim = _component_tp_dim(attr, v, d)
+            offsets = sorted(c.offsets for c in md.entries[f"layers.{n}.weight{suffix}"].chunks)
+            if dim is None:
+                assert offsets == [(0,) * np.ndim(v)]
+            else:
+                step = v.shape[dim] // tp
+                assert offsets == sorted(tuple(j * step if ax == dim else 0 for ax in range(2)) for j in range(tp))
+    for fsdp, tp_load in load_meshes:
+        target = _target(_mesh(fsdp, tp_load))
+        out = ck.load_dcp(str(tmp_path / "ck"), target)
+        for n, (q, _) in quant.items():
+            got = out["layers"][n]["weight"]
+            for (attr, _, v), (_, _, t), (_, _, w) in zip(components(got), components(target["layers"][n]["weight"]),
+                                                          components(q)):
+                _assert_same_layout_and_bytes(v, t.sharding, np.asarray(w), (fsdp, tp_load, n, attr))
+            assert common.same_bytes(np.asarray(got.dequantize()), np.asarray(q.dequantize()))
+        for n, (a, _) in MASTERS.items():
+            _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, a, n)
+
+
+def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, request):
+    if common.rerun_if_few_devices(request):
+        return
+    mesh = _mesh(4, 2)
+    tree, quant = jax_tree(mesh)
+    ck.save_dcp(str(tmp_path / "ck"), tree, dequantize=jnp.bfloat16)
+    md = read_metadata(str(tmp_path / "ck"))
+    assert "layers.nv_col.weight.scale_inv" not in md.entries and "__jaxquant__" not in md.entries
+    target = {"layers": {n: {"weight": jax.ShapeDtypeStruct(q.shape, jnp.bfloat16, sharding=NamedSharding(
+        mesh, MASTER_SPECS["col" if d == 0 else "row"]))} for n, (q, d) in quant.items()}}
+    out = ck.load_dcp(str(tmp_path / "ck"), target)
+    for n, (q, _) in quant.items():
+        want = np.asarray(q.dequantize(jnp.bfloat16))  # the unsharded tensor's dequantization
+        assert want.dtype == ml_dtypes.bfloat16
+        _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, want, n)
