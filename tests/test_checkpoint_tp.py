@@ -55,33 +55,38 @@ def _tp_spec(dim):
     return P() if dim is None else (P("tp", None) if dim == 0 else P(None, "tp"))
 
 
-def tp_shard_quantized(q, mesh, tp_dim):
+def tp_shard_quantized(q, mesh, tp_dim, put=jax.device_put):
     """``q`` laid out as quantize_master_weights(..., tp_axis="tp") returns it: each component sharded over
-    tp along its TP dim and replicated over fsdp."""
-    return dataclasses.replace(q, **{attr: jax.device_put(v, NamedSharding(mesh, _tp_spec(_component_tp_dim(
-        attr, v, tp_dim)))) for attr, _, v in components(q)})
+    tp along its TP dim and replicated over fsdp. ``put(value, sharding)`` places one component."""
+    return dataclasses.replace(q, **{attr: put(v, NamedSharding(mesh, _tp_spec(_component_tp_dim(attr, v, tp_dim))))
+                                     for attr, _, v in components(q)})
 
 
-def _quantized():
+@pytest.fixture(scope="module")
+def quant():
     """{name: (whole-tensor quantized, TP dim)}; the TP splits (tp <= 2) are aligned to the NVFP4 scale
     layout (local rows a multiple of 128 for dim 0, local cols a multiple of 64 for dim 1)."""
-    ref = dict(impl="reference", columnwise=True)
-    return {"nv_col": (jaxquant.quantize_nvfp4(jnp.asarray(_x((256, 32), 10)), **ref), 0),
-            "nv_row": (jaxquant.quantize_nvfp4(jnp.asarray(_x((32, 128), 11)), **ref), 1),
-            "f8_col": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 12)), **ref), 0),
-            "f8_row": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 13)), **ref), 1)}
+    opts = dict(columnwise=True)
+    return {"nv_col": (jaxquant.quantize_nvfp4(jnp.asarray(_x((256, 32), 10)), **opts), 0),
+            "nv_row": (jaxquant.quantize_nvfp4(jnp.asarray(_x((32, 128), 11)), **opts), 1),
+            "f8_col": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 12)), **opts), 0),
+            "f8_row": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 13)), **opts), 1)}
 
 
 MASTERS = {"w_col": (_x((16, 8), 0), "col"), "w_row": (_x((8, 16), 1), "row"), "w_rep": (_x((8, 8), 2), "rep")}
 
 
-def jax_tree(mesh):
-    """The JAX state on ``mesh``: {"layers": {name: {"weight": ...}}} and the unsharded quantized tensors."""
-    layers = {n: {"weight": jax.device_put(a, NamedSharding(mesh, MASTER_SPECS[s]))} for n, (a, s) in MASTERS.items()}
-    quant = _quantized()
+def _as_target(a, sharding):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+
+def jax_tree(mesh, quant, put=jax.device_put):
+    """The JAX state on ``mesh``: {"layers": {name: {"weight": ...}}}; ``put=_as_target`` gives the
+    load_dcp target of the same layout."""
+    layers = {n: {"weight": put(a, NamedSharding(mesh, MASTER_SPECS[s]))} for n, (a, s) in MASTERS.items()}
     for n, (q, d) in quant.items():
-        layers[n] = {"weight": tp_shard_quantized(q, mesh, d)}
-    return {"layers": layers}, quant
+        layers[n] = {"weight": tp_shard_quantized(q, mesh, d, put)}
+    return {"layers": layers}
 
 
 def torch_tensors(quant):
@@ -92,12 +97,6 @@ def torch_tensors(quant):
             dim = _component_tp_dim(attr, v, d)
             out.append((f"layers.{n}.weight{suffix}", np.asarray(v), "plain" if dim is None else TP_DIM_STYLE[dim]))
     return out
-
-
-def _target(mesh):
-    """load_dcp target: the same pytree as :func:`jax_tree` on ``mesh``, as ShapeDtypeStructs."""
-    tree, _ = jax_tree(mesh)
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def _assert_same_layout_and_bytes(got, want_sharding, full, what):
@@ -112,15 +111,15 @@ torch_required = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
 
 
 @torch_required
-def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request):
+def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return
     mesh = common.mesh22()
-    tree, quant = jax_tree(mesh)
+    tree = jax_tree(mesh, quant)
     tree["step"] = np.array(5, np.int64)
     ck.save_dcp(str(tmp_path / "ck"), tree)
     tensors = torch_tensors(quant)
-    results = common.torch_job("load", str(tmp_path / "ck"), tensors, 5, str(tmp_path / "work"), timeout=120,
+    results = common.torch_job("load", str(tmp_path / "ck"), tensors, 5, str(tmp_path / "work"), timeout=180,
                                worker=WORKER)
     # every rank checked the bytes of every local shard (worker); here: the placements and where blocks lie
     keys = {k for k, _, _ in tensors}
@@ -149,12 +148,11 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request):
 
 
 @torch_required
-def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request):
+def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return
-    quant = _quantized()
     tensors = torch_tensors(quant)
-    common.torch_job("save", str(tmp_path / "ck"), tensors, 17, str(tmp_path / "work"), timeout=120, worker=WORKER)
+    common.torch_job("save", str(tmp_path / "ck"), tensors, 17, str(tmp_path / "work"), timeout=180, worker=WORKER)
     report = ck.inspect_dcp(str(tmp_path / "ck"), verify=True)
     assert report["ok"]
     chunks = {k["key"]: k["chunks"] for k in report["keys"]}
@@ -163,7 +161,7 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request):
     full = {k: a for k, a, _ in tensors}
     for fsdp, tp in ((4, 2), (2, 4)):  # resharding: neither mesh is torch's (2, 2)
         mesh = _mesh(fsdp, tp)
-        target = _target(mesh)
+        target = jax_tree(mesh, quant, _as_target)
         target["step"] = int
         out = ck.load_dcp(str(tmp_path / "ck"), target)
         assert out["step"] == 17
@@ -175,14 +173,13 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request):
             assert type(got) is type(q) and got.shape == q.shape
             for (attr, suffix, v), (_, _, t) in zip(components(got), components(want)):
                 _assert_same_layout_and_bytes(v, t.sharding, full[f"layers.{n}.weight{suffix}"], (fsdp, tp, n, attr))
-            assert common.same_bytes(np.asarray(got.dequantize()), np.asarray(q.dequantize())), (fsdp, tp, n)
 
 
 @pytest.mark.parametrize("save_mesh,load_meshes", [((4, 2), ((2, 4), (8, 1), (1, 8))), ((2, 4), ((4, 2),))])
-def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, save_mesh, load_meshes):
+def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh, load_meshes):
     if common.rerun_if_few_devices(request):
         return
-    tree, quant = jax_tree(_mesh(*save_mesh))
+    tree = jax_tree(_mesh(*save_mesh), quant)
     ck.save_dcp(str(tmp_path / "ck"), tree)
     tp = save_mesh[1]
     # replicated over fsdp: each component is written once per TP rank, at its TP offset
@@ -200,23 +197,23 @@ def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, save_mesh, load_
                 step = v.shape[dim] // tp
                 assert offsets == sorted(tuple(j * step if ax == dim else 0 for ax in range(2)) for j in range(tp))
     for fsdp, tp_load in load_meshes:
-        target = _target(_mesh(fsdp, tp_load))
+        target = jax_tree(_mesh(fsdp, tp_load), quant, _as_target)
         out = ck.load_dcp(str(tmp_path / "ck"), target)
         for n, (q, _) in quant.items():
             got = out["layers"][n]["weight"]
             for (attr, _, v), (_, _, t), (_, _, w) in zip(components(got), components(target["layers"][n]["weight"]),
                                                           components(q)):
                 _assert_same_layout_and_bytes(v, t.sharding, np.asarray(w), (fsdp, tp_load, n, attr))
-            assert common.same_bytes(np.asarray(got.dequantize()), np.asarray(q.dequantize()))
         for n, (a, _) in MASTERS.items():
             _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, a, n)
 
 
-def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, request):
+def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return
     mesh = _mesh(4, 2)
-    tree, quant = jax_tree(mesh)
+    quant = {n: quant[n] for n in ("nv_col", "f8_row")}
+    tree = jax_tree(mesh, quant)
     ck.save_dcp(str(tmp_path / "ck"), tree, dequantize=jnp.bfloat16)
     md = read_metadata(str(tmp_path / "ck"))
     assert "layers.nv_col.weight.scale_inv" not in md.entries and "__jaxquant__" not in md.entries
@@ -224,6 +221,6 @@ def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, reque
         mesh, MASTER_SPECS["col" if d == 0 else "row"]))} for n, (q, d) in quant.items()}}
     out = ck.load_dcp(str(tmp_path / "ck"), target)
     for n, (q, _) in quant.items():
-        want = np.asarray(q.dequantize(jnp.bfloat16))  # the unsharded tensor's dequantization
+        want = np.asarray(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(q))  # the unsharded tensor's
         assert want.dtype == ml_dtypes.bfloat16
         _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, want, n)
