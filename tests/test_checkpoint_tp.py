@@ -224,3 +224,44 @@ def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, reque
         want = np.asarray(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(q))  # the unsharded tensor's
         assert want.dtype == ml_dtypes.bfloat16
         _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, want, n)
+
+
+def per_tp_rank_nvfp4(x, mesh, tp_dim):
+    """An FSDP x TP NVFP4 weight whose TP split is *not* aligned to the scale layout, as
+    quantize_master_weights(..., tp_axis=) returns it: each TP rank's local tensor is the quantization of its
+    slice with the whole weight's amax, and the global components concatenate the local ones along the TP dim."""
+    tp = mesh.shape["tp"]
+    _, amax, _ = jaxquant.ops.nvfp4_stats(x)
+    locals_ = []
+    for piece in jnp.split(x, tp, axis=tp_dim):
+        tiles, _, _ = jaxquant.ops.nvfp4_stats(piece)
+        data, scale_inv, data_t, scale_inv_t = jaxquant.ops.nvfp4_quantize(piece, tiles, amax, columnwise=True)
+        locals_.append(dict(data=data, scale_inv=scale_inv, data_t=data_t, scale_inv_t=scale_inv_t))
+    comps = {attr: jnp.concatenate([p[attr] for p in locals_], axis=_component_tp_dim(attr, locals_[0][attr], tp_dim))
+             for attr in locals_[0]}
+    return tp_shard_quantized(jaxquant.NVFP4Tensor(amax=amax, shape=tuple(x.shape), **comps), mesh, tp_dim), locals_
+
+
+@pytest.mark.parametrize("tp_dim,shape", [(0, (128, 32)), (1, (16, 64))])  # local rows 64 / local cols 32
+def test_tp_nvfp4_unaligned_split_round_trips_per_rank_and_refuses_dequantize(tmp_path, request, tp_dim, shape):
+    if common.rerun_if_few_devices(request):
+        return
+    save_mesh, load_mesh = _mesh(2, 2), _mesh(4, 2)  # same tp (the per-rank scale blocks depend on it)
+    q, locals_ = per_tp_rank_nvfp4(jnp.asarray(_x(shape, 20 + tp_dim)), save_mesh, tp_dim)
+    ck.save_dcp(str(tmp_path / "ck"), {"w": q})
+    target = {"w": jax.tree_util.tree_map(lambda a: _as_target(a, NamedSharding(load_mesh, a.sharding.spec)), q)}
+    got = ck.load_dcp(str(tmp_path / "ck"), target)["w"]
+    for (attr, _, v), (_, _, t), (_, _, w) in zip(components(got), components(target["w"]), components(q)):
+        _assert_same_layout_and_bytes(v, t.sharding, np.asarray(w), attr)
+        dim = _component_tp_dim(attr, v, tp_dim)
+        for shard in v.addressable_shards:  # each device holds its TP rank's own local tensor
+            j = int(np.nonzero(load_mesh.devices == shard.device)[1][0])
+            assert common.same_bytes(np.asarray(shard.data), np.asarray(locals_[j][attr]) if dim is not None
+                                     else np.asarray(w)), (attr, j)
+    # the per-rank scale blocks are not the whole-tensor layout: dequantizing as a whole is refused
+    with pytest.raises(ck.CheckpointError, match=r"cannot dequantize.*scale_inv is .*whole-tensor layout"):
+        ck.save_dcp(str(tmp_path / "deq"), {"w": q}, dequantize=jnp.bfloat16)
+    assert not os.path.exists(tmp_path / "deq")
+    with pytest.raises(ck.CheckpointError, match=r"key 'w': cannot dequantize"):
+        ck.convert(str(tmp_path / "ck"), str(tmp_path / "conv"), to="dcp", dequantize="bfloat16")
+    assert not os.path.exists(tmp_path / "conv")

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import fsutil, torchsave
+from jaxquant.checkpoint import fsutil, quantnp, torchsave
 from jaxquant.checkpoint.errors import CheckpointError, CoverageError
 from jaxquant.checkpoint.layout import coverage_problems, index_to_box
 from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpMetadata, StorageInfo, TensorEntry,
@@ -19,6 +19,7 @@ from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpM
 from jaxquant.checkpoint.progress import Progress
 from jaxquant.checkpoint.safepickle import dumps
 from jaxquant.checkpoint.tree import QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized, quant_info
+from jaxquant.tensors import NVFP4Tensor
 
 _PLAN_SUFFIX = ".jaxquant-plan.json"
 
@@ -98,6 +99,8 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
     for key, parts, leaf in items:
         if is_quantized(leaf):
             if dequantize is not None:  # a plain array from here on (may be transposed)
+                if isinstance(leaf, NVFP4Tensor):
+                    quantnp.check_nvfp4_scale_layout(key, leaf.shape, leaf.scale_inv.shape)
                 out.append((key, parts, leaf.dequantize(dequantize)))
                 continue
             transpose.check(key, (), quantized=True)
