@@ -74,7 +74,19 @@ def quant():
             "f8_row": (jaxquant.quantize_fp8(jnp.asarray(_x((16, 32), 13)), **opts), 1)}
 
 
-MASTERS = {"w_col": (_x((16, 8), 0), "col"), "w_row": (_x((8, 16), 1), "row"), "w_rep": (_x((8, 8), 2), "rep")}
+# name -> (fp32 master, torch style). "k_*" are JAX kernels [in, out], stored as torch's [out, in] (TRANSPOSE).
+MASTERS = {"w_col": (_x((16, 8), 0), "col"), "w_row": (_x((8, 16), 1), "row"), "w_rep": (_x((8, 8), 2), "rep"),
+           "k_col": (_x((8, 16), 3), "col"), "k_row": (_x((16, 8), 4), "row")}
+TRANSPOSE = "layers.k_*.weight"
+
+
+def _master_spec(name, style):
+    spec = MASTER_SPECS[style]
+    return P(*reversed(spec)) if name.startswith("k_") else spec
+
+
+def _torch_full(name, a):
+    return np.ascontiguousarray(a.T) if name.startswith("k_") else a
 
 
 def _as_target(a, sharding):
@@ -84,7 +96,7 @@ def _as_target(a, sharding):
 def jax_tree(mesh, quant, put=jax.device_put):
     """The JAX state on ``mesh``: {"layers": {name: {"weight": ...}}}; ``put=_as_target`` gives the
     load_dcp target of the same layout."""
-    layers = {n: {"weight": put(a, NamedSharding(mesh, MASTER_SPECS[s]))} for n, (a, s) in MASTERS.items()}
+    layers = {n: {"weight": put(a, NamedSharding(mesh, _master_spec(n, s)))} for n, (a, s) in MASTERS.items()}
     for n, (q, d) in quant.items():
         layers[n] = {"weight": tp_shard_quantized(q, mesh, d, put)}
     return {"layers": layers}
@@ -92,7 +104,7 @@ def jax_tree(mesh, quant, put=jax.device_put):
 
 def torch_tensors(quant):
     """[(DCP key, full numpy array, torch style)] of every tensor in :func:`jax_tree`."""
-    out = [(f"layers.{n}.weight", a, s) for n, (a, s) in MASTERS.items()]
+    out = [(f"layers.{n}.weight", _torch_full(n, a), s) for n, (a, s) in MASTERS.items()]
     for n, (q, d) in quant.items():
         for attr, suffix, v in components(q):
             dim = _component_tp_dim(attr, v, d)
@@ -118,7 +130,7 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
     mesh = common.mesh22()
     tree = jax_tree(mesh, quant)
     tree["step"] = np.array(5, np.int64)
-    ck.save_dcp(str(tmp_path / "ck"), tree)
+    ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
     tensors = torch_tensors(quant)
     results = common.torch_job("load", str(tmp_path / "ck"), tensors, 5, str(tmp_path / "work"), timeout=180,
                                worker=WORKER)
@@ -141,11 +153,11 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
                 assert got["placements"] == ["Shard(dim=0)"] and got["offset"] == [i * full.shape[0] // 2, 0], got
             else:
                 assert got["placements"] == ["plain"] and got["shape"] == list(full.shape), got
-    # the JAX (fsdp=i, tp=j) device of a column-parallel master holds the very block torch rank (i, j) holds
-    w = tree["layers"]["w_col"]["weight"]
-    for shard in w.addressable_shards:
-        i, j = (int(v[0]) for v in np.nonzero(mesh.devices == shard.device))
-        assert results[i * 2 + j]["checked"]["layers.w_col.weight"]["offset"][0] == shard.index[0].start
+    # the JAX (fsdp=i, tp=j) device of a column-parallel master (or [in, out] kernel) holds torch rank (i, j)'s rows
+    for n, out_dim in (("w_col", 0), ("k_col", 1)):
+        for shard in tree["layers"][n]["weight"].addressable_shards:
+            i, j = (int(v[0]) for v in np.nonzero(mesh.devices == shard.device))
+            assert results[i * 2 + j]["checked"][f"layers.{n}.weight"]["offset"][0] == shard.index[out_dim].start, n
 
 
 @torch_required
@@ -164,11 +176,11 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, qu
         mesh = _mesh(fsdp, tp)
         target = jax_tree(mesh, quant, _as_target)
         target["step"] = int
-        out = ck.load_dcp(str(tmp_path / "ck"), target)
+        out = ck.load_dcp(str(tmp_path / "ck"), target, transpose=TRANSPOSE)
         assert out["step"] == 17
-        for n in MASTERS:
-            _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding,
-                                          full[f"layers.{n}.weight"], (fsdp, tp, n))
+        for n, (a, _) in MASTERS.items():
+            _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, a,
+                                          (fsdp, tp, n))
         for n, (q, _) in quant.items():
             got, want = out["layers"][n]["weight"], target["layers"][n]["weight"]
             assert type(got) is type(q) and got.shape == q.shape
@@ -181,7 +193,7 @@ def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh
     if common.rerun_if_few_devices(request):
         return
     tree = jax_tree(_mesh(*save_mesh), quant)
-    ck.save_dcp(str(tmp_path / "ck"), tree)
+    ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
     tp = save_mesh[1]
     # replicated over fsdp: each component is written once per TP rank, at its TP offset
     report = {k["key"]: k for k in ck.inspect_dcp(str(tmp_path / "ck"))["keys"]}
@@ -199,7 +211,7 @@ def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh
                 assert offsets == sorted(tuple(j * step if ax == dim else 0 for ax in range(2)) for j in range(tp))
     for fsdp, tp_load in load_meshes:
         target = jax_tree(_mesh(fsdp, tp_load), quant, _as_target)
-        out = ck.load_dcp(str(tmp_path / "ck"), target)
+        out = ck.load_dcp(str(tmp_path / "ck"), target, transpose=TRANSPOSE)
         for n, (q, _) in quant.items():
             got = out["layers"][n]["weight"]
             for (attr, _, v), (_, _, t), (_, _, w) in zip(components(got), components(target["layers"][n]["weight"]),
@@ -215,7 +227,7 @@ def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, reque
     mesh = _mesh(4, 2)
     quant = {n: quant[n] for n in ("nv_col", "f8_row")}
     tree = jax_tree(mesh, quant)
-    ck.save_dcp(str(tmp_path / "ck"), tree, dequantize=jnp.bfloat16)
+    ck.save_dcp(str(tmp_path / "ck"), tree, dequantize=jnp.bfloat16, transpose=TRANSPOSE)
     md = read_metadata(str(tmp_path / "ck"))
     assert "layers.nv_col.weight.scale_inv" not in md.entries and "__jaxquant__" not in md.entries
     target = {"layers": {n: {"weight": jax.ShapeDtypeStruct(q.shape, jnp.bfloat16, sharding=NamedSharding(
