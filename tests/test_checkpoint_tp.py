@@ -153,6 +153,12 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
                 assert got["placements"] == ["Shard(dim=0)"] and got["offset"] == [i * full.shape[0] // 2, 0], got
             else:
                 assert got["placements"] == ["plain"] and got["shape"] == list(full.shape), got
+    # from a mesh of torch's sizes the masters' DCP chunks are exactly torch's local shards
+    md = read_metadata(str(tmp_path / "ck"))
+    for n in MASTERS:
+        key = f"layers.{n}.weight"
+        assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.entries[key].chunks) == \
+            sorted({(tuple(r["checked"][key]["offset"]), tuple(r["checked"][key]["shape"])) for r in results}), n
     # the JAX (fsdp=i, tp=j) device of a column-parallel master (or [in, out] kernel) holds torch rank (i, j)'s rows
     for n, out_dim in (("w_col", 0), ("k_col", 1)):
         for shard in tree["layers"][n]["weight"].addressable_shards:
