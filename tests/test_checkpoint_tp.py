@@ -315,3 +315,26 @@ def test_quantize_master_weights_tp_output_round_trips_through_dcp(tmp_path, req
     for k in tree:
         for (attr, _, v), (_, _, t), (_, _, w) in zip(components(out[k]), components(target[k]), components(tree[k])):
             _assert_same_layout_and_bytes(v, t.sharding, np.asarray(w), (k, attr))
+
+
+def test_tp_resharding_load_reads_each_chunk_once_in_file_order(tmp_path, request, quant, monkeypatch):
+    if common.rerun_if_few_devices(request):
+        return
+    tree = jax_tree(_mesh(4, 2), quant)
+    ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
+    reads = []
+    original = ck.reader.ChunkReader.chunk
+
+    def recording_chunk(self, e, c):
+        reads.append((e.key, c.storage.relative_path, c.storage.offset))
+        return original(self, e, c)
+
+    monkeypatch.setattr(ck.reader.ChunkReader, "chunk", recording_chunk)
+    # (2, 4): row-parallel blocks straddle the stored chunks and each TP component chunk feeds two blocks
+    ck.load_dcp(str(tmp_path / "ck"), jax_tree(_mesh(2, 4), quant, _as_target), transpose=TRANSPOSE)
+    md = read_metadata(str(tmp_path / "ck"))
+    assert sorted(reads) == sorted((k, c.storage.relative_path, c.storage.offset)
+                                   for k, e in md.entries.items() if hasattr(e, "chunks") for c in e.chunks)
+    for key in md.entries:  # each key's chunks in file order
+        mine = [r[1:] for r in reads if r[0] == key]
+        assert mine == sorted(mine), key
