@@ -11,12 +11,13 @@ import jax
 import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import fsutil, quantnp, torchsave
+from jaxquant.checkpoint import fsutil, torchsave
 from jaxquant.checkpoint.errors import CheckpointError, CoverageError
 from jaxquant.checkpoint.layout import coverage_problems, index_to_box
 from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpMetadata, StorageInfo, TensorEntry,
                                           encode_metadata)
 from jaxquant.checkpoint.progress import Progress
+from jaxquant.checkpoint.quantnp import check_nvfp4_scale_layout
 from jaxquant.checkpoint.safepickle import dumps
 from jaxquant.checkpoint.tree import QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized, quant_info
 from jaxquant.tensors import NVFP4Tensor
@@ -100,7 +101,7 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
         if is_quantized(leaf):
             if dequantize is not None:  # a plain array from here on (may be transposed)
                 if isinstance(leaf, NVFP4Tensor):
-                    quantnp.check_nvfp4_scale_layout(key, leaf.shape, leaf.scale_inv.shape)
+                    check_nvfp4_scale_layout(key, leaf.shape, leaf.scale_inv.shape)
                 out.append((key, parts, leaf.dequantize(dequantize)))
                 continue
             transpose.check(key, (), quantized=True)
