@@ -227,22 +227,29 @@ def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh
             _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, a, n)
 
 
-def test_tp_quantized_saved_dequantized_loads_as_tp_sharded_bf16(tmp_path, request, quant):
+def test_tp_quantized_dequantized_by_save_or_convert_loads_as_tp_sharded_bf16(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return
     mesh = _mesh(4, 2)
-    quant = {n: quant[n] for n in ("nv_col", "f8_row")}
+    quant = {n: quant[n] for n in ("nv_col", "nv_row", "f8_row")}
     tree = jax_tree(mesh, quant)
-    ck.save_dcp(str(tmp_path / "ck"), tree, dequantize=jnp.bfloat16, transpose=TRANSPOSE)
-    md = read_metadata(str(tmp_path / "ck"))
-    assert "layers.nv_col.weight.scale_inv" not in md.entries and "__jaxquant__" not in md.entries
+    ck.save_dcp(str(tmp_path / "saved"), tree, dequantize=jnp.bfloat16, transpose=TRANSPOSE)
+    # streaming conversion of the components, whose chunks are the TP ranks' row / byte-column blocks
+    ck.save_dcp(str(tmp_path / "components"), tree, transpose=TRANSPOSE)
+    ck.convert(str(tmp_path / "components"), str(tmp_path / "converted"), to="dcp", dequantize="bfloat16")
     target = {"layers": {n: {"weight": jax.ShapeDtypeStruct(q.shape, jnp.bfloat16, sharding=NamedSharding(
         mesh, MASTER_SPECS["col" if d == 0 else "row"]))} for n, (q, d) in quant.items()}}
-    out = ck.load_dcp(str(tmp_path / "ck"), target)
-    for n, (q, _) in quant.items():
-        want = np.asarray(jax.jit(lambda t: t.dequantize(jnp.bfloat16))(q))  # the unsharded tensor's
-        assert want.dtype == ml_dtypes.bfloat16
-        _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, want, n)
+    # the unsharded tensors' dequantization
+    want = {n: np.asarray(w) for n, w in jax.jit(lambda qs: {n: q.dequantize(jnp.bfloat16) for n, (q, _) in qs.items()})(
+        quant).items()}
+    for path in ("saved", "converted"):
+        md = read_metadata(str(tmp_path / path))
+        assert "layers.nv_col.weight.scale_inv" not in md.entries and "__jaxquant__" not in md.entries
+        out = ck.load_dcp(str(tmp_path / path), target)
+        for n in quant:
+            assert want[n].dtype == ml_dtypes.bfloat16
+            _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, want[n],
+                                          (path, n))
 
 
 def per_tp_rank_nvfp4(x, mesh, tp_dim):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Iterable
@@ -93,6 +94,12 @@ def write_metadata(directory: str, md: DcpMetadata, checkpoint_id: str) -> None:
 
 # ------------------------------------------------------------------------------------------- save
 
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantized(q, dtype):
+    """``q.dequantize(dtype)`` as one compiled program (op-by-op dispatch over sharded components is slow)."""
+    return q.dequantize(dtype)
+
+
 def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
     """[(key, parts, kind, payload)]: kind 'value' (pickled bytes) or 'array' (dtype, shape, chunk list)."""
     items, _ = flatten(tree, "save_dcp: tree")
@@ -102,7 +109,7 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
             if dequantize is not None:  # a plain array from here on (may be transposed)
                 if isinstance(leaf, NVFP4Tensor):
                     check_nvfp4_scale_layout(key, leaf.shape, leaf.scale_inv.shape)
-                out.append((key, parts, leaf.dequantize(dequantize)))
+                out.append((key, parts, _dequantized(leaf, jax.numpy.dtype(dequantize))))
                 continue
             transpose.check(key, (), quantized=True)
             quant[key] = quant_info(leaf)
