@@ -29,7 +29,6 @@ from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.checkpoint.metadata import read_metadata  # noqa: E402
 from jaxquant.checkpoint.tree import components  # noqa: E402
 
-WORKER = "torch_fsdp_tp_worker.py"
 # fp32 master weights [out, in]: column-parallel, row-parallel, replicated over TP (FSDP only)
 MASTER_SPECS = {"col": P(("tp", "fsdp"), None), "row": P("fsdp", "tp"), "rep": P("fsdp", None)}
 # the weight's TP dim -> the torch style that shards a 2-D tensor over tp along that dim
@@ -133,7 +132,7 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
     ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
     tensors = torch_tensors(quant)
     results = common.torch_job("load", str(tmp_path / "ck"), tensors, 5, str(tmp_path / "work"), timeout=180,
-                               worker=WORKER)
+                               key=str)
     # every rank checked the bytes of every local shard (worker); here: the placements and where blocks lie
     keys = {k for k, _, _ in tensors}
     for rank, r in enumerate(results):
@@ -171,7 +170,7 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, qu
     if common.rerun_if_few_devices(request):
         return
     tensors = torch_tensors(quant)
-    common.torch_job("save", str(tmp_path / "ck"), tensors, 17, str(tmp_path / "work"), timeout=180, worker=WORKER)
+    common.torch_job("save", str(tmp_path / "ck"), tensors, 17, str(tmp_path / "work"), timeout=180, key=str)
     report = ck.inspect_dcp(str(tmp_path / "ck"), verify=True)
     assert report["ok"]
     chunks = {k["key"]: k["chunks"] for k in report["keys"]}

@@ -36,11 +36,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, worker="torch_dist_worker.py"):
-    """Run 4 gloo ranks of ``worker`` (within ``timeout`` seconds in all).
+def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, key=lambda name: f"layers.{name}.weight"):
+    """Run 4 gloo ranks of torch_fsdp_tp_worker.py (within ``timeout`` seconds in all); their results.
 
-    ``tensors``: [(name, full numpy array, style)]; style "col"|"row" (torch_fsdp_tp_worker.py also
-    takes "rep"|"plain"). The spec names each tensor "name" and, its checkpoint key, "key".
+    ``tensors``: [(name, full numpy array, style "col"|"row"|"rep"|"plain")]; each is stored under the
+    checkpoint key ``key(name)``; the ranks' results are keyed by name.
     """
     from jaxquant.checkpoint.dtypes import to_torch_name
 
@@ -49,7 +49,7 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, worker="torch_dis
     for name, arr, style in tensors:
         fn = f"{name}.bin"
         np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tofile(os.path.join(workdir, fn))
-        specs.append({"name": name, "key": name, "shape": list(arr.shape), "dtype": to_torch_name(arr.dtype, what=name),
+        specs.append({"name": name, "key": key(name), "shape": list(arr.shape), "dtype": to_torch_name(arr.dtype, what=name),
                       "style": style, "file": fn})
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
@@ -58,7 +58,7 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, worker="torch_dis
     procs = []
     for rank in range(4):
         e = env(RANK=str(rank), WORLD_SIZE="4", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, worker), mode, ckpt,
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torch_fsdp_tp_worker.py"), mode, ckpt,
                                        spec_path, workdir], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs, deadline = [], time.monotonic() + timeout
     try:

@@ -3,8 +3,8 @@
 Usage: python torch_fsdp_tp_worker.py {save,load} CKPT SPEC_JSON RESULT_DIR
 env: RANK, WORLD_SIZE (4), MASTER_PORT.
 
-SPEC_JSON: {"step": int, "tensors": [{"key", "shape", "dtype", "style", "file"}]}; "file" holds the full
-tensor's raw bytes. Each 2-D entry is the (frozen) weight of its own nn.Linear, placed by "style":
+SPEC_JSON: {"step": int, "tensors": [{"name", "key", "shape", "dtype", "style", "file"}]}; "key" is the
+checkpoint key, "file" holds the full tensor's raw bytes. Each 2-D entry is the (frozen) weight of its own nn.Linear, placed by "style":
   "col"  ColwiseParallel on "tp", then fully_shard on "dp"  -> (_StridedShard(0, tp), Shard(0))
   "row"  RowwiseParallel on "tp", then fully_shard on "dp"  -> (Shard(0), Shard(1))
   "rep"  no TP plan (replicated over tp), fully_shard on "dp" -> Shard(0) on the dp mesh
@@ -12,7 +12,7 @@ tensor's raw bytes. Each 2-D entry is the (frozen) weight of its own nn.Linear, 
 Quantized components are plain uint8 / fp8 / fp32 tensors placed like a weight whose TP dim is theirs
 (docs/checkpoint.md, "FSDP x TP"). The state dict is keyed by "key", so it names the DCP entries.
 load: every rank checks each local shard's bytes against the slice of the full tensor it should hold and
-writes RESULT_DIR/rank<r>.json with placements, global offsets and local shapes.
+writes RESULT_DIR/rank<r>.json with each name's placements, global offsets and local shapes.
 """
 
 import json
@@ -99,7 +99,7 @@ def main():
         dcp.load(state, checkpoint_id=ckpt)
         assert int(state["step"]) == spec["step"], f"step {int(state['step'])} != {spec['step']}"
         for s in spec["tensors"]:
-            result["checked"][s["key"]] = check_local(rank, s, state[s["key"]], base)
+            result["checked"][s["name"]] = check_local(rank, s, state[s["key"]], base)
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
