@@ -117,6 +117,7 @@ def _dequantized_chunks(source, key, info, dtype):
         for off, arr in source.chunks(key):
             yield off, quantnp.fp8_block(arr, scale_inv, dtype)
     elif info["format"] == "nvfp4":
+        quantnp.check_nvfp4_scale_layout(key, info["shape"], scale_inv.shape)
         amax = source.full(key + ".amax")
         for off, arr in source.chunks(key):
             yield (off[0], 2 * off[1]), quantnp.nvfp4_block(arr, off[0], off[1], scale_inv, amax, dtype)

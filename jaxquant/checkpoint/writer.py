@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Iterable
@@ -17,8 +18,10 @@ from jaxquant.checkpoint.layout import coverage_problems, index_to_box
 from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpMetadata, StorageInfo, TensorEntry,
                                           encode_metadata)
 from jaxquant.checkpoint.progress import Progress
+from jaxquant.checkpoint.quantnp import check_nvfp4_scale_layout
 from jaxquant.checkpoint.safepickle import dumps
 from jaxquant.checkpoint.tree import QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized, quant_info
+from jaxquant.tensors import NVFP4Tensor
 
 _PLAN_SUFFIX = ".jaxquant-plan.json"
 
@@ -92,6 +95,12 @@ def write_metadata(directory: str, md: DcpMetadata, checkpoint_id: str) -> None:
 
 # ------------------------------------------------------------------------------------------- save
 
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantized(q, dtype):
+    """``q.dequantize(dtype)`` as one compiled program (op-by-op dispatch over sharded components is slow)."""
+    return q.dequantize(dtype)
+
+
 def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
     """[(key, parts, kind, payload)]: kind 'value' (pickled bytes) or 'array' (dtype, shape, chunk list)."""
     items, _ = flatten(tree, "save_dcp: tree")
@@ -99,7 +108,9 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
     for key, parts, leaf in items:
         if is_quantized(leaf):
             if dequantize is not None:  # a plain array from here on (may be transposed)
-                out.append((key, parts, leaf.dequantize(dequantize)))
+                if isinstance(leaf, NVFP4Tensor):
+                    check_nvfp4_scale_layout(key, leaf.shape, leaf.scale_inv.shape)
+                out.append((key, parts, _dequantized(leaf, jax.numpy.dtype(dequantize))))
                 continue
             transpose.check(key, (), quantized=True)
             quant[key] = quant_info(leaf)

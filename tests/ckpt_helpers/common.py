@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -51,8 +52,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torch_job(mode, ckpt, tensors, step, workdir, timeout=240):
-    """Run 4 gloo ranks of torch_dist_worker.py. ``tensors``: [(name, full numpy array, "col"|"row")]."""
+def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, key=lambda name: f"layers.{name}.weight"):
+    """Run 4 gloo ranks of torch_fsdp_tp_worker.py (within ``timeout`` seconds in all); their results.
+
+    ``tensors``: [(name, full numpy array, style "col"|"row"|"rep"|"plain")]; each is stored under the
+    checkpoint key ``key(name)``; the ranks' results are keyed by name.
+    """
     from jaxquant.checkpoint.dtypes import to_torch_name
 
     os.makedirs(workdir, exist_ok=True)
@@ -60,7 +65,7 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240):
     for name, arr, style in tensors:
         fn = f"{name}.bin"
         np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tofile(os.path.join(workdir, fn))
-        specs.append({"name": name, "shape": list(arr.shape), "dtype": to_torch_name(arr.dtype, what=name),
+        specs.append({"name": name, "key": key(name), "shape": list(arr.shape), "dtype": to_torch_name(arr.dtype, what=name),
                       "style": style, "file": fn})
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
@@ -69,12 +74,12 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240):
     procs = []
     for rank in range(4):
         e = env(RANK=str(rank), WORLD_SIZE="4", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torch_dist_worker.py"), mode, ckpt,
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torch_fsdp_tp_worker.py"), mode, ckpt,
                                        spec_path, workdir], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = []
+    outs, deadline = [], time.monotonic() + timeout
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode(errors="replace"))
     finally:
         for p in procs:
             if p.poll() is None:
