@@ -18,6 +18,7 @@ from jaxquant.distributed import (
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.sp import sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp
 
 __version__ = "0.1.0"
 
@@ -38,4 +39,7 @@ __all__ = [
     "formats",
     "ops",
     "reference",
+    "sp_layernorm_dense",
+    "sp_dense_reduce_scatter",
+    "sp_mlp",
 ]
