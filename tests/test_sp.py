@@ -1,0 +1,292 @@
+"""Sequence-parallel layers (jaxquant.sp) on 8 simulated CPU devices.
+
+Each layer's forward and gradients are compared with a single-device computation of the same
+quantized math (whole-tensor current scaling, one GEMM); the overlap modes are compared with each
+other; microbatches interleaved forward-before-backward must give the gradients of one-at-a-time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_bytes_equal
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxquant as jq
+from jaxquant import sp
+
+B, S, H, F = 2, 32, 32, 64
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+F32 = dict(preferred_element_type=jnp.float32)
+
+
+def _mesh(tp):
+    return Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+
+def _inputs(seed=0):
+    k = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(k[0], (B, S, H), jnp.float32) * 3.0
+    gamma = 1.0 + 0.1 * jax.random.normal(k[1], (H,), jnp.float32)
+    beta = 0.1 * jax.random.normal(k[2], (H,), jnp.float32)
+    w1 = jax.random.normal(k[3], (H, F), jnp.float32) / np.sqrt(H)
+    w2 = jax.random.normal(k[4], (F, H), jnp.float32) / np.sqrt(F)
+    return x, gamma, beta, w1, w2
+
+
+def _fp8_weight(w):
+    return jq.quantize_fp8(w, dtype=E4M3, columnwise=True, compute_dtype=jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Single-device reference: whole-tensor scaling, one GEMM per product, no collectives
+# ----------------------------------------------------------------------------------------------
+
+
+def _q(v, dtype):
+    """(bytes, scale_inv) of the whole tensor v (current scaling, no compute-dtype rounding)."""
+    t = jq.quantize_fp8(v.reshape(-1, v.shape[-1]), dtype=dtype, compute_dtype=None)
+    return t.data.reshape(v.shape), t.scale_inv
+
+
+def _ref_mm(a, b, a_dims, b_dims, recipe):
+    """a·b contracting a_dims with b_dims; FP8 operands are quantized (a: (bytes, scale))."""
+    dims = ((a_dims, b_dims), ((), ()))
+    if recipe == "fp8":
+        (ad, asc), (bd, bsc) = a, b
+        return lax.dot_general(ad, bd, dims, **F32) * (asc * bsc)
+    return lax.dot_general(a, b, dims, **F32)
+
+
+def _ref_operands(recipe, act, w, act_dtype=E4M3):
+    if recipe == "fp8":
+        wq = w if isinstance(w, jq.Float8Tensor) else _fp8_weight(w)
+        return _q(act, act_dtype), (wq.data, jnp.reshape(wq.scale_inv, ()))
+    if isinstance(w, jq.NVFP4Tensor):
+        w = w.dequantize(jnp.bfloat16)
+    return act.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+
+def _ref_grad_operand(recipe, g):
+    return _q(g, E5M2) if recipe == "fp8" else g.astype(jnp.bfloat16)
+
+
+def ref_column(recipe, x, gamma, beta, w, g):
+    """(out, (dx, dgamma, dbeta, dw)) of layernorm -> dense on one device."""
+    ln = lambda x_, g_, b_: sp._layernorm_f32(x_, g_, b_, 1e-5)
+    a, wop = _ref_operands(recipe, ln(x, gamma, beta).astype(jnp.bfloat16), w)
+    out = _ref_mm(a, wop, (2,), (0,), recipe).astype(x.dtype)
+    gq = _ref_grad_operand(recipe, g)
+    dy = _ref_mm(gq, wop, (2,), (1,), recipe)
+    dw = _ref_mm(a, gq, (0, 1), (0, 1), recipe)
+    return out, (*jax.vjp(ln, x, gamma, beta)[1](dy), dw)
+
+
+def ref_row(recipe, x, w, g):
+    a, wop = _ref_operands(recipe, x, w)
+    out = _ref_mm(a, wop, (2,), (0,), recipe).astype(x.dtype)
+    gq = _ref_grad_operand(recipe, g)
+    return out, (_ref_mm(gq, wop, (2,), (1,), recipe).astype(x.dtype), _ref_mm(a, gq, (0, 1), (0, 1), recipe))
+
+
+def ref_mlp_dx(x, g, gamma, beta, w1, w2):
+    h_pre = ref_column("fp8", x, gamma, beta, w1, jnp.zeros((B, S, F), jnp.float32))[0]
+    h, gelu_vjp = jax.vjp(jax.nn.gelu, h_pre)
+    dh = ref_row("fp8", h, w2, g)[1][0]
+    return ref_column("fp8", x, gamma, beta, w1, gelu_vjp(dh)[0])[1][0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Runners: forward and vjp of a layer in one jitted program
+# ----------------------------------------------------------------------------------------------
+
+
+def _weight_grad(dw):
+    """The straight-through weight gradient: a Float8Tensor cotangent carries it in ``data``."""
+    return dw.data if isinstance(dw, jq.Float8Tensor) else dw
+
+
+@functools.lru_cache(maxsize=None)
+def _column_runner(tp, overlap, recipe):
+    def run(x, gamma, beta, w, g):
+        f = functools.partial(jq.sp_layernorm_dense, mesh=_mesh(tp), overlap=overlap, recipe=recipe)
+        out, vjp = jax.vjp(f, x, gamma, beta, w)
+        dx, dgamma, dbeta, dw = vjp(g)
+        return out, (dx, dgamma, dbeta, _weight_grad(dw))
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_runner(tp, overlap, recipe):
+    def run(x, w, g):
+        f = functools.partial(jq.sp_dense_reduce_scatter, mesh=_mesh(tp), overlap=overlap, recipe=recipe)
+        out, vjp = jax.vjp(f, x, w)
+        dx, dw = vjp(g)
+        return out, (dx, _weight_grad(dw))
+    return jax.jit(run)
+
+
+def _assert_close(actual, expected, what, rtol=2e-5):
+    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    atol = rtol * max(float(np.max(np.abs(e))), 1e-30)
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _weights(recipe, w1, w2, kind):
+    if kind == "float8tensor":
+        return _fp8_weight(w1), _fp8_weight(w2)
+    if kind == "nvfp4":
+        return jq.quantize_nvfp4(w1), jq.quantize_nvfp4(w2)
+    return w1, w2
+
+
+CASES = [("bf16", "float"), ("fp8", "float8tensor")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+def test_local_quantization_with_shared_amax_equals_whole_tensor():
+    """Each rank quantizes its sequence chunk once after the max-reduction: the bytes and the one
+    scale_inv are those of quantizing the whole tensor, on every rank."""
+    x = _inputs()[0].astype(jnp.bfloat16)
+    ctx = sp._context(_mesh(4), "tp", "ring", "auto")
+    q = jax.jit(lambda v: sp._operand(ctx, "fp8", v, P(None, "tp", None), E4M3))(x)
+    data, scale_inv = _q(x, E4M3)
+    assert_bytes_equal(q.data, data, "gathered FP8 bytes")
+    assert_bytes_equal(q.scale_inv, scale_inv, "scale_inv")
+    per_rank = [np.asarray(s.data) for s in q.scale_inv.addressable_shards]
+    assert len(per_rank) == 4 and all(r == per_rank[0] for r in per_rank)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("recipe,kind", CASES)
+def test_column_matches_single_device(tp, recipe, kind):
+    x, gamma, beta, w1, _ = _inputs(tp)
+    w, _ = _weights(recipe, w1, w1.T, kind)
+    g = jax.random.normal(jax.random.key(7), (B, S, F), jnp.float32)
+    out, grads = _column_runner(tp, "ring", recipe)(x, gamma, beta, w, g)
+    ref_out, ref_grads = ref_column(recipe, x, gamma, beta, w, g)
+    # all-gather -> GEMM: the same K-reduction per element, though XLA:CPU's dot may order it
+    # differently for another N split (bitwise where the partition is the same: modes test)
+    _assert_close(out, ref_out, "out", rtol=1e-6)
+    for name, a, e in zip(("dx", "dgamma", "dbeta", "dw"), grads, ref_grads):
+        _assert_close(a, e, name)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("recipe,kind", CASES)
+def test_row_matches_single_device(tp, recipe, kind):
+    x = jax.random.normal(jax.random.key(tp), (B, S, F), jnp.float32)
+    _, w = _weights(recipe, _inputs()[3], _inputs()[4], kind)
+    g = jax.random.normal(jax.random.key(8), (B, S, H), jnp.float32)
+    out, grads = _row_runner(tp, "ring", recipe)(x, w, g)
+    ref_out, ref_grads = ref_row(recipe, x, w, g)
+    _assert_close(out, ref_out, "out")          # partial sums over tp: another summation order
+    _assert_close(grads[0], ref_grads[0], "dx", rtol=1e-6)   # all-gather of dY -> GEMM
+    _assert_close(grads[1], ref_grads[1], "dw")
+
+
+@pytest.mark.parametrize("kind", ["float", "nvfp4"])
+def test_other_weight_types(kind):
+    """A float weight under the FP8 recipe is quantized inside (shared amax over tp) with its
+    gradient passed straight through; an NVFP4 weight is dequantized to bf16."""
+    recipe = "fp8" if kind == "float" else "bf16"
+    x, gamma, beta, w1, _ = _inputs(3)
+    w, _ = _weights(recipe, w1, w1.T, kind)
+    g = jax.random.normal(jax.random.key(9), (B, S, F), jnp.float32)
+    out, grads = _column_runner(2, "ring", recipe)(x, gamma, beta, w, g)
+    ref_out, ref_grads = ref_column(recipe, x, gamma, beta, w, g)
+    _assert_close(out, ref_out, "out", rtol=1e-6)
+    if kind == "float":
+        _assert_close(grads[3], ref_grads[3], "dw")
+    else:
+        _assert_close(grads[0], ref_grads[0], "dx")
+
+
+@pytest.mark.parametrize("recipe,kind", CASES)
+def test_overlap_modes_agree(recipe, kind):
+    tp = 4
+    x, gamma, beta, w1, w2 = _inputs(11)
+    wa, wb = _weights(recipe, w1, w2, kind)
+    gc = jax.random.normal(jax.random.key(1), (B, S, F), jnp.float32)
+    xr = jax.random.normal(jax.random.key(2), (B, S, F), jnp.float32)
+    gr = jax.random.normal(jax.random.key(3), (B, S, H), jnp.float32)
+    col = {m: _column_runner(tp, m, recipe)(x, gamma, beta, wa, gc) for m in sp.OVERLAPS}
+    row = {m: _row_runner(tp, m, recipe)(xr, wb, gr) for m in sp.OVERLAPS}
+    for m in ("xla", "off"):
+        # same GEMM partition of each output element: bitwise
+        assert_bytes_equal(col[m][0], col["ring"][0], f"column out, {m} vs ring")
+        assert_bytes_equal(row[m][1][0], row["ring"][1][0], f"row dx, {m} vs ring")
+        # reduce-scatter / chunked wgrad: other summation order
+        _assert_close(row[m][0], row["ring"][0], f"row out, {m} vs ring")
+        for name, a, e in zip(("dx", "dgamma", "dbeta", "dw"), col[m][1], col["ring"][1]):
+            _assert_close(a, e, f"column {name}, {m} vs ring")
+        _assert_close(row[m][1][1], row["ring"][1][1], f"row dw, {m} vs ring")
+
+
+def test_interleaved_microbatches_match_one_at_a_time():
+    """Two FP8 layers (sp_mlp) with one quantizer configuration; forward passes of three microbatches
+    of very different magnitude (so their scales differ) run before any backward pass."""
+    tp = 4
+    mesh = _mesh(tp)
+    _, gamma, beta, w1, w2 = _inputs(5)
+    w1q, w2q = _fp8_weight(w1), _fp8_weight(w2)
+    x_spike = _inputs(21)[0].at[0, 3, 5].set(1e3)                          # outlier row
+    x_flat = jax.random.uniform(jax.random.key(22), (B, S, H), jnp.float32, -1.0, 1.0)
+    xs = [_inputs(20)[0], x_spike, x_flat]
+    gs = [jax.random.normal(jax.random.key(30 + i), (B, S, H), jnp.float32) * s
+          for i, s in enumerate((1.0, 1e-4, 50.0))]
+    mlp = functools.partial(jq.sp_mlp, mesh=mesh, overlap="ring")
+
+    def one(x, g):
+        out, vjp = jax.vjp(mlp, x, gamma, beta, w1q, w2q)
+        return out, vjp(g)
+
+    @jax.jit
+    def interleaved(xs, gs):
+        pending = [jax.vjp(mlp, x, gamma, beta, w1q, w2q) for x in xs]   # all forwards first
+        grads = [pending[i][1](gs[i]) for i in (2, 0, 1)]                # backwards out of order
+        return [p[0] for p in pending], [grads[1], grads[2], grads[0]]
+
+    outs, grads = interleaved(xs, gs)
+    one_j = jax.jit(one)
+    for i, (x, g) in enumerate(zip(xs, gs)):
+        out_i, grads_i = one_j(x, g)
+        assert_bytes_equal(outs[i], out_i, f"microbatch {i} out")
+        for a, e in zip(jax.tree.leaves(grads[i]), jax.tree.leaves(grads_i)):
+            assert_bytes_equal(a, e, f"microbatch {i} gradient")
+    # the microbatches really had different activation scales, and the result is the quantized math
+    ln_bf16 = lambda x: sp._layernorm_f32(x, gamma, beta, 1e-5).astype(jnp.bfloat16)
+    assert len({float(_q(ln_bf16(x), E4M3)[1]) for x in xs}) == 3
+    for i in range(3):
+        _assert_close(grads[i][0], ref_mlp_dx(xs[i], gs[i], gamma, beta, w1q, w2q), f"microbatch {i} dx vs reference")
+
+
+def test_bad_input_errors():
+    mesh = _mesh(4)
+    x, gamma, beta, w1, w2 = _inputs()
+    with pytest.raises(ValueError, match="overlap: must be one of"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, overlap="fast")
+    with pytest.raises(ValueError, match="tp_axis: 'model' is not an axis"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, tp_axis="model")
+    with pytest.raises(ValueError, match=r"x: the sequence length .* multiple of the 'tp' axis size 4"):
+        jq.sp_layernorm_dense(x[:, :30], gamma, beta, w1, mesh=mesh)
+    with pytest.raises(ValueError, match=r"w: must be \[in, out\] with in = 32"):
+        jq.sp_layernorm_dense(x, gamma, beta, w2, mesh=mesh)
+    with pytest.raises(ValueError, match=r"gamma: must have shape \(32,\)"):
+        jq.sp_layernorm_dense(x, gamma[:8], beta, w1, mesh=mesh)
+    with pytest.raises(ValueError, match="recipe: an NVFP4Tensor w is dequantized to bf16"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), jq.quantize_nvfp4(w2), mesh=mesh, recipe="fp8")
+    with pytest.raises(ValueError, match="recipe: a Float8Tensor w needs recipe 'fp8'"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), _fp8_weight(w2), mesh=mesh, recipe="bf16")
+    with pytest.raises(TypeError, match="x: must be a floating-point array"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
