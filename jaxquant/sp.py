@@ -89,19 +89,38 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+def _shape(op) -> tuple[int, ...]:
+    return tuple(int(d) for d in (op.data if isinstance(op, _FP8) else op).shape)
+
+
 def _ndim(op) -> int:
     return (op.data if isinstance(op, _FP8) else op).ndim
 
 
-def _matmul(a, b, b_contract: int):
-    """a [..., K] times the 2-D operand b contracting b's dim ``b_contract`` -> fp32 [..., N]."""
-    return _dot(a, b, (((_ndim(a) - 1,), (b_contract,)), ((), ())))
+def _flat_rows(op):
+    """[..., K] -> [M, K]: GEMMs see plain matrices (one contracting dim, as cuBLASLt FP8 wants)."""
+    if isinstance(op, _FP8):
+        return _FP8(_flat_rows(op.data), op.scale_inv)
+    return op.reshape(-1, op.shape[-1])
 
 
-def _wgrad(a, g):
+def _matmul(a, b, b_contract: int, flat: bool = True):
+    """a [..., K] times the 2-D operand b contracting b's dim ``b_contract`` -> fp32 [..., N].
+    ``flat=False`` keeps the leading dims (global GSPMD arrays, whose sharded sequence dim a
+    reshape would move)."""
+    if not flat:
+        return _dot(a, b, (((_ndim(a) - 1,), (b_contract,)), ((), ())))
+    lead = _shape(a)[:-1]
+    out = _dot(_flat_rows(a), b, (((1,), (b_contract,)), ((), ())))
+    return out.reshape(lead + out.shape[-1:])
+
+
+def _wgrad(a, g, flat: bool = True):
     """a [..., K], g [..., N] contracting every leading dim -> fp32 [K, N]."""
-    lead = tuple(range(_ndim(a) - 1))
-    return _dot(a, g, ((lead, lead), ((), ())))
+    if not flat:
+        lead = tuple(range(_ndim(a) - 1))
+        return _dot(a, g, ((lead, lead), ((), ())))
+    return _dot(_flat_rows(a), _flat_rows(g), (((0,), (0,)), ((), ())))
 
 
 def _fwd_operand(w: _Weight):
@@ -126,11 +145,6 @@ def _op_spec(op, spec):
     return _FP8(spec, P()) if isinstance(op, _FP8) else spec
 
 
-def _weight_spec(w: _Weight, rows_spec):
-    cols_spec = P(*reversed(tuple(rows_spec)))
-    return _Weight(_op_spec(w.rows, rows_spec), None if w.cols is None else _op_spec(w.cols, cols_spec))
-
-
 def _smap(ctx, f, in_specs, out_specs):
     # check_vma off: these bodies are never differentiated by JAX (custom_vjp wraps them) and
     # reduce replicated gradients themselves (psum), so no implicit psum may be added.
@@ -144,10 +158,6 @@ def _rows(op, start, size):
     return lax.dynamic_slice_in_dim(op, start, size, axis=op.ndim - 2)
 
 
-def _shape(op) -> tuple[int, ...]:
-    return tuple(int(d) for d in (op.data if isinstance(op, _FP8) else op).shape)
-
-
 def _quantize_shared(v, axis, dtype, impl, compute_dtype=None, columnwise=False):
     """Current scaling with the amax max-reduced over ``axis`` first: every rank derives the same
     scale (docs/numerics.md §1.1-§1.6) and quantizes its local block once."""
@@ -156,12 +166,6 @@ def _quantize_shared(v, axis, dtype, impl, compute_dtype=None, columnwise=False)
     data, scale_inv, data_t = ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=compute_dtype,
                                                columnwise=columnwise, impl=impl)
     return _FP8(data, scale_inv), (None if data_t is None else _FP8(data_t, scale_inv))
-
-
-def _activation(v, recipe, axis, dtype, impl):
-    if recipe == "fp8":
-        return _quantize_shared(v, axis, dtype, impl)[0]
-    return v.astype(COMPUTE_DTYPE)
 
 
 def _layernorm_f32(x, gamma, beta, eps):
@@ -210,15 +214,17 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
     nd, axis, n = _ndim(a), ctx.axis, ctx.n
     want_out, want_dw = w is not None, other is not None
     dw_spec = P(None, axis) if gathered_is_lhs else P(axis, None)
-    wgrad = (lambda full, oth: _wgrad(full, oth)) if gathered_is_lhs else (lambda full, oth: _wgrad(oth, full))
+
+    def wgrad(full, oth, flat=True):
+        return _wgrad(full, oth, flat) if gathered_is_lhs else _wgrad(oth, full, flat)
 
     if ctx.overlap == "xla":
         out = dw = None
         if want_out:
-            out = lax.with_sharding_constraint(_matmul(a, w, w_contract),
+            out = lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False),
                                                NamedSharding(ctx.mesh, _feat_spec(nd, axis)))
         if want_dw:
-            dw = lax.with_sharding_constraint(wgrad(a, other), NamedSharding(ctx.mesh, dw_spec))
+            dw = lax.with_sharding_constraint(wgrad(a, other, flat=False), NamedSharding(ctx.mesh, dw_spec))
         return out, dw
 
     def body(a_loc, w_loc, o_loc):
@@ -258,7 +264,7 @@ def _matmul_reduce_scatter(ctx, a, w, w_contract):
     over the sequence -> fp32 [..., S/n, N]."""
     nd, axis, n = _ndim(a), ctx.axis, ctx.n
     if ctx.overlap == "xla":
-        return lax.with_sharding_constraint(_matmul(a, w, w_contract),
+        return lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False),
                                             NamedSharding(ctx.mesh, _seq_spec(nd, axis)))
 
     def body(a_loc, w_loc):
