@@ -146,8 +146,9 @@ def _op_spec(op, spec):
 
 
 def _smap(ctx, f, in_specs, out_specs):
-    # check_vma off: these bodies are never differentiated by JAX (custom_vjp wraps them) and
-    # reduce replicated gradients themselves (psum), so no implicit psum may be added.
+    # check_vma off: an FP8 scale is replicated by construction (every rank derives it from the
+    # max-reduced amax) but comes out of a cast that also reads the rank's own block, which the
+    # type check cannot see. JAX never differentiates these bodies (custom_vjp wraps them).
     return jax.shard_map(f, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
@@ -204,10 +205,10 @@ def _ring_chunks(local, axis, n, bidirectional):
         cur_r, cur_l = nxt_r, nxt_l
 
 
-def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=True):
+def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=True, out_dtype=jnp.float32):
     """All-gather the sequence-sharded ``a`` [..., S, K] and consume it twice, each optional:
 
-    out = a_full @ w (w [K, N] or [N, K] per ``w_contract``, N sharded) -> fp32 [..., S, N/n];
+    out = a_full @ w (w [K, N] or [N, K] per ``w_contract``, N sharded) -> ``out_dtype`` [..., S, N/n];
     dw = a_full^T @ other (or other^T @ a_full): ``other`` [..., S, M/n] feature-sharded -> fp32.
     Returns (out or None, dw or None).
     """
@@ -221,7 +222,7 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
     if ctx.overlap == "xla":
         out = dw = None
         if want_out:
-            out = lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False),
+            out = lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False).astype(out_dtype),
                                                NamedSharding(ctx.mesh, _feat_spec(nd, axis)))
         if want_dw:
             dw = lax.with_sharding_constraint(wgrad(a, other, flat=False), NamedSharding(ctx.mesh, dw_spec))
@@ -237,15 +238,16 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
                 full = _FP8(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
             else:
                 full = gather(a_loc)
-            return (_matmul(full, w_loc, w_contract) if want_out else None,
+            return (_matmul(full, w_loc, w_contract).astype(out_dtype) if want_out else None,
                     wgrad(full, o_loc) if want_dw else None)
         out = dw = None
         if want_out:
             n_out = _shape(w_loc)[1 - w_contract]
-            out = jnp.zeros(_shape(a_loc)[:-2] + (s * n, n_out), jnp.float32)
+            out = jnp.zeros(_shape(a_loc)[:-2] + (s * n, n_out), out_dtype)
         for chunk, src in _ring_chunks(a_loc, axis, n, bidirectional=n > 2):
             if want_out:
-                out = lax.dynamic_update_slice_in_dim(out, _matmul(chunk, w_loc, w_contract), src * s, nd - 2)
+                part = _matmul(chunk, w_loc, w_contract).astype(out_dtype)
+                out = lax.dynamic_update_slice_in_dim(out, part, src * s, nd - 2)
             if want_dw:
                 part = wgrad(chunk, _rows(o_loc, src * s, s))
                 dw = part if dw is None else dw + part
@@ -340,8 +342,8 @@ def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype):
     def fwd(x, gamma, beta, w):
         wop = _weight_operands(ctx, recipe, w, P(None, ctx.axis))
         a = _operand(ctx, recipe, layernorm(x, gamma, beta).astype(COMPUTE_DTYPE), seq, FWD_DTYPE)
-        out, _ = _gather_matmul(ctx, a, *_fwd_operand(wop))
-        return out.astype(out_dtype), (x, gamma, beta, w, a, wop)
+        out, _ = _gather_matmul(ctx, a, *_fwd_operand(wop), out_dtype=out_dtype)
+        return out, (x, gamma, beta, w, a, wop)
 
     def bwd(res, g):
         x, gamma, beta, w, a, wop = res
@@ -371,8 +373,8 @@ def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype):
         w, a, wop = res
         gq = _operand(ctx, recipe, g, seq, GRAD_DTYPE)
         # one gather of dY feeds both the dgrad GEMM and the wgrad GEMM
-        dx, dw = _gather_matmul(ctx, gq, wop.rows, 1, other=a, gathered_is_lhs=False)
-        return dx.astype(dtype), _weight_cotangent(w, dw)
+        dx, dw = _gather_matmul(ctx, gq, wop.rows, 1, other=a, gathered_is_lhs=False, out_dtype=dtype)
+        return dx, _weight_cotangent(w, dw)
 
     layer = jax.custom_vjp(lambda x, w: fwd(x, w)[0])
     layer.defvjp(fwd, bwd)
