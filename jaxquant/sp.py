@@ -397,6 +397,10 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if tp_axis not in mesh.axis_names:
         raise ValueError(f"tp_axis: {tp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        raise ValueError("mesh: the sp layers need a mesh with Auto axis types (jax.sharding.Mesh(devices, "
+                         "names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)); "
+                         f"got {mesh.axis_types}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
     ops._check_impl(impl)

@@ -301,5 +301,8 @@ def test_bad_input_errors():
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), jq.quantize_nvfp4(w2), mesh=mesh, recipe="fp8")
     with pytest.raises(ValueError, match="recipe: a Float8Tensor w needs recipe 'fp8'"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), _fp8_weight(w2), mesh=mesh, recipe="bf16")
+    with pytest.raises(ValueError, match="mesh: the sp layers need a mesh with Auto axis types"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=jax.make_mesh(
+            (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
