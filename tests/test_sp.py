@@ -306,3 +306,19 @@ def test_bad_input_errors():
             (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
+
+
+@pytest.mark.parametrize("overlap", ["ring", "off"])
+def test_ring_is_made_of_ppermutes(overlap):
+    """The lowered forward+backward of sp_mlp: "ring" moves data only with collective-permutes (plus
+    the amax max-reductions), "off" with one all-gather / reduce-scatter per product."""
+    mesh = _mesh(4)
+    _, gamma, beta, w1, w2 = _inputs()
+    x = jnp.zeros((B, S, H), jnp.float32)
+    loss = lambda x, w1, w2: jnp.sum(jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=overlap))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, _fp8_weight(w1), _fp8_weight(w2)).as_text()
+    counts = {op: text.count(f"stablehlo.{op}") for op in ("collective_permute", "all_gather", "reduce_scatter")}
+    if overlap == "ring":
+        assert counts["collective_permute"] > 0 and counts["all_gather"] == counts["reduce_scatter"] == 0, counts
+    else:
+        assert counts["collective_permute"] == 0 and counts["all_gather"] > 0 and counts["reduce_scatter"] > 0, counts
