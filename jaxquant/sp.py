@@ -423,6 +423,9 @@ def _weight_and_recipe(w, recipe, rows: int, name: str = "w"):
             raise ValueError(f"recipe: a Float8Tensor {name} needs recipe 'fp8' (or None), got {recipe!r}")
         if w.data.ndim != 2:
             raise ValueError(f"{name}: Float8Tensor data must be [in, out], got shape {tuple(w.data.shape)}")
+        if jnp.dtype(w.dtype) != jnp.dtype(FWD_DTYPE):
+            raise TypeError(f"{name}: a Float8Tensor weight must be {jnp.dtype(FWD_DTYPE)} (its dgrad GEMM "
+                            f"meets E5M2 gradients), got {w.dtype}")
     else:
         _check_float(name, w)
     shape = tuple(w.shape)

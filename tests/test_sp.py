@@ -304,6 +304,8 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="mesh: the sp layers need a mesh with Auto axis types"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=jax.make_mesh(
             (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
+    with pytest.raises(TypeError, match="w: a Float8Tensor weight must be float8_e4m3fn"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), jq.quantize_fp8(w2, dtype=E5M2), mesh=mesh)
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
 
