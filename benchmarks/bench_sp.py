@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,38 @@ def _time(fn, args, iters, warmup):
     return statistics.median(times) * 1e3
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*.+?\s([\w\-]+)\((.*)$")   # name = shape opcode(rest
+
+
+def _is_gemm(op, rest):
+    return (op == "custom-call" and ("gemm" in rest or "matmul" in rest)) or \
+        (op == "fusion" and "kind=kCustom" in rest and "gemm" in rest)
+
+
+def overlap_report(hlo_text):
+    """From a compiled (scheduled) HLO module: how many asynchronous transfers (collective-permute /
+    all-gather start..done) have at least one GEMM custom call scheduled between start and done."""
+    open_, total, covered = {}, 0, 0
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():          # a new computation: its own schedule
+            open_ = {}
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        if op.endswith("-start"):
+            open_[name] = False
+            total += 1
+        elif op.endswith("-done"):
+            started = re.findall(r"%([\w.\-]+)", rest) or re.findall(r"([\w.\-]+)", rest)
+            if started and open_.pop(started[0], False):
+                covered += 1
+        elif _is_gemm(op, rest):
+            open_ = {k: True for k in open_}
+    return {"async_transfers": total, "under_a_gemm": covered}
+
+
 def _child(args):
     import jax
     import jax.numpy as jnp
@@ -101,22 +134,23 @@ def _child(args):
 
             w1, w2 = weight(k[2], (hidden, ffn), P(None, "tp")), weight(k[3], (ffn, hidden), P("tp", None))
             mlp = lambda x, gamma, beta, w1, w2: jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=mode)
-            fwd = jax.jit(mlp)
-
-            @jax.jit
-            def step(x, gamma, beta, w1, w2, g):
+            def step_fn(x, gamma, beta, w1, w2, g):
                 out, vjp = jax.vjp(mlp, x, gamma, beta, w1, w2)
                 return out, vjp(g)
 
+            fwd = jax.jit(mlp).lower(x, gamma, beta, w1, w2).compile()
+            step = jax.jit(step_fn).lower(x, gamma, beta, w1, w2, g).compile()
             fwd_ms = _time(fwd, (x, gamma, beta, w1, w2), args.iters, args.warmup)
             step_ms = _time(step, (x, gamma, beta, w1, w2, g), args.iters, args.warmup)
+            schedule = overlap_report(step.as_text())
             if args.profile:
                 path = os.path.join(args.profile, f"{mode}-{recipe}-{seq}x{hidden}x{ffn}")
                 with jax.profiler.trace(path):
                     for _ in range(3):
                         jax.block_until_ready(step(x, gamma, beta, w1, w2, g))
             print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
-                                  ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind))),
+                                  ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind),
+                                  **schedule)),
                   flush=True)
 
 
@@ -167,6 +201,9 @@ def main(argv=None):
             for m in ("ring", "xla"):
                 c = cells.get(m)
                 line += f"  {c['step_ms'] / off['step_ms']:7.3f}" if c and off else f"  {'-':>7}"
+            ring = cells.get("ring")
+            if ring:   # from the compiled schedule: async transfers with a GEMM between start and done
+                line += f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
             print(line)
     if args.json:
         with open(args.json, "w") as f:
