@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_bytes_equal
+from conftest import assert_bytes_equal, q_fp8, q_nvfp4
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -43,7 +43,7 @@ def _inputs(seed=0):
 
 
 def _fp8_weight(w):
-    return jq.quantize_fp8(w, dtype=E4M3, columnwise=True, compute_dtype=jnp.bfloat16)
+    return q_fp8(w, dtype=E4M3, columnwise=True, compute_dtype=jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def _fp8_weight(w):
 
 def _q(v, dtype):
     """(bytes, scale_inv) of the whole tensor v (current scaling, no compute-dtype rounding)."""
-    t = jq.quantize_fp8(v.reshape(-1, v.shape[-1]), dtype=dtype, compute_dtype=None)
+    t = q_fp8(v.reshape(-1, v.shape[-1]), dtype=dtype)
     return t.data.reshape(v.shape), t.scale_inv
 
 
@@ -163,7 +163,7 @@ def _weights(recipe, w1, w2, kind):
     if kind == "float8tensor":
         return _fp8_weight(w1), _fp8_weight(w2)
     if kind == "nvfp4":
-        return jq.quantize_nvfp4(w1), jq.quantize_nvfp4(w2)
+        return q_nvfp4(w1, compute_dtype=jnp.bfloat16), q_nvfp4(w2, compute_dtype=jnp.bfloat16)
     return w1, w2
 
 
@@ -298,14 +298,14 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"gamma: must have shape \(32,\)"):
         jq.sp_layernorm_dense(x, gamma[:8], beta, w1, mesh=mesh)
     with pytest.raises(ValueError, match="recipe: an NVFP4Tensor w is dequantized to bf16"):
-        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), jq.quantize_nvfp4(w2), mesh=mesh, recipe="fp8")
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_nvfp4(w2), mesh=mesh, recipe="fp8")
     with pytest.raises(ValueError, match="recipe: a Float8Tensor w needs recipe 'fp8'"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), _fp8_weight(w2), mesh=mesh, recipe="bf16")
     with pytest.raises(ValueError, match="mesh: the sp layers need a mesh with Auto axis types"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=jax.make_mesh(
             (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
     with pytest.raises(TypeError, match="w: a Float8Tensor weight must be float8_e4m3fn"):
-        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), jq.quantize_fp8(w2, dtype=E5M2), mesh=mesh)
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_fp8(w2, dtype=E5M2), mesh=mesh)
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
 
