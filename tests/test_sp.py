@@ -322,5 +322,11 @@ def test_ring_is_made_of_ppermutes(overlap):
     counts = {op: text.count(f"stablehlo.{op}") for op in ("collective_permute", "all_gather", "reduce_scatter")}
     if overlap == "ring":
         assert counts["collective_permute"] > 0 and counts["all_gather"] == counts["reduce_scatter"] == 0, counts
+        # what travels: FP8 bytes, each transfer paired with its scale_inv, and fp32 partial sums
+        moved = [line.rsplit("-> ", 1)[-1] for line in text.splitlines() if "stablehlo.collective_permute" in line]
+        fp8 = sum("xf8E" in t for t in moved)
+        scales = sum(t.strip() == "tensor<f32>" for t in moved)
+        assert fp8 > 0 and fp8 == scales, moved
+        assert all("xf8E" in t or t.strip() == "tensor<f32>" or "xf32>" in t for t in moved), moved
     else:
         assert counts["collective_permute"] == 0 and counts["all_gather"] > 0 and counts["reduce_scatter"] > 0, counts
