@@ -261,6 +261,29 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
     return _smap(ctx, body, in_specs, out_specs)(a, w, other)
 
 
+def _columns(op, dim, start, size):
+    """``size`` entries of dim ``dim`` of a 2-D weight operand, from ``start``."""
+    if isinstance(op, _FP8):
+        return _FP8(_columns(op.data, dim, start, size), op.scale_inv)
+    return lax.slice_in_dim(op, start, start + size, axis=dim)
+
+
+def _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, step):
+    """Running fp32 sums round the ring in direction ``step`` (+1: to the right): at step t a rank
+    computes the partial GEMM for chunk (r - step*(t+1)) mod n, adds what arrived and passes it on;
+    after n steps rank r holds the full sum of its own chunk. The next partial GEMM never waits
+    for the transfer."""
+    r = lax.axis_index(axis)
+    perm = [(i, (i + step) % n) for i in range(n)]
+    acc = None
+    for t in range(n):
+        part = _matmul(_rows(a_loc, ((r - step * (t + 1)) % n) * s, s), w_loc, w_contract)
+        acc = part if acc is None else acc + part
+        if t < n - 1:
+            acc = lax.ppermute(acc, axis, perm)
+    return acc
+
+
 def _matmul_reduce_scatter(ctx, a, w, w_contract):
     """a [..., S, K] feature-sharded (K split over tp) @ w (K sharded) -> partial sums reduce-scattered
     over the sequence -> fp32 [..., S/n, N]."""
@@ -272,18 +295,15 @@ def _matmul_reduce_scatter(ctx, a, w, w_contract):
     def body(a_loc, w_loc):
         if ctx.overlap == "off":
             return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract), axis, scatter_dimension=nd - 2, tiled=True)
-        # ring: step t computes the partial for chunk (r-t-1) mod n, adds the running sum received
-        # from the left and passes it on; after n steps rank r holds the full sum of its own chunk.
         s = _shape(a_loc)[-2] // n
-        r = lax.axis_index(axis)
-        right = [(i, (i + 1) % n) for i in range(n)]
-        acc = None
-        for t in range(n):
-            part = _matmul(_rows(a_loc, ((r - t - 1) % n) * s, s), w_loc, w_contract)
-            acc = part if acc is None else acc + part
-            if t < n - 1:
-                acc = lax.ppermute(acc, axis, right)
-        return acc
+        n_out = _shape(w_loc)[1 - w_contract]
+        if n > 2 and n_out % 2 == 0:
+            # bidirectional: the left half of the output columns goes round the ring to the right,
+            # the right half to the left; each step moves half the bytes over each of two links
+            halves = [_columns(w_loc, 1 - w_contract, lo, n_out // 2) for lo in (0, n_out // 2)]
+            return jnp.concatenate([_reduce_scatter_ring(a_loc, h, w_contract, axis, n, s, step)
+                                    for h, step in zip(halves, (1, -1))], axis=-1)
+        return _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, 1)
 
     w_spec = P(axis, None) if w_contract == 0 else P(None, axis)   # K (contracted) is sharded
     in_specs = (_op_spec(a, _feat_spec(nd, axis)), _op_spec(w, w_spec))
