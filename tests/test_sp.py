@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import assert_bytes_equal, q_fp8, q_nvfp4
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant import sp
