@@ -330,3 +330,31 @@ def test_ring_is_made_of_ppermutes(overlap):
         assert all("xf8E" in t or t.strip() == "tensor<f32>" or "xf32>" in t for t in moved), moved
     else:
         assert counts["collective_permute"] == 0 and counts["all_gather"] > 0 and counts["reduce_scatter"] > 0, counts
+
+
+def test_bench_overlap_report_reads_a_schedule():
+    """benchmarks/bench_sp.py's reading of a compiled schedule: a transfer counts as overlapped when a
+    GEMM (cuBLAS custom call or Triton GEMM fusion) is scheduled between its start and its done."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sp.py"
+    spec = importlib.util.spec_from_file_location("bench_sp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    schedule = """HloModule m
+
+ENTRY %main {
+  %p = f32[4]{0} parameter(0)
+  %cp-start = (f32[4]{0}, f32[4]{0}) collective-permute-start(f32[4]{0} %p), source_target_pairs={{0,1}}
+  %g = f32[4,4]{1,0} custom-call(f32[4]{0} %p), custom_call_target="__cublas$lt$matmul$f8"
+  %cp-done = f32[4]{0} collective-permute-done((f32[4]{0}, f32[4]{0}) %cp-start)
+  %cp-start.1 = (f32[4]{0}, f32[4]{0}) collective-permute-start(f32[4]{0} %cp-done), source_target_pairs={{0,1}}
+  %a = f32[4,4]{1,0} add(f32[4,4]{1,0} %g, f32[4,4]{1,0} %g)
+  ROOT %cp-done.1 = f32[4]{0} collective-permute-done((f32[4]{0}, f32[4]{0}) %cp-start.1)
+}
+"""
+    assert bench.overlap_report(schedule) == {"async_transfers": 2, "under_a_gemm": 1}
+    triton = schedule.replace('custom-call(f32[4]{0} %p), custom_call_target="__cublas$lt$matmul$f8"',
+                              'fusion(f32[4]{0} %p), kind=kCustom, calls=%gemm, '
+                              'backend_config={"kind":"__triton_gemm"}')
+    assert bench.overlap_report(triton) == {"async_transfers": 2, "under_a_gemm": 1}
