@@ -76,10 +76,20 @@ def _is_gemm(op, rest):
         (op == "fusion" and "kind=kCustom" in rest and "gemm" in rest)
 
 
+_COLLECTIVES = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+
+
 def overlap_report(hlo_text):
     """From a compiled (scheduled) HLO module: how many asynchronous transfers (collective-permute /
-    all-gather start..done) have at least one GEMM custom call scheduled between start and done."""
-    open_, total, covered = {}, 0, 0
+    all-gather start..done) have at least one GEMM custom call scheduled between start and done, and
+    the element types the collectives move (FP8 bytes should travel as f8, not widened)."""
+    open_, total, covered, moved = {}, 0, 0, {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m and m.group(2).removesuffix("-start") in _COLLECTIVES:
+            shape = line.split("=", 1)[1].split(m.group(2) + "(")[0]
+            for dtype in set(re.findall(r"\b([a-z]+[0-9]+[a-z0-9]*)\[", shape)):
+                moved[dtype] = moved.get(dtype, 0) + 1
     for line in hlo_text.splitlines():
         if line and not line[0].isspace():          # a new computation: its own schedule
             open_ = {}
@@ -97,7 +107,7 @@ def overlap_report(hlo_text):
                 covered += 1
         elif _is_gemm(op, rest):
             open_ = {k: True for k in open_}
-    return {"async_transfers": total, "under_a_gemm": covered}
+    return {"async_transfers": total, "under_a_gemm": covered, "collective_dtypes": moved}
 
 
 def _child(args):
@@ -203,7 +213,8 @@ def main(argv=None):
                 line += f"  {c['step_ms'] / off['step_ms']:7.3f}" if c and off else f"  {'-':>7}"
             ring = cells.get("ring")
             if ring:   # from the compiled schedule: async transfers with a GEMM between start and done
-                line += f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
+                line += (f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
+                         f", collective dtypes {ring['collective_dtypes']}")
             print(line)
     if args.json:
         with open(args.json, "w") as f:
