@@ -2,8 +2,10 @@
 
 Flat public API: single-tensor quantization (``quantize_fp8``, ``quantize_nvfp4``), the quantized
 tensor pytrees, ZeRO master-weight quantization on meshes (``FlatLayout``,
-``quantize_master_weights``, ``post_all_gather_processing``), the primitives in ``jaxquant.ops``
-and their pure-JAX references in ``jaxquant.reference``. Checkpoints: ``jaxquant.checkpoint``.
+``quantize_master_weights``, ``post_all_gather_processing``), sequence-parallel layers with FP8
+and comm/GEMM overlap (``sp_layernorm_dense``, ``sp_dense_reduce_scatter``, ``sp_mlp``), the
+primitives in ``jaxquant.ops`` and their pure-JAX references in ``jaxquant.reference``.
+Checkpoints: ``jaxquant.checkpoint``.
 """
 
 from jaxquant import formats, ops, reference
@@ -18,6 +20,7 @@ from jaxquant.distributed import (
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.sp import sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp
 
 __version__ = "0.1.0"
 
@@ -38,4 +41,7 @@ __all__ = [
     "formats",
     "ops",
     "reference",
+    "sp_layernorm_dense",
+    "sp_dense_reduce_scatter",
+    "sp_mlp",
 ]

@@ -1,0 +1,225 @@
+"""Step time of jq.sp_mlp (layernorm -> column-parallel -> gelu -> row-parallel, forward and backward)
+with overlap "ring", "xla" and "off", for bf16 and FP8 weights, on all GPUs of one host as the TP axis.
+
+Each overlap mode runs in its own process, because XLA's collective-matmul switches are process-level
+XLA_FLAGS: the "xla" process gets XLA_WINDOWED_EINSUM_FLAGS, "ring" and "off" run without them.
+Prints per size the median times and the ratios ring/off and xla/off (target: ring <= 0.85 x off
+where the transfer is >= 20% of the GEMM, never > 1.03 x off at large sizes).
+
+    python3 benchmarks/bench_sp.py                                   # 2+ GPUs (tp = all GPUs)
+    python3 benchmarks/bench_sp.py --profile /tmp/sp_prof            # + a trace per mode
+    python3 benchmarks/bench_sp.py --cpu-smoke                       # CPU check of the script
+
+Sizes are SEQxHIDDENxFFN (batch 1 unless --batch): w1 [HIDDEN, FFN], w2 [FFN, HIDDEN].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+XLA_WINDOWED_EINSUM_FLAGS = ("--xla_gpu_multi_streamed_windowed_einsum=true "
+                             "--xla_gpu_threshold_for_windowed_einsum_mib=0")
+MODES = ("ring", "xla", "off")
+DEFAULT_SIZES = "8192x4096x4096,8192x4096x16384,8192x8192x8192,8192x8192x32768"
+CPU_SIZES = "64x32x64"
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=None, help=f"SEQxHIDDENxFFN list (default {DEFAULT_SIZES})")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--recipes", default="bf16,fp8")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--profile", default=None, help="directory: one jax.profiler trace per mode")
+    ap.add_argument("--cpu-smoke", action="store_true", help="4 simulated CPU devices, tiny sizes")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _sizes(args):
+    text = args.sizes or (CPU_SIZES if args.cpu_smoke else DEFAULT_SIZES)
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+
+
+# ----------------------------------------------------------------------------------------------
+# Child: one overlap mode, every recipe and size; one JSON line per measurement on stdout
+# ----------------------------------------------------------------------------------------------
+
+
+def _time(fn, args, iters, warmup):
+    import jax
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*.+?\s([\w\-]+)\((.*)$")   # name = shape opcode(rest
+
+
+def _is_gemm(op, rest):
+    return (op == "custom-call" and ("gemm" in rest or "matmul" in rest)) or \
+        (op == "fusion" and "kind=kCustom" in rest and "gemm" in rest)
+
+
+_COLLECTIVES = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+
+
+def overlap_report(hlo_text):
+    """From a compiled (scheduled) HLO module: how many asynchronous transfers (collective-permute /
+    all-gather start..done) have at least one GEMM custom call scheduled between start and done, and
+    the element types the collectives move (FP8 bytes should travel as f8, not widened)."""
+    open_, total, covered, moved = {}, 0, 0, {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m and m.group(2).removesuffix("-start") in _COLLECTIVES:
+            shape = line.split("=", 1)[1].split(m.group(2) + "(")[0]
+            for dtype in set(re.findall(r"\b([a-z]+[0-9]+[a-z0-9]*)\[", shape)):
+                moved[dtype] = moved.get(dtype, 0) + 1
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():          # a new computation: its own schedule
+            open_ = {}
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        if op.endswith("-start"):
+            open_[name] = False
+            total += 1
+        elif op.endswith("-done"):
+            started = re.findall(r"%([\w.\-]+)", rest) or re.findall(r"([\w.\-]+)", rest)
+            if started and open_.pop(started[0], False):
+                covered += 1
+        elif _is_gemm(op, rest):
+            open_ = {k: True for k in open_}
+    return {"async_transfers": total, "under_a_gemm": covered, "collective_dtypes": moved}
+
+
+def _child(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jaxquant as jq
+
+    devices = jax.devices("cpu") if args.cpu_smoke else jax.devices()
+    if not args.cpu_smoke and (jax.default_backend() != "gpu" or len(devices) < 2):
+        print(json.dumps({"skip": f"needs 2+ GPUs, found {len(devices)} {jax.default_backend()} device(s)"}))
+        return
+    tp = len(devices)
+    mesh = Mesh(np.array(devices), ("tp",))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    mode = args.child
+
+    for recipe in args.recipes.split(","):
+        for seq, hidden, ffn in _sizes(args):
+            k = jax.random.split(jax.random.key(0), 5)
+            x = put(jax.random.normal(k[0], (args.batch, seq, hidden), jnp.bfloat16), P(None, "tp", None))
+            g = put(jax.random.normal(k[1], (args.batch, seq, hidden), jnp.bfloat16), P(None, "tp", None))
+            gamma, beta = put(jnp.ones((hidden,), jnp.float32), P()), put(jnp.zeros((hidden,), jnp.float32), P())
+
+            def weight(key, shape, rows_spec):
+                w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[0])
+                if recipe == "bf16":
+                    return put(w.astype(jnp.bfloat16), rows_spec)
+                q = jq.quantize_fp8(w, columnwise=True)
+                return jq.Float8Tensor(data=put(q.data, rows_spec), scale_inv=put(q.scale_inv, P()),
+                                       amax=put(q.amax, P()), data_t=put(q.data_t, P(*reversed(rows_spec))))
+
+            w1, w2 = weight(k[2], (hidden, ffn), P(None, "tp")), weight(k[3], (ffn, hidden), P("tp", None))
+            mlp = lambda x, gamma, beta, w1, w2: jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=mode)
+            def step_fn(x, gamma, beta, w1, w2, g):
+                out, vjp = jax.vjp(mlp, x, gamma, beta, w1, w2)
+                return out, vjp(g)
+
+            fwd = jax.jit(mlp).lower(x, gamma, beta, w1, w2).compile()
+            step = jax.jit(step_fn).lower(x, gamma, beta, w1, w2, g).compile()
+            fwd_ms = _time(fwd, (x, gamma, beta, w1, w2), args.iters, args.warmup)
+            step_ms = _time(step, (x, gamma, beta, w1, w2, g), args.iters, args.warmup)
+            schedule = overlap_report(step.as_text())
+            if args.profile:
+                path = os.path.join(args.profile, f"{mode}-{recipe}-{seq}x{hidden}x{ffn}")
+                with jax.profiler.trace(path):
+                    for _ in range(3):
+                        jax.block_until_ready(step(x, gamma, beta, w1, w2, g))
+            print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
+                                  ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind),
+                                  **schedule)),
+                  flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent: one process per mode, then the table of ratios
+# ----------------------------------------------------------------------------------------------
+
+
+def _run_mode(mode, argv, cpu_smoke):
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    if cpu_smoke:
+        flags += " --xla_force_host_platform_device_count=4"
+    elif mode == "xla":
+        flags += " " + XLA_WINDOWED_EINSUM_FLAGS
+    env["XLA_FLAGS"] = flags.strip()
+    proc = subprocess.run([sys.executable, __file__, *argv, "--child", mode], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"bench_sp: the {mode!r} process failed (exit {proc.returncode})")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = _args(argv)
+    if args.child:
+        return _child(args)
+    results = []
+    for mode in args.modes.split(","):
+        rows = _run_mode(mode, argv, args.cpu_smoke)
+        if rows and "skip" in rows[0]:
+            print(f"bench_sp: skipped: {rows[0]['skip']} (run it on a machine with 2 or more GPUs)")
+            return
+        results += rows
+    by_key = {(r["recipe"], r["seq"], r["hidden"], r["ffn"], r["mode"]): r for r in results}
+    print(f"tp={results[0]['tp']} batch={args.batch} device={results[0]['device']}; median ms "
+          f"(fwd / fwd+bwd); ratios are fwd+bwd vs off")
+    print(f"{'recipe':6} {'seq x hidden x ffn':>20} " + " ".join(f"{m:>17}" for m in args.modes.split(","))
+          + "  ring/off  xla/off")
+    for recipe in args.recipes.split(","):
+        for seq, hidden, ffn in _sizes(args):
+            cells = {m: by_key.get((recipe, seq, hidden, ffn, m)) for m in args.modes.split(",")}
+            line = f"{recipe:6} {f'{seq}x{hidden}x{ffn}':>20} " + " ".join(
+                f"{c['fwd_ms']:7.3f} / {c['step_ms']:7.3f}" if c else f"{'-':>17}" for c in cells.values())
+            off = cells.get("off")
+            for m in ("ring", "xla"):
+                c = cells.get(m)
+                line += f"  {c['step_ms'] / off['step_ms']:7.3f}" if c and off else f"  {'-':>7}"
+            ring = cells.get("ring")
+            if ring:   # from the compiled schedule: async transfers with a GEMM between start and done
+                line += (f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
+                         f", collective dtypes {ring['collective_dtypes']}")
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(xla_flags_for_xla_mode=XLA_WINDOWED_EINSUM_FLAGS, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""Sequence-parallel tensor-parallel layers (column / row parallel) with FP8 current scaling of the
+activations and the communication overlapped with the GEMMs. Design and numerics: docs/sp.md.
+
+Layout on the mesh axis ``tp_axis`` (size n); activations are ``[..., S, H]`` with the sequence at -2:
+
+- ``sp_layernorm_dense``: x sequence-sharded ``[..., S/n, H]`` -> layernorm (bf16 out) -> all-gather
+  over the sequence -> GEMM with the column-parallel weight ``[H, F/n]`` -> ``[..., S, F/n]``.
+- ``sp_dense_reduce_scatter``: x feature-sharded ``[..., S, F/n]`` -> GEMM with the row-parallel
+  weight ``[F/n, H]`` -> reduce-scatter over the sequence -> ``[..., S/n, H]``.
+
+Weights are JAX kernels ``[in, out]``. FP8 (recipe "fp8"): every quantized tensor is a per-tensor
+current-scaled value (docs/numerics.md §1) whose amax is max-reduced over ``tp_axis`` before the local
+block is quantized once; its bytes and the one ``scale_inv`` travel together as an ``_FP8`` pytree
+through every collective, so a receiver multiplies by the scale that came with the bytes. Forward
+operands are E4M3, gradients E5M2. Residuals for the backward pass are values returned by this
+forward call (no quantizer state), so interleaving forward passes of several microbatches cannot
+change what a backward pass reads.
+
+Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "xla"
+(plain GSPMD einsums with sharding constraints, which XLA's windowed-einsum / collective-matmul
+passes decompose when XLA_FLAGS enable them, docs/sp.md), "off" (shard_map, one all_gather /
+psum_scatter and one GEMM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxquant import ops
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+
+OVERLAPS = ("ring", "xla", "off")
+RECIPES = ("bf16", "fp8")
+FWD_DTYPE = jnp.float8_e4m3fn
+GRAD_DTYPE = jnp.float8_e5m2
+COMPUTE_DTYPE = jnp.bfloat16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _FP8:
+    """FP8 bytes and the scale_inv that belongs to them: the unit that travels through collectives."""
+
+    data: jax.Array
+    scale_inv: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    """GEMM operands of a local weight: ``rows`` is [in, out]; ``cols`` its [out, in] byte transpose
+    (FP8 weights that carry ``data_t``), used where the GEMM contracts ``in`` (K-major operand)."""
+
+    rows: object
+    cols: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    mesh: jax.sharding.Mesh
+    axis: str
+    n: int
+    overlap: str
+    impl: str
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+# FP8 GEMM. NOTE for the merge: jaxquant/dense.py has the same helper; fold the two into one.
+def _fp8_gemm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, dims):
+    """float8 x float8 dot_general accumulated in fp32; the two scales applied to the output."""
+    acc = lax.dot_general(a_fp8, b_fp8, dims, preferred_element_type=jnp.float32)
+    return acc * (a_scale_inv * b_scale_inv)
+
+
+def _dot(a, b, dims):
+    if isinstance(a, _FP8):
+        return _fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, dims)
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _shape(op) -> tuple[int, ...]:
+    return tuple(int(d) for d in (op.data if isinstance(op, _FP8) else op).shape)
+
+
+def _ndim(op) -> int:
+    return (op.data if isinstance(op, _FP8) else op).ndim
+
+
+def _flat_rows(op):
+    """[..., K] -> [M, K]: GEMMs see plain matrices (one contracting dim, as cuBLASLt FP8 wants)."""
+    if isinstance(op, _FP8):
+        return _FP8(_flat_rows(op.data), op.scale_inv)
+    return op.reshape(-1, op.shape[-1])
+
+
+def _matmul(a, b, b_contract: int, flat: bool = True):
+    """a [..., K] times the 2-D operand b contracting b's dim ``b_contract`` -> fp32 [..., N].
+    ``flat=False`` keeps the leading dims (global GSPMD arrays, whose sharded sequence dim a
+    reshape would move)."""
+    if not flat:
+        return _dot(a, b, (((_ndim(a) - 1,), (b_contract,)), ((), ())))
+    lead = _shape(a)[:-1]
+    out = _dot(_flat_rows(a), b, (((1,), (b_contract,)), ((), ())))
+    return out.reshape(lead + out.shape[-1:])
+
+
+def _wgrad(a, g, flat: bool = True):
+    """a [..., K], g [..., N] contracting every leading dim -> fp32 [K, N]."""
+    if not flat:
+        lead = tuple(range(_ndim(a) - 1))
+        return _dot(a, g, ((lead, lead), ((), ())))
+    return _dot(_flat_rows(a), _flat_rows(g), (((0,), (0,)), ((), ())))
+
+
+def _fwd_operand(w: _Weight):
+    return (w.cols, 1) if w.cols is not None else (w.rows, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Specs and small per-device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _seq_spec(ndim, axis):
+    return P(*([None] * (ndim - 2)), axis, None)
+
+
+def _feat_spec(ndim, axis):
+    return P(*([None] * (ndim - 1)), axis)
+
+
+def _op_spec(op, spec):
+    """The spec pytree of an operand: the FP8 scale is one replicated scalar."""
+    return _FP8(spec, P()) if isinstance(op, _FP8) else spec
+
+
+def _smap(ctx, f, in_specs, out_specs):
+    # check_vma off: an FP8 scale is replicated by construction (every rank derives it from the
+    # max-reduced amax) but comes out of a cast that also reads the rank's own block, which the
+    # type check cannot see. JAX never differentiates these bodies (custom_vjp wraps them).
+    return jax.shard_map(f, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _rows(op, start, size):
+    """Rows ``[start, start+size)`` of the sequence dim (-2) of an operand."""
+    if isinstance(op, _FP8):
+        return _FP8(_rows(op.data, start, size), op.scale_inv)
+    return lax.dynamic_slice_in_dim(op, start, size, axis=op.ndim - 2)
+
+
+def _quantize_shared(v, axis, dtype, impl, compute_dtype=None, columnwise=False):
+    """Current scaling with the amax max-reduced over ``axis`` first: every rank derives the same
+    scale (docs/numerics.md §1.1-§1.6) and quantizes its local block once."""
+    local_amax, _ = ops.fp8_stats(v, compute_dtype=compute_dtype, impl=impl)
+    amax = lax.pmax(local_amax, axis)
+    data, scale_inv, data_t = ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=compute_dtype,
+                                               columnwise=columnwise, impl=impl)
+    return _FP8(data, scale_inv), (None if data_t is None else _FP8(data_t, scale_inv))
+
+
+def _layernorm_f32(x, gamma, beta, eps):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return (xf - mean) * lax.rsqrt(var + eps) * gamma.astype(jnp.float32) + beta.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collective GEMMs on global arrays: all-gather -> GEMM (+ wgrad), GEMM -> reduce-scatter
+# ----------------------------------------------------------------------------------------------
+
+
+def _ring_chunks(local, axis, n, bidirectional):
+    """Yield (chunk, source rank) for every rank's chunk of the sequence all-gather, own chunk first.
+
+    The next transfer is issued before the current chunk is handed out, so the consumer's GEMM on
+    chunk i runs while chunk i+1 travels. Bidirectional: chunks travel both ways round the ring,
+    ceil((n-1)/2) steps instead of n-1, each using both links of a device.
+    """
+    r = lax.axis_index(axis)
+    right = [(i, (i + 1) % n) for i in range(n)]
+    left = [(i, (i - 1) % n) for i in range(n)]
+    n_right = n // 2 if bidirectional else n - 1
+    n_left = (n - 1) // 2 if bidirectional else 0
+    cur_r = lax.ppermute(local, axis, right) if n_right else None
+    cur_l = lax.ppermute(local, axis, left) if n_left else None
+    yield local, r
+    for k in range(1, n_right + 1):
+        nxt_r = lax.ppermute(cur_r, axis, right) if k < n_right else None
+        nxt_l = lax.ppermute(cur_l, axis, left) if k < n_left else None
+        yield cur_r, (r - k) % n
+        if k <= n_left:
+            yield cur_l, (r + k) % n
+        cur_r, cur_l = nxt_r, nxt_l
+
+
+def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=True, out_dtype=jnp.float32):
+    """All-gather the sequence-sharded ``a`` [..., S, K] and consume it twice, each optional:
+
+    out = a_full @ w (w [K, N] or [N, K] per ``w_contract``, N sharded) -> ``out_dtype`` [..., S, N/n];
+    dw = a_full^T @ other (or other^T @ a_full): ``other`` [..., S, M/n] feature-sharded -> fp32.
+    Returns (out or None, dw or None).
+    """
+    nd, axis, n = _ndim(a), ctx.axis, ctx.n
+    want_out, want_dw = w is not None, other is not None
+    dw_spec = P(None, axis) if gathered_is_lhs else P(axis, None)
+
+    def wgrad(full, oth, flat=True):
+        return _wgrad(full, oth, flat) if gathered_is_lhs else _wgrad(oth, full, flat)
+
+    if ctx.overlap == "xla":
+        out = dw = None
+        if want_out:
+            out = lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False).astype(out_dtype),
+                                               NamedSharding(ctx.mesh, _feat_spec(nd, axis)))
+        if want_dw:
+            dw = lax.with_sharding_constraint(wgrad(a, other, flat=False), NamedSharding(ctx.mesh, dw_spec))
+        return out, dw
+
+    def body(a_loc, w_loc, o_loc):
+        s = _shape(a_loc)[-2]
+        if ctx.overlap == "off":
+            gather = lambda v: lax.all_gather(v, axis, axis=nd - 2, tiled=True)
+            if isinstance(a_loc, _FP8):
+                # each rank's scale travels with its bytes; all are equal (shared amax), so the one
+                # GEMM over the gathered buffer uses a travelled scale (that of rank 0)
+                full = _FP8(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
+            else:
+                full = gather(a_loc)
+            return (_matmul(full, w_loc, w_contract).astype(out_dtype) if want_out else None,
+                    wgrad(full, o_loc) if want_dw else None)
+        out = dw = None
+        if want_out:
+            n_out = _shape(w_loc)[1 - w_contract]
+            out = jnp.zeros(_shape(a_loc)[:-2] + (s * n, n_out), out_dtype)
+        for chunk, src in _ring_chunks(a_loc, axis, n, bidirectional=n > 2):
+            if want_out:
+                part = _matmul(chunk, w_loc, w_contract).astype(out_dtype)
+                out = lax.dynamic_update_slice_in_dim(out, part, src * s, nd - 2)
+            if want_dw:
+                part = wgrad(chunk, _rows(o_loc, src * s, s))
+                dw = part if dw is None else dw + part
+        return out, dw
+
+    a_spec = _op_spec(a, _seq_spec(nd, axis))
+    w_spec = P(None, axis) if w_contract == 0 else P(axis, None)   # N (not contracted) is sharded
+    in_specs = (a_spec, _op_spec(w, w_spec) if want_out else None,
+                _op_spec(other, _feat_spec(nd, axis)) if want_dw else None)
+    out_specs = (_feat_spec(nd, axis) if want_out else None, dw_spec if want_dw else None)
+    return _smap(ctx, body, in_specs, out_specs)(a, w, other)
+
+
+def _columns(op, dim, start, size):
+    """``size`` entries of dim ``dim`` of a 2-D weight operand, from ``start``."""
+    if isinstance(op, _FP8):
+        return _FP8(_columns(op.data, dim, start, size), op.scale_inv)
+    return lax.slice_in_dim(op, start, start + size, axis=dim)
+
+
+def _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, step):
+    """Running fp32 sums round the ring in direction ``step`` (+1: to the right): at step t a rank
+    computes the partial GEMM for chunk (r - step*(t+1)) mod n, adds what arrived and passes it on;
+    after n steps rank r holds the full sum of its own chunk. The next partial GEMM never waits
+    for the transfer."""
+    r = lax.axis_index(axis)
+    perm = [(i, (i + step) % n) for i in range(n)]
+    acc = None
+    for t in range(n):
+        part = _matmul(_rows(a_loc, ((r - step * (t + 1)) % n) * s, s), w_loc, w_contract)
+        acc = part if acc is None else acc + part
+        if t < n - 1:
+            acc = lax.ppermute(acc, axis, perm)
+    return acc
+
+
+def _matmul_reduce_scatter(ctx, a, w, w_contract):
+    """a [..., S, K] feature-sharded (K split over tp) @ w (K sharded) -> partial sums reduce-scattered
+    over the sequence -> fp32 [..., S/n, N]."""
+    nd, axis, n = _ndim(a), ctx.axis, ctx.n
+    if ctx.overlap == "xla":
+        return lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False),
+                                            NamedSharding(ctx.mesh, _seq_spec(nd, axis)))
+
+    def body(a_loc, w_loc):
+        if ctx.overlap == "off":
+            return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract), axis, scatter_dimension=nd - 2, tiled=True)
+        s = _shape(a_loc)[-2] // n
+        n_out = _shape(w_loc)[1 - w_contract]
+        if n > 2 and n_out % 2 == 0:
+            # bidirectional: the left half of the output columns goes round the ring to the right,
+            # the right half to the left; each step moves half the bytes over each of two links
+            halves = [_columns(w_loc, 1 - w_contract, lo, n_out // 2) for lo in (0, n_out // 2)]
+            return jnp.concatenate([_reduce_scatter_ring(a_loc, h, w_contract, axis, n, s, step)
+                                    for h, step in zip(halves, (1, -1))], axis=-1)
+        return _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, 1)
+
+    w_spec = P(axis, None) if w_contract == 0 else P(None, axis)   # K (contracted) is sharded
+    in_specs = (_op_spec(a, _feat_spec(nd, axis)), _op_spec(w, w_spec))
+    return _smap(ctx, body, in_specs, _seq_spec(nd, axis))(a, w)
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization stages (shard_map: local statistics, one max-reduction over tp, one local cast)
+# ----------------------------------------------------------------------------------------------
+
+
+def _operand(ctx, recipe, v, spec, dtype):
+    """The GEMM operand of activation/gradient ``v`` (global, sharded ``spec``): bf16, or FP8 bytes
+    with their shared scale."""
+    if recipe == "bf16":
+        return v.astype(COMPUTE_DTYPE)
+    body = lambda v_loc: _quantize_shared(v_loc, ctx.axis, dtype, ctx.impl)[0]
+    return _smap(ctx, body, spec, _FP8(spec, P()))(v)
+
+
+def _weight_operands(ctx, recipe, w, rows_spec) -> _Weight:
+    """GEMM operands of the global weight ``w`` [in, out] sharded ``rows_spec``."""
+    if isinstance(w, Float8Tensor):
+        scale_inv = jnp.reshape(w.scale_inv, ())
+        return _Weight(_FP8(w.data, scale_inv), None if w.data_t is None else _FP8(w.data_t, scale_inv))
+    if recipe == "bf16":
+        return _Weight(w.astype(COMPUTE_DTYPE))
+    # a float weight under the FP8 recipe: per-tensor current scaling of the TP-sharded weight
+    # (bf16 compute dtype, docs/numerics.md §2 "Compute dtype"), rowwise and its byte transpose
+    def body(w_loc):
+        return _Weight(*_quantize_shared(w_loc, ctx.axis, FWD_DTYPE, ctx.impl,
+                                         compute_dtype=COMPUTE_DTYPE, columnwise=True))
+    out_specs = _Weight(_FP8(rows_spec, P()), _FP8(P(*reversed(tuple(rows_spec))), P()))
+    return _smap(ctx, body, rows_spec, out_specs)(w)
+
+
+def _weight_cotangent(w, dw):
+    """Straight-through: the gradient with respect to the (dequantized) weight. For a Float8Tensor it
+    is carried, in fp32, by the ``data`` leaf; every other leaf gets zero (docs/sp.md)."""
+    if isinstance(w, Float8Tensor):
+        zero = lambda a: None if a is None else jnp.zeros(a.shape, jnp.float32)
+        return Float8Tensor(data=dw, scale_inv=zero(w.scale_inv), amax=zero(w.amax), data_t=zero(w.data_t))
+    return dw.astype(w.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two layers (custom_vjp over global arrays: the backward collectives are written out)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype):
+    seq, feat = _seq_spec(nd, ctx.axis), _feat_spec(nd, ctx.axis)
+    layernorm = lambda x, g, b: _layernorm_f32(x, g, b, eps)
+
+    def fwd(x, gamma, beta, w):
+        wop = _weight_operands(ctx, recipe, w, P(None, ctx.axis))
+        a = _operand(ctx, recipe, layernorm(x, gamma, beta).astype(COMPUTE_DTYPE), seq, FWD_DTYPE)
+        out, _ = _gather_matmul(ctx, a, *_fwd_operand(wop), out_dtype=out_dtype)
+        return out, (x, gamma, beta, w, a, wop)
+
+    def bwd(res, g):
+        x, gamma, beta, w, a, wop = res
+        gq = _operand(ctx, recipe, g, feat, GRAD_DTYPE)
+        dy = _matmul_reduce_scatter(ctx, gq, wop.rows, 1)           # dgrad: GEMM -> reduce-scatter
+        _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=True)  # wgrad on the re-gathered x
+        # the bf16 rounding of the layernorm output passes the gradient straight through
+        dx, dgamma, dbeta = jax.vjp(layernorm, x, gamma, beta)[1](dy)
+        return dx, dgamma, dbeta, _weight_cotangent(w, dw)
+
+    layer = jax.custom_vjp(lambda x, gamma, beta, w: fwd(x, gamma, beta, w)[0])
+    layer.defvjp(fwd, bwd)
+    return layer
+
+
+@functools.lru_cache(maxsize=256)
+def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype):
+    seq, feat = _seq_spec(nd, ctx.axis), _feat_spec(nd, ctx.axis)
+
+    def fwd(x, w):
+        wop = _weight_operands(ctx, recipe, w, P(ctx.axis, None))
+        a = _operand(ctx, recipe, x, feat, FWD_DTYPE)
+        out = _matmul_reduce_scatter(ctx, a, *_fwd_operand(wop))
+        return out.astype(dtype), (w, a, wop)
+
+    def bwd(res, g):
+        w, a, wop = res
+        gq = _operand(ctx, recipe, g, seq, GRAD_DTYPE)
+        # one gather of dY feeds both the dgrad GEMM and the wgrad GEMM
+        dx, dw = _gather_matmul(ctx, gq, wop.rows, 1, other=a, gathered_is_lhs=False, out_dtype=dtype)
+        return dx, _weight_cotangent(w, dw)
+
+    layer = jax.custom_vjp(lambda x, w: fwd(x, w)[0])
+    layer.defvjp(fwd, bwd)
+    return layer
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_float(name, a):
+    if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"{name}: must be a floating-point array, got "
+                        f"{getattr(a, 'dtype', type(a).__name__)}")
+
+
+def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if tp_axis not in mesh.axis_names:
+        raise ValueError(f"tp_axis: {tp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        raise ValueError("mesh: the sp layers need a mesh with Auto axis types (jax.sharding.Mesh(devices, "
+                         "names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)); "
+                         f"got {mesh.axis_types}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
+    ops._check_impl(impl)
+    return _Ctx(mesh, tp_axis, int(mesh.shape[tp_axis]), overlap, impl)
+
+
+def _weight_and_recipe(w, recipe, rows: int, name: str = "w"):
+    """Validate ``w`` [in, out]; NVFP4 weights are dequantized blockwise to bf16 (docs/sp.md)."""
+    if recipe is None:
+        recipe = "fp8" if isinstance(w, Float8Tensor) else "bf16"
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: must be None or one of {RECIPES}, got {recipe!r}")
+    if isinstance(w, NVFP4Tensor):
+        if recipe != "bf16":
+            raise ValueError(f"recipe: an NVFP4Tensor {name} is dequantized to bf16, so recipe must be "
+                             f"'bf16' (or None), got {recipe!r}")
+        w = w.dequantize(COMPUTE_DTYPE)
+    elif isinstance(w, Float8Tensor):
+        if recipe != "fp8":
+            raise ValueError(f"recipe: a Float8Tensor {name} needs recipe 'fp8' (or None), got {recipe!r}")
+        if w.data.ndim != 2:
+            raise ValueError(f"{name}: Float8Tensor data must be [in, out], got shape {tuple(w.data.shape)}")
+        if jnp.dtype(w.dtype) != jnp.dtype(FWD_DTYPE):
+            raise TypeError(f"{name}: a Float8Tensor weight must be {jnp.dtype(FWD_DTYPE)} (its dgrad GEMM "
+                            f"meets E5M2 gradients), got {w.dtype}")
+    else:
+        _check_float(name, w)
+    shape = tuple(w.shape)
+    if len(shape) != 2 or shape[0] != rows:
+        raise ValueError(f"{name}: must be [in, out] with in = {rows} (the last dim of x), got shape {shape}")
+    return w, recipe
+
+
+def _check_divisible(name, what, size, n, tp_axis):
+    if size % n:
+        raise ValueError(f"{name}: {what} ({size}) must be a multiple of the {tp_axis!r} axis size {n}")
+
+
+def _check_x(x, ctx):
+    _check_float("x", x)
+    if x.ndim < 2:
+        raise ValueError(f"x: must be [..., S, hidden] (rank >= 2), got shape {tuple(x.shape)}")
+    _check_divisible("x", "the sequence length x.shape[-2]", x.shape[-2], ctx.n, ctx.axis)
+
+
+def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
+                       recipe: Optional[str] = None, eps: float = 1e-5, impl: str = "auto"):
+    """Column-parallel layer: layernorm, then all-gather over the sequence, then ``@ w``.
+
+    x: ``[..., S, H]`` sharded on the sequence over ``tp_axis``; gamma, beta: ``[H]``; w: ``[H, F]``
+    (float array, ``Float8Tensor`` or ``NVFP4Tensor``) sharded ``P(None, tp_axis)``. Returns
+    ``[..., S, F]`` in x's dtype, sharded on the features. ``recipe``: "fp8" (E4M3 activations and
+    weight, E5M2 gradients; the default for a Float8Tensor weight) or "bf16" (the default otherwise;
+    NVFP4 weights are dequantized to bf16). Differentiable in x, gamma, beta and w (docs/sp.md).
+    """
+    ctx = _context(mesh, tp_axis, overlap, impl)
+    _check_x(x, ctx)
+    hidden = int(x.shape[-1])
+    for name, v in (("gamma", gamma), ("beta", beta)):
+        _check_float(name, v)
+        if tuple(v.shape) != (hidden,):
+            raise ValueError(f"{name}: must have shape ({hidden},) (the last dim of x), got {tuple(v.shape)}")
+    w, recipe = _weight_and_recipe(w, recipe, hidden)
+    _check_divisible("w", "the output features w.shape[1]", w.shape[1], ctx.n, tp_axis)
+    layer = _column_layer(ctx, recipe, float(eps), x.ndim, jnp.dtype(x.dtype))
+    return layer(x, gamma, beta, w)
+
+
+def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
+                            recipe: Optional[str] = None, impl: str = "auto"):
+    """Row-parallel layer: ``x @ w`` with the partial sums reduce-scattered over the sequence.
+
+    x: ``[..., S, F]`` sharded on the features over ``tp_axis``; w: ``[F, H]`` sharded
+    ``P(tp_axis, None)``. Returns ``[..., S, H]`` in x's dtype, sharded on the sequence. ``recipe``
+    as in :func:`sp_layernorm_dense`.
+    """
+    ctx = _context(mesh, tp_axis, overlap, impl)
+    _check_x(x, ctx)
+    _check_divisible("x", "the features x.shape[-1]", x.shape[-1], ctx.n, tp_axis)
+    w, recipe = _weight_and_recipe(w, recipe, int(x.shape[-1]))
+    layer = _row_layer(ctx, recipe, x.ndim, jnp.dtype(x.dtype))
+    return layer(x, w)
+
+
+def sp_mlp(x, gamma, beta, w1, w2, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
+           recipe: Optional[str] = None, activation=jax.nn.gelu, eps: float = 1e-5, impl: str = "auto"):
+    """``sp_dense_reduce_scatter(activation(sp_layernorm_dense(x, gamma, beta, w1)), w2)``.
+
+    x: ``[..., S, H]`` sequence-sharded; w1 ``[H, F]``, w2 ``[F, H]``. Returns ``[..., S, H]``
+    sequence-sharded (add the residual yourself). The activation runs on feature-sharded values
+    without communication.
+    """
+    kw = dict(mesh=mesh, tp_axis=tp_axis, overlap=overlap, recipe=recipe, impl=impl)
+    h = activation(sp_layernorm_dense(x, gamma, beta, w1, eps=eps, **kw))
+    return sp_dense_reduce_scatter(h, w2, **kw)

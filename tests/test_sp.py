@@ -1,0 +1,388 @@
+"""Sequence-parallel layers (jaxquant.sp) on 8 simulated CPU devices.
+
+Each layer's forward and gradients are compared with a single-device computation of the same
+quantized math (whole-tensor current scaling, one GEMM); the overlap modes are compared with each
+other; microbatches interleaved forward-before-backward must give the gradients of one-at-a-time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_bytes_equal, q_fp8, q_nvfp4
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxquant as jq
+from jaxquant import sp
+
+pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 (simulated) CPU devices: "
+                                "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+B, S, H, F = 2, 32, 32, 64
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+F32 = dict(preferred_element_type=jnp.float32)
+
+
+def _mesh(tp, devices="cpu"):
+    return Mesh(np.array(jax.devices(devices)[:tp]), ("tp",))
+
+
+def _inputs(seed=0):
+    k = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(k[0], (B, S, H), jnp.float32) * 3.0
+    gamma = 1.0 + 0.1 * jax.random.normal(k[1], (H,), jnp.float32)
+    beta = 0.1 * jax.random.normal(k[2], (H,), jnp.float32)
+    w1 = jax.random.normal(k[3], (H, F), jnp.float32) / np.sqrt(H)
+    w2 = jax.random.normal(k[4], (F, H), jnp.float32) / np.sqrt(F)
+    return x, gamma, beta, w1, w2
+
+
+def _fp8_weight(w):
+    return q_fp8(w, dtype=E4M3, columnwise=True, compute_dtype=jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Single-device reference: whole-tensor scaling, one GEMM per product, no collectives
+# ----------------------------------------------------------------------------------------------
+
+
+def _q(v, dtype):
+    """(bytes, scale_inv) of the whole tensor v (current scaling, no compute-dtype rounding)."""
+    t = q_fp8(v.reshape(-1, v.shape[-1]), dtype=dtype)
+    return t.data.reshape(v.shape), t.scale_inv
+
+
+def _ref_mm(a, b, a_dims, b_dims, recipe):
+    """a·b contracting a_dims with b_dims; FP8 operands are quantized (a: (bytes, scale))."""
+    dims = ((a_dims, b_dims), ((), ()))
+    if recipe == "fp8":
+        (ad, asc), (bd, bsc) = a, b
+        return lax.dot_general(ad, bd, dims, **F32) * (asc * bsc)
+    return lax.dot_general(a, b, dims, **F32)
+
+
+def _ref_operands(recipe, act, w, act_dtype=E4M3):
+    if recipe == "fp8":
+        wq = w if isinstance(w, jq.Float8Tensor) else _fp8_weight(w)
+        return _q(act, act_dtype), (wq.data, jnp.reshape(wq.scale_inv, ()))
+    if isinstance(w, jq.NVFP4Tensor):
+        w = w.dequantize(jnp.bfloat16)
+    return act.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+
+def _ref_grad_operand(recipe, g):
+    return _q(g, E5M2) if recipe == "fp8" else g.astype(jnp.bfloat16)
+
+
+def ref_column(recipe, x, gamma, beta, w, g):
+    """(out, (dx, dgamma, dbeta, dw)) of layernorm -> dense on one device."""
+    ln = lambda x_, g_, b_: sp._layernorm_f32(x_, g_, b_, 1e-5)
+    a, wop = _ref_operands(recipe, ln(x, gamma, beta).astype(jnp.bfloat16), w)
+    out = _ref_mm(a, wop, (2,), (0,), recipe).astype(x.dtype)
+    gq = _ref_grad_operand(recipe, g)
+    dy = _ref_mm(gq, wop, (2,), (1,), recipe)
+    dw = _ref_mm(a, gq, (0, 1), (0, 1), recipe)
+    return out, (*jax.vjp(ln, x, gamma, beta)[1](dy), dw)
+
+
+def ref_row(recipe, x, w, g):
+    a, wop = _ref_operands(recipe, x, w)
+    out = _ref_mm(a, wop, (2,), (0,), recipe).astype(x.dtype)
+    gq = _ref_grad_operand(recipe, g)
+    return out, (_ref_mm(gq, wop, (2,), (1,), recipe).astype(x.dtype), _ref_mm(a, gq, (0, 1), (0, 1), recipe))
+
+
+def ref_mlp_dx(x, g, gamma, beta, w1, w2):
+    h_pre = ref_column("fp8", x, gamma, beta, w1, jnp.zeros((B, S, F), jnp.float32))[0]
+    h, gelu_vjp = jax.vjp(jax.nn.gelu, h_pre)
+    dh = ref_row("fp8", h, w2, g)[1][0]
+    return ref_column("fp8", x, gamma, beta, w1, gelu_vjp(dh)[0])[1][0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Runners: forward and vjp of a layer in one jitted program
+# ----------------------------------------------------------------------------------------------
+
+
+def _weight_grad(dw):
+    """The straight-through weight gradient: a Float8Tensor cotangent carries it in ``data``; an
+    NVFP4Tensor has none (its bytes are integers; docs/sp.md), so it is not compared."""
+    if isinstance(dw, jq.NVFP4Tensor):
+        return None
+    return dw.data if isinstance(dw, jq.Float8Tensor) else dw
+
+
+def _column_vjp(mesh, overlap, recipe, x, gamma, beta, w, g):
+    f = functools.partial(jq.sp_layernorm_dense, mesh=mesh, overlap=overlap, recipe=recipe)
+    out, vjp = jax.vjp(f, x, gamma, beta, w)
+    dx, dgamma, dbeta, dw = vjp(g)
+    return out, (dx, dgamma, dbeta, _weight_grad(dw))
+
+
+def _row_vjp(mesh, overlap, recipe, x, w, g):
+    f = functools.partial(jq.sp_dense_reduce_scatter, mesh=mesh, overlap=overlap, recipe=recipe)
+    out, vjp = jax.vjp(f, x, w)
+    dx, dw = vjp(g)
+    return out, (dx, _weight_grad(dw))
+
+
+@functools.lru_cache(maxsize=None)
+def _runner(tp, overlap, recipe, devices="cpu"):
+    """One jitted program: (out, grads) of the column layer and of the row layer."""
+    mesh = _mesh(tp, devices)
+
+    def run(col_args, row_args):
+        return _column_vjp(mesh, overlap, recipe, *col_args), _row_vjp(mesh, overlap, recipe, *row_args)
+    return jax.jit(run)
+
+
+def _layer_args(seed, recipe, kind):
+    """((x, gamma, beta, w1, g) of the column layer, (x, w2, g) of the row layer)."""
+    x, gamma, beta, w1, w2 = _inputs(seed)
+    w1, w2 = _weights(recipe, w1, w2, kind)
+    k = jax.random.split(jax.random.key(100 + seed), 3)
+    g_col = jax.random.normal(k[0], (B, S, F), jnp.float32)
+    x_row = jax.random.normal(k[1], (B, S, F), jnp.float32)
+    g_row = jax.random.normal(k[2], (B, S, H), jnp.float32)
+    return (x, gamma, beta, w1, g_col), (x_row, w2, g_row)
+
+
+def _assert_close(actual, expected, what, rtol=2e-5):
+    a, e = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    atol = rtol * max(float(np.max(np.abs(e))), 1e-30)
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _weights(recipe, w1, w2, kind):
+    if kind == "float8tensor":
+        return _fp8_weight(w1), _fp8_weight(w2)
+    if kind == "nvfp4":
+        return q_nvfp4(w1, compute_dtype=jnp.bfloat16), q_nvfp4(w2, compute_dtype=jnp.bfloat16)
+    return w1, w2
+
+
+CASES = [("bf16", "float"), ("fp8", "float8tensor")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu(request):
+    """The single-device references run on the CPU too (GPU runs: tests/test_sp_gpu.py)."""
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def test_local_quantization_with_shared_amax_equals_whole_tensor():
+    """Each rank quantizes its sequence chunk once after the max-reduction: the bytes and the one
+    scale_inv are those of quantizing the whole tensor, on every rank."""
+    x = _inputs()[0].astype(jnp.bfloat16)
+    ctx = sp._context(_mesh(4), "tp", "ring", "auto")
+    q = jax.jit(lambda v: sp._operand(ctx, "fp8", v, P(None, "tp", None), E4M3))(x)
+    data, scale_inv = _q(x, E4M3)
+    assert_bytes_equal(q.data, data, "gathered FP8 bytes")
+    assert_bytes_equal(q.scale_inv, scale_inv, "scale_inv")
+    per_rank = [np.asarray(s.data) for s in q.scale_inv.addressable_shards]
+    assert len(per_rank) == 4 and all(r == per_rank[0] for r in per_rank)
+
+
+def check_layers_match_single_device(results, col_args, row_args, recipe, rtol=2e-5):
+    (out, grads), (row_out, row_grads) = results
+    ref_out, ref_grads = ref_column(recipe, *col_args)
+    # all-gather -> GEMM: the same K-reduction per element, though XLA:CPU's dot may order it
+    # differently for another N split (bitwise where the partition is the same: modes test)
+    _assert_close(out, ref_out, "column out", rtol=min(rtol, 1e-6))
+    for name, a, e in zip(("dx", "dgamma", "dbeta", "dw"), grads, ref_grads):
+        if a is not None:
+            _assert_close(a, e, "column " + name, rtol)
+    ref_out, ref_grads = ref_row(recipe, *row_args)
+    _assert_close(row_out, ref_out, "row out", rtol)   # partial sums over tp: another summation order
+    _assert_close(row_grads[0], ref_grads[0], "row dx", min(rtol, 1e-6))   # all-gather of dY -> GEMM
+    if row_grads[1] is not None:
+        _assert_close(row_grads[1], ref_grads[1], "row dw", rtol)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("recipe,kind", CASES)
+def test_layers_match_single_device(tp, recipe, kind):
+    col_args, row_args = _layer_args(tp, recipe, kind)
+    results = _runner(tp, "ring", recipe)(col_args, row_args)
+    check_layers_match_single_device(results, col_args, row_args, recipe)
+
+
+@pytest.mark.parametrize("kind", ["float", "nvfp4"])
+def test_other_weight_types(kind):
+    """A float weight under the FP8 recipe is quantized inside (shared amax over tp) with its
+    gradient passed straight through; an NVFP4 weight is dequantized to bf16."""
+    recipe = "fp8" if kind == "float" else "bf16"
+    col_args, row_args = _layer_args(3, recipe, kind)
+    check_layers_match_single_device(_runner(2, "ring", recipe)(col_args, row_args), col_args, row_args, recipe)
+
+
+@pytest.mark.parametrize("recipe,kind", CASES)
+def test_overlap_modes_agree(recipe, kind):
+    col_args, row_args = _layer_args(11, recipe, kind)
+    res = {m: _runner(4, m, recipe)(col_args, row_args) for m in sp.OVERLAPS}
+    for m in ("xla", "off"):
+        (col, row), (col_ring, row_ring) = res[m], res["ring"]
+        # same GEMM partition of each output element: bitwise
+        assert_bytes_equal(col[0], col_ring[0], f"column out, {m} vs ring")
+        assert_bytes_equal(row[1][0], row_ring[1][0], f"row dx, {m} vs ring")
+        # reduce-scatter / chunked wgrad: another summation order
+        _assert_close(row[0], row_ring[0], f"row out, {m} vs ring")
+        for name, a, e in zip(("dx", "dgamma", "dbeta", "dw"), col[1], col_ring[1]):
+            _assert_close(a, e, f"column {name}, {m} vs ring")
+        _assert_close(row[1][1], row_ring[1][1], f"row dw, {m} vs ring")
+
+
+def test_interleaved_microbatches_match_one_at_a_time():
+    """Two FP8 layers (sp_mlp) with one quantizer configuration; forward passes of three microbatches
+    of very different magnitude (so their scales differ) run before any backward pass."""
+    mesh = _mesh(4)
+    _, gamma, beta, w1, w2 = _inputs(5)
+    w1q, w2q = _fp8_weight(w1), _fp8_weight(w2)
+    x_spike = _inputs(21)[0].at[0, 3, 5].set(1e3)                          # outlier row
+    x_flat = jax.random.uniform(jax.random.key(22), (B, S, H), jnp.float32, -1.0, 1.0)
+    xs = [_inputs(20)[0], x_spike, x_flat]
+    gs = [jax.random.normal(jax.random.key(30 + i), (B, S, H), jnp.float32) * s
+          for i, s in enumerate((1.0, 1e-4, 50.0))]
+    mlp = functools.partial(jq.sp_mlp, mesh=mesh, overlap="ring")
+
+    def one(x, g):
+        out, vjp = jax.vjp(mlp, x, gamma, beta, w1q, w2q)
+        return out, vjp(g)
+
+    @jax.jit
+    def interleaved(xs, gs):
+        pending = [jax.vjp(mlp, x, gamma, beta, w1q, w2q) for x in xs]   # all forwards first
+        grads = [pending[i][1](gs[i]) for i in (2, 0, 1)]                # backwards out of order
+        return [p[0] for p in pending], [grads[1], grads[2], grads[0]]
+
+    outs, grads = interleaved(xs, gs)
+    one_j = jax.jit(one)
+    for i, (x, g) in enumerate(zip(xs, gs)):
+        out_i, grads_i = one_j(x, g)
+        assert_bytes_equal(outs[i], out_i, f"microbatch {i} out")
+        for a, e in zip(jax.tree.leaves(grads[i]), jax.tree.leaves(grads_i)):
+            assert_bytes_equal(a, e, f"microbatch {i} gradient")
+    # the microbatches really had different activation scales, and the result is the quantized math
+    ln_bf16 = lambda x: sp._layernorm_f32(x, gamma, beta, 1e-5).astype(jnp.bfloat16)
+    assert len({float(_q(ln_bf16(x), E4M3)[1]) for x in xs}) == 3
+    for i in range(3):
+        _assert_close(grads[i][0], ref_mlp_dx(xs[i], gs[i], gamma, beta, w1q, w2q), f"microbatch {i} dx vs reference")
+
+
+def test_bad_input_errors():
+    mesh = _mesh(4)
+    x, gamma, beta, w1, w2 = _inputs()
+    with pytest.raises(ValueError, match="overlap: must be one of"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, overlap="fast")
+    with pytest.raises(ValueError, match="tp_axis: 'model' is not an axis"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, tp_axis="model")
+    with pytest.raises(ValueError, match=r"x: the sequence length .* multiple of the 'tp' axis size 4"):
+        jq.sp_layernorm_dense(x[:, :30], gamma, beta, w1, mesh=mesh)
+    with pytest.raises(ValueError, match=r"w: must be \[in, out\] with in = 32"):
+        jq.sp_layernorm_dense(x, gamma, beta, w2, mesh=mesh)
+    with pytest.raises(ValueError, match=r"gamma: must have shape \(32,\)"):
+        jq.sp_layernorm_dense(x, gamma[:8], beta, w1, mesh=mesh)
+    with pytest.raises(ValueError, match="recipe: an NVFP4Tensor w is dequantized to bf16"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_nvfp4(w2), mesh=mesh, recipe="fp8")
+    with pytest.raises(ValueError, match="recipe: a Float8Tensor w needs recipe 'fp8'"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), _fp8_weight(w2), mesh=mesh, recipe="bf16")
+    with pytest.raises(ValueError, match="mesh: the sp layers need a mesh with Auto axis types"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=jax.make_mesh(
+            (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
+    with pytest.raises(TypeError, match="w: a Float8Tensor weight must be float8_e4m3fn"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_fp8(w2, dtype=E5M2), mesh=mesh)
+    with pytest.raises(TypeError, match="x: must be a floating-point array"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
+
+
+@pytest.mark.parametrize("overlap", ["ring", "off"])
+def test_ring_is_made_of_ppermutes(overlap):
+    """The lowered forward+backward of sp_mlp: "ring" moves data only with collective-permutes (plus
+    the amax max-reductions), "off" with one all-gather / reduce-scatter per product."""
+    mesh = _mesh(4)
+    _, gamma, beta, w1, w2 = _inputs()
+    x = jnp.zeros((B, S, H), jnp.float32)
+    loss = lambda x, w1, w2: jnp.sum(jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=overlap))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, _fp8_weight(w1), _fp8_weight(w2)).as_text()
+    counts = {op: text.count(f"stablehlo.{op}") for op in ("collective_permute", "all_gather", "reduce_scatter")}
+    if overlap == "ring":
+        assert counts["collective_permute"] > 0 and counts["all_gather"] == counts["reduce_scatter"] == 0, counts
+        # what travels: FP8 bytes, each transfer paired with its scale_inv, and fp32 partial sums
+        moved = [line.rsplit("-> ", 1)[-1] for line in text.splitlines() if "stablehlo.collective_permute" in line]
+        fp8 = sum("xf8E" in t for t in moved)
+        scales = sum(t.strip() == "tensor<f32>" for t in moved)
+        assert fp8 > 0 and fp8 == scales, moved
+        assert all("xf8E" in t or t.strip() == "tensor<f32>" or "xf32>" in t for t in moved), moved
+    else:
+        assert counts["collective_permute"] == 0 and counts["all_gather"] > 0 and counts["reduce_scatter"] > 0, counts
+
+
+def test_bench_overlap_report_reads_a_schedule():
+    """benchmarks/bench_sp.py's reading of a compiled schedule: a transfer counts as overlapped when a
+    GEMM (cuBLAS custom call or Triton GEMM fusion) is scheduled between its start and its done."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sp.py"
+    spec = importlib.util.spec_from_file_location("bench_sp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    schedule = """HloModule m
+
+ENTRY %main {
+  %p = f32[4]{0} parameter(0)
+  %cp-start = (f32[4]{0}, f32[4]{0}) collective-permute-start(f32[4]{0} %p), source_target_pairs={{0,1}}
+  %g = f32[4,4]{1,0} custom-call(f32[4]{0} %p), custom_call_target="__cublas$lt$matmul$f8"
+  %cp-done = f32[4]{0} collective-permute-done((f32[4]{0}, f32[4]{0}) %cp-start)
+  %cp-start.1 = (f32[4]{0}, f32[4]{0}) collective-permute-start(f32[4]{0} %cp-done), source_target_pairs={{0,1}}
+  %a = f32[4,4]{1,0} add(f32[4,4]{1,0} %g, f32[4,4]{1,0} %g)
+  ROOT %cp-done.1 = f32[4]{0} collective-permute-done((f32[4]{0}, f32[4]{0}) %cp-start.1)
+}
+"""
+    assert bench.overlap_report(schedule) == {"async_transfers": 2, "under_a_gemm": 1,
+                                              "collective_dtypes": {"f32": 2}}
+    triton = schedule.replace('custom-call(f32[4]{0} %p), custom_call_target="__cublas$lt$matmul$f8"',
+                              'fusion(f32[4]{0} %p), kind=kCustom, calls=%gemm, '
+                              'backend_config={"kind":"__triton_gemm"}')
+    assert bench.overlap_report(triton)["under_a_gemm"] == 1
+
+
+def test_trains_inside_a_jitted_step():
+    """sp_mlp inside a loss function of a jitted optax step: float master weights under the FP8
+    recipe (quantized inside, gradients straight through); the loss goes down."""
+    import optax
+    mesh = _mesh(2)
+    x, gamma, beta, w1, w2 = _inputs(40)
+    target = jnp.tanh(x[..., ::-1])
+    params = dict(gamma=gamma, beta=beta, w1=w1, w2=w2)
+    opt = optax.adam(3e-2)
+
+    def loss_fn(p):
+        y = jq.sp_mlp(x, p["gamma"], p["beta"], p["w1"], p["w2"], mesh=mesh, recipe="fp8")
+        return jnp.mean(jnp.square(y - target))
+
+    @jax.jit
+    def step(p, state):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    state, losses = opt.init(params), []
+    for _ in range(15):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
