@@ -63,65 +63,6 @@ __device__ void block_publish(float m, int c, uint32_t* amax_bits, int32_t* coun
   }
 }
 
-// 16-byte vector loads where the pointer allows it; a scalar tail.
-template <bool kBf16>
-__global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits, int32_t* count) {
-  constexpr int kVec = kBf16 ? 8 : 4;
-  float m = 0.0f;
-  int c = 0;
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
-  const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
-  const int64_t nvec = aligned ? n / kVec : 0;
-  constexpr int kInFlight = 4;  // independent 16-byte loads issued before the first use
-  for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
-    uint4 vs[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const int64_t i = i0 + j * stride;
-      vs[j] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const uint32_t w[4] = {vs[j].x, vs[j].y, vs[j].z, vs[j].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (kBf16) {
-          const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
-          m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
-          c += !is_finite(a) + !is_finite(b);
-        } else {
-          const float a = __uint_as_float(w[k]);
-          m = fmaxf(m, abs_ignoring_nan(a));
-          c += !is_finite(a);
-        }
-      }
-    }
-  }
-  for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
-    const float a = load_as_float(x, kBf16, i);
-    m = fmaxf(m, abs_ignoring_nan(a));
-    c += !is_finite(a);
-  }
-  block_publish(m, c, amax_bits, count);
-}
-
-ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
-                    ffi::Result<ffi::Buffer<ffi::S32>> count) {
-  JQ_RETURN_IF_ERROR(check_input(x, "x"));
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
-  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
-  if (n > 0) {
-    auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
-    const int grid = std::min(grid_for(n / 4), 132 * 16);
-    if (x.element_type() == ffi::DataType::BF16)
-      amax_kernel<true><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits, count->typed_data());
-    else
-      amax_kernel<false><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits, count->typed_data());
-  }
-  return last_error("amax kernel");
-}
-
 // ---- loads of 4 consecutive elements ---------------------------------------------------------
 
 // Elements i..i+3 of x as fp32; one 16-byte (fp32) or 8-byte (bf16) load when `vector`.
@@ -183,106 +124,122 @@ struct Fp8Params {
   }
 };
 
-// Rowwise only: 4 elements a thread, vector loads and a 4-byte store where aligned.
-__global__ void fp8_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, Fp8Params p,
-                                uint8_t* __restrict__ out) {
-  const float scale = p.scale();
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x * 4;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 4; i < n; i += stride) {
-    if (i + 4 <= n) {
-      float v[4];
-      load4(x, bf16, i, aligned4(x, bf16, i), v);
-      const uint32_t q = fp8_quad(v, scale, p.e5m2);
-      if (reinterpret_cast<uintptr_t>(out + i) % 4 == 0) {
-        *reinterpret_cast<uint32_t*>(out + i) = q;
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) out[i + k] = uint8_t(q >> (8 * k));
-      }
-    } else {
-      for (int64_t k = i; k < n; ++k) out[k] = fp8_encode(load_as_float(x, bf16, k) * scale, p.e5m2);
-    }
-  }
+// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else the shared
+// software rounding; both are RNE with saturation to ±6 and keep the sign of zero.
+__device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+  uint16_t out;
+  asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
+  return static_cast<uint8_t>(out);
+#else
+  return static_cast<uint8_t>(float_to_e2m1(lo) | (float_to_e2m1(hi) << 4));
+#endif
 }
 
-// Rowwise + transpose in one pass over x: a 64x64 tile, 4 columns a thread, through shared memory.
-// Rows and columns are multiples of 4 on the vector path; edges fall back to single bytes.
-constexpr int kT = 64;
-__global__ void fp8_cast_t_kernel(const void* __restrict__ x, bool bf16, int64_t rows, int64_t cols, Fp8Params p,
-                                  uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
-  __shared__ uint8_t tile[kT][kT + 4];
-  const float scale = p.scale();
-  const int64_t r0 = int64_t(blockIdx.y) * kT, c0 = int64_t(blockIdx.x) * kT;
-  const bool full = r0 + kT <= rows && c0 + kT <= cols && cols % 4 == 0 && rows % 4 == 0;
-  for (int i = threadIdx.x; i < kT * kT / 4; i += blockDim.x) {
-    const int dr = i / (kT / 4), dc = (i % (kT / 4)) * 4;
-    const int64_t r = r0 + dr, c = c0 + dc;
-    if (full) {
-      float v[4];
-      load4(x, bf16, r * cols + c, aligned4(x, bf16, r * cols + c), v);
-      const uint32_t q = fp8_quad(v, scale, p.e5m2);
-      *reinterpret_cast<uint32_t*>(&tile[dr][dc]) = q;
-      if (reinterpret_cast<uintptr_t>(out + r * cols + c) % 4 == 0) {
-        *reinterpret_cast<uint32_t*>(out + r * cols + c) = q;
-      } else {
-        for (int k = 0; k < 4; ++k) out[r * cols + c + k] = uint8_t(q >> (8 * k));
-      }
-    } else {
-      for (int k = 0; k < 4; ++k) {
-        if (r < rows && c + k < cols) {
-          const uint8_t q = fp8_encode(load_as_float(x, bf16, r * cols + c + k) * scale, p.e5m2);
-          out[r * cols + c + k] = q;
-          tile[dr][dc + k] = q;
-        }
-      }
-    }
-  }
-  __syncthreads();
-  // Transposed: output row c (a column of x), 4 consecutive rows of x a thread.
-  for (int i = threadIdx.x; i < kT * kT / 4; i += blockDim.x) {
-    const int dc = i / (kT / 4), dr = (i % (kT / 4)) * 4;
-    const int64_t c = c0 + dc, r = r0 + dr;
-    uint8_t* dst = out_t + c * rows + r;
-    if (full && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
-      *reinterpret_cast<uint32_t*>(dst) = uint32_t(tile[dr][dc]) | (uint32_t(tile[dr + 1][dc]) << 8) |
-                                          (uint32_t(tile[dr + 2][dc]) << 16) | (uint32_t(tile[dr + 3][dc]) << 24);
-    } else {
-      for (int k = 0; k < 4; ++k)
-        if (c < cols && r + k < rows) dst[k] = tile[dr + k][dc];
-    }
-  }
-}
+#include "jaxquant/stage_kernels.cuh"
 
 ffi::Error Fp8CastImpl(cudaStream_t stream, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>& amax, float eps, bool pow2,
-                       ffi::AnyBuffer& data, ffi::Buffer<ffi::F32>& scale_inv, ffi::AnyBuffer* data_t) {
+                       bool round_bf16, ffi::AnyBuffer& data, ffi::Buffer<ffi::F32>& scale_inv, ffi::AnyBuffer* data_t) {
   bool e5m2;
   JQ_RETURN_IF_ERROR(check_fp8_cast(x, amax, data, data_t, &e5m2));
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  const int64_t n = static_cast<int64_t>(x.element_count());
   const Fp8Params p{amax.typed_data(), e5m2 ? kE5M2Max : kE4M3Max, eps, pow2, e5m2, scale_inv.typed_data()};
-  auto* out = static_cast<uint8_t*>(data.untyped_data());
-  if (data_t == nullptr) {
-    // n == 0 still launches one block so that scale_inv is written.
-    fp8_cast_kernel<<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(x.untyped_data(), bf16, n, p, out);
-  } else {
-    const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
-    dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + kT - 1) / kT, 1)),
-              static_cast<unsigned>(std::max<int64_t>((rows + kT - 1) / kT, 1)));
-    fp8_cast_t_kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), bf16, rows, cols, p, out,
-                                                     static_cast<uint8_t*>(data_t->untyped_data()));
-  }
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const int64_t rows = data_t ? x.dimensions()[0] : n, cols = data_t ? x.dimensions()[1] : 1;
+  launch_fp8_cast(stream, x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, rows, cols, p,
+                  static_cast<uint8_t*>(data.untyped_data()),
+                  data_t ? static_cast<uint8_t*>(data_t->untyped_data()) : nullptr);
   return last_error("fp8 cast kernel");
 }
 
 ffi::Error Fp8CastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, *data, *scale_inv, nullptr);
+  return Fp8CastImpl(stream, x, amax, eps, pow2, false, *data, *scale_inv, nullptr);
 }
 
 ffi::Error Fp8CastTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
                         ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                         ffi::Result<ffi::AnyBuffer> data_t) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, *data, *scale_inv, &*data_t);
+  return Fp8CastImpl(stream, x, amax, eps, pow2, false, *data, *scale_inv, &*data_t);
+}
+
+ffi::Error Fp8QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
+                           bool round_bf16, ffi::Result<ffi::AnyBuffer> data,
+                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
+  return Fp8CastImpl(stream, x, amax, eps, pow2, round_bf16, *data, *scale_inv, nullptr);
+}
+
+ffi::Error Fp8QuantizeTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
+                            bool round_bf16, ffi::Result<ffi::AnyBuffer> data,
+                            ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, ffi::Result<ffi::AnyBuffer> data_t) {
+  return Fp8CastImpl(stream, x, amax, eps, pow2, round_bf16, *data, *scale_inv, &*data_t);
+}
+
+// ---- FP8 statistics (amax and the non-finite count, one read) --------------------------------
+
+// 16-byte vector loads where the pointer allows it; a scalar tail.
+template <bool kBf16, bool kRound>
+__global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits, int32_t* count) {
+  constexpr int kVec = kBf16 ? 8 : 4;
+  float m = 0.0f;
+  int c = 0;
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+  const int64_t nvec = aligned ? n / kVec : 0;
+  constexpr int kInFlight = 4;  // independent 16-byte loads issued before the first use
+  for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
+    uint4 vs[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int64_t i = i0 + j * stride;
+      vs[j] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const uint32_t w[4] = {vs[j].x, vs[j].y, vs[j].z, vs[j].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (kBf16) {
+          const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
+          m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
+          c += !is_finite(a) + !is_finite(b);
+        } else {
+          const float a = kRound ? round_to_bf16(__uint_as_float(w[k])) : __uint_as_float(w[k]);
+          m = fmaxf(m, abs_ignoring_nan(a));
+          c += !is_finite(a);
+        }
+      }
+    }
+  }
+  for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
+    const float a = load_compute(x, kBf16, kRound, i);
+    m = fmaxf(m, abs_ignoring_nan(a));
+    c += !is_finite(a);
+  }
+  block_publish(m, c, amax_bits, count);
+}
+
+ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
+                        ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  JQ_RETURN_IF_ERROR(check_input(x, "x"));
+  JQ_RETURN_IF_ERROR(check_count(*amax, 1, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*count, 1, "count"));
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
+  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  if (n > 0) {
+    auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
+    const int grid = std::min(grid_for(n / 4), 132 * 16);
+    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+      amax_kernel<decltype(b)::value, decltype(r)::value><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits,
+                                                                                          count->typed_data());
+    });
+  }
+  return last_error("amax kernel");
+}
+
+ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                    ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  return Fp8StatsCuda(stream, x, false, amax, count);
 }
 
 // ---- NVFP4 tile amax of a partial shard -----------------------------------------------------
@@ -414,18 +371,6 @@ ffi::Error ScaleTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_in
 
 // ---- NVFP4 partial cast ---------------------------------------------------------------------
 
-// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else the shared
-// software rounding; both are RNE with saturation to ±6 and keep the sign of zero.
-__device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
-#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
-  uint16_t out;
-  asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
-  return static_cast<uint8_t>(out);
-#else
-  return static_cast<uint8_t>(float_to_e2m1(lo) | (float_to_e2m1(hi) << 4));
-#endif
-}
-
 // A thread owns 8 consecutive bytes of the global packed data (16 elements, aligned to 16 in the
 // row-major element order, so one row and one tile): one scale lookup and one division per thread.
 // Interior groups use vector loads and one 8-byte store where the addresses allow.
@@ -544,6 +489,66 @@ ffi::Error TransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Re
   return last_error("transpose kernel");
 }
 
+
+// ---- fused NVFP4 stages ----------------------------------------------------------------------
+
+ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
+                          ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                          ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_nvfp4_stats(x, *tile_amax, *amax, *count, &rows, &cols));
+  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
+  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
+  bool launched = false;
+  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+    constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
+    dim3 grid;
+    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
+    nvfp4_stats_kernel<kBf16, kRound><<<grid, kThreads, 0, stream>>>(
+        x.untyped_data(), rows, cols, aligned, tile_amax->typed_data(),
+        reinterpret_cast<uint32_t*>(amax->untyped_data()), count->typed_data());
+  });
+  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
+  return last_error("nvfp4 stats kernel");
+}
+
+ffi::Error Nvfp4QuantizeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& tile_amax,
+                             const ffi::Buffer<ffi::F32>& amax, bool round_bf16, ffi::Buffer<ffi::U8>& data,
+                             ffi::Buffer<ffi::U8>& scale_inv, ffi::Buffer<ffi::U8>* data_t,
+                             ffi::Buffer<ffi::U8>* scale_inv_t) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_nvfp4_quantize(x, tile_amax, amax, data, scale_inv, data_t, scale_inv_t, &rows, &cols));
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
+  uint8_t* dt = data_t ? data_t->typed_data() : nullptr;
+  uint8_t* st = scale_inv_t ? scale_inv_t->typed_data() : nullptr;
+  bool launched = false;
+  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+    constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
+    dim3 grid;
+    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
+    auto kernel = dt ? nvfp4_quantize_kernel<kBf16, kRound, true> : nvfp4_quantize_kernel<kBf16, kRound, false>;
+    kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), rows, cols, aligned, tile_amax.typed_data(),
+                                          amax.typed_data(), data.typed_data(), scale_inv.typed_data(), dt, st);
+  });
+  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
+  return last_error("nvfp4 quantize kernel");
+}
+
+ffi::Error Nvfp4QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax,
+                             ffi::Buffer<ffi::F32> amax, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> data,
+                             ffi::Result<ffi::Buffer<ffi::U8>> scale_inv) {
+  return Nvfp4QuantizeImpl(stream, x, tile_amax, amax, round_bf16, *data, *scale_inv, nullptr, nullptr);
+}
+
+ffi::Error Nvfp4QuantizeTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax,
+                              ffi::Buffer<ffi::F32> amax, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> data,
+                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv, ffi::Result<ffi::Buffer<ffi::U8>> data_t,
+                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  return Nvfp4QuantizeImpl(stream, x, tile_amax, amax, round_bf16, *data, *scale_inv, &*data_t, &*scale_inv_t);
+}
 
 // ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
 //
