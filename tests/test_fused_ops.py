@@ -98,7 +98,13 @@ FP8_CASES = [("e4m3", jnp.float32, "bf16", (48, 80)), ("e4m3", jnp.float32, "non
              ("e4m3", jnp.bfloat16, "none", (1, 1)), ("e5m2", jnp.float32, "none", (130, 36))]
 
 
-@pytest.mark.parametrize("fmt,in_dtype,compute,shape", FP8_CASES)
+def _case_id(case) -> str:
+    """e.g. "e4m3-float32-bf16-48x80" (the sanitizer run in scripts/gpu_suite.sh selects by shape)."""
+    return "-".join(c if isinstance(c, str) else "x".join(map(str, c)) if isinstance(c, tuple)
+                    else jnp.dtype(c).name for c in case)
+
+
+@pytest.mark.parametrize("fmt,in_dtype,compute,shape", FP8_CASES, ids=[_case_id(c) for c in FP8_CASES])
 def test_fp8_quantize_custom_equals_reference(rng, fmt, in_dtype, compute, shape):
     """data, scale_inv and data_t (one pass), shapes on and off the 4/64-element vector grid."""
     inputs = _fp8_inputs(rng, shape)
@@ -153,7 +159,7 @@ def _nvfp4_inputs(rng, shape):
     return out
 
 
-@pytest.mark.parametrize("in_dtype,compute,shape", NVFP4_CASES)
+@pytest.mark.parametrize("in_dtype,compute,shape", NVFP4_CASES, ids=[_case_id(c) for c in NVFP4_CASES])
 def test_nvfp4_stages_custom_equal_reference(rng, in_dtype, compute, shape):
     """stats (tile amax, amax, count) and quantize (data, scale_inv, data_t, scale_inv_t)."""
     cd = COMPUTE[compute]
