@@ -185,7 +185,7 @@ __global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* ama
   const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
   const int64_t nvec = aligned ? n / kVec : 0;
-  constexpr int kInFlight = 4;  // independent 16-byte loads issued before the first use
+  constexpr int kInFlight = 8;  // independent 16-byte loads issued before the first use
   for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
     uint4 vs[kInFlight];
 #pragma unroll
