@@ -30,6 +30,18 @@ int grid_for(int64_t work, int per_block = kThreads) {
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), kMaxBlocks));
 }
 
+// Grid for a grid-stride kernel: as many blocks as the GPU holds at once (capped by the work), so
+// that every block is resident from the start and there is no partial last wave.
+template <typename Kernel>
+int resident_grid(Kernel kernel, int64_t work_blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  const int64_t resident = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -228,10 +240,10 @@ ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
   cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
   if (n > 0) {
     auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
-    const int grid = std::min(grid_for(n / 4), 132 * 16);
     with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
-      amax_kernel<decltype(b)::value, decltype(r)::value><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits,
-                                                                                          count->typed_data());
+      auto kernel = amax_kernel<decltype(b)::value, decltype(r)::value>;
+      kernel<<<resident_grid(kernel, (n + 4 * kThreads - 1) / (4 * kThreads)), kThreads, 0, stream>>>(
+          x.untyped_data(), n, bits, count->typed_data());
     });
   }
   return last_error("amax kernel");

@@ -38,18 +38,37 @@ __device__ __forceinline__ uint4 load_raw16(const uint8_t* p, bool aligned) {
   return r;
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool kHardwareBf16 = true;
+#else
+constexpr bool kHardwareBf16 = false;
+#endif
+
 // The 16 loaded bytes as kVec (4 fp32 or 8 bf16) values of the compute dtype, in fp32.
-template <bool kBf16, bool kRound>
+// kAnyNan: the caller does not depend on which NaN a NaN rounds to (NVFP4: NaN input is outside
+// the bit-exact contract, docs/numerics.md §2.6; statistics ignore NaN and count it either way),
+// so the bf16 rounding may use the hardware pair conversion (RNE, subnormals kept; NaN becomes the
+// canonical NaN) instead of round_to_bf16 (same bits for every non-NaN value).
+template <bool kBf16, bool kRound, bool kAnyNan = false>
 __device__ __forceinline__ void to_compute(const uint4 raw, float* v) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (kBf16) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if (kBf16) {
+    for (int k = 0; k < 4; ++k) {
       v[2 * k] = __uint_as_float(w[k] << 16);
       v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
-    } else {
-      v[k] = kRound ? round_to_bf16(__uint_as_float(w[k])) : __uint_as_float(w[k]);
     }
+  } else if constexpr (kRound && kAnyNan && kHardwareBf16) {
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {  // d.hi = bf16(a), d.lo = bf16(b)
+      uint32_t pair;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(__uint_as_float(w[k + 1])), "f"(__uint_as_float(w[k])));
+      v[k] = __uint_as_float(pair << 16);
+      v[k + 1] = __uint_as_float(pair & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = kRound ? round_to_bf16(__uint_as_float(w[k])) : __uint_as_float(w[k]);
   }
 }
 
@@ -166,8 +185,9 @@ void launch_fp8_cast(cudaStream_t stream, const void* x, bool bf16, bool round_b
       const int64_t n = rows * cols;
       const bool aligned = in_addr % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
       // n == 0 still launches one block so that scale_inv is written.
-      fp8_rows_kernel<kBf16, kRound><<<grid_for(n / (kBf16 ? 32 : 16) + 1), kThreads, 0, stream>>>(x, n, p, aligned,
-                                                                                                  out);
+      auto kernel = fp8_rows_kernel<kBf16, kRound>;
+      kernel<<<resident_grid(kernel, n / (kThreads * (kBf16 ? 32 : 16)) + 1), kThreads, 0, stream>>>(x, n, p, aligned,
+                                                                                                     out);
     } else {
       const bool aligned = in_addr % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(out_t) % 16 == 0 && rows % 16 == 0 && cols % 16 == 0;
@@ -225,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_stats_kernel(const void* __res
 #pragma unroll
     for (int r = 0; r < kTile; ++r) {
       float v[B::kVec];
-      to_compute<kBf16, kRound>(raw[r], v);
+      to_compute<kBf16, kRound, true>(raw[r], v);
 #pragma unroll
       for (int k = 0; k < B::kVec; ++k) {
         m = fmaxf(m, abs_ignoring_nan(v[k]));
@@ -293,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
 #pragma unroll
     for (int r = 0; r < kTile; ++r) {
       float v[kVec];
-      to_compute<kBf16, kRound>(raw[r], v);
+      to_compute<kBf16, kRound, true>(raw[r], v);
       rw[r] = 0;
 #pragma unroll
       for (int k = 0; k < kVec; k += 2) rw[r] |= uint32_t(e2m1_pair(v[k] * enc, v[k + 1] * enc)) << (4 * k);
