@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "jaxquant/elementwise.h"
 #include "jaxquant/ffi_checks.h"
@@ -149,42 +150,6 @@ __device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
 }
 
 #include "jaxquant/stage_kernels.cuh"
-
-ffi::Error Fp8CastImpl(cudaStream_t stream, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>& amax, float eps, bool pow2,
-                       bool round_bf16, ffi::AnyBuffer& data, ffi::Buffer<ffi::F32>& scale_inv, ffi::AnyBuffer* data_t) {
-  bool e5m2;
-  JQ_RETURN_IF_ERROR(check_fp8_cast(x, amax, data, data_t, &e5m2));
-  const Fp8Params p{amax.typed_data(), e5m2 ? kE5M2Max : kE4M3Max, eps, pow2, e5m2, scale_inv.typed_data()};
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  const int64_t rows = data_t ? x.dimensions()[0] : n, cols = data_t ? x.dimensions()[1] : 1;
-  launch_fp8_cast(stream, x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, rows, cols, p,
-                  static_cast<uint8_t*>(data.untyped_data()),
-                  data_t ? static_cast<uint8_t*>(data_t->untyped_data()) : nullptr);
-  return last_error("fp8 cast kernel");
-}
-
-ffi::Error Fp8CastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
-                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, false, *data, *scale_inv, nullptr);
-}
-
-ffi::Error Fp8CastTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
-                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
-                        ffi::Result<ffi::AnyBuffer> data_t) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, false, *data, *scale_inv, &*data_t);
-}
-
-ffi::Error Fp8QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
-                           bool round_bf16, ffi::Result<ffi::AnyBuffer> data,
-                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, round_bf16, *data, *scale_inv, nullptr);
-}
-
-ffi::Error Fp8QuantizeTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
-                            bool round_bf16, ffi::Result<ffi::AnyBuffer> data,
-                            ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, ffi::Result<ffi::AnyBuffer> data_t) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, round_bf16, *data, *scale_inv, &*data_t);
-}
 
 // ---- FP8 statistics (amax and the non-finite count, one read) --------------------------------
 
@@ -501,66 +466,6 @@ ffi::Error TransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Re
   return last_error("transpose kernel");
 }
 
-
-// ---- fused NVFP4 stages ----------------------------------------------------------------------
-
-ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
-                          ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::F32>> amax,
-                          ffi::Result<ffi::Buffer<ffi::S32>> count) {
-  int64_t rows, cols;
-  JQ_RETURN_IF_ERROR(check_nvfp4_stats(x, *tile_amax, *amax, *count, &rows, &cols));
-  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
-  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
-  bool launched = false;
-  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
-    constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
-    dim3 grid;
-    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
-    nvfp4_stats_kernel<kBf16, kRound><<<grid, kThreads, 0, stream>>>(
-        x.untyped_data(), rows, cols, aligned, tile_amax->typed_data(),
-        reinterpret_cast<uint32_t*>(amax->untyped_data()), count->typed_data());
-  });
-  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
-  return last_error("nvfp4 stats kernel");
-}
-
-ffi::Error Nvfp4QuantizeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& tile_amax,
-                             const ffi::Buffer<ffi::F32>& amax, bool round_bf16, ffi::Buffer<ffi::U8>& data,
-                             ffi::Buffer<ffi::U8>& scale_inv, ffi::Buffer<ffi::U8>* data_t,
-                             ffi::Buffer<ffi::U8>* scale_inv_t) {
-  int64_t rows, cols;
-  JQ_RETURN_IF_ERROR(check_nvfp4_quantize(x, tile_amax, amax, data, scale_inv, data_t, scale_inv_t, &rows, &cols));
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
-  uint8_t* dt = data_t ? data_t->typed_data() : nullptr;
-  uint8_t* st = scale_inv_t ? scale_inv_t->typed_data() : nullptr;
-  bool launched = false;
-  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
-    constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
-    dim3 grid;
-    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
-    auto kernel = dt ? nvfp4_quantize_kernel<kBf16, kRound, true> : nvfp4_quantize_kernel<kBf16, kRound, false>;
-    kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), rows, cols, aligned, tile_amax.typed_data(),
-                                          amax.typed_data(), data.typed_data(), scale_inv.typed_data(), dt, st);
-  });
-  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
-  return last_error("nvfp4 quantize kernel");
-}
-
-ffi::Error Nvfp4QuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax,
-                             ffi::Buffer<ffi::F32> amax, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> data,
-                             ffi::Result<ffi::Buffer<ffi::U8>> scale_inv) {
-  return Nvfp4QuantizeImpl(stream, x, tile_amax, amax, round_bf16, *data, *scale_inv, nullptr, nullptr);
-}
-
-ffi::Error Nvfp4QuantizeTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax,
-                              ffi::Buffer<ffi::F32> amax, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> data,
-                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv, ffi::Result<ffi::Buffer<ffi::U8>> data_t,
-                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
-  return Nvfp4QuantizeImpl(stream, x, tile_amax, amax, round_bf16, *data, *scale_inv, &*data_t, &*scale_inv_t);
-}
 
 // ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
 //
