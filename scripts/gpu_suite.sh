@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension there, run the GPU tests, compute-sanitizer
 # (memcheck, racecheck) over a small op-test selection, and the benchmarks; everything goes under
-# $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 6-8 minutes on one H200.
+# $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 6-8 minutes on one H200; each
+# phase has a time limit (TEST_TIMEOUT 240 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 160 s).
 #   bash scripts/gpu_suite.sh [pytest selection...]      e.g. bash scripts/gpu_suite.sh tests/test_ops.py
-# Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...);
+# Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
+# BENCH_ARGS adds arguments (e.g. --no-stages);
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
 # sanitizer; SANITIZE_K overrides its pytest -k selection of tests/test_fused_ops.py; DIST=1 runs the multi-GPU distributed
 # benchmark when 2+ GPUs are visible.
@@ -39,18 +41,19 @@ sel=("$@")
 [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py
                              tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py
                              tests/test_distributed_gpu.py)
-python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 || status=1
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
+  || status=1
 { echo '```'; tail -25 "$OUT/tests.log"; echo '```'; } | tee -a "$report"
 
 # Sanitizer: tiny tensors, the platform allocator (so that memcheck sees each buffer's bounds
 # instead of one pool), no autotuning (fewer kernels to instrument), no command buffers.
 if [ "${SANITIZE:-1}" = 1 ]; then
-  san_k=${SANITIZE_K:-"48x80 or 65x63 or sweep or scale_edges or test_nvfp4_stages"}
+  san_k=${SANITIZE_K:-"float32-bf16-48x80 or bfloat16-none-48x80 or 65x63 or sweep or float32-bf16-32x48 or bfloat16-none-144x80 or 16x1040"}
   for tool in memcheck racecheck; do
     section "compute-sanitizer --tool $tool"
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
-      timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 7 --print-limit 50 \
+      timeout "${SANITIZE_TIMEOUT:-110}" compute-sanitizer --tool "$tool" --error-exitcode 7 --print-limit 50 \
       python3 -m pytest tests/test_fused_ops.py -k "$san_k" -q -p no:cacheprovider > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && status=1
@@ -63,7 +66,8 @@ fi
 if [ "${BENCH:-1}" = 1 ]; then
   section "jaxquant bench"
   { echo '```'
-    python3 -m jaxquant bench ${BENCH_SIZES:+--sizes $BENCH_SIZES} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+    timeout "${BENCH_TIMEOUT:-160}" python3 -m jaxquant bench ${BENCH_SIZES:+--sizes $BENCH_SIZES} ${BENCH_ARGS:-} \
+      --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
     echo '```'; } | tee -a "$report"
   if [ "${OPS_BENCH:-0}" = 1 ]; then
     section "bench_ops (primitives)"
