@@ -5,34 +5,26 @@ All ratios come from one run on one device. Bandwidth counts the fewest bytes ea
 array of the same size as the op's input (read + write).
 
   python benchmarks/bench_ops.py [--sizes 8192x8192,4096x14336] [--json out.json]
+
+The quantizers against the memory floor: ``jaxquant bench`` (jaxquant/bench.py, whose timing
+helpers this script shares).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxquant as jq
-from jaxquant import ops
+from jaxquant import bench, ops
 
 
 def timeit(fn, *args, iters: int = 30, repeats: int = 5) -> float:
-    """Median seconds per call over `repeats` batches of `iters` asynchronous dispatches."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    """Median seconds per call (warm-up, then `repeats` batches of `iters` dispatches)."""
+    return bench.median_seconds(fn, *args, iters=iters, repeats=repeats)
 
 
 def cases(rows: int, cols: int, dtype):
@@ -63,8 +55,8 @@ def cases(rows: int, cols: int, dtype):
 
 
 def copy_seconds(nbytes: int) -> float:
-    y = jnp.zeros((nbytes // 4,), jnp.float32)
-    return timeit(jax.jit(lambda v: v + 1), y)
+    """Seconds of a jitted fp32 ``x + 1`` over ``nbytes`` of input."""
+    return 2 * nbytes / bench.copy_bandwidth(nbytes // 4, iters=30, repeats=5)
 
 
 def main() -> None:

@@ -43,29 +43,37 @@ struct AmaxCount {
   int32_t nonfinite = 0;
 };
 
-AmaxCount scan(const void* x, bool bf16, int64_t n) {
+AmaxCount scan(const void* x, bool bf16, bool round_bf16, int64_t n) {
   AmaxCount r;
   for (int64_t i = 0; i < n; ++i) {
-    const float v = load_as_float(x, bf16, i);
+    const float v = load_compute(x, bf16, round_bf16, i);
     r.amax = std::max(r.amax, abs_ignoring_nan(v));
     r.nonfinite += is_finite(v) ? 0 : 1;
   }
   return r;
 }
 
-ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
-                   ffi::Result<ffi::Buffer<ffi::S32>> count) {
+// FP8 statistics (jq_fp8_stats; jq_amax is the same without the compute-dtype rounding).
+ffi::Error Fp8StatsCpu(ffi::AnyBuffer x, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                       ffi::Result<ffi::Buffer<ffi::S32>> count) {
   const IeeeSubnormals ieee;
   JQ_RETURN_IF_ERROR(check_input(x, "x"));
-  const AmaxCount r = scan(x.untyped_data(), x.element_type() == ffi::DataType::BF16,
+  JQ_RETURN_IF_ERROR(check_count(*amax, 1, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*count, 1, "count"));
+  const AmaxCount r = scan(x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16,
                            static_cast<int64_t>(x.element_count()));
   amax->typed_data()[0] = r.amax;
   count->typed_data()[0] = r.nonfinite;
   return ffi::Error::Success();
 }
 
+ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                   ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  return Fp8StatsCpu(x, false, amax, count);
+}
+
 ffi::Error Fp8CastImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax, float amax_epsilon,
-                       bool pow2, ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::Buffer<ffi::F32>>& scale_inv,
+                       bool pow2, bool round_bf16, ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::Buffer<ffi::F32>>& scale_inv,
                        ffi::Result<ffi::AnyBuffer>* data_t) {
   const IeeeSubnormals ieee;
   bool e5m2;
@@ -75,7 +83,8 @@ ffi::Error Fp8CastImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& ama
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const int64_t n = static_cast<int64_t>(x.element_count());
   auto* out = static_cast<uint8_t*>(data->untyped_data());
-  for (int64_t i = 0; i < n; ++i) out[i] = fp8_encode(load_as_float(x.untyped_data(), bf16, i) * s.scale, e5m2);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = fp8_encode(load_compute(x.untyped_data(), bf16, round_bf16, i) * s.scale, e5m2);
   scale_inv->typed_data()[0] = s.scale_inv;
   if (data_t != nullptr) {
     const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
@@ -88,27 +97,36 @@ ffi::Error Fp8CastImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& ama
 
 ffi::Error Fp8CastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_epsilon, bool pow2,
                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
-  return Fp8CastImpl(x, amax, amax_epsilon, pow2, data, scale_inv, nullptr);
+  return Fp8CastImpl(x, amax, amax_epsilon, pow2, false, data, scale_inv, nullptr);
 }
 
 ffi::Error Fp8CastTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_epsilon, bool pow2,
                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                        ffi::Result<ffi::AnyBuffer> data_t) {
-  return Fp8CastImpl(x, amax, amax_epsilon, pow2, data, scale_inv, &data_t);
+  return Fp8CastImpl(x, amax, amax_epsilon, pow2, false, data, scale_inv, &data_t);
 }
 
-ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t start,
-                       ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
-  const IeeeSubnormals ieee;
-  JQ_RETURN_IF_ERROR(check_tile_amax(x, rows, cols, start, *tile_amax));
+ffi::Error Fp8QuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_epsilon, bool pow2,
+                          bool round_bf16, ffi::Result<ffi::AnyBuffer> data,
+                          ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
+  return Fp8CastImpl(x, amax, amax_epsilon, pow2, round_bf16, data, scale_inv, nullptr);
+}
+
+ffi::Error Fp8QuantizeTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float amax_epsilon, bool pow2,
+                           bool round_bf16, ffi::Result<ffi::AnyBuffer> data,
+                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, ffi::Result<ffi::AnyBuffer> data_t) {
+  return Fp8CastImpl(x, amax, amax_epsilon, pow2, round_bf16, data, scale_inv, &data_t);
+}
+
+// Tile amaxes [rows/16, cols/16] of flat elements [start, start + len) of x; returns the non-finite count.
+int32_t tile_scan(const ffi::AnyBuffer& x, bool round_bf16, int64_t rows, int64_t cols, int64_t start, float* t) {
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const int64_t len = static_cast<int64_t>(x.element_count()), tcols = cols / kTile;
-  float* t = tile_amax->typed_data();
   std::fill(t, t + (rows / kTile) * tcols, 0.0f);
   int32_t nonfinite = 0;
   int64_t row = start / cols, col = start - row * cols;
   for (int64_t i = 0; i < len; ++i) {
-    const float v = load_as_float(x.untyped_data(), bf16, i);
+    const float v = load_compute(x.untyped_data(), bf16, round_bf16, i);
     float& slot = t[(row / kTile) * tcols + col / kTile];
     slot = std::max(slot, abs_ignoring_nan(v));
     nonfinite += is_finite(v) ? 0 : 1;
@@ -117,8 +135,33 @@ ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t sta
       ++row;
     }
   }
-  count->typed_data()[0] = nonfinite;
+  return nonfinite;
+}
+
+ffi::Error TileAmaxCpu(ffi::AnyBuffer x, int64_t rows, int64_t cols, int64_t start,
+                       ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  const IeeeSubnormals ieee;
+  JQ_RETURN_IF_ERROR(check_tile_amax(x, rows, cols, start, *tile_amax));
+  count->typed_data()[0] = tile_scan(x, false, rows, cols, start, tile_amax->typed_data());
   return ffi::Error::Success();
+}
+
+void fill_scale_inv(const float* tile_amax, float amax, int64_t rows, int64_t cols, uint8_t* out) {
+  const float s_enc = nvfp4_global_encode_scale(amax);
+  const int64_t pr = nvfp4_scale_rows(rows), pc = nvfp4_scale_cols(cols);
+  for (int64_t r = 0; r < pr; ++r)
+    for (int64_t j = 0; j < pc; ++j) out[r * pc + j] = scale_entry(tile_amax, rows, cols, s_enc, r, j);
+}
+
+void fill_transpose(const uint8_t* data, int64_t rows, int64_t cols, uint8_t* out) {
+  for (int64_t k = 0; k < cols; ++k)
+    for (int64_t c = 0; c < rows / 2; ++c) out[k * (rows / 2) + c] = transpose_byte(data, cols, k, c);
+}
+
+void fill_scale_inv_t(const uint8_t* scale_inv, int64_t rows, int64_t cols, uint8_t* out) {
+  const int64_t pr = nvfp4_scale_rows(cols), pc = nvfp4_scale_cols(rows);
+  for (int64_t k = 0; k < pr; ++k)
+    for (int64_t i = 0; i < pc; ++i) out[k * pc + i] = scale_t_entry(scale_inv, rows, cols, k, i);
 }
 
 ffi::Error ScaleCpu(ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
@@ -126,11 +169,7 @@ ffi::Error ScaleCpu(ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
   const IeeeSubnormals ieee;
   int64_t rows, cols;
   JQ_RETURN_IF_ERROR(check_scale(tile_amax, amax, *scale_inv, &rows, &cols));
-  const float s_enc = nvfp4_global_encode_scale(amax.typed_data()[0]);
-  const int64_t pr = nvfp4_scale_rows(rows), pc = nvfp4_scale_cols(cols);
-  uint8_t* out = scale_inv->typed_data();
-  for (int64_t r = 0; r < pr; ++r)
-    for (int64_t j = 0; j < pc; ++j) out[r * pc + j] = scale_entry(tile_amax.typed_data(), rows, cols, s_enc, r, j);
+  fill_scale_inv(tile_amax.typed_data(), amax.typed_data()[0], rows, cols, scale_inv->typed_data());
   return ffi::Error::Success();
 }
 
@@ -166,20 +205,72 @@ ffi::Error CastPartialCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> bytes, ffi::Buf
 ffi::Error TransposeCpu(ffi::Buffer<ffi::U8> data, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
   int64_t rows, cols;
   JQ_RETURN_IF_ERROR(check_transpose(data, *data_t, &rows, &cols));
-  uint8_t* out = data_t->typed_data();
-  for (int64_t k = 0; k < cols; ++k)
-    for (int64_t c = 0; c < rows / 2; ++c) out[k * (rows / 2) + c] = transpose_byte(data.typed_data(), cols, k, c);
+  fill_transpose(data.typed_data(), rows, cols, data_t->typed_data());
   return ffi::Error::Success();
 }
 
 ffi::Error ScaleTransposeCpu(ffi::Buffer<ffi::U8> scale_inv, int64_t rows, int64_t cols,
                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
   JQ_RETURN_IF_ERROR(check_scale_transpose(scale_inv, rows, cols, *scale_inv_t));
-  const int64_t pr = nvfp4_scale_rows(cols), pc = nvfp4_scale_cols(rows);
-  uint8_t* out = scale_inv_t->typed_data();
-  for (int64_t k = 0; k < pr; ++k)
-    for (int64_t i = 0; i < pc; ++i) out[k * pc + i] = scale_t_entry(scale_inv.typed_data(), rows, cols, k, i);
+  fill_scale_inv_t(scale_inv.typed_data(), rows, cols, scale_inv_t->typed_data());
   return ffi::Error::Success();
+}
+
+// ---- single-tensor NVFP4 stages: statistics, then every output from one more read -----------
+
+ffi::Error Nvfp4StatsCpu(ffi::AnyBuffer x, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
+                         ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  const IeeeSubnormals ieee;
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_nvfp4_stats(x, *tile_amax, *amax, *count, &rows, &cols));
+  float* t = tile_amax->typed_data();
+  count->typed_data()[0] = tile_scan(x, round_bf16, rows, cols, 0, t);
+  amax->typed_data()[0] = *std::max_element(t, t + (rows / kTile) * (cols / kTile));  // no NaN: tiles ignore it
+  return ffi::Error::Success();
+}
+
+ffi::Error Nvfp4QuantizeImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& tile_amax,
+                             const ffi::Buffer<ffi::F32>& amax, bool round_bf16, ffi::Buffer<ffi::U8>& data,
+                             ffi::Buffer<ffi::U8>& scale_inv, ffi::Buffer<ffi::U8>* data_t,
+                             ffi::Buffer<ffi::U8>* scale_inv_t) {
+  const IeeeSubnormals ieee;
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_nvfp4_quantize(x, tile_amax, amax, data, scale_inv, data_t, scale_inv_t, &rows, &cols));
+  const float a = amax.typed_data()[0], s_dec = 1.0f / nvfp4_global_encode_scale(a);
+  uint8_t* s8 = scale_inv.typed_data();
+  fill_scale_inv(tile_amax.typed_data(), a, rows, cols, s8);
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const int64_t pc = nvfp4_scale_cols(cols);
+  uint8_t* out = data.typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols / kTile; ++j) {
+      const float enc = nvfp4_tile_encode(s8[r * pc + j], s_dec);
+      for (int64_t b = 0; b < kTile / 2; ++b) {
+        const int64_t e = r * cols + j * kTile + 2 * b;
+        const uint8_t lo = float_to_e2m1(load_compute(x.untyped_data(), bf16, round_bf16, e) * enc);
+        const uint8_t hi = float_to_e2m1(load_compute(x.untyped_data(), bf16, round_bf16, e + 1) * enc);
+        out[e / 2] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+    }
+  }
+  if (data_t != nullptr) {
+    fill_transpose(out, rows, cols, data_t->typed_data());
+    fill_scale_inv_t(s8, rows, cols, scale_inv_t->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Nvfp4QuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
+                            bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> data,
+                            ffi::Result<ffi::Buffer<ffi::U8>> scale_inv) {
+  return Nvfp4QuantizeImpl(x, tile_amax, amax, round_bf16, *data, *scale_inv, nullptr, nullptr);
+}
+
+ffi::Error Nvfp4QuantizeTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax, ffi::Buffer<ffi::F32> amax,
+                             bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> data,
+                             ffi::Result<ffi::Buffer<ffi::U8>> scale_inv, ffi::Result<ffi::Buffer<ffi::U8>> data_t,
+                             ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  return Nvfp4QuantizeImpl(x, tile_amax, amax, round_bf16, *data, *scale_inv, &*data_t, &*scale_inv_t);
 }
 
 

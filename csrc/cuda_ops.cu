@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "jaxquant/elementwise.h"
 #include "jaxquant/ffi_checks.h"
@@ -28,6 +29,18 @@ constexpr int64_t kMaxBlocks = 1024;
 int grid_for(int64_t work, int per_block = kThreads) {
   const int64_t blocks = (work + per_block - 1) / per_block;
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), kMaxBlocks));
+}
+
+// Grid for a grid-stride kernel: as many blocks as the GPU holds at once (capped by the work), so
+// that every block is resident from the start and there is no partial last wave.
+template <typename Kernel>
+int resident_grid(Kernel kernel, int64_t work_blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  const int64_t resident = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
 }
 
 // ---- reductions -----------------------------------------------------------------------------
@@ -61,65 +74,6 @@ __device__ void block_publish(float m, int c, uint32_t* amax_bits, int32_t* coun
       if (c) atomicAdd(count, c);
     }
   }
-}
-
-// 16-byte vector loads where the pointer allows it; a scalar tail.
-template <bool kBf16>
-__global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits, int32_t* count) {
-  constexpr int kVec = kBf16 ? 8 : 4;
-  float m = 0.0f;
-  int c = 0;
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
-  const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
-  const int64_t nvec = aligned ? n / kVec : 0;
-  constexpr int kInFlight = 4;  // independent 16-byte loads issued before the first use
-  for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
-    uint4 vs[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const int64_t i = i0 + j * stride;
-      vs[j] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const uint32_t w[4] = {vs[j].x, vs[j].y, vs[j].z, vs[j].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (kBf16) {
-          const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
-          m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
-          c += !is_finite(a) + !is_finite(b);
-        } else {
-          const float a = __uint_as_float(w[k]);
-          m = fmaxf(m, abs_ignoring_nan(a));
-          c += !is_finite(a);
-        }
-      }
-    }
-  }
-  for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
-    const float a = load_as_float(x, kBf16, i);
-    m = fmaxf(m, abs_ignoring_nan(a));
-    c += !is_finite(a);
-  }
-  block_publish(m, c, amax_bits, count);
-}
-
-ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
-                    ffi::Result<ffi::Buffer<ffi::S32>> count) {
-  JQ_RETURN_IF_ERROR(check_input(x, "x"));
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
-  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
-  if (n > 0) {
-    auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
-    const int grid = std::min(grid_for(n / 4), 132 * 16);
-    if (x.element_type() == ffi::DataType::BF16)
-      amax_kernel<true><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits, count->typed_data());
-    else
-      amax_kernel<false><<<grid, kThreads, 0, stream>>>(x.untyped_data(), n, bits, count->typed_data());
-  }
-  return last_error("amax kernel");
 }
 
 // ---- loads of 4 consecutive elements ---------------------------------------------------------
@@ -183,106 +137,86 @@ struct Fp8Params {
   }
 };
 
-// Rowwise only: 4 elements a thread, vector loads and a 4-byte store where aligned.
-__global__ void fp8_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, Fp8Params p,
-                                uint8_t* __restrict__ out) {
-  const float scale = p.scale();
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x * 4;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 4; i < n; i += stride) {
-    if (i + 4 <= n) {
-      float v[4];
-      load4(x, bf16, i, aligned4(x, bf16, i), v);
-      const uint32_t q = fp8_quad(v, scale, p.e5m2);
-      if (reinterpret_cast<uintptr_t>(out + i) % 4 == 0) {
-        *reinterpret_cast<uint32_t*>(out + i) = q;
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) out[i + k] = uint8_t(q >> (8 * k));
-      }
-    } else {
-      for (int64_t k = i; k < n; ++k) out[k] = fp8_encode(load_as_float(x, bf16, k) * scale, p.e5m2);
-    }
-  }
+// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else the shared
+// software rounding; both are RNE with saturation to ±6 and keep the sign of zero.
+__device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+  uint16_t out;
+  asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
+  return static_cast<uint8_t>(out);
+#else
+  return static_cast<uint8_t>(float_to_e2m1(lo) | (float_to_e2m1(hi) << 4));
+#endif
 }
 
-// Rowwise + transpose in one pass over x: a 64x64 tile, 4 columns a thread, through shared memory.
-// Rows and columns are multiples of 4 on the vector path; edges fall back to single bytes.
-constexpr int kT = 64;
-__global__ void fp8_cast_t_kernel(const void* __restrict__ x, bool bf16, int64_t rows, int64_t cols, Fp8Params p,
-                                  uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
-  __shared__ uint8_t tile[kT][kT + 4];
-  const float scale = p.scale();
-  const int64_t r0 = int64_t(blockIdx.y) * kT, c0 = int64_t(blockIdx.x) * kT;
-  const bool full = r0 + kT <= rows && c0 + kT <= cols && cols % 4 == 0 && rows % 4 == 0;
-  for (int i = threadIdx.x; i < kT * kT / 4; i += blockDim.x) {
-    const int dr = i / (kT / 4), dc = (i % (kT / 4)) * 4;
-    const int64_t r = r0 + dr, c = c0 + dc;
-    if (full) {
-      float v[4];
-      load4(x, bf16, r * cols + c, aligned4(x, bf16, r * cols + c), v);
-      const uint32_t q = fp8_quad(v, scale, p.e5m2);
-      *reinterpret_cast<uint32_t*>(&tile[dr][dc]) = q;
-      if (reinterpret_cast<uintptr_t>(out + r * cols + c) % 4 == 0) {
-        *reinterpret_cast<uint32_t*>(out + r * cols + c) = q;
-      } else {
-        for (int k = 0; k < 4; ++k) out[r * cols + c + k] = uint8_t(q >> (8 * k));
-      }
-    } else {
+#include "jaxquant/stage_kernels.cuh"
+
+// ---- FP8 statistics (amax and the non-finite count, one read) --------------------------------
+
+// 16-byte vector loads where the pointer allows it; a scalar tail.
+template <bool kBf16, bool kRound>
+__global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits, int32_t* count) {
+  constexpr int kVec = kBf16 ? 8 : 4;
+  float m = 0.0f;
+  int c = 0;
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+  const int64_t nvec = aligned ? n / kVec : 0;
+  constexpr int kInFlight = 8;  // independent 16-byte loads issued before the first use
+  for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
+    uint4 vs[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int64_t i = i0 + j * stride;
+      vs[j] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const uint32_t w[4] = {vs[j].x, vs[j].y, vs[j].z, vs[j].w};
+#pragma unroll
       for (int k = 0; k < 4; ++k) {
-        if (r < rows && c + k < cols) {
-          const uint8_t q = fp8_encode(load_as_float(x, bf16, r * cols + c + k) * scale, p.e5m2);
-          out[r * cols + c + k] = q;
-          tile[dr][dc + k] = q;
+        if (kBf16) {
+          const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
+          m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
+          c += !is_finite(a) + !is_finite(b);
+        } else {
+          const float a = kRound ? round_to_bf16(__uint_as_float(w[k])) : __uint_as_float(w[k]);
+          m = fmaxf(m, abs_ignoring_nan(a));
+          c += !is_finite(a);
         }
       }
     }
   }
-  __syncthreads();
-  // Transposed: output row c (a column of x), 4 consecutive rows of x a thread.
-  for (int i = threadIdx.x; i < kT * kT / 4; i += blockDim.x) {
-    const int dc = i / (kT / 4), dr = (i % (kT / 4)) * 4;
-    const int64_t c = c0 + dc, r = r0 + dr;
-    uint8_t* dst = out_t + c * rows + r;
-    if (full && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
-      *reinterpret_cast<uint32_t*>(dst) = uint32_t(tile[dr][dc]) | (uint32_t(tile[dr + 1][dc]) << 8) |
-                                          (uint32_t(tile[dr + 2][dc]) << 16) | (uint32_t(tile[dr + 3][dc]) << 24);
-    } else {
-      for (int k = 0; k < 4; ++k)
-        if (c < cols && r + k < rows) dst[k] = tile[dr + k][dc];
-    }
+  for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
+    const float a = load_compute(x, kBf16, kRound, i);
+    m = fmaxf(m, abs_ignoring_nan(a));
+    c += !is_finite(a);
   }
+  block_publish(m, c, amax_bits, count);
 }
 
-ffi::Error Fp8CastImpl(cudaStream_t stream, ffi::AnyBuffer& x, ffi::Buffer<ffi::F32>& amax, float eps, bool pow2,
-                       ffi::AnyBuffer& data, ffi::Buffer<ffi::F32>& scale_inv, ffi::AnyBuffer* data_t) {
-  bool e5m2;
-  JQ_RETURN_IF_ERROR(check_fp8_cast(x, amax, data, data_t, &e5m2));
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
+                        ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  JQ_RETURN_IF_ERROR(check_input(x, "x"));
+  JQ_RETURN_IF_ERROR(check_count(*amax, 1, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*count, 1, "count"));
   const int64_t n = static_cast<int64_t>(x.element_count());
-  const Fp8Params p{amax.typed_data(), e5m2 ? kE5M2Max : kE4M3Max, eps, pow2, e5m2, scale_inv.typed_data()};
-  auto* out = static_cast<uint8_t*>(data.untyped_data());
-  if (data_t == nullptr) {
-    // n == 0 still launches one block so that scale_inv is written.
-    fp8_cast_kernel<<<grid_for(n / 4 + 1), kThreads, 0, stream>>>(x.untyped_data(), bf16, n, p, out);
-  } else {
-    const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
-    dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + kT - 1) / kT, 1)),
-              static_cast<unsigned>(std::max<int64_t>((rows + kT - 1) / kT, 1)));
-    fp8_cast_t_kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), bf16, rows, cols, p, out,
-                                                     static_cast<uint8_t*>(data_t->untyped_data()));
+  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
+  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  if (n > 0) {
+    auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
+    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+      auto kernel = amax_kernel<decltype(b)::value, decltype(r)::value>;
+      kernel<<<resident_grid(kernel, (n + 4 * kThreads - 1) / (4 * kThreads)), kThreads, 0, stream>>>(
+          x.untyped_data(), n, bits, count->typed_data());
+    });
   }
-  return last_error("fp8 cast kernel");
+  return last_error("amax kernel");
 }
 
-ffi::Error Fp8CastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
-                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, *data, *scale_inv, nullptr);
-}
-
-ffi::Error Fp8CastTCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, float eps, bool pow2,
-                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
-                        ffi::Result<ffi::AnyBuffer> data_t) {
-  return Fp8CastImpl(stream, x, amax, eps, pow2, *data, *scale_inv, &*data_t);
+ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                    ffi::Result<ffi::Buffer<ffi::S32>> count) {
+  return Fp8StatsCuda(stream, x, false, amax, count);
 }
 
 // ---- NVFP4 tile amax of a partial shard -----------------------------------------------------
@@ -413,18 +347,6 @@ ffi::Error ScaleTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_in
 }
 
 // ---- NVFP4 partial cast ---------------------------------------------------------------------
-
-// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else the shared
-// software rounding; both are RNE with saturation to ±6 and keep the sign of zero.
-__device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
-#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
-  uint16_t out;
-  asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
-  return static_cast<uint8_t>(out);
-#else
-  return static_cast<uint8_t>(float_to_e2m1(lo) | (float_to_e2m1(hi) << 4));
-#endif
-}
 
 // A thread owns 8 consecutive bytes of the global packed data (16 elements, aligned to 16 in the
 // row-major element order, so one row and one tile): one scale lookup and one division per thread.

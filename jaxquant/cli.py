@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--impl", choices=("auto", "reference", "custom_call"), default="auto")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=run_demo)
+    from jaxquant.bench import configure_parser as configure_bench  # sets func=bench.run
+    configure_bench(sub.add_parser("bench", help="time the quantizers against the memory floor and XLA"))
     try:
         from jaxquant.checkpoint.cli import add_ckpt_parser
     except ModuleNotFoundError as e:  # only while the checkpoint package is absent

@@ -269,48 +269,127 @@ def _compute_values(x, compute_dtype):
     return formats.to_compute_dtype(x, compute_dtype)
 
 
+def _round_bf16(x, compute_dtype) -> bool:
+    """The fused stages' attribute: True when the compute dtype rounds x's values (fp32 -> bf16).
+
+    Every other combination leaves the values as they are (bf16 -> fp32 is exact)."""
+    _check_input("x", x)
+    if compute_dtype is not None and jnp.dtype(compute_dtype) not in INPUT_DTYPES:
+        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
+    return (compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
+            and jnp.dtype(x.dtype) == jnp.dtype(jnp.float32))
+
+
+def _nvfp4_rows_cols(x) -> tuple[int, int]:
+    if x.ndim != 2:
+        raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
+    rows, cols = (int(d) for d in x.shape)
+    check_nvfp4_shape(rows, cols, name="x")
+    return rows, cols
+
+
+def _nvfp4_quantize_reference(v, tile_amax, amax_value, *, rows: int, cols: int, columnwise: bool):
+    """The executable spec of ``nvfp4_quantize``: the pure-JAX primitives composed."""
+    scale_inv = reference.nvfp4_scale(tile_amax, amax_value, rows=rows, cols=cols)
+    data = reference.pack_codes(reference.nvfp4_codes(v, scale_inv, amax_value))
+    if not columnwise:
+        return data, scale_inv
+    return (data, scale_inv, reference.nvfp4_transpose(data),
+            reference.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols))
+
+
 def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
-    """(amax fp32 scalar, non-finite count int32 scalar) of ``x`` after ``compute_dtype`` rounding."""
-    return amax(_compute_values(x, compute_dtype), return_nonfinite=True, impl=impl)
+    """(amax fp32 scalar, non-finite count int32 scalar) of ``x`` after ``compute_dtype`` rounding.
+
+    One read of ``x`` (custom call ``jq_fp8_stats``; the rounding is fused in)."""
+    _check_impl(impl)
+    round_bf16 = _round_bf16(x, compute_dtype)
+    if x.size == 0:
+        return jnp.float32(0), jnp.int32(0)
+    outs = [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)]
+    custom = lambda v: tuple(_ffi.call("jq_fp8_stats", outs, v, round_bf16=round_bf16))
+    ref = lambda v: reference.amax(_compute_values(v, compute_dtype))
+    return _dispatch(impl, custom, ref, x)
 
 
 def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bfloat16,
                  amax_epsilon: float = 0.0, force_pow_2_scales: bool = False, columnwise: bool = False,
                  impl: str = "auto"):
     """(data, scale_inv, data_t or None) of ``x`` (after ``compute_dtype`` rounding) for the given
-    (global) amax: docs/numerics.md §1.2-§1.7."""
-    return fp8_cast(_compute_values(x, compute_dtype), amax_value, dtype=dtype, amax_epsilon=amax_epsilon,
-                    force_pow_2_scales=force_pow_2_scales, columnwise=columnwise, impl=impl)
+    (global) amax: docs/numerics.md §1.2-§1.7. One read of ``x``; with ``columnwise`` the same
+    pass writes ``data_t``."""
+    _check_impl(impl)
+    round_bf16 = _round_bf16(x, compute_dtype)
+    _check_amax(amax_value)
+    formats.fp8_max(dtype)  # validates dtype
+    if columnwise and x.ndim != 2:
+        raise ValueError(f"x: columnwise=True needs a rank-2 tensor, got shape {tuple(x.shape)}")
+    if not np.isfinite(np.float32(amax_epsilon)) or amax_epsilon < 0:
+        raise ValueError(f"amax_epsilon: must be finite in float32 and >= 0, got {amax_epsilon}")
+    dtype = jnp.dtype(dtype)
+
+    def custom(v, a):
+        outs = [jax.ShapeDtypeStruct(v.shape, dtype), jax.ShapeDtypeStruct((), jnp.float32)]
+        if columnwise:
+            outs.append(jax.ShapeDtypeStruct(v.shape[::-1], dtype))
+        return tuple(_ffi.call("jq_fp8_quantize_t" if columnwise else "jq_fp8_quantize", outs, v, a,
+                               amax_epsilon=np.float32(amax_epsilon),
+                               force_pow_2_scales=bool(force_pow_2_scales), round_bf16=round_bf16))
+
+    def ref(v, a):
+        res = reference.fp8_cast(_compute_values(v, compute_dtype), a, dtype=dtype, columnwise=columnwise,
+                                 amax_epsilon=float(amax_epsilon), force_pow_2_scales=bool(force_pow_2_scales))
+        return tuple(res[:3] if columnwise else res[:2])
+
+    res = _dispatch(impl, custom, ref, x, _scalar(amax_value))
+    return res[0], res[1], (res[2] if columnwise else None)
 
 
 def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     """(tile_amax fp32 [M/16, K/16], amax fp32 [1], non-finite count int32 scalar) of a [M, K] ``x``
-    after ``compute_dtype`` rounding."""
-    v = _compute_values(x, compute_dtype)
-    if v.ndim != 2:
-        raise ValueError(f"x: must have rank 2, got shape {tuple(v.shape)}")
-    rows, cols = (int(d) for d in v.shape)
-    check_nvfp4_shape(rows, cols, name="x")
-    tiles, count = nvfp4_tile_amax(v, rows=rows, cols=cols, return_nonfinite=True, impl=impl)
-    return tiles, jnp.max(tiles).reshape(1), count
+    after ``compute_dtype`` rounding. One read of ``x`` (custom call ``jq_nvfp4_stats``)."""
+    _check_impl(impl)
+    round_bf16 = _round_bf16(x, compute_dtype)
+    rows, cols = _nvfp4_rows_cols(x)
+    outs = [jax.ShapeDtypeStruct((rows // TILE, cols // TILE), jnp.float32),
+            jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)]
+
+    def ref(v):
+        tiles, count = reference.nvfp4_tile_amax(_compute_values(v, compute_dtype).reshape(-1), rows=rows,
+                                                 cols=cols, start=0)
+        return tiles, jnp.max(tiles).reshape(1), count
+
+    custom = lambda v: tuple(_ffi.call("jq_nvfp4_stats", outs, v, round_bf16=round_bf16))
+    return _dispatch(impl, custom, ref, x)
 
 
 def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, columnwise: bool = False,
                    impl: str = "auto"):
     """(data, scale_inv, data_t or None, scale_inv_t or None) of a [M, K] ``x`` (after
-    ``compute_dtype`` rounding) from its tile amaxes and the (global) amax: docs/numerics.md §2.2-§2.7."""
-    v = _compute_values(x, compute_dtype)
-    if v.ndim != 2:
-        raise ValueError(f"x: must have rank 2, got shape {tuple(v.shape)}")
-    rows, cols = (int(d) for d in v.shape)
-    check_nvfp4_shape(rows, cols, name="x")
-    scale_inv = nvfp4_scale(tile_amax, amax_value, rows=rows, cols=cols, impl=impl)
-    data = nvfp4_cast_partial(v, jnp.zeros((rows * cols // 2,), jnp.uint8), scale_inv, amax_value,
-                              rows=rows, cols=cols, impl=impl).reshape(rows, cols // 2)
-    if not columnwise:
-        return data, scale_inv, None, None
-    return (data, scale_inv, nvfp4_transpose(data, impl=impl),
-            nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols, impl=impl))
+    ``compute_dtype`` rounding) from its tile amaxes and the (global) amax: docs/numerics.md §2.2-§2.7.
+    One read of ``x`` (custom call ``jq_nvfp4_quantize[_t]``): tile scales are derived inside, and
+    with ``columnwise`` the same pass writes ``data_t`` and ``scale_inv_t``."""
+    _check_impl(impl)
+    round_bf16 = _round_bf16(x, compute_dtype)
+    rows, cols = _nvfp4_rows_cols(x)
+    _check_array("tile_amax", tile_amax, jnp.float32, (rows // TILE, cols // TILE))
+    _check_amax(amax_value)
+    outs = [jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
+            jax.ShapeDtypeStruct(formats.nvfp4_scale_shape(rows, cols), jnp.uint8)]
+    if columnwise:
+        outs += [jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct(formats.nvfp4_scale_shape(cols, rows), jnp.uint8)]
+
+    def custom(v, t, a):
+        return tuple(_ffi.call("jq_nvfp4_quantize_t" if columnwise else "jq_nvfp4_quantize", outs, v, t,
+                               a.reshape(1), round_bf16=round_bf16))
+
+    def ref(v, t, a):
+        return _nvfp4_quantize_reference(_compute_values(v, compute_dtype), t, a, rows=rows, cols=cols,
+                                         columnwise=columnwise)
+
+    res = _dispatch(impl, custom, ref, x, tile_amax, _scalar(amax_value))
+    return (res[0], res[1]) + ((res[2], res[3]) if columnwise else (None, None))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build the CUDA extension there, run the GPU test suite and the
-# benchmarks, and write a report under $OUT (default ./gpu_out).
+# One call on a GPU machine: build the CUDA extension there, run the GPU tests, compute-sanitizer
+# (memcheck, racecheck) over a small op-test selection, and the benchmarks; everything goes under
+# $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 6-8 minutes on one H200; each
+# phase has a time limit (TEST_TIMEOUT 240 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 160 s).
 #   bash scripts/gpu_suite.sh [pytest selection...]      e.g. bash scripts/gpu_suite.sh tests/test_ops.py
-# Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides bench_ops sizes; DIST=1 runs the
-# multi-GPU distributed benchmark when 2+ GPUs are visible.
+# Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
+# BENCH_ARGS adds arguments (e.g. --no-stages);
+# OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
+# sanitizer; SANITIZE_K overrides its pytest -k selection of tests/test_fused_ops.py; DIST=1 runs the multi-GPU distributed
+# benchmark when 2+ GPUs are visible.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -11,8 +16,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 report=$OUT/report.md
+status=0
+section() { printf '\n## %s\n' "$1" | tee -a "$report"; }
 {
-  echo "# jaxquant GPU report ($(date -u +%Y-%m-%dT%H:%MZ))"
+  echo "# jaxquant GPU report ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   echo '```'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
@@ -20,29 +27,57 @@ report=$OUT/report.md
   echo '```'
 } > "$report" 2>&1
 
-echo "== build" | tee -a "$report"
+section "build"
 if ! python3 build.py --cuda on -v > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log" | tee -a "$report"; exit 1
 fi
-python3 - <<'PY' | tee -a "$report"
+python3 - <<'PY' 2>&1 | tee -a "$report"
 import jaxquant._ffi as f, jax
 print("registered platforms:", f.built_platforms(), "default backend:", jax.default_backend())
 PY
 
-echo "== tests" | tee -a "$report"
-sel=("$@"); [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py tests/test_distributed_gpu.py)
-python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1
-test_rc=$?
-tail -25 "$OUT/tests.log" | tee -a "$report"
+section "tests"
+sel=("$@")
+[ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py
+                             tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py
+                             tests/test_distributed_gpu.py)
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
+  || status=1
+{ echo '```'; tail -25 "$OUT/tests.log"; echo '```'; } | tee -a "$report"
+
+# Sanitizer: tiny tensors, the platform allocator (so that memcheck sees each buffer's bounds
+# instead of one pool), no autotuning (fewer kernels to instrument), no command buffers.
+if [ "${SANITIZE:-1}" = 1 ]; then
+  san_k=${SANITIZE_K:-"float32-bf16-48x80 or bfloat16-none-48x80 or 65x63 or sweep or float32-bf16-32x48 or bfloat16-none-144x80 or 16x1040"}
+  for tool in memcheck racecheck; do
+    section "compute-sanitizer --tool $tool"
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
+      timeout "${SANITIZE_TIMEOUT:-110}" compute-sanitizer --tool "$tool" --error-exitcode 7 --print-limit 50 \
+      python3 -m pytest tests/test_fused_ops.py -k "$san_k" -q -p no:cacheprovider > "$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    { echo "exit code $rc (0: clean, 7: errors found, 124: timed out)"; echo '```'
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race|Hazard|passed|failed" "$OUT/sanitizer_$tool.log" | tail -12
+      echo '```'; } | tee -a "$report"
+  done
+fi
 
 if [ "${BENCH:-1}" = 1 ]; then
-  echo "== bench_ops" | tee -a "$report"
-  python3 benchmarks/bench_ops.py ${BENCH_SIZES:+--sizes $BENCH_SIZES} --json "$OUT/bench_ops.json" 2>&1 \
-    | tee "$OUT/bench_ops.txt" | tee -a "$report"
+  section "jaxquant bench"
+  { echo '```'
+    timeout "${BENCH_TIMEOUT:-160}" python3 -m jaxquant bench ${BENCH_SIZES:+--sizes $BENCH_SIZES} ${BENCH_ARGS:-} \
+      --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+    echo '```'; } | tee -a "$report"
+  if [ "${OPS_BENCH:-0}" = 1 ]; then
+    section "bench_ops (primitives)"
+    { echo '```'; python3 benchmarks/bench_ops.py --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt"
+      echo '```'; } | tee -a "$report"
+  fi
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 if [ "${DIST:-0}" = 1 ] && [ "$ngpu" -ge 2 ] && [ -f benchmarks/bench_distributed.py ]; then
-  echo "== bench_distributed ($ngpu GPUs)" | tee -a "$report"
+  section "bench_distributed ($ngpu GPUs)"
   python3 benchmarks/bench_distributed.py 2>&1 | tee "$OUT/bench_distributed.txt" | tee -a "$report"
 fi
-exit $test_rc
+exit $status

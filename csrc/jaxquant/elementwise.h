@@ -15,6 +15,13 @@ JQ_HD float load_as_float(const void* x, bool is_bf16, int64_t i) {
                  : static_cast<const float*>(x)[i];
 }
 
+// Input element i in the compute dtype, as fp32: with round_bf16 (fp32 input, bf16 compute dtype)
+// the value is rounded to bf16 where it is loaded, so no separate convert pass runs.
+JQ_HD float load_compute(const void* x, bool is_bf16, bool round_bf16, int64_t i) {
+  const float v = load_as_float(x, is_bf16, i);
+  return round_bf16 ? round_to_bf16(v) : v;
+}
+
 JQ_HD uint8_t fp8_encode(float v, bool e5m2) { return e5m2 ? float_to_e5m2(v) : float_to_e4m3(v); }
 
 // NVFP4 partial cast, one byte. `byte` is the global byte index into the packed [rows, cols/2]

@@ -132,6 +132,44 @@ inline ffi::Error check_scale_transpose(const ffi::Buffer<ffi::U8>& scale_inv, i
   return check_2d(scale_inv_t, nvfp4_scale_rows(cols), nvfp4_scale_cols(rows), "scale_inv_t");
 }
 
+// Single-tensor NVFP4 stages: x is [M, K] on the 16-grid (sets rows, cols).
+inline ffi::Error check_nvfp4_x(const ffi::AnyBuffer& x, int64_t* rows, int64_t* cols) {
+  if (auto e = check_input(x, "x"); e.failure()) return e;
+  if (x.dimensions().size() != 2) return invalid("x: must be rank 2 [M, K]");
+  *rows = x.dimensions()[0];
+  *cols = x.dimensions()[1];
+  return check_grid(*rows, *cols);
+}
+
+inline ffi::Error check_nvfp4_stats(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& tile_amax,
+                                    const ffi::Buffer<ffi::F32>& amax, const ffi::Buffer<ffi::S32>& count,
+                                    int64_t* rows, int64_t* cols) {
+  if (auto e = check_nvfp4_x(x, rows, cols); e.failure()) return e;
+  if (auto e = check_2d(tile_amax, *rows / kTile, *cols / kTile, "tile_amax"); e.failure()) return e;
+  if (auto e = check_count(amax, 1, "amax"); e.failure()) return e;
+  return check_count(count, 1, "count");
+}
+
+// data_t / scale_inv_t are null for the rowwise-only stage.
+inline ffi::Error check_nvfp4_quantize(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& tile_amax,
+                                       const ffi::Buffer<ffi::F32>& amax, const ffi::Buffer<ffi::U8>& data,
+                                       const ffi::Buffer<ffi::U8>& scale_inv, const ffi::Buffer<ffi::U8>* data_t,
+                                       const ffi::Buffer<ffi::U8>* scale_inv_t, int64_t* rows, int64_t* cols) {
+  if (auto e = check_nvfp4_x(x, rows, cols); e.failure()) return e;
+  if (auto e = check_2d(tile_amax, *rows / kTile, *cols / kTile, "tile_amax"); e.failure()) return e;
+  if (auto e = check_count(amax, 1, "amax"); e.failure()) return e;
+  if (auto e = check_2d(data, *rows, *cols / 2, "data"); e.failure()) return e;
+  if (auto e = check_2d(scale_inv, nvfp4_scale_rows(*rows), nvfp4_scale_cols(*cols), "scale_inv"); e.failure())
+    return e;
+  if (data_t != nullptr) {
+    if (auto e = check_2d(*data_t, *cols, *rows / 2, "data_t"); e.failure()) return e;
+    if (auto e = check_2d(*scale_inv_t, nvfp4_scale_rows(*cols), nvfp4_scale_cols(*rows), "scale_inv_t");
+        e.failure())
+      return e;
+  }
+  return ffi::Error::Success();
+}
+
 // Shapes of the grouped ops' operands; the table contents are checked where the host can read
 // them (CPU: check_group_table_contents), the GPU kernels bound every index they derive from it.
 inline ffi::Error check_group(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,

@@ -14,12 +14,21 @@
   X("jq_nvfp4_cast_partial", JqNvfp4CastPartial)   \
   X("jq_nvfp4_transpose", JqNvfp4Transpose)        \
   X("jq_nvfp4_scale_transpose", JqNvfp4ScaleTranspose) \
+  X("jq_fp8_stats", JqFp8Stats)                    \
+  X("jq_fp8_quantize", JqFp8Quantize)              \
+  X("jq_fp8_quantize_t", JqFp8QuantizeT)           \
+  X("jq_nvfp4_stats", JqNvfp4Stats)                \
+  X("jq_nvfp4_quantize", JqNvfp4Quantize)          \
+  X("jq_nvfp4_quantize_t", JqNvfp4QuantizeT)       \
   X("jq_nvfp4_group_tile_amax", JqNvfp4GroupTileAmax) \
   X("jq_nvfp4_group_cast", JqNvfp4GroupCast)         \
   X("jq_fp8_group_amax", JqFp8GroupAmax)             \
   X("jq_fp8_group_cast", JqFp8GroupCast)
 
 #define JQ_NO_CTX
+// Handlers that only enqueue work on the stream (no host sync, no data-dependent host decisions)
+// may be captured into XLA command buffers (CUDA graphs).
+#define JQ_CMD_BUFFER {::xla::ffi::Traits::kCmdBufferCompatible}
 #define JQ_CUDA_CTX .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
 
 #define JQ_DEFINE_HANDLERS(S, CTX)                                                                  \
@@ -27,14 +36,14 @@
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqAmax##S, Amax##S,                                                 \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Ret<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::Buffer<F::S32>>());                                     \
+                                    .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Cast##S, Fp8Cast##S,                                           \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::F32>>()                                       \
                                     .Attr<float>("amax_epsilon")                                    \
                                     .Attr<bool>("force_pow_2_scales")                               \
                                     .Ret<F::AnyBuffer>()                                            \
-                                    .Ret<F::Buffer<F::F32>>());                                     \
+                                    .Ret<F::Buffer<F::F32>>(), JQ_CMD_BUFFER);                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8CastT##S, Fp8CastT##S,                                         \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::F32>>()                                       \
@@ -42,18 +51,18 @@
                                     .Attr<bool>("force_pow_2_scales")                               \
                                     .Ret<F::AnyBuffer>()                                            \
                                     .Ret<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::AnyBuffer>());                                          \
+                                    .Ret<F::AnyBuffer>(), JQ_CMD_BUFFER);                           \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4TileAmax##S, TileAmax##S,                                    \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Attr<int64_t>("rows")                                          \
                                     .Attr<int64_t>("cols")                                          \
                                     .Attr<int64_t>("start")                                         \
                                     .Ret<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::Buffer<F::S32>>());                                     \
+                                    .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Scale##S, Scale##S,                                          \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
                                     .Arg<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::Buffer<F::U8>>());                                      \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4CastPartial##S, CastPartial##S,                              \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::U8>>()                                        \
@@ -62,14 +71,58 @@
                                     .Attr<int64_t>("rows")                                          \
                                     .Attr<int64_t>("cols")                                          \
                                     .Attr<int64_t>("start")                                         \
-                                    .Ret<F::Buffer<F::U8>>());                                      \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Transpose##S, Transpose##S,                                  \
-                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>().Ret<F::Buffer<F::U8>>()); \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>().Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4ScaleTranspose##S, ScaleTranspose##S,                        \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
                                     .Attr<int64_t>("rows")                                          \
                                     .Attr<int64_t>("cols")                                          \
-                                    .Ret<F::Buffer<F::U8>>()); \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Stats##S, Fp8Stats##S,                                         \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Quantize##S, Fp8Quantize##S,                                   \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<float>("amax_epsilon")                                    \
+                                    .Attr<bool>("force_pow_2_scales")                               \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::AnyBuffer>()                                            \
+                                    .Ret<F::Buffer<F::F32>>(), JQ_CMD_BUFFER);                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8QuantizeT##S, Fp8QuantizeT##S,                                 \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<float>("amax_epsilon")                                    \
+                                    .Attr<bool>("force_pow_2_scales")                               \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::AnyBuffer>()                                            \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::AnyBuffer>(), JQ_CMD_BUFFER);                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Stats##S, Nvfp4Stats##S,                                     \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Quantize##S, Nvfp4Quantize##S,                               \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4QuantizeT##S, Nvfp4QuantizeT##S,                             \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupTileAmax##S, GroupTileAmax##S,                          \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \

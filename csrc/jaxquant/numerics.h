@@ -95,16 +95,27 @@ JQ_HD uint8_t float_to_e5m2(float f) {
 
 // fp32 -> E2M1 code (bit 3 sign), RNE on the grid, saturating to ±6; -0 and negative values
 // that round to 0 keep the sign (code 8). Software path, bit-exact with cvt.rn.satfinite.e2m1x2.
-// The magnitude code counts the decision boundaries below |f|: strict (>) below an even code and
-// inclusive (>=) below an odd one, which is round-half-to-even on this grid. Branch-free (GPU warps
-// see no divergence between the normal and subnormal ranges); NaN gives 7, as round_magnitude would.
+// Branch-free and cheap (the cast is ALU-bound on Hopper without it):
+//  - |f| >= 1: the normal grid (1 mantissa bit, exponent bias 1) is round_magnitude<1, 0, 1>;
+//  - |f| <  1: the grid is 0, 0.5, 1 (codes 0..2); adding 2^22, whose fp32 ulp is 0.5, rounds |f|
+//    to it with the FPU's RNE, and the code is the distance in ulps from 2^22.
+// NaN gives 7, as round_magnitude would.
 JQ_HD uint8_t float_to_e2m1(float f) {
   const uint32_t u = float_bits(f);
-  const uint32_t sign = (u >> 28) & 0x8u;
-  const float a = bits_float(u & 0x7FFFFFFFu);
-  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
-                        (a > 5.0f);
-  return static_cast<uint8_t>(sign | (is_nan(f) ? 7u : code));
+  const uint32_t sign = (u >> 28) & 0x8u, abs_bits = u & 0x7FFFFFFFu;
+  const float a = bits_float(abs_bits);
+  const uint32_t below_one = float_bits(a + 4194304.0f) - 0x4A800000u;  // bits of 2^22
+  const uint32_t rounded = (abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u)) >> 22;
+  const uint32_t normal = rounded - 252u > 7u ? 7u : rounded - 252u;  // (127 - 1) << 1
+  return static_cast<uint8_t>(sign | (a < 1.0f ? below_one : normal));
+}
+
+// fp32 -> the nearest bf16 value (RNE), as fp32: the compute-dtype rounding (docs/numerics.md §2,
+// "Compute dtype"); overflow gives inf, subnormals round like normals, NaN stays NaN (sign kept).
+JQ_HD float round_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if (is_nan(f)) return bits_float((u | 0x00400000u) & 0xFFFF0000u);
+  return bits_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
 }
 
 JQ_HD float e4m3_to_float(uint8_t b) {

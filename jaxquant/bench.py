@@ -1,0 +1,169 @@
+"""``jaxquant bench``: the single-tensor quantizers against the memory floor and against XLA.
+
+For each (op, shape, input dtype) it times the custom calls (``impl="custom_call"``) and the
+XLA-fused pure-JAX reference (``impl="reference"``), both jitted, with the default bf16 compute
+dtype. The floor is the fewest bytes the op must move -- two reads of x (the statistics pass and
+the cast pass) plus every output written once -- divided by the copy bandwidth of a jitted ``x + 1``
+over an fp32 array of the same element count, measured in the same run. Each time is the median
+of ``--repeats`` batches of ``--iters`` asynchronous dispatches after a warm-up.
+
+On a GPU the default sizes are 8192² and 16384²; on the CPU a small smoke run (a few seconds)
+checks that everything runs and the JSON has its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GPU_SIZES = "8192x8192,16384x16384"
+CPU_SIZES = "128x256"
+# JSON fields of every row (checked by the CPU smoke test).
+ROW_FIELDS = ("op", "shape", "dtype", "us", "floor_us", "x_floor", "xla_us", "x_xla", "bytes")
+
+
+def median_seconds(fn, *args, iters: int, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` batches of ``iters`` dispatches, after a warm-up."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(numel: int, *, iters: int, repeats: int) -> float:
+    """Bytes/s of a jitted ``x + 1`` over fp32[numel] (one read and one write of each element)."""
+    import jax
+    import jax.numpy as jnp
+
+    y = jnp.zeros((numel,), jnp.float32)
+    return 2 * numel * 4 / median_seconds(jax.jit(lambda v: v + 1), y, iters=iters, repeats=repeats)
+
+
+def _nvfp4_scale_bytes(rows: int, cols: int) -> int:
+    from jaxquant import formats
+
+    r, c = formats.nvfp4_scale_shape(rows, cols)
+    return r * c
+
+
+def cases(x, stages: bool):
+    """(op name, fn(x, impl), bytes at the floor) for one input."""
+    import jaxquant as jq
+    from jaxquant import ops
+
+    rows, cols = (int(d) for d in x.shape)
+    n, itemsize = rows * cols, x.dtype.itemsize
+    fp4_out = n // 2 + _nvfp4_scale_bytes(rows, cols)
+    fp4_out_t = n // 2 + _nvfp4_scale_bytes(cols, rows)
+    out = [
+        ("quantize_fp8", lambda x, impl: jq.quantize_fp8(x, impl=impl), 2 * n * itemsize + n),
+        ("quantize_fp8+T", lambda x, impl: jq.quantize_fp8(x, columnwise=True, impl=impl), 2 * n * itemsize + 2 * n),
+        ("quantize_nvfp4", lambda x, impl: jq.quantize_nvfp4(x, impl=impl), 2 * n * itemsize + fp4_out),
+        ("quantize_nvfp4+T", lambda x, impl: jq.quantize_nvfp4(x, columnwise=True, impl=impl),
+         2 * n * itemsize + fp4_out + fp4_out_t),
+    ]
+    if stages:  # each pass on its own: one read of x plus its outputs
+        tiles, amax, _ = ops.nvfp4_stats(x, impl="reference")
+        out += [
+            ("fp8_stats", lambda x, impl: ops.fp8_stats(x, impl=impl), n * itemsize),
+            ("fp8_quantize", lambda x, impl: ops.fp8_quantize(x, amax, impl=impl), n * itemsize + n),
+            ("fp8_quantize+T", lambda x, impl: ops.fp8_quantize(x, amax, columnwise=True, impl=impl),
+             n * itemsize + 2 * n),
+            ("nvfp4_stats", lambda x, impl: ops.nvfp4_stats(x, impl=impl), n * itemsize + n // 64),
+            ("nvfp4_quantize", lambda x, impl: ops.nvfp4_quantize(x, tiles, amax, impl=impl),
+             n * itemsize + fp4_out),
+            ("nvfp4_quantize+T", lambda x, impl: ops.nvfp4_quantize(x, tiles, amax, columnwise=True, impl=impl),
+             n * itemsize + fp4_out + fp4_out_t),
+        ]
+    return out
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    gpu = jax.default_backend() == "gpu"
+    sizes = args.sizes or (GPU_SIZES if gpu else CPU_SIZES)
+    iters, repeats = (args.iters, args.repeats) if gpu else (min(args.iters, 3), min(args.repeats, 3))
+    dtypes = args.dtypes or ("float32,bfloat16" if gpu else "float32")
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
+          f"compute dtype bfloat16; times: median of {repeats} x {iters} dispatches")
+    header = (f"{'op':18s} {'shape':>12s} {'dtype':>9s} {'us':>9s} {'x floor':>8s} {'xla us':>9s} "
+              f"{'x xla':>7s}")
+    print(header)
+    print("-" * len(header))
+    rows_out, copies = [], []
+    for size in sizes.split(","):
+        rows, cols = (int(v) for v in size.lower().split("x"))
+        bw = copy_bandwidth(rows * cols, iters=iters, repeats=repeats)
+        copies.append(dict(shape=f"{rows}x{cols}", copy_gbps=bw / 1e9))
+        for dname in dtypes.split(","):
+            dtype = jnp.dtype(dname)
+            x = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32).astype(dtype)
+            for name, fn, nbytes in cases(x, args.stages if args.stages is not None else gpu):
+                custom = median_seconds(jax.jit(lambda v, f=fn: f(v, "custom_call")), x, iters=iters,
+                                        repeats=repeats)
+                xla = median_seconds(jax.jit(lambda v, f=fn: f(v, "reference")), x, iters=iters, repeats=repeats)
+                floor = nbytes / bw
+                row = dict(op=name, shape=f"{rows}x{cols}", dtype=dname, us=custom * 1e6, floor_us=floor * 1e6,
+                           x_floor=custom / floor, xla_us=xla * 1e6, x_xla=custom / xla, bytes=nbytes)
+                rows_out.append(row)
+                print(f"{name:18s} {row['shape']:>12s} {dname:>9s} {row['us']:9.1f} {row['x_floor']:8.2f} "
+                      f"{row['xla_us']:9.1f} {row['x_xla']:7.2f}", flush=True)
+        print(f"{'(copy x+1 fp32)':18s} {size:>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
+              f"{bw / 1e9:.0f} GB/s")
+    result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  commit=_git_commit(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
+                  rows=rows_out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--sizes", default=None,
+                        help=f"comma-separated RxC (default {GPU_SIZES} on a GPU, {CPU_SIZES} elsewhere)")
+    parser.add_argument("--dtypes", default=None,
+                        help="input dtypes (default float32,bfloat16 on a GPU, float32 elsewhere)")
+    parser.add_argument("--iters", type=int, default=20, help="dispatches per timed batch (default 20)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches; the median is reported (default 5)")
+    parser.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time each pass (stats, quantize) on its own (default: on a GPU)")
+    parser.add_argument("--json", default="jaxquant_bench.json", help="where to write the JSON (default "
+                        "jaxquant_bench.json; empty string: none)")
+    parser.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m jaxquant.bench")
+    configure_parser(p)
+    a = p.parse_args()
+    sys.exit(a.func(a))

@@ -1,0 +1,268 @@
+"""The fused single-tensor stages (ops.fp8_stats / fp8_quantize / nvfp4_stats / nvfp4_quantize).
+
+Each stage is one custom call that reads x once with the compute-dtype rounding fused in; the
+reference is the composition of the pure-JAX primitives (the executable spec). Custom call ==
+reference bit for bit on random inputs and edge cases. The file runs unchanged on a GPU backend,
+where "custom_call" is the CUDA kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import ops
+from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_edge_inputs,
+                      nvfp4_edge_inputs, random_tiled)
+
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+IMPLS = ("reference", "custom_call")
+COMPUTE = {"none": None, "bf16": jnp.bfloat16}
+
+fp8_stats_j = jax.jit(ops.fp8_stats, static_argnames=("compute_dtype", "impl"))
+fp8_quantize_j = jax.jit(ops.fp8_quantize, static_argnames=(
+    "dtype", "compute_dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
+nvfp4_stats_j = jax.jit(ops.nvfp4_stats, static_argnames=("compute_dtype", "impl"))
+nvfp4_quantize_j = jax.jit(ops.nvfp4_quantize, static_argnames=("compute_dtype", "columnwise", "impl"))
+
+
+def bf16_rounding_cases(shape) -> np.ndarray:
+    """fp32 values that stress the fused fp32 -> bf16 rounding: exact ties (both parities), values
+    one ulp either side, overflow to inf (FLT_MAX), subnormals, signed zeros."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    bits = x.reshape(-1).view(np.uint32)
+    n = bits.size
+    bits[0: n: 5] = (bits[0: n: 5] & 0xFFFF0000) | 0x8000                 # tie, round to even
+    bits[1: n: 5] = (bits[1: n: 5] & 0xFFFE0000) | 0x18000                # tie, odd -> up
+    bits[2: n: 5] = (bits[2: n: 5] & 0xFFFF0000) | 0x7FFF                 # just below a tie
+    flat = bits.view(np.float32)
+    specials = np.array([3.4028235e38, -3.4028235e38, 3.39e38, 1e-40, -1e-40, 1.5e-45, 0.0, -0.0,
+                         np.float32(np.nextafter(np.float32(1.0), np.float32(2.0)))], np.float32)
+    flat[3: 3 + len(specials)] = specials[: max(0, min(len(specials), n - 3))]
+    return flat.reshape(shape)
+
+
+def _fp8_inputs(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32) * np.float32(3)
+    return {"random": x, "bf16_ties": bf16_rounding_cases(shape),
+            "zeros": np.where(rng.random(shape) < 0.5, np.float32(0.0), np.float32(-0.0)).astype(np.float32)}
+
+
+def _as_input(x, dtype):
+    return jnp.asarray(x).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("compute", list(COMPUTE))
+@pytest.mark.parametrize("shape", [(48, 80), (65, 63), (3, 5, 7)])
+def test_fp8_stats_custom_equals_reference(rng, in_dtype, compute, shape):
+    """amax and the non-finite count, any rank, after the fused compute-dtype rounding."""
+    inputs = _fp8_inputs(rng, shape)
+    if len(shape) == 2 and shape[0] >= 48:
+        inputs.update({k: v for k, v in fp8_edge_inputs(rng).items() if v.shape == shape})
+    for name, x in inputs.items():
+        v = _as_input(x, in_dtype)
+        ref = fp8_stats_j(v, compute_dtype=COMPUTE[compute], impl="reference")
+        cus = fp8_stats_j(v, compute_dtype=COMPUTE[compute], impl="custom_call")
+        assert_bytes_equal(cus[0], ref[0], f"{name} amax")
+        assert_bytes_equal(cus[1], ref[1], f"{name} count")
+
+
+def test_fp8_stats_bf16_overflow_counts_as_nonfinite():
+    """FLT_MAX rounds to inf in bf16: with the bf16 compute dtype it is non-finite and amax is inf."""
+    x = jnp.asarray(np.array([[1.0, 3.4028235e38]], np.float32))
+    for impl in IMPLS:
+        a, n = fp8_stats_j(x, compute_dtype=jnp.bfloat16, impl=impl)
+        assert np.isinf(float(a)) and int(n) == 1, impl
+        a, n = fp8_stats_j(x, compute_dtype=None, impl=impl)
+        assert float(a) == np.float32(3.4028235e38) and int(n) == 0, impl
+
+
+# (format, input dtype, compute dtype, shape): every option appears, shapes on and off the 4- and
+# 64-element vector/tile grids.
+FP8_CASES = [("e4m3", jnp.float32, "bf16", (48, 80)), ("e4m3", jnp.float32, "none", (48, 80)),
+             ("e5m2", jnp.float32, "bf16", (48, 80)), ("e4m3", jnp.bfloat16, "none", (48, 80)),
+             ("e5m2", jnp.bfloat16, "bf16", (64, 64)), ("e4m3", jnp.float32, "bf16", (65, 63)),
+             ("e4m3", jnp.bfloat16, "none", (1, 1)), ("e5m2", jnp.float32, "none", (130, 36))]
+
+
+def _case_id(case) -> str:
+    """e.g. "e4m3-float32-bf16-48x80" (the sanitizer run in scripts/gpu_suite.sh selects by shape)."""
+    return "-".join(c if isinstance(c, str) else "x".join(map(str, c)) if isinstance(c, tuple)
+                    else jnp.dtype(c).name for c in case)
+
+
+@pytest.mark.parametrize("fmt,in_dtype,compute,shape", FP8_CASES, ids=[_case_id(c) for c in FP8_CASES])
+def test_fp8_quantize_custom_equals_reference(rng, fmt, in_dtype, compute, shape):
+    """data, scale_inv and data_t (one pass), shapes on and off the 4/64-element vector grid."""
+    inputs = _fp8_inputs(rng, shape)
+    if shape == (48, 80):
+        inputs.update(fp8_edge_inputs(rng))
+    for name, x in inputs.items():
+        v = _as_input(x, in_dtype)
+        amax, _ = fp8_stats_j(v, compute_dtype=COMPUTE[compute], impl="reference")
+        for columnwise in (False, True):
+            kw = dict(dtype=FP8[fmt], compute_dtype=COMPUTE[compute], columnwise=columnwise)
+            ref = fp8_quantize_j(v, amax, impl="reference", **kw)
+            cus = fp8_quantize_j(v, amax, impl="custom_call", **kw)
+            what = f"{fmt} {name} columnwise={columnwise}"
+            assert_bytes_equal_nan_aware(cus[0], ref[0], f"{what} data")
+            assert_bytes_equal(cus[1], ref[1], f"{what} scale_inv")
+            assert (cus[2] is None) == (not columnwise)
+            if columnwise:
+                assert_bytes_equal_nan_aware(cus[2], ref[2], f"{what} data_t")
+                assert_bytes_equal(np.asarray(cus[2]), np.asarray(cus[0]).T, f"{what} data_t is the transpose")
+
+
+def test_fp8_quantize_scale_edges(rng):
+    """Scales from amax 0 / tiny / inf / NaN / huge, with epsilon and power-of-2 scales."""
+    x = jnp.asarray(rng.standard_normal((48, 80)).astype(np.float32))
+    for amax, pow2, eps in ((0.0, False, 0.0), (1e-30, True, 0.0), (np.inf, False, 0.0), (np.nan, False, 0.0),
+                            (3e38, True, 0.0), (1e-30, False, 1e-3)):
+        kw = dict(dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bfloat16, amax_epsilon=eps, force_pow_2_scales=pow2,
+                  columnwise=True)
+        ref = fp8_quantize_j(x, jnp.float32(amax), impl="reference", **kw)
+        cus = fp8_quantize_j(x, jnp.float32(amax), impl="custom_call", **kw)
+        for i, field in enumerate(("data", "scale_inv", "data_t")):
+            assert_bytes_equal_nan_aware(cus[i], ref[i], f"amax={amax} pow2={pow2} eps={eps} {field}")
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4
+# ----------------------------------------------------------------------------------------------
+
+# (input dtype, compute dtype, shape): shapes on and just off the 64/128 grids (K = 48, 80 and
+# 1040 are not multiples of 64); the [32, 48] edge inputs run with every dtype combination.
+NVFP4_CASES = [(jnp.float32, "bf16", (32, 48)), (jnp.float32, "none", (32, 48)), (jnp.bfloat16, "none", (32, 48)),
+               (jnp.bfloat16, "bf16", (32, 48)), (jnp.float32, "bf16", (16, 16)), (jnp.float32, "none", (128, 128)),
+               (jnp.bfloat16, "none", (144, 80)), (jnp.float32, "bf16", (16, 1040)), (jnp.float32, "bf16", (272, 64))]
+
+
+def _nvfp4_inputs(rng, shape):
+    rows, cols = shape
+    out = {"random": random_tiled(rng, rows, cols), "bf16_ties": bf16_rounding_cases(shape),
+           "zeros": np.zeros(shape, np.float32)}
+    if shape == (32, 48):
+        out.update(nvfp4_edge_inputs(rng))
+    return out
+
+
+@pytest.mark.parametrize("in_dtype,compute,shape", NVFP4_CASES, ids=[_case_id(c) for c in NVFP4_CASES])
+def test_nvfp4_stages_custom_equal_reference(rng, in_dtype, compute, shape):
+    """stats (tile amax, amax, count) and quantize (data, scale_inv, data_t, scale_inv_t)."""
+    cd = COMPUTE[compute]
+    for name, x in _nvfp4_inputs(rng, shape).items():
+        v = _as_input(x, in_dtype)
+        ref_stats = nvfp4_stats_j(v, compute_dtype=cd, impl="reference")
+        cus_stats = nvfp4_stats_j(v, compute_dtype=cd, impl="custom_call")
+        for field, a, b in zip(("tile_amax", "amax", "count"), cus_stats, ref_stats):
+            assert_bytes_equal(a, b, f"{name} {field}")
+        tiles, amax, _ = ref_stats
+        for columnwise in (False, True):
+            ref = nvfp4_quantize_j(v, tiles, amax, compute_dtype=cd, columnwise=columnwise, impl="reference")
+            cus = nvfp4_quantize_j(v, tiles, amax, compute_dtype=cd, columnwise=columnwise, impl="custom_call")
+            for field, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), cus, ref):
+                assert (a is None) == (b is None) == (not columnwise and field.endswith("_t"))
+                if a is not None:
+                    assert_bytes_equal(a, b, f"{name} columnwise={columnwise} {field}")
+
+
+def test_nvfp4_quantize_e2m1_rounding_sweep():
+    """Every E2M1 decision: with tile amax 6 and global amax 2688 each tile's encode multiplier is
+    exactly 1, so the codes are the E2M1 rounding of x itself: a dense sweep of [-8, 8], the ties
+    (which must go to the codes of docs/numerics.md §2.6) and their fp32 neighbours."""
+    sweep = np.linspace(-8, 8, 64 * 64 - 64, dtype=np.float32)
+    near = []
+    for t in E2M1_TIES:
+        t = np.float32(t)
+        near += [t, np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(9)), -t]
+    tail = np.array(near + [0.0, -0.0, 1e-40, -1e-40, 7.0, -7.0, 1e30, -1e30], np.float32)
+    x = np.concatenate([sweep, tail, np.zeros(64 - tail.size % 64 if tail.size % 64 else 0, np.float32)])
+    x = x[: x.size // 64 * 64].reshape(-1, 64)
+    x = x[: x.shape[0] // 16 * 16]
+    rows, cols = x.shape
+    tiles = jnp.full((rows // 16, cols // 16), 6.0, jnp.float32)
+    amax = jnp.asarray([2688.0], jnp.float32)
+    ref = nvfp4_quantize_j(jnp.asarray(x), tiles, amax, compute_dtype=None, columnwise=False, impl="reference")
+    cus = nvfp4_quantize_j(jnp.asarray(x), tiles, amax, compute_dtype=None, columnwise=False, impl="custom_call")
+    assert_bytes_equal(cus[0], ref[0], "data")
+    codes = np.stack([np.asarray(cus[0]) & 0xF, np.asarray(cus[0]) >> 4], -1).reshape(rows, cols)
+    flat_x, flat_c = x.reshape(-1), codes.reshape(-1)
+    for t, code in E2M1_TIES.items():
+        hits = flat_x == np.float32(t)
+        assert hits.any() and (flat_c[hits] == code).all(), f"tie {t} -> {flat_c[hits]}, want {code}"
+
+
+def test_nvfp4_quantize_from_given_stats(rng):
+    """The quantize stage uses the statistics it is given (a sharded caller passes the reduced amax)."""
+    x = jnp.asarray(random_tiled(rng, 32, 48))
+    tiles, amax, _ = nvfp4_stats_j(x, compute_dtype=None, impl="reference")
+    bigger = amax * 4
+    ref = nvfp4_quantize_j(x, tiles, bigger, compute_dtype=None, columnwise=True, impl="reference")
+    cus = nvfp4_quantize_j(x, tiles, bigger, compute_dtype=None, columnwise=True, impl="custom_call")
+    for field, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), cus, ref):
+        assert_bytes_equal(a, b, field)
+    own = nvfp4_quantize_j(x, tiles, amax, compute_dtype=None, columnwise=False, impl="custom_call")
+    assert not np.array_equal(np.asarray(own[1]), np.asarray(cus[1])), "scales must follow the given amax"
+
+
+# ----------------------------------------------------------------------------------------------
+# Structure: one custom call per stage, no separate convert pass
+# ----------------------------------------------------------------------------------------------
+
+
+def _custom_call_targets(fn, *args) -> list[str]:
+    hlo = jax.jit(fn).lower(*args).as_text()
+    return re.findall(r'custom_call_target\s*=\s*"([^"]+)"', hlo) + re.findall(
+        r'stablehlo\.custom_call\s*@(\w+)', hlo)
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_quantizers_are_two_custom_calls(columnwise):
+    """quantize_fp8 / quantize_nvfp4 (default bf16 compute dtype, fp32 input) lower to exactly the
+    stats call and the quantize call, with no reduce_precision/convert of x in between."""
+    x = jnp.zeros((64, 128), jnp.float32)
+    suffix = "_t" if columnwise else ""
+    for name, fn in (("fp8", jq.quantize_fp8), ("nvfp4", jq.quantize_nvfp4)):
+        f = functools.partial(fn, columnwise=columnwise, impl="custom_call")
+        targets = _custom_call_targets(f, x)
+        assert sorted(targets) == sorted([f"jq_{name}_stats", f"jq_{name}_quantize{suffix}"]), targets
+        hlo = jax.jit(f).lower(x).as_text()
+        assert "reduce_precision" not in hlo, f"{name}: the bf16 rounding must be fused into the kernels"
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stage_argument_errors(impl):
+    x = jnp.zeros((32, 48), jnp.float32)
+    tiles, amax = jnp.zeros((2, 3), jnp.float32), jnp.ones((1,), jnp.float32)
+    with pytest.raises(ValueError, match=r"x: NVFP4 2D block scaling needs K \(cols\)"):
+        ops.nvfp4_stats(jnp.zeros((32, 40)), impl=impl)
+    with pytest.raises(ValueError, match="tile_amax: shape must be"):
+        ops.nvfp4_quantize(x, jnp.zeros((3, 2), jnp.float32), amax, impl=impl)
+    with pytest.raises(TypeError, match="amax: must be a float32 scalar"):
+        ops.nvfp4_quantize(x, tiles, jnp.ones((2,), jnp.float32), impl=impl)
+    with pytest.raises(TypeError, match="compute_dtype: must be None, float32 or bfloat16"):
+        ops.fp8_stats(x, compute_dtype=jnp.float16, impl=impl)
+    with pytest.raises(TypeError, match="x: dtype must be float32 or bfloat16"):
+        ops.fp8_quantize(x.astype(jnp.float16), jnp.float32(1), impl=impl)
+    with pytest.raises(ValueError, match="x: columnwise=True needs a rank-2 tensor"):
+        ops.fp8_quantize(jnp.zeros((8,)), jnp.float32(1), columnwise=True, impl=impl)
+    with pytest.raises(ValueError, match="x: must have rank 2"):
+        ops.nvfp4_quantize(jnp.zeros((16, 16, 16)), tiles, amax, impl=impl)

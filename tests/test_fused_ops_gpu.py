@@ -1,0 +1,79 @@
+"""GPU-only checks of the fused stages: custom calls captured into XLA command buffers (CUDA graphs)
+give the same bytes as the uncaptured run. (Custom call == reference on the GPU is
+tests/test_fused_ops.py, which runs unchanged there.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import requires_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs the jitted quantizers once, saves every output's bytes to argv[1] (.npz), and prints, as
+# JSON, which of the jaxquant custom calls the compiled program places inside command buffers.
+_SCRIPT = r"""
+import json, re, sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxquant as jq
+
+x = jax.random.normal(jax.random.key(3), (512, 768), jnp.float32) * 3
+fns = {
+    "nvfp4": lambda v: jq.quantize_nvfp4(v, impl="custom_call"),
+    "nvfp4_t": lambda v: jq.quantize_nvfp4(v, columnwise=True, impl="custom_call"),
+    "fp8": lambda v: jq.quantize_fp8(v, impl="custom_call"),
+    "fp8_t": lambda v: jq.quantize_fp8(v, columnwise=True, impl="custom_call"),
+}
+arrays, captured = {}, {}
+for name, fn in fns.items():
+    compiled = jax.jit(fn).lower(x).compile()
+    text = compiled.as_text()
+    # Computations are blocks "name (...) -> ... {" ... "}"; collect the targets called inside
+    # the ones XLA outlined as command buffers.
+    inside = set()
+    for block in re.split(r"\n(?=\S)", text):
+        header = block.split("\n", 1)[0]
+        if "command_buffer" in header:
+            inside.update(re.findall(r'custom_call_target="(jq_\w+)"', block))
+    captured[name] = sorted(inside)
+    out = jax.tree_util.tree_leaves(compiled(x))
+    for i, leaf in enumerate(out):
+        arrays[f"{name}_{i}"] = np.atleast_1d(np.asarray(leaf)).view(np.uint8)
+np.savez(sys.argv[1], **arrays)
+print("CAPTURED " + json.dumps(captured))
+"""
+
+
+def _run(flags: str, out: Path) -> dict:
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CAPTURED ")][-1]
+    return json.loads(line[len("CAPTURED "):])
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_command_buffer_capture_gives_identical_bytes(tmp_path):
+    """With FUSION,CUSTOM_CALL command buffers (minimum graph size 1) every jq_ custom call of the
+    quantizers is captured (the handlers declare kCmdBufferCompatible), and every output byte equals
+    the run with command buffers off."""
+    captured = _run("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+                    tmp_path / "graph.npz")
+    plain = _run("--xla_gpu_enable_command_buffer=", tmp_path / "plain.npz")
+    expected = {"nvfp4": ["jq_nvfp4_quantize", "jq_nvfp4_stats"], "nvfp4_t": ["jq_nvfp4_quantize_t", "jq_nvfp4_stats"],
+                "fp8": ["jq_fp8_quantize", "jq_fp8_stats"], "fp8_t": ["jq_fp8_quantize_t", "jq_fp8_stats"]}
+    assert captured == expected, f"custom calls inside command buffers: {captured}"
+    assert all(not v for v in plain.values()), f"command buffers off, yet captured: {plain}"
+    a, b = np.load(tmp_path / "graph.npz"), np.load(tmp_path / "plain.npz")
+    assert sorted(a.files) == sorted(b.files) and len(a.files) >= 14
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
