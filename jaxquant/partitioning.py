@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import re
 from typing import Callable, Optional
@@ -97,7 +98,14 @@ def sharded(rule: Rule):
             if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in arrays) or (
                     rule.applies is not None and not rule.applies(arrays, kwargs)):
                 return fn(*arrays, **kwargs)
-            return _call(fn, op, rule, arrays, kwargs)
+            explicit = _explicit_sharding(arrays[0])
+            if explicit is None:
+                return _call(fn, op, rule, arrays, kwargs)
+            # Explicit mesh axes type every value by its sharding; the op runs on Auto axes and its
+            # results get the shardings the rule gives them (errors for a bad sharding at trace time).
+            shardings = _result_shardings(fn, rule, arrays, kwargs, explicit)
+            return jax.sharding.auto_axes(lambda *a: _call(fn, op, rule, a, kwargs),
+                                          out_sharding=shardings)(*arrays)
 
         op.rule = rule
         op.unpartitioned = fn
@@ -118,6 +126,7 @@ class _Layout:
     operands: tuple[tuple[Term, ...], ...]
     results: tuple[tuple[Term, ...], ...]
     result_slots: tuple[int, ...]      # index in the returned tuple of each non-None result
+    arity: int                         # length of the returned tuple
     frame: dict                        # frame letter -> global size
     single: bool                       # the op returns one array, not a tuple
 
@@ -138,7 +147,7 @@ def _layout(rule: Rule, arrays, kwargs, out_shapes) -> _Layout:
         for t, size in zip(terms, a.shape):
             if t.name != "1" and t.pad == 1:
                 frame.setdefault(t.name, int(size) * t.div)
-    return _Layout(operands, tuple(results), tuple(slots), frame, single)
+    return _Layout(operands, tuple(results), tuple(slots), len(specs), frame, single)
 
 
 def _aligned(t: Term, frame: dict) -> bool:
@@ -211,8 +220,36 @@ def _spec_for(terms, frame_axes, frame) -> P:
                for t in terms))
 
 
+def _as_named(sharding, mesh, shape) -> NamedSharding:
+    """The NamedSharding over ``mesh`` that places ``shape`` as ``sharding`` does.
+
+    The partitioner hands shardings over undecoded (decoding a result split over a sub-axis of a
+    mesh axis, which Shardy may choose for a block off the scale grid, fails inside JAX); operand
+    shardings that matter here are plain mesh-axis splits, found by comparing device placements.
+    """
+    if isinstance(sharding, NamedSharding):
+        return sharding
+    shape = tuple(shape)
+    if tuple(sharding.shard_shape(shape)) == shape:
+        return NamedSharding(mesh, P())
+    want = sharding.devices_indices_map(shape)
+    names = tuple(mesh.axis_names)
+    for order in itertools.permutations(names):
+        for dims in itertools.product(range(len(shape) + 1), repeat=len(order)):
+            spec = [tuple(a for a, d in zip(order, dims) if d == i) for i in range(len(shape))]
+            candidate = NamedSharding(mesh, P(*(e if e else None for e in spec)))
+            if candidate.devices_indices_map(shape) == want:
+                return candidate
+    local = tuple(sharding.shard_shape(shape))
+    raise ValueError(f"input sharding of a {shape} array into {local} blocks is not a split over "
+                     f"whole axes of the mesh {dict(mesh.shape)}; jaxquant's ops need NamedSharding splits "
+                     f"whose blocks are multiples of the 16x16 scale grid (NVFP4).")
+
+
 def _partition(fn, rule: Rule, layout: _Layout, kwargs, mesh, arg_shapes, result_shape):
-    frame_axes = _frame_axes(rule, layout, mesh, arg_shapes[0].sharding, arg_shapes[0].shape)
+    del result_shape  # the shardings of the results follow from operand 0's (returned below)
+    x_sharding = _as_named(arg_shapes[0].sharding, mesh, arg_shapes[0].shape)
+    frame_axes = _frame_axes(rule, layout, mesh, x_sharding, arg_shapes[0].shape)
     reduce_axes = tuple(a for names in frame_axes.values() for a in names)
     local_frame = {name: size // math.prod(mesh.shape[a] for a in frame_axes.get(name, ()))
                    for name, size in layout.frame.items()}
@@ -268,21 +305,41 @@ def _to_local_padding(value, terms, frame, frame_axes):
 
 def _with_slots(items, layout: _Layout):
     """Results listed per non-None output -> the op's tuple shape (None where it returns None)."""
-    full = [None] * (max(layout.result_slots) + 1)
+    full = [None] * layout.arity
     for slot, item in zip(layout.result_slots, items):
         full[slot] = item
     return tuple(full)
 
 
+def _explicit_sharding(x):
+    """``x``'s NamedSharding when its mesh has Explicit axes (sharding in types), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
+
+
+def _unsharded_layout(fn, rule, arrays, kwargs) -> _Layout:
+    bound = lambda *a: fn(*a, **kwargs)
+    out_shapes = jax.eval_shape(bound, *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays))
+    return _layout(rule, arrays, kwargs, out_shapes)
+
+
+def _result_shardings(fn, rule, arrays, kwargs, sharding):
+    layout = _unsharded_layout(fn, rule, arrays, kwargs)
+    frame_axes = _frame_axes(rule, layout, sharding.mesh, sharding, arrays[0].shape)
+    specs = [NamedSharding(sharding.mesh, _spec_for(t, frame_axes, layout.frame)) for t in layout.results]
+    return specs[0] if layout.single else _with_slots(specs, layout)
+
+
 def _call(fn, op, rule: Rule, arrays, kwargs):
     def run(*xs):
         bound = lambda *a: fn(*a, **kwargs)
-        out_shapes = jax.eval_shape(bound, *xs)
-        layout = _layout(rule, xs, kwargs, out_shapes)
+        layout = _unsharded_layout(fn, rule, xs, kwargs)
         cp = custom_partitioning(bound)
         cp.def_partition(
             partition=functools.partial(_partition, fn, rule, layout, kwargs),
-            sharding_rule=_sdy_rule(layout))
+            sharding_rule=_sdy_rule(layout), decode_shardings=False)
         return cp(*xs)
 
     batched = custom_vmap(run)
