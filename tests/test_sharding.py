@@ -66,8 +66,8 @@ def transposed(spec) -> P:
 
 
 QUANTIZERS = {
-    "nvfp4": lambda v: jq.quantize_nvfp4(v, columnwise=True),
-    "fp8": lambda v: jq.quantize_fp8(v, columnwise=True),
+    "nvfp4": jax.jit(lambda v: jq.quantize_nvfp4(v, columnwise=True)),
+    "fp8": jax.jit(lambda v: jq.quantize_fp8(v, columnwise=True)),
 }
 
 
@@ -76,11 +76,11 @@ def check_quantizer_sharded(recipe: str, mesh, spec, x: np.ndarray) -> None:
     shardings as docs/sharding.md states (scale layouts aligned: x's shape chosen so)."""
     q = QUANTIZERS[recipe]
     xs = jax.device_put(x, NamedSharding(mesh, spec))
-    f = jax.jit(q)
-    out, ref = f(xs), jax.jit(q)(x)
+    compiled = q.lower(xs).compile()
+    out, ref = compiled(xs), q(x)
     for name in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if recipe == "nvfp4" else ()):
         assert_bytes_equal(getattr(out, name), getattr(ref, name), f"{recipe} {spec} {name}")
-    kinds = collectives(f.lower(xs).compile().as_text())
+    kinds = collectives(compiled.as_text())
     assert not [k for k in kinds if k[0] != "all-reduce"], f"{spec}: unexpected collectives {kinds}"
     n = shards_of(mesh, spec)
     if n > 1:
@@ -138,13 +138,13 @@ def test_nvfp4_scales_off_the_128x4_layout_are_replicated():
     mesh = _mesh((2, 4), ("tp", "fsdp"))
     x = _x(192, 96, seed=2)
     xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
-    f = jax.jit(QUANTIZERS["nvfp4"])
-    out, ref = f(xs), jax.jit(QUANTIZERS["nvfp4"])(x)
+    compiled = QUANTIZERS["nvfp4"].lower(xs).compile()
+    out, ref = compiled(xs), QUANTIZERS["nvfp4"](x)
     for name in ("data", "scale_inv", "amax", "data_t", "scale_inv_t"):
         assert_bytes_equal(getattr(out, name), getattr(ref, name), name)
     assert norm(out.data.sharding.spec, 2) == (("tp",), ())
     assert norm(out.scale_inv.sharding.spec, 2) == ((), ())
-    gathers = [k for k in collectives(f.lower(xs).compile().as_text()) if k[0] == "all-gather"]
+    gathers = [k for k in collectives(compiled.as_text()) if k[0] == "all-gather"]
     assert gathers and all(t.startswith("u8[") for _, t, _ in gathers), gathers
 
 
@@ -193,12 +193,12 @@ def test_check_finite_sharded_sums_over_shards(recipe):
     mesh = _mesh((2, 4), ("tp", "fsdp"))
     x = _with_nonfinite(128, 256)
     xs = jax.device_put(x, NamedSharding(mesh, P("tp", "fsdp")))
-    f = jax.jit(lambda v: quant(v, check_finite=True))
-    (t, count), (t_ref, count_ref) = f(xs), quant(jnp.asarray(x), check_finite=True)
+    compiled = jax.jit(lambda v: quant(v, check_finite=True)).lower(xs).compile()
+    (t, count), (t_ref, count_ref) = compiled(xs), quant(jnp.asarray(x), check_finite=True)
     assert int(count) == int(count_ref) == 4
     compare = assert_bytes_equal if recipe == "nvfp4" else assert_bytes_equal_nan_aware
     compare(t.data, t_ref.data, "data")
-    kinds = collectives(f.lower(xs).compile().as_text())
+    kinds = collectives(compiled.as_text())
     assert sorted(k[1][:3] for k in kinds) == ["f32", "s32"] and all(k[0] == "all-reduce" for k in kinds), kinds
 
 
@@ -230,11 +230,11 @@ def test_primitives_sharded(name):
     fn, operand, same_spec = _primitive_cases(x, ops.amax(x).reshape(1))[name]
     spec = P("tp", "fsdp")
     xs = jax.device_put(operand, NamedSharding(mesh, spec))
-    f = jax.jit(fn)
-    out, ref = f(xs), jax.jit(fn)(operand)
+    compiled = jax.jit(fn).lower(xs).compile()
+    out, ref = compiled(xs), jax.jit(fn)(operand)
     for i, (a, b) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
         assert_bytes_equal(a, b, f"{name} output {i}")
-    kinds = collectives(f.lower(xs).compile().as_text())
+    kinds = collectives(compiled.as_text())
     assert all(k[0] == "all-reduce" for k in kinds), f"{name}: {kinds}"
     assert len(kinds) == (2 if name == "amax" else 0), f"{name}: {kinds}"
     first = jax.tree.leaves(out)[0]
@@ -273,9 +273,9 @@ def _loops(jaxpr) -> bool:
 
 
 def _assert_batch_equals_loop(f, xb, what):
-    out = jax.jit(jax.vmap(f))(xb)
+    out, one = jax.jit(jax.vmap(f))(xb), jax.jit(f)
     for i in range(xb.shape[0]):
-        for j, (a, b) in enumerate(zip(jax.tree.leaves(jax.tree.map(lambda o: o[i], out)), jax.tree.leaves(f(xb[i])))):
+        for j, (a, b) in enumerate(zip(jax.tree.leaves(jax.tree.map(lambda o: o[i], out)), jax.tree.leaves(one(xb[i])))):
             assert_bytes_equal_nan_aware(a, b, f"{what} item {i} output {j}") if a.dtype != jnp.uint8 else \
                 assert_bytes_equal(a, b, f"{what} item {i} output {j}")
 
