@@ -239,6 +239,9 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
     tiles it does not touch give 0, so a max over shards gives the whole tensor's tile amax.
     With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements of the shard,
     found in the same pass over memory.
+
+    Sharded under jit: a whole [rows, cols] tensor (``start=0``) is tiled per block, no collectives
+    (the count is sum-reduced); a flat range has no rule and is replicated (docs/sharding.md).
     """
     _check_impl(impl)
     check_nvfp4_shape(rows, cols)
@@ -277,6 +280,10 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
     ``data_bytes`` is the existing byte range [start//2, (start+len+1)//2) of the packed data; the
     result is that range with only the shard's nibbles replaced (the neighbour's nibble of a shared
     boundary byte is kept). Under jit the result aliases ``data_bytes``; donate it to update in place.
+
+    No sharding rule: a flat element range is not a block of a sharded 2-D array, so under jit the
+    partitioner replicates the operands (all-gathers a sharded ``shard``). Call it per shard inside
+    ``shard_map`` instead (docs/sharding.md).
     """
     _check_impl(impl)
     check_nvfp4_shape(rows, cols)
