@@ -125,6 +125,23 @@ def test_quantizer_sharded_equals_unsharded(recipe, shape, names, spec):
     check_quantizer_sharded(recipe, _mesh(shape, names), spec, _x(256, 512))
 
 
+@pytest.mark.parametrize("impl", ["reference", "custom_call"])
+def test_options_and_impls_sharded(impl):
+    """Every impl and the non-default options keep their bytes when sharded."""
+    mesh = _mesh((4, 2), ("fsdp", "tp"))
+    x = _x(128, 64, seed=9)
+    xs = jax.device_put(x, NamedSharding(mesh, P("fsdp", "tp")))
+    fns = {
+        "fp8": lambda v: jq.quantize_fp8(v, dtype=jnp.float8_e5m2, columnwise=True, amax_epsilon=1e-3,
+                                         force_pow_2_scales=True, compute_dtype=None, impl=impl),
+        "nvfp4": lambda v: jq.quantize_nvfp4(v, columnwise=True, compute_dtype=None, impl=impl),
+    }
+    for recipe, fn in fns.items():
+        f = jax.jit(fn)
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(f(xs)), jax.tree.leaves(f(x)))):
+            assert_bytes_equal(a, b, f"{recipe} {impl} output {i}")
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_explicit_axes_mesh(recipe):
     mesh = _mesh((4, 2), ("fsdp", "tp"), explicit=True)
@@ -323,7 +340,8 @@ def test_ops_inside_shard_map(manual):
     sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=(P("fsdp"), P(None, "fsdp"), P()),
                                **kw))
     data, data_t, amax = sm(jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
-    blocks = [jq.quantize_nvfp4(jnp.asarray(x[64 * i:64 * (i + 1)]), columnwise=True) for i in range(4)]
+    one = jax.jit(lambda v: jq.quantize_nvfp4(v, columnwise=True))
+    blocks = [one(x[64 * i:64 * (i + 1)]) for i in range(4)]
     assert_bytes_equal(data, jnp.concatenate([b.data for b in blocks]), "data")
     assert_bytes_equal(data_t, jnp.concatenate([b.data_t for b in blocks], axis=1), "data_t")
     assert_bytes_equal(amax, ops.amax(jnp.asarray(x)), "amax")
