@@ -261,7 +261,7 @@ def _partition(fn, rule: Rule, layout: _Layout, kwargs, mesh, arg_shapes, result
         local = [_to_local_padding(a, terms, layout.frame, frame_axes) for a, terms in zip(local, layout.operands)]
         out = fn(*local, **local_kwargs)
         outs = [out] if layout.single else list(out)
-        for n, (slot, terms) in enumerate(zip(layout.result_slots, layout.results)):
+        for slot, terms in zip(layout.result_slots, layout.results):
             value = outs[slot]
             how = rule.reduce.get(slot)
             if how is not None and reduce_axes:
@@ -283,10 +283,7 @@ def _to_global_padding(value, terms, frame, local_frame, frame_axes):
         if not names:
             continue  # not split: the local array is already the global one
         value = jax.lax.slice_in_dim(value, 0, local_frame[t.name] // t.div, axis=d)
-        value = jax.lax.all_gather(value, names, axis=d, tiled=True)
-        pad = [(0, 0)] * value.ndim
-        pad[d] = (0, -(-value.shape[d] // t.pad) * t.pad - value.shape[d])
-        value = jnp.pad(value, pad)
+        value = _pad_to_multiple(jax.lax.all_gather(value, names, axis=d, tiled=True), d, t.pad)
     for d, t in enumerate(terms):  # aligned padded dimensions: drop the local padding
         if t.pad != 1 and _aligned(t, frame) and frame_axes.get(t.name):
             value = jax.lax.slice_in_dim(value, 0, local_frame[t.name] // t.div, axis=d)
@@ -297,10 +294,15 @@ def _to_local_padding(value, terms, frame, frame_axes):
     """A block of an aligned padded operand is the local layout without its (zero) padding."""
     for d, t in enumerate(terms):
         if t.pad != 1 and _aligned(t, frame) and frame_axes.get(t.name):
-            pad = [(0, 0)] * value.ndim
-            pad[d] = (0, -(-value.shape[d] // t.pad) * t.pad - value.shape[d])
-            value = jnp.pad(value, pad)
+            value = _pad_to_multiple(value, d, t.pad)
     return value
+
+
+def _pad_to_multiple(value, axis: int, multiple: int):
+    """Zero rows appended along ``axis`` up to a multiple of ``multiple`` (the NVFP4 scale padding)."""
+    pad = [(0, 0)] * value.ndim
+    pad[axis] = (0, -value.shape[axis] % multiple)
+    return jnp.pad(value, pad)
 
 
 def _with_slots(items, layout: _Layout):
