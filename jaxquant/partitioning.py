@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import re
@@ -90,14 +91,24 @@ class Rule:
 
 
 def sharded(rule: Rule):
-    """Decorator: ``fn(*arrays, **static_kwargs)`` gets ``rule``'s sharding and batching rules."""
+    """Decorator: ``fn(*arrays, **static_kwargs)`` gets ``rule``'s sharding and batching rules.
+
+    Called on concrete arrays (outside any trace) the op runs jitted, with its keyword arguments
+    static: the rules are per-trace objects, which op-by-op execution would rebuild on every call.
+    """
 
     def decorate(fn):
+        static = tuple(name for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
         @functools.wraps(fn)
         def op(*arrays, **kwargs):
             if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in arrays) or (
                     rule.applies is not None and not rule.applies(arrays, kwargs)):
                 return fn(*arrays, **kwargs)
+            if not any(isinstance(a, jax.core.Tracer) for a in arrays):
+                if any(jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype for a in arrays):
+                    return fn(*arrays, **kwargs)  # jit would convert it (float64 -> float32) before the checks
+                return jitted(*arrays, **kwargs)
             explicit = _explicit_sharding(arrays[0])
             if explicit is None:
                 return _call(fn, op, rule, arrays, kwargs)
@@ -107,6 +118,7 @@ def sharded(rule: Rule):
             return jax.sharding.auto_axes(lambda *a: _call(fn, op, rule, a, kwargs),
                                           out_sharding=shardings)(*arrays)
 
+        jitted = jax.jit(op, static_argnames=static)
         op.rule = rule
         op.unpartitioned = fn
         return op
