@@ -112,10 +112,11 @@ def _batch_all(n, tree):
 
 def _fold_elementwise(op, n, batched, xs, kwargs):
     """fp8_cast / fp8_quantize: one shared amax and no transpose -> the cast is elementwise."""
-    if batched[1] or kwargs.get("columnwise"):
+    x, amax_value = xs
+    if batched[1] or kwargs.get("columnwise") or x.ndim < 2:
         return None
-    data, scale_inv, _ = op(*xs, **kwargs)
-    return data, _batch_all(n, scale_inv), None
+    data, scale_inv, _ = op(x.reshape(-1, x.shape[-1]), amax_value, **kwargs)  # rows of all items
+    return data.reshape(x.shape), _batch_all(n, scale_inv), None
 
 
 def _nonfinite_per_item(x, compute_dtype):
