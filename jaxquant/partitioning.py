@@ -17,8 +17,9 @@ by the frame dimension it follows: ``m`` / ``k`` (the op's logical [M, K]), ``k/
 ``1`` a dimension that is never split, ``-`` "every dimension never split" (any rank), ``*`` "one
 frame dimension per dimension of the first operand" (any rank; letters ``a``, ``b``, ...).
 
-Inside ``shard_map`` (every mesh axis manual) and on one device custom_partitioning inlines the op,
-so the ops keep working there unchanged.
+Where every mesh axis is manual (inside ``shard_map``, and inside the partitioned body itself) and
+on one device custom_partitioning inlines the op, so the ops keep working there unchanged; in a
+``shard_map`` over some of the axes the rule covers the others.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ _TERM = re.compile(r"^(?P<name>[a-z]|1)(?:/(?P<div>\d+))?(?:\^(?P<pad>\d+))?$")
 class Term:
     """One array dimension: frame dimension ``name`` divided by ``div``, padded to a multiple of ``pad``."""
 
-    name: str  # a frame letter, or "1" for a size-1 dimension
+    name: str  # a frame letter, or "1" for a dimension that is never split
     div: int = 1
     pad: int = 1
 
