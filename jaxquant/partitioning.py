@@ -18,8 +18,8 @@ by the frame dimension it follows: ``m`` / ``k`` (the op's logical [M, K]), ``k/
 frame dimension per dimension of the first operand" (any rank; letters ``a``, ``b``, ...).
 
 Where every mesh axis is manual (inside ``shard_map``, and inside the partitioned body itself) and
-on one device custom_partitioning inlines the op, so the ops keep working there unchanged; in a
-``shard_map`` over some of the axes the rule covers the others.
+on one device custom_partitioning inlines the op, so the ops keep working there unchanged (a
+``shard_map`` over some of the axes is tested with the other axes replicating the operands).
 """
 
 from __future__ import annotations
