@@ -83,6 +83,10 @@ def call(target: str, results, *args, input_output_aliases=None, **attrs):
 
     Inside ``shard_map`` the results vary over every mesh axis some input varies over, as any
     elementwise op's would (ffi_call alone marks them invariant, which check_vma rejects).
+
+    Batching: the ops with a rule in ``jaxquant.partitioning`` never reach this under ``vmap`` (their
+    batching rule folds the batch or loops over it); for the others (flat-range and grouped ops,
+    whose handlers take one tensor) the FFI runs the batch item by item ("sequential").
     """
     fn = jax.ffi.ffi_call(target, list(results), vmap_method="sequential",
                           input_output_aliases=input_output_aliases)

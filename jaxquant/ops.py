@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _ffi, formats, reference
+from jaxquant.partitioning import Rule, sharded
 from jaxquant.formats import TILE
 
 IMPLS = ("auto", "reference", "custom_call")
@@ -100,10 +101,79 @@ def _scalar(x) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
+# Batching folds (jaxquant.partitioning): a batch as one unbatched call where the op allows it
+# ----------------------------------------------------------------------------------------------
+
+
+def _batch_all(n, tree):
+    """Broadcast results that do not depend on the batch (e.g. a shared scale_inv) to it."""
+    return jax.tree.map(lambda v: jnp.broadcast_to(v, (n,) + v.shape), tree)
+
+
+def _fold_elementwise(op, n, batched, xs, kwargs):
+    """fp8_cast / fp8_quantize: one shared amax and no transpose -> the cast is elementwise."""
+    x, amax_value = xs
+    if batched[1] or kwargs.get("columnwise") or x.ndim < 2:
+        return None
+    data, scale_inv, _ = op(x.reshape(-1, x.shape[-1]), amax_value, **kwargs)  # rows of all items
+    return data.reshape(x.shape), _batch_all(n, scale_inv), None
+
+
+def _nonfinite_per_item(x, compute_dtype):
+    """int32 [B]: NaN/±inf elements of each batch item after compute_dtype rounding (one extra pass,
+    only in a folded batch, where the kernel's one count covers the whole batch)."""
+    v = x if compute_dtype is None else formats.to_compute_dtype(x, compute_dtype)
+    return jnp.sum(~jnp.isfinite(v), axis=tuple(range(1, v.ndim)), dtype=jnp.int32)
+
+
+def _fold_tile_amax(op, n, batched, xs, kwargs):
+    """nvfp4_tile_amax of whole [B, M, K] tensors: tiles are row-separable, B folds into M."""
+    (x,) = xs
+    rows = kwargs["rows"]
+    out = op(x.reshape(n * rows, -1), **dict(kwargs, rows=n * rows))
+    tiles = (out[0] if kwargs.get("return_nonfinite") else out).reshape(n, rows // TILE, -1)
+    return (tiles, _nonfinite_per_item(x, None)) if kwargs.get("return_nonfinite") else tiles
+
+
+def _fold_nvfp4_stats(op, n, batched, xs, kwargs):
+    (x,) = xs
+    tiles, _, _ = op(x.reshape(n * x.shape[1], x.shape[2]), **kwargs)
+    tiles = tiles.reshape(n, x.shape[1] // TILE, -1)
+    amax_per_item = jnp.max(tiles.reshape(n, -1), axis=1).reshape(n, 1)
+    return tiles, amax_per_item, _nonfinite_per_item(x, kwargs.get("compute_dtype", jnp.bfloat16))
+
+
+def _fold_nvfp4_quantize(op, n, batched, xs, kwargs):
+    """One shared amax, no columnwise copy and M % 128 == 0 (each item's scale rows unpadded)."""
+    x, tiles, amax_value = xs
+    rows, cols = x.shape[1], x.shape[2]
+    if batched[2] or not batched[0] or not batched[1] or kwargs.get("columnwise") or rows % 128:
+        return None
+    data, scale_inv, _, _ = op(x.reshape(n * rows, cols), tiles.reshape(n * rows // TILE, -1), amax_value,
+                               **kwargs)
+    return data.reshape(n, rows, -1), scale_inv.reshape(n, rows, -1), None, None
+
+
+# Sharding rules (jaxquant.partitioning; docs/sharding.md). Spec letters: m, k = the op's [M, K]
+# (a..: each dimension of an any-rank input); /d divides, ^p pads to a multiple of p; "" scalar.
+_NVFP4_TILES = "m/16 k/16"
+_NVFP4_DATA = ("m k/2", "m^128 k/16^4", "k m/2", "k^128 m/16^4")  # data, scale_inv, data_t, scale_inv_t
+_FP8_OUT = ("*", "", "b a")  # data, scale_inv, data_t (rank 2)
+
+
+def _whole_tensor(arrays, kwargs) -> bool:
+    """nvfp4_tile_amax of a whole 2-D tensor (not a flat range of one) is row/column-separable."""
+    x = arrays[0]
+    return x.shape == (kwargs.get("rows"), kwargs.get("cols")) and kwargs.get("start", 0) == 0
+
+
+# ----------------------------------------------------------------------------------------------
 # FP8 (docs/numerics.md §1)
 # ----------------------------------------------------------------------------------------------
 
 
+@sharded(Rule("amax", ("*",), results=lambda return_nonfinite=False, **_: ("", "") if return_nonfinite else "",
+               reduce={0: "max", 1: "sum"}))
 def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
     """max |x| over every element (NaN ignored, 0 when empty or all NaN), fp32 scalar.
 
@@ -121,6 +191,7 @@ def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
     return result if return_nonfinite else result[0]
 
 
+@sharded(Rule("fp8_cast", ("*", "-"), _FP8_OUT, fold=_fold_elementwise))
 def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
              force_pow_2_scales: bool = False, columnwise: bool = False, impl: str = "auto"):
     """Scale from ``amax_value`` and cast ``x`` to fp8. Returns (data, scale_inv, data_t or None).
@@ -158,6 +229,9 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
 # ----------------------------------------------------------------------------------------------
 
 
+@sharded(Rule("nvfp4_tile_amax", ("m k",), tile=TILE, frame_kwargs={"rows": "m", "cols": "k"},
+               results=lambda return_nonfinite=False, **_: (_NVFP4_TILES, "") if return_nonfinite else _NVFP4_TILES,
+               reduce={1: "sum"}, applies=_whole_tensor, fold=_fold_tile_amax))
 def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfinite: bool = False,
                     impl: str = "auto"):
     """Tile amax [rows/16, cols/16] of the tiles that flat elements [start, start+len) touch.
@@ -166,6 +240,9 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
     tiles it does not touch give 0, so a max over shards gives the whole tensor's tile amax.
     With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements of the shard,
     found in the same pass over memory.
+
+    Sharded under jit: a whole [rows, cols] tensor (``start=0``) is tiled per block, no collectives
+    (the count is sum-reduced); a flat range has no rule and is replicated (docs/sharding.md).
     """
     _check_impl(impl)
     check_nvfp4_shape(rows, cols)
@@ -184,6 +261,8 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
     return result if return_nonfinite else result[0]
 
 
+@sharded(Rule("nvfp4_scale", (_NVFP4_TILES, "-"), _NVFP4_DATA[1], tile=TILE,
+               frame_kwargs={"rows": "m", "cols": "k"}))
 def nvfp4_scale(tile_amax, amax_value, *, rows: int, cols: int, impl: str = "auto") -> jax.Array:
     """Tile amaxes + global amax -> padded E4M3 scale_inv [ru(rows,128), ru(cols/16,4)] (uint8)."""
     check_nvfp4_shape(rows, cols)
@@ -202,6 +281,10 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
     ``data_bytes`` is the existing byte range [start//2, (start+len+1)//2) of the packed data; the
     result is that range with only the shard's nibbles replaced (the neighbour's nibble of a shared
     boundary byte is kept). Under jit the result aliases ``data_bytes``; donate it to update in place.
+
+    No sharding rule: a flat element range is not a block of a sharded 2-D array, so under jit the
+    partitioner replicates the operands (all-gathers a sharded ``shard``). Call it per shard inside
+    ``shard_map`` instead (docs/sharding.md).
     """
     _check_impl(impl)
     check_nvfp4_shape(rows, cols)
@@ -227,6 +310,7 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
     return _dispatch(impl, custom, ref, flat, data_bytes, scale_inv, _scalar(amax_value))
 
 
+@sharded(Rule("nvfp4_transpose", (_NVFP4_DATA[0],), _NVFP4_DATA[2], tile=TILE))
 def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
     """Packed NVFP4 data [M, K/2] -> packed transpose [K, M/2] (uint8)."""
     if not hasattr(data, "dtype") or jnp.dtype(data.dtype) != jnp.uint8 or data.ndim != 2:
@@ -239,6 +323,8 @@ def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
     return _dispatch(impl, custom, reference.nvfp4_transpose, data)
 
 
+@sharded(Rule("nvfp4_scale_transpose", (_NVFP4_DATA[1],), _NVFP4_DATA[3], tile=TILE,
+               frame_kwargs={"rows": "m", "cols": "k"}))
 def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto") -> jax.Array:
     """Rowwise scales [ru(M,128), ru(K/16,4)] -> columnwise scales [ru(K,128), ru(M/16,4)]."""
     check_nvfp4_shape(rows, cols)
@@ -298,6 +384,7 @@ def _nvfp4_quantize_reference(v, tile_amax, amax_value, *, rows: int, cols: int,
             reference.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols))
 
 
+@sharded(Rule("fp8_stats", ("*",), ("", ""), reduce={0: "max", 1: "sum"}))
 def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     """(amax fp32 scalar, non-finite count int32 scalar) of ``x`` after ``compute_dtype`` rounding.
 
@@ -312,6 +399,7 @@ def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     return _dispatch(impl, custom, ref, x)
 
 
+@sharded(Rule("fp8_quantize", ("*", "-"), _FP8_OUT, fold=_fold_elementwise))
 def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bfloat16,
                  amax_epsilon: float = 0.0, force_pow_2_scales: bool = False, columnwise: bool = False,
                  impl: str = "auto"):
@@ -345,6 +433,8 @@ def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bf
     return res[0], res[1], (res[2] if columnwise else None)
 
 
+@sharded(Rule("nvfp4_stats", ("m k",), (_NVFP4_TILES, "1", ""), reduce={1: "max", 2: "sum"}, tile=TILE,
+               fold=_fold_nvfp4_stats))
 def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     """(tile_amax fp32 [M/16, K/16], amax fp32 [1], non-finite count int32 scalar) of a [M, K] ``x``
     after ``compute_dtype`` rounding. One read of ``x`` (custom call ``jq_nvfp4_stats``)."""
@@ -363,6 +453,7 @@ def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     return _dispatch(impl, custom, ref, x)
 
 
+@sharded(Rule("nvfp4_quantize", ("m k", _NVFP4_TILES, "-"), _NVFP4_DATA, tile=TILE, fold=_fold_nvfp4_quantize))
 def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, columnwise: bool = False,
                    impl: str = "auto"):
     """(data, scale_inv, data_t or None, scale_inv_t or None) of a [M, K] ``x`` (after

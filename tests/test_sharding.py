@@ -1,0 +1,347 @@
+"""Sharding and batching rules of the single-tensor quantizers and the ops (docs/sharding.md).
+
+Under plain ``jax.jit`` on a NamedSharding input: bytes equal the unsharded result, the compiled
+HLO has no all-gather of the input and one max all-reduce over exactly the axes that shard it,
+outputs are sharded like the input (columnwise ones transposed). Also: errors for blocks off the
+16x16 grid, vmap equal to a Python loop, ops inside shard_map. 8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxquant as jq
+from jaxquant import ops
+from conftest import assert_bytes_equal, assert_bytes_equal_nan_aware
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: run with "
+                                "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers (also used by tests/test_sharding_gpu.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def collectives(hlo: str) -> list[tuple[str, str, int]]:
+    """(kind, result type, replica group size) of every all-gather / all-reduce / all-to-all /
+    collective-permute in compiled HLO text."""
+    found = []
+    for line in hlo.splitlines():
+        hit = re.search(r"=\s*(\S+)\s+(all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(", line)
+        if not hit:
+            continue
+        groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+        iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+        size = len(groups.group(1).split(",")) if groups else int(iota.group(2)) if iota else -1
+        found.append((hit.group(2), hit.group(1), size))
+    return found
+
+
+def shards_of(mesh, spec) -> int:
+    axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def norm(spec, ndim: int, mesh=None) -> tuple:
+    """PartitionSpec entries as tuples of axis names padded to ``ndim``; axes of size 1 (which
+    split nothing, and XLA drops) left out when ``mesh`` is given."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    out = []
+    for e in entries:
+        axes = () if e is None else (e if isinstance(e, tuple) else (e,))
+        out.append(tuple(a for a in axes if mesh is None or mesh.shape[a] > 1))
+    return tuple(out)
+
+
+def transposed(spec) -> P:
+    entries = list(spec) + [None] * (2 - len(spec))
+    return P(entries[1], entries[0])
+
+
+QUANTIZERS = {
+    "nvfp4": jax.jit(lambda v: jq.quantize_nvfp4(v, columnwise=True)),
+    "fp8": jax.jit(lambda v: jq.quantize_fp8(v, columnwise=True)),
+}
+
+
+def check_quantizer_sharded(recipe: str, mesh, spec, x: np.ndarray) -> None:
+    """Bytes equal to unsharded, no all-gather, one max all-reduce over the input's axes, output
+    shardings as docs/sharding.md states (scale layouts aligned: x's shape chosen so)."""
+    q = QUANTIZERS[recipe]
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    compiled = q.lower(xs).compile()
+    out, ref = compiled(xs), q(x)
+    for name in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if recipe == "nvfp4" else ()):
+        assert_bytes_equal(getattr(out, name), getattr(ref, name), f"{recipe} {spec} {name}")
+    kinds = collectives(compiled.as_text())
+    assert not [k for k in kinds if k[0] != "all-reduce"], f"{spec}: unexpected collectives {kinds}"
+    n = shards_of(mesh, spec)
+    if n > 1:
+        assert len(kinds) == 1 and kinds[0][2] == n, f"{spec}: want one all-reduce over {n} devices, got {kinds}"
+    same, swapped = norm(spec, 2, mesh), norm(transposed(spec), 2, mesh)
+    assert norm(out.data.sharding.spec, 2, mesh) == same
+    assert norm(out.data_t.sharding.spec, 2, mesh) == swapped
+    assert norm(out.amax.sharding.spec, out.amax.ndim, mesh) == ((),) * out.amax.ndim
+    if recipe == "nvfp4":
+        assert norm(out.scale_inv.sharding.spec, 2, mesh) == same
+        assert norm(out.scale_inv_t.sharding.spec, 2, mesh) == swapped
+
+
+def _mesh(shape, names, explicit=False):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit if explicit else AxisType.Auto,) * 2)
+
+
+def _x(rows, cols, seed=0):
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.uniform(-3, 3, size=(rows // 16, cols // 16))
+    return (rng.standard_normal((rows, cols)) * np.kron(scale, np.ones((16, 16)))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantizers under jit on sharded inputs
+# ----------------------------------------------------------------------------------------------
+
+CASES = [  # (mesh shape, axis names, spec); [256, 512] is aligned to every split below
+    ((2, 4), ("tp", "fsdp"), P("tp", None)),
+    ((4, 2), ("tp", "fsdp"), P(None, "tp")),
+    ((2, 4), ("tp", "fsdp"), P(("tp", "fsdp"), None)),
+    ((4, 2), ("fsdp", "tp"), P("fsdp", "tp")),
+    ((8, 1), ("fsdp", "tp"), P("fsdp", "tp")),
+    ((1, 8), ("rows", "cols"), P("rows", "cols")),
+    ((2, 4), ("a", "b"), P("b", "a")),
+]
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("shape,names,spec", CASES, ids=[f"{s}-{sp}" for s, _, sp in CASES])
+def test_quantizer_sharded_equals_unsharded(recipe, shape, names, spec):
+    check_quantizer_sharded(recipe, _mesh(shape, names), spec, _x(256, 512))
+
+
+@pytest.mark.parametrize("impl", ["reference", "custom_call"])
+def test_options_and_impls_sharded(impl):
+    """Every impl and the non-default options keep their bytes when sharded."""
+    mesh = _mesh((4, 2), ("fsdp", "tp"))
+    x = _x(128, 64, seed=9)
+    xs = jax.device_put(x, NamedSharding(mesh, P("fsdp", "tp")))
+    fns = {
+        "fp8": lambda v: jq.quantize_fp8(v, dtype=jnp.float8_e5m2, columnwise=True, amax_epsilon=1e-3,
+                                         force_pow_2_scales=True, compute_dtype=None, impl=impl),
+        "nvfp4": lambda v: jq.quantize_nvfp4(v, columnwise=True, compute_dtype=None, impl=impl),
+    }
+    for recipe, fn in fns.items():
+        f = jax.jit(fn)
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(f(xs)), jax.tree.leaves(f(x)))):
+            assert_bytes_equal(a, b, f"{recipe} {impl} output {i}")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_explicit_axes_mesh(recipe):
+    mesh = _mesh((4, 2), ("fsdp", "tp"), explicit=True)
+    check_quantizer_sharded(recipe, mesh, P("fsdp", "tp"), _x(256, 512, seed=1))
+
+
+def test_nvfp4_scales_off_the_128x4_layout_are_replicated():
+    """M = 192 (not a multiple of 128) and K/16 = 6 (not a multiple of 4): the global padded scale
+    arrays cannot be split into the local ones, so they come out replicated, built from the local
+    scale rows (uint8 all-gathers of the scales only, never of the input)."""
+    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    x = _x(192, 96, seed=2)
+    xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+    compiled = QUANTIZERS["nvfp4"].lower(xs).compile()
+    out, ref = compiled(xs), QUANTIZERS["nvfp4"](x)
+    for name in ("data", "scale_inv", "amax", "data_t", "scale_inv_t"):
+        assert_bytes_equal(getattr(out, name), getattr(ref, name), name)
+    assert norm(out.data.sharding.spec, 2) == (("tp",), ())
+    assert norm(out.scale_inv.sharding.spec, 2) == ((), ())
+    gathers = [k for k in collectives(compiled.as_text()) if k[0] == "all-gather"]
+    assert gathers and all(t.startswith("u8[") for _, t, _ in gathers), gathers
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("shape,spec", [((32, 64), P("fsdp", None)), ((64, 48), P(None, "fsdp"))])
+def test_blocks_off_the_16_grid_are_an_error(explicit, shape, spec):
+    mesh = _mesh((2, 4), ("tp", "fsdp"), explicit=explicit)
+    xs = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, spec))
+    with pytest.raises(Exception, match=r"nvfp4_stats: input sharding P\(.*'fsdp'.*\) splits dimension .* "
+                                        r"16x16 scale grid"):
+        jax.jit(jq.quantize_nvfp4)(xs)
+    # FP8 has no grid: the same sharding works
+    assert_bytes_equal(jax.jit(jq.quantize_fp8)(xs).data, jq.quantize_fp8(jnp.ones(shape, jnp.float32)).data)
+
+
+# ----------------------------------------------------------------------------------------------
+# check_finite (issue 11 item 4)
+# ----------------------------------------------------------------------------------------------
+
+
+def _with_nonfinite(rows, cols):
+    x = _x(rows, cols, seed=3)
+    x[0, 0], x[rows - 1, cols - 1], x[rows // 2, 3] = np.nan, np.inf, -np.inf
+    x[5, cols // 2 + 1] = 3.4e38  # finite in fp32, +inf after rounding to bfloat16
+    return x
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_check_finite_counts_and_leaves_tensor_unchanged(recipe):
+    quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
+    x = _with_nonfinite(64, 64)
+    t, count = quant(jnp.asarray(x), check_finite=True)
+    assert int(count) == 4  # NaN, +inf, -inf, and the value that overflows bfloat16
+    _, count_fp32 = quant(jnp.asarray(x), check_finite=True, compute_dtype=None)
+    assert int(count_fp32) == 3
+    plain = quant(jnp.asarray(x))
+    compare = assert_bytes_equal if recipe == "nvfp4" else assert_bytes_equal_nan_aware
+    compare(t.data, plain.data, "data")
+    _, clean = quant(jnp.asarray(_x(64, 64)), check_finite=True)
+    assert int(clean) == 0
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_check_finite_sharded_sums_over_shards(recipe):
+    quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
+    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    x = _with_nonfinite(128, 256)
+    xs = jax.device_put(x, NamedSharding(mesh, P("tp", "fsdp")))
+    compiled = jax.jit(lambda v: quant(v, check_finite=True)).lower(xs).compile()
+    (t, count), (t_ref, count_ref) = compiled(xs), quant(jnp.asarray(x), check_finite=True)
+    assert int(count) == int(count_ref) == 4
+    compare = assert_bytes_equal if recipe == "nvfp4" else assert_bytes_equal_nan_aware
+    compare(t.data, t_ref.data, "data")
+    kinds = collectives(compiled.as_text())
+    assert sorted(k[1][:3] for k in kinds) == ["f32", "s32"] and all(k[0] == "all-reduce" for k in kinds), kinds
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives of jaxquant.ops under jit on sharded inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def _primitive_cases(x, amax1):
+    rows, cols = x.shape
+    tiles = ops.nvfp4_tile_amax(x, rows=rows, cols=cols)
+    scale = ops.nvfp4_scale(tiles, amax1, rows=rows, cols=cols)
+    data = ops.nvfp4_quantize(x, tiles, amax1)[0]
+    return {  # name -> (function of the sharded operand, operand, result is sharded like the operand)
+        "amax": (lambda v: ops.amax(v, return_nonfinite=True), x, False),
+        "fp8_cast": (lambda v: ops.fp8_cast(v, amax1, columnwise=True), x, True),
+        "nvfp4_tile_amax": (lambda v: ops.nvfp4_tile_amax(v, rows=rows, cols=cols), x, True),
+        "nvfp4_scale": (lambda v: ops.nvfp4_scale(v, amax1, rows=rows, cols=cols), tiles, True),
+        "nvfp4_transpose": (ops.nvfp4_transpose, data, False),
+        "nvfp4_scale_transpose": (lambda v: ops.nvfp4_scale_transpose(v, rows=rows, cols=cols), scale, False),
+    }
+
+
+@pytest.mark.parametrize("name", ["amax", "fp8_cast", "nvfp4_tile_amax", "nvfp4_scale", "nvfp4_transpose",
+                                  "nvfp4_scale_transpose"])
+def test_primitives_sharded(name):
+    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    x = jnp.asarray(_x(256, 512, seed=4))
+    fn, operand, same_spec = _primitive_cases(x, ops.amax(x).reshape(1))[name]
+    spec = P("tp", "fsdp")
+    xs = jax.device_put(operand, NamedSharding(mesh, spec))
+    compiled = jax.jit(fn).lower(xs).compile()
+    out, ref = compiled(xs), jax.jit(fn)(operand)
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
+        assert_bytes_equal(a, b, f"{name} output {i}")
+    kinds = collectives(compiled.as_text())
+    assert all(k[0] == "all-reduce" for k in kinds), f"{name}: {kinds}"
+    assert len(kinds) == (2 if name == "amax" else 0), f"{name}: {kinds}"
+    first = jax.tree.leaves(out)[0]
+    want = (((), ()) if name == "amax" else norm(spec, 2) if same_spec else (("fsdp",), ("tp",)))
+    assert norm(first.sharding.spec, first.ndim) == want[:first.ndim], first.sharding
+
+
+def test_flat_range_primitive_still_correct_when_sharded():
+    """nvfp4_cast_partial reads a flat element range: it has no sharding rule (its docstring says the
+    partitioner replicates its operands) but stays correct."""
+    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    x = jnp.asarray(_x(64, 128, seed=5))
+    amax1 = ops.amax(x).reshape(1)
+    scale = ops.nvfp4_scale(ops.nvfp4_tile_amax(x, rows=64, cols=128), amax1, rows=64, cols=128)
+    fn = lambda v: ops.nvfp4_cast_partial(v.reshape(-1), jnp.zeros((64 * 64,), jnp.uint8), scale, amax1,
+                                          rows=64, cols=128)
+    xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+    assert_bytes_equal(jax.jit(fn)(xs), fn(x), "cast_partial")
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching
+# ----------------------------------------------------------------------------------------------
+
+
+def _batch():
+    x = np.stack([_x(128, 64, seed=s) * np.float32(s + 1) for s in range(3)])
+    x[1, 3, 4] = np.nan
+    x[2, 100, 7] = np.inf
+    return jnp.asarray(x)
+
+
+def _loops(jaxpr) -> bool:
+    text = str(jaxpr)
+    return "scan[" in text or "while[" in text
+
+
+def _assert_batch_equals_loop(f, xb, what):
+    out, one = jax.jit(jax.vmap(f))(xb), jax.jit(f)
+    for i in range(xb.shape[0]):
+        for j, (a, b) in enumerate(zip(jax.tree.leaves(jax.tree.map(lambda o: o[i], out)), jax.tree.leaves(one(xb[i])))):
+            assert_bytes_equal_nan_aware(a, b, f"{what} item {i} output {j}") if a.dtype != jnp.uint8 else \
+                assert_bytes_equal(a, b, f"{what} item {i} output {j}")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_vmap_quantizer_equals_loop(recipe):
+    quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
+    _assert_batch_equals_loop(lambda v: quant(v, columnwise=True, check_finite=True), _batch(), recipe)
+
+
+def test_vmap_folds_row_separable_ops_into_one_call():
+    """NVFP4 statistics, and casts with one shared amax, fold the batch into the rows: the batched
+    program is one call (no loop), per-item amax and counts still per item."""
+    xb = _batch()
+    shared = ops.amax(xb).reshape(1)
+    folded = {
+        "nvfp4_stats": lambda v: ops.nvfp4_stats(v),
+        "nvfp4_tile_amax": lambda v: ops.nvfp4_tile_amax(v, rows=128, cols=64, return_nonfinite=True),
+        "nvfp4_quantize_shared_amax": lambda v: ops.nvfp4_quantize(v, ops.nvfp4_stats(v)[0], shared),
+        "fp8_cast_shared_amax": lambda v: ops.fp8_cast(v, shared),
+    }
+    for name, f in folded.items():
+        _assert_batch_equals_loop(f, xb, name)
+        assert not _loops(jax.make_jaxpr(jax.vmap(f))(xb)), f"{name}: batch ran as a loop"
+    # per-tensor amax of each item cannot fold: a loop, still equal to the Python loop
+    assert _loops(jax.make_jaxpr(jax.vmap(ops.amax))(xb))
+    _assert_batch_equals_loop(lambda v: ops.amax(v, return_nonfinite=True), xb, "amax")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside shard_map (manual axes): the ops run on the local block as before
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("manual", [None, frozenset({"fsdp"})], ids=["all-axes", "fsdp-only"])
+def test_ops_inside_shard_map(manual):
+    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    x = _x(256, 128, seed=6)
+
+    def body(v):
+        t = jq.quantize_nvfp4(v, columnwise=True)
+        return t.data, t.data_t, jax.lax.pmax(ops.amax(v), "fsdp")
+
+    kw = {} if manual is None else {"axis_names": manual}
+    sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=(P("fsdp"), P(None, "fsdp"), P()),
+                               **kw))
+    data, data_t, amax = sm(jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+    one = jax.jit(lambda v: jq.quantize_nvfp4(v, columnwise=True))
+    blocks = [one(x[64 * i:64 * (i + 1)]) for i in range(4)]
+    assert_bytes_equal(data, jnp.concatenate([b.data for b in blocks]), "data")
+    assert_bytes_equal(data_t, jnp.concatenate([b.data_t for b in blocks], axis=1), "data_t")
+    assert_bytes_equal(amax, ops.amax(jnp.asarray(x)), "amax")
