@@ -305,7 +305,8 @@ def test_hlo_nvfp4_gathers_half_numel_bytes_and_one_pmax(check_finite):
     assert len(reduces) == 1, reduces                              # one all-reduce for the whole group
     rtype, rlen, comp = reduces[0]
     n_tiles = sum(m * k // 256 for m, k in shapes)
-    assert rtype == "s32" and int(rlen) == n_tiles + (S * len(shapes) if check_finite else 0)
+    # tile amaxes, then one amax per parameter, then the [S, P] non-finite block
+    assert rtype == "s32" and int(rlen) == n_tiles + len(shapes) + (S * len(shapes) if check_finite else 0)
     assert _reduction_is_max(hlo, comp)
     assert "all-to-all" not in hlo and "collective-permute" not in hlo
     # No branch on the shard index: XLA:GPU runs a conditional with a device-to-host copy.

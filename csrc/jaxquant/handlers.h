@@ -17,7 +17,10 @@
   X("jq_nvfp4_group_tile_amax", JqNvfp4GroupTileAmax) \
   X("jq_nvfp4_group_cast", JqNvfp4GroupCast)         \
   X("jq_fp8_group_amax", JqFp8GroupAmax)             \
-  X("jq_fp8_group_cast", JqFp8GroupCast)
+  X("jq_fp8_group_cast", JqFp8GroupCast)             \
+  X("jq_nvfp4_group_scale", JqNvfp4GroupScale)       \
+  X("jq_nvfp4_group_columnwise", JqNvfp4GroupColumnwise) \
+  X("jq_fp8_group_transpose", JqFp8GroupTranspose)
 
 #define JQ_NO_CTX
 #define JQ_CUDA_CTX .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
@@ -75,6 +78,7 @@
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::S32>>());                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupCast##S, GroupCast##S,                                  \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
@@ -94,4 +98,22 @@
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::AnyBuffer>());
+                                    .Ret<F::AnyBuffer>());                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupScale##S, GroupScale##S,                                \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::F32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupColumnwise##S, GroupColumnwise##S,                      \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
+                                    .Arg<F::Buffer<F::U8>>()                                        \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<int64_t>("num_blocks")                                    \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::U8>>());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupTranspose##S, Fp8GroupTranspose##S,                       \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<int64_t>("num_blocks")                                    \
+                                    .Ret<F::Buffer<F::U8>>());
