@@ -191,6 +191,11 @@ def test_manual_post_all_gather_processing():
     for q, w in zip(out, ws):
         _assert_same(q, _reference(w, "nvfp4", columnwise=True))
     assert D.post_all_gather_processing(out[0], impl=IMPL) is out[0]
+    out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe="fp8", impl=IMPL,
+                                    columnwise=True)
+    out = D.post_all_gather_processing(out, impl=IMPL)      # one grouped transpose for the list
+    for q, w in zip(out, ws):
+        _assert_same(q, _reference(w, "fp8", columnwise=True))
 
 
 def test_compute_dtype_none_and_fp8_options():
