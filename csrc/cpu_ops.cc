@@ -322,6 +322,7 @@ ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> sc
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, kNoBound, true));
+  JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, data, scale_inv));
   const GroupTable table{as_i64(table_words), num_params};
   for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
     data_t->typed_data()[y] = group_data_t_byte(table, data.typed_data(), y);

@@ -183,9 +183,16 @@ inline ffi::Error check_group_columnwise(const ffi::Buffer<ffi::U8>& data, const
   if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
   *num_params = static_cast<int64_t>(table.element_count() / kWords);
   if (data_t.element_count() != data.element_count()) return invalid("data_t: must have as many bytes as data");
-  const GroupTable t{reinterpret_cast<const int64_t*>(table.typed_data()), *num_params};
-  if (*num_params > 0) {
-    const int64_t last = *num_params - 1, rows = t.at(last, GroupTable::kRows), cols = t.at(last, GroupTable::kCols);
+  return ffi::Error::Success();
+}
+
+// Host-readable table (CPU): the group's packed bytes and scales fit in data and scale_inv.
+inline ffi::Error check_group_columnwise_bounds(const int64_t* table, int64_t num_params,
+                                                const ffi::Buffer<ffi::U8>& data,
+                                                const ffi::Buffer<ffi::U8>& scale_inv) {
+  const GroupTable t{table, num_params};
+  if (num_params > 0) {
+    const int64_t last = num_params - 1, rows = t.at(last, GroupTable::kRows), cols = t.at(last, GroupTable::kCols);
     if (t.at(last, GroupTable::kByteBase) + rows * cols / 2 > static_cast<int64_t>(data.element_count()))
       return invalid("data: shorter than the group's packed bytes");
     if (t.at(last, GroupTable::kScaleBase) + nvfp4_scale_rows(rows) * nvfp4_scale_cols(cols) >
