@@ -189,7 +189,7 @@ const int64_t* as_i64(const ffi::Buffer<ffi::U32>& words) { return reinterpret_c
 constexpr int64_t kNoBound = INT64_MAX / 4;
 
 ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                            ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                             ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   const IeeeSubnormals ieee;
   int64_t num_params;
@@ -213,7 +213,7 @@ ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::
     if (p < 0) continue;
     const int64_t e = g - table.at(p, GroupTable::kOffset);
     if (e >= table.at(p, GroupTable::kNumel)) continue;  // alignment padding
-    const float v = load_as_float(x.untyped_data(), bf16, i);
+    const float v = load_compute(x.untyped_data(), bf16, round_bf16, i);
     float& slot = t[table.tile_of(p, e)];
     slot = std::max(slot, abs_ignoring_nan(v));
     a[p] = std::max(a[p], abs_ignoring_nan(v));
@@ -223,7 +223,7 @@ ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::
 }
 
 ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                        ffi::Buffer<ffi::U32> chunk_lo_words, ffi::Buffer<ffi::F32> enc,
+                        ffi::Buffer<ffi::U32> chunk_lo_words, ffi::Buffer<ffi::F32> enc, bool round_bf16,
                         ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
   const IeeeSubnormals ieee;
   int64_t num_params;
@@ -246,7 +246,7 @@ ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buff
       const float m = enc.typed_data()[table.tile_of(p, e0)];
       for (int k = 0; k < 2; ++k) {
         const int64_t i = table.at(p, GroupTable::kOffset) + e0 + k - r * n;
-        if (i >= 0 && i < n) byte |= float_to_e2m1(load_as_float(x.untyped_data(), bf16, i) * m) << (4 * k);
+        if (i >= 0 && i < n) byte |= float_to_e2m1(load_compute(x.untyped_data(), bf16, round_bf16, i) * m) << (4 * k);
       }
     }
     out[j] = byte;
@@ -255,7 +255,7 @@ ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buff
 }
 
 ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                           ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+                           bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   const IeeeSubnormals ieee;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
@@ -273,7 +273,7 @@ ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
     if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
-    const float v = load_as_float(x.untyped_data(), bf16, i);
+    const float v = load_compute(x.untyped_data(), bf16, round_bf16, i);
     a[p] = std::max(a[p], abs_ignoring_nan(v));
     c[p] += is_finite(v) ? 0 : 1;
   }
@@ -281,7 +281,7 @@ ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
 }
 
 ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> data) {
+                           ffi::Buffer<ffi::F32> scale, bool round_bf16, ffi::Result<ffi::AnyBuffer> data) {
   const IeeeSubnormals ieee;
   int64_t num_params;
   bool e5m2;
@@ -295,7 +295,7 @@ ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
     const bool inside = p >= 0 && g - table.at(p, GroupTable::kOffset) < table.at(p, GroupTable::kNumel);
-    out[i] = inside ? fp8_encode(load_as_float(x.untyped_data(), bf16, i) * scale.typed_data()[p], e5m2) : 0;
+    out[i] = inside ? fp8_encode(load_compute(x.untyped_data(), bf16, round_bf16, i) * scale.typed_data()[p], e5m2) : 0;
   }
   return ffi::Error::Success();
 }

@@ -556,13 +556,18 @@ constexpr int kGroupElems = 16;
 __host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
 
 // Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
-__device__ __forceinline__ void load16(const void* x, bool bf16, int64_t i0, int64_t n, float v[16]) {
+// With round_bf16 each value is rounded to bfloat16 as it is loaded (load_compute).
+__device__ __forceinline__ void load16(const void* x, bool bf16, bool round_bf16, int64_t i0, int64_t n, float v[16]) {
   if (i0 + 16 <= n) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+    if (round_bf16) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = i0 + k < n ? load_as_float(x, bf16, i0 + k) : 0.0f;
+    for (int k = 0; k < 16; ++k) v[k] = i0 + k < n ? load_compute(x, bf16, round_bf16, i0 + k) : 0.0f;
   }
 }
 
@@ -570,7 +575,7 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m);
 
 // Each block covers one contiguous range of the shard (coalesced within the block), so a thread
 // meets few parameters and the per-parameter amax atomics stay rare (see fp8_group_amax_kernel).
-__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                        GroupTable table, int64_t num_tiles, float* __restrict__ tile_amax,
                                        float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
@@ -581,7 +586,7 @@ __global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, in
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
-    load16(x, bf16, i0, n, v);
+    load16(x, bf16, round_bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(g0);
     int64_t held = -1, row = 0, col = 0, cols = 1, tile_base = 0, tile = -1;
@@ -622,7 +627,7 @@ __global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, in
 }
 
 ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                             ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
+                             ffi::Buffer<ffi::U32> table_words, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
                              ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
@@ -634,7 +639,7 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     group_tile_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
-        x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
         amax->typed_data(), counts->typed_data());
   }
@@ -643,7 +648,7 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
 
 // Threads own 8 consecutive bytes of the group's param-byte space (8-aligned, so 16 elements of
 // one parameter, one row and one tile: byte bases are multiples of 128).
-__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                   GroupTable table, const int64_t* chunk_lo, int64_t num_shards,
                                   const float* __restrict__ enc, int64_t num_tiles, uint8_t* __restrict__ out,
                                   int64_t size) {
@@ -666,13 +671,17 @@ __global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t
       if (i0 >= 0 && i0 + 16 <= n) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+        if (round_bf16) {
+#pragma unroll
+          for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+        }
 #pragma unroll
         for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * m, v[2 * k + 1] * m);
       } else {  // the shard owns part of these 16 elements (or none)
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
           const int64_t i = i0 + k;
-          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_as_float(x, bf16, i) * m) << (4 * (k % 2));
+          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_compute(x, bf16, round_bf16, i) * m) << (4 * (k % 2));
         }
       }
     }
@@ -693,7 +702,7 @@ __global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t
 
 ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
                          ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::U32> chunk_lo_words,
-                         ffi::Buffer<ffi::F32> enc, ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
+                         ffi::Buffer<ffi::F32> enc, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
   if (chunk_lo_words.element_count() % 2) return invalid("chunk_lo: must be int64 values as uint32 words");
@@ -705,7 +714,7 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return last_error("group cast memset");
   }
   group_cast_kernel<<<grid_for(size / 8 + 2), kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, static_cast<int64_t>(x.element_count()),
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, static_cast<int64_t>(x.element_count()),
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
       i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
       static_cast<int64_t>(enc.element_count()), chunk->typed_data(), size);
@@ -728,7 +737,7 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m) {
 
 // Each block reduces one contiguous range of the shard (coalesced within the block), so a thread
 // meets few parameters and the per-parameter atomics (few addresses, all blocks) stay rare.
-__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                       GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
   const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
@@ -738,7 +747,7 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
-    load16(x, bf16, i0, n, v);
+    load16(x, bf16, round_bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(g0);
 #pragma unroll
@@ -757,7 +766,7 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int
 }
 
 ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                            ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Buffer<ffi::U32> table_words, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                             ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
@@ -768,20 +777,20 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     fp8_group_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
-        x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
   }
   return last_error("fp8 group amax kernel");
 }
 
-__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                       GroupTable table, const float* __restrict__ scale, bool e5m2,
                                       uint8_t* __restrict__ out) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
   for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i0 = grp * kGroupElems;
     float v[16];
-    load16(x, bf16, i0, n, v);
+    load16(x, bf16, round_bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(r * n + i0);
     uint8_t q[16];
@@ -811,7 +820,7 @@ __global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, int
 }
 
 ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                            ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale, bool round_bf16,
                             ffi::Result<ffi::AnyBuffer> data) {
   int64_t num_params;
   bool e5m2;
@@ -823,7 +832,7 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     return last_error("fp8 group cast memset");
   }
   fp8_group_cast_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
       GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
   return last_error("fp8 group cast kernel");

@@ -3,7 +3,8 @@
 Per device, under ``shard_map`` over the data-parallel mesh axis ``axis`` (and, for FSDP x TP
 layouts, the tensor-parallel axis ``tp_axis``):
 
-1. convert the local shard of the flat master buffer to ``compute_dtype``;
+1. (``compute_dtype`` rounding happens inside the grouped ops of steps 2 and 5, as they read the
+   shard: no separate conversion pass);
 2. partial statistics of every parameter over the shard, one grouped op for the group
    (``ops.nvfp4_group_tile_amax``: tile amaxes and amaxes; ``ops.fp8_group_amax``), non-finite
    counts from the same pass;
@@ -247,15 +248,15 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     if size != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has {size} devices")
     _check_tp(layout, tp_axis, _axis_size)
-    x = shard if compute_dtype is None else formats.to_compute_dtype(shard, compute_dtype)
+    cd = None if compute_dtype is None else jnp.dtype(compute_dtype)   # rounded inside the grouped ops
     build_columnwise = columnwise and not manual_post_all_gather_processing
     mesh_axes = _MeshAxes(axis, tp_axis, layout.tp_size)
     if layout.num_params == 0:
         weights, counts = [], jnp.zeros(_counts_shape(layout, tp_axis), jnp.int32)
     elif recipe == "nvfp4":
-        weights, counts = _nvfp4_local(x, layout, mesh_axes, check_finite, build_columnwise, impl)
+        weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, impl)
     else:
-        weights, counts = _fp8_local(x, layout, mesh_axes, check_finite, build_columnwise, jnp.dtype(fp8_dtype),
+        weights, counts = _fp8_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, jnp.dtype(fp8_dtype),
                                      float(amax_epsilon), bool(force_pow_2_scales), impl)
     if not check_finite:
         return weights
@@ -312,14 +313,14 @@ def _gather(chunk, axis):
     return jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")
 
 
-def _nvfp4_local(x, layout, axes: _MeshAxes, check_finite, build_columnwise, impl):
+def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, impl):
     S = layout.num_shards
     table = _group_table(layout, True)
     rows = gtable.rows_of(table)
     plan = nvfp4_chunks(layout)
     r = jax.lax.axis_index(axes.axis)
     tiles, amax, counts = ops.nvfp4_group_tile_amax(x, r, table=table, num_shards=S, return_nonfinite=True,
-                                                    impl=impl)
+                                                    compute_dtype=compute_dtype, impl=impl)
     if axes.tp_axis is None:
         (tiles, amax), counts = _reduce_stats([tiles, amax], counts, layout, axes, check_finite)
     else:   # TP-local tiles: each TP rank its own row; amaxes over the whole weight
@@ -329,7 +330,7 @@ def _nvfp4_local(x, layout, axes: _MeshAxes, check_finite, build_columnwise, imp
         tiles = jax.lax.dynamic_index_in_dim(block, j, keepdims=False)
     scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
     chunk = ops.nvfp4_group_cast(x, r, enc, table=table, num_shards=S, chunk_lo=plan.lo, chunk_size=plan.size,
-                                 impl=impl)
+                                 compute_dtype=compute_dtype, impl=impl)
     data = _assemble_nvfp4(_gather(chunk, axes.axis), plan)
     data_t = scale_inv_t = None
     if build_columnwise:
@@ -366,16 +367,18 @@ def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None):
     return out
 
 
-def _fp8_local(x, layout, axes: _MeshAxes, check_finite, build_columnwise, dtype, amax_epsilon,
+def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, dtype, amax_epsilon,
                force_pow_2_scales, impl):
     S = layout.num_shards
     fmax = formats.fp8_max(dtype)
     table = _group_table(layout, False)
     r = jax.lax.axis_index(axes.axis)
-    amax, counts = ops.fp8_group_amax(x, r, table=table, num_shards=S, return_nonfinite=True, impl=impl)
+    amax, counts = ops.fp8_group_amax(x, r, table=table, num_shards=S, return_nonfinite=True,
+                                      compute_dtype=compute_dtype, impl=impl)
     (amax,), counts = _reduce_stats([amax], counts, layout, axes, check_finite)
     scale, scale_inv = formats.fp8_scale_from_amax(amax, fmax, amax_epsilon, force_pow_2_scales)
-    chunk = ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype, impl=impl)
+    chunk = ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype, compute_dtype=compute_dtype,
+                               impl=impl)
     gathered = jax.lax.bitcast_convert_type(_gather(jax.lax.bitcast_convert_type(chunk, jnp.uint8), axes.axis), dtype)
     gathered_t = ops.fp8_group_transpose(gathered, table=table, impl=impl) if build_columnwise else None
     weights = []

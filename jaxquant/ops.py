@@ -357,27 +357,40 @@ def _check_group_args(impl, shard, shard_index, table):
     return table, jnp.reshape(shard_index, ()).astype(jnp.int32), rows, num_tiles
 
 
+def _group_compute(shard, compute_dtype):
+    """The grouped ops round to ``compute_dtype`` as they load (docs/numerics.md §2, "Compute dtype"):
+    (the custom call's ``round_bf16`` attribute, the reference's input conversion)."""
+    if compute_dtype is not None and jnp.dtype(compute_dtype) not in INPUT_DTYPES:
+        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
+    round_bf16 = (compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
+                  and jnp.dtype(shard.dtype) == jnp.dtype(jnp.float32))
+    convert = (lambda v: v) if compute_dtype is None else (lambda v: formats.to_compute_dtype(v, compute_dtype))
+    return round_bf16, convert
+
+
 def _i64_operand(a: np.ndarray) -> jax.Array:
     """A static int64 array as a device operand without x64: its little-endian uint32 words."""
     return jnp.asarray(np.ascontiguousarray(a, np.int64).reshape(-1).view(np.uint32))
 
 
 def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
-                          impl: str = "auto"):
+                          compute_dtype=None, impl: str = "auto"):
     """(tile amaxes, amaxes) of every parameter of the group over this shard's elements: tiles packed
     [T] (tile ``tile_base + i * cols/16 + j``; tiles the shard does not touch 0) and per-parameter
     amax [P]; with ``return_nonfinite`` also the int32 [P] count of NaN/±inf elements per parameter
-    (all from one pass over memory)."""
+    (all from one pass over memory). ``compute_dtype`` (None, float32, bfloat16): the shard's values
+    are rounded to it as they are read, as ``formats.to_compute_dtype`` does."""
     table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     P = table.shape[0]
     outs = [jax.ShapeDtypeStruct((num_tiles,), jnp.float32), jax.ShapeDtypeStruct((P,), jnp.float32),
             jax.ShapeDtypeStruct((P,), jnp.int32)]
 
     def custom(v, r):
-        return tuple(_ffi.call("jq_nvfp4_group_tile_amax", outs, v, r, _i64_operand(table)))
+        return tuple(_ffi.call("jq_nvfp4_group_tile_amax", outs, v, r, _i64_operand(table), round_bf16=round_bf16))
 
     def ref(v, r):
-        return reference.nvfp4_group_tile_amax(v, r, table=rows, num_shards=num_shards)
+        return reference.nvfp4_group_tile_amax(convert(v), r, table=rows, num_shards=num_shards)
 
     result = _dispatch(impl, custom, ref, shard, index)
     return result if return_nonfinite else result[:2]
@@ -460,15 +473,17 @@ def fp8_group_transpose(data, *, table, impl: str = "auto") -> jax.Array:
 
 
 def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_lo, chunk_size: int,
-                     impl: str = "auto") -> jax.Array:
+                     compute_dtype=None, impl: str = "auto") -> jax.Array:
     """This shard's chunk of the group's packed NVFP4 bytes.
 
     The group's param-byte space lays every parameter's packed data end to end (parameter p at its
     ``byte_base``). Shard r returns positions [chunk_lo[r], chunk_lo[r] + chunk_size); nibbles of
     elements it does not own are 0, so a byte split between two shards is the OR of their chunks.
-    ``enc``: fp32 [T] encode multiplier of every tile (``nvfp4_group_scale``).
+    ``enc``: fp32 [T] encode multiplier of every tile (``nvfp4_group_scale``); ``compute_dtype`` as
+    in ``nvfp4_group_tile_amax``.
     """
     table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     _check_array("enc", enc, jnp.float32, (num_tiles,))
     chunk_lo = np.asarray(chunk_lo, np.int64)
     if chunk_lo.shape != (num_shards,):
@@ -476,27 +491,30 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
     out = jax.ShapeDtypeStruct((chunk_size,), jnp.uint8)
 
     def custom(v, r, e):
-        return _ffi.call("jq_nvfp4_group_cast", [out], v, r, _i64_operand(table), _i64_operand(chunk_lo), e)[0]
+        return _ffi.call("jq_nvfp4_group_cast", [out], v, r, _i64_operand(table), _i64_operand(chunk_lo), e,
+                         round_bf16=round_bf16)[0]
 
     def ref(v, r, e):
-        return reference.nvfp4_group_cast(v, r, e, table=rows,
+        return reference.nvfp4_group_cast(convert(v), r, e, table=rows,
                                           num_shards=num_shards, chunk_lo=chunk_lo, chunk_size=chunk_size)
 
     return _dispatch(impl, custom, ref, shard, index, enc)
 
 
 def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
-                   impl: str = "auto"):
+                   compute_dtype=None, impl: str = "auto"):
     """amax of every parameter over this shard's elements [P] (0 where it owns none); with
-    ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory)."""
+    ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory); ``compute_dtype``
+    as in ``nvfp4_group_tile_amax``."""
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     outs = [jax.ShapeDtypeStruct((table.shape[0],), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
 
     def custom(v, r):
-        return tuple(_ffi.call("jq_fp8_group_amax", outs, v, r, _i64_operand(table)))
+        return tuple(_ffi.call("jq_fp8_group_amax", outs, v, r, _i64_operand(table), round_bf16=round_bf16))
 
     def ref(v, r):
-        return reference.fp8_group_amax(v, r, table=rows,
+        return reference.fp8_group_amax(convert(v), r, table=rows,
                                         num_shards=num_shards)
 
     result = _dispatch(impl, custom, ref, shard, index)
@@ -504,20 +522,22 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfini
 
 
 def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=jnp.float8_e4m3fn,
-                   impl: str = "auto") -> jax.Array:
+                   compute_dtype=None, impl: str = "auto") -> jax.Array:
     """fp8 [n]: each element of the shard times its parameter's ``scale`` (fp32 [P]), RNE,
-    saturating; elements outside every parameter (alignment padding) are 0."""
+    saturating; elements outside every parameter (alignment padding) are 0. ``compute_dtype`` as in
+    ``nvfp4_group_tile_amax``."""
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     formats.fp8_max(dtype)
     dtype = jnp.dtype(dtype)
     _check_array("scale", scale, jnp.float32, (table.shape[0],))
     out = jax.ShapeDtypeStruct(shard.shape, dtype)
 
     def custom(v, r, s):
-        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s)[0]
+        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s, round_bf16=round_bf16)[0]
 
     def ref(v, r, s):
-        return reference.fp8_group_cast(v, r, s, table=rows,
+        return reference.fp8_group_cast(convert(v), r, s, table=rows,
                                         num_shards=num_shards, dtype=dtype)
 
     return _dispatch(impl, custom, ref, shard, index, scale)

@@ -67,20 +67,26 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     scale = jnp.asarray(rng.uniform(0.25, 8.0, num_params).astype(np.float32))
     kw = dict(table=table, num_shards=num_shards)
     impl_pair = ("reference", "custom_call")
-    for r in range(num_shards):
+    # compute_dtype bfloat16 rounds inside the ops: ties of the fp32 -> bf16 rounding, and a value
+    # that overflows to inf there
+    flat[offsets[0] + 5] = np.float32(1.0 + 2.0 ** -8)
+    flat[offsets[0] + 6] = np.float32(1.0 + 3 * 2.0 ** -8)
+    flat[offsets[-1] + 7] = np.float32(3.4e38)
+    for r, cd in [(r, cd) for r in range(num_shards) for cd in (None, jnp.bfloat16)]:
         shard, index = jnp.asarray(flat[r * n:(r + 1) * n]).astype(dtype), jnp.int32(r)
-        a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
+        ckw = dict(kw, compute_dtype=cd)
+        a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **ckw) for i in impl_pair)
         for name, x, y in zip(("tile amax", "amax", "counts"), b, a):
-            assert_bytes_equal(x, y, f"{name} shard {r}")
-        a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **kw)
+            assert_bytes_equal(x, y, f"{name} shard {r} compute_dtype {cd}")
+        a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **ckw)
                 for i in impl_pair)
-        assert_bytes_equal(b, a, f"nvfp4 chunk shard {r}")
-        a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
+        assert_bytes_equal(b, a, f"nvfp4 chunk shard {r} compute_dtype {cd}")
+        a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **ckw) for i in impl_pair)
         assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
         assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
         for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-            a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **kw) for i in impl_pair)
-            assert_bytes_equal(b, a, f"fp8 data shard {r}")
+            a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **ckw) for i in impl_pair)
+            assert_bytes_equal(b, a, f"fp8 data shard {r} compute_dtype {cd}")
     # Whole-group stages: scales (tile amaxes over decades, zero tiles, a NaN-free amax per parameter)
     # and the grouped transposes.
     tile_amax = rng.uniform(0, 1, tiles).astype(np.float32) * 10.0 ** rng.uniform(-6, 4, tiles).astype(np.float32)

@@ -82,6 +82,19 @@ struct ParamCursor {
   }
 };
 
+// Element i of a shard as the grouped ops see it: with round_bf16 (compute_dtype bfloat16 on an fp32
+// shard, docs/numerics.md §2, "Compute dtype") rounded to bfloat16 (RNE, overflow to inf, NaN kept)
+// as it is loaded, so no separate conversion pass over the shard is needed.
+JQ_HD float round_to_bf16(float f) {
+  if (is_nan(f)) return f;
+  const uint32_t u = float_bits(f);
+  return bits_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+}
+JQ_HD float load_compute(const void* x, bool is_bf16, bool round_bf16, int64_t i) {
+  const float v = load_as_float(x, is_bf16, i);
+  return round_bf16 ? round_to_bf16(v) : v;
+}
+
 // ---- per-output-unit pieces of the grouped ops, shared by the CPU loops and the CUDA kernels ----
 
 // Byte y of the group's packed rowwise scales (parameter p's padded scale_inv at kScaleBase) from

@@ -77,6 +77,7 @@
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::S32>>());                                     \
@@ -86,11 +87,13 @@
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::U8>>());                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupAmax##S, Fp8GroupAmax##S,                                 \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::S32>>());                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupCast##S, Fp8GroupCast##S,                                 \
@@ -98,6 +101,7 @@
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::AnyBuffer>());                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupScale##S, GroupScale##S,                                \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
