@@ -1,12 +1,18 @@
-"""Time quantize_master_weights for the linear weights of one Llama-3-8B layer.
+"""Time the master-weight step (quantize_master_weights) against plain JAX, ratios from one run.
 
-Weights (PyTorch [out, in]): q 4096x4096, k/v 1024x4096, o 4096x4096, gate/up 14336x4096,
-down 4096x14336 (218M parameters). The fp32 master buffer is sharded over every device along "fsdp".
-Compares impl="auto" (custom calls where built) with impl="reference" (XLA only), for NVFP4 and FP8.
+1. The linear weights of one Llama-3-8B layer (PyTorch [out, in]: q 4096x4096, k/v 1024x4096,
+   o 4096x4096, gate/up 14336x4096, down 4096x14336; 218M parameters), fp32 master sharded over
+   "fsdp": NVFP4 and FP8, rowwise and rowwise + columnwise (built in the step), against the plain-JAX
+   baseline ``all_gather(shard.astype(bf16))`` (issue 7 targets: NVFP4 <= 0.5x, + columnwise <= 0.6x,
+   FP8 <= 0.7x, + columnwise <= 0.8x of the baseline).
+2. A group of 300 small tensors whose total is one 8192x8192 tensor against that one tensor, both
+   through quantize_master_weights on the same mesh (target: <= 1.25x).
 
-    python3 benchmarks/bench_distributed.py               # GPUs (e.g. 2 x H200)
-    JAXQUANT_REFERENCE_ONLY=1 XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-        PYTHONPATH=. python3 benchmarks/bench_distributed.py --small     # CPU smoke run
+Runs on any number of devices, one included (fsdp = 1):
+
+    python3 benchmarks/bench_distributed.py                       # GPUs (e.g. 2 x H200, or 1)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
+        python3 benchmarks/bench_distributed.py --small --iters 2  # CPU smoke run
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant.distributed import gathered_bytes, quantize_master_weights
+from jaxquant.distributed import gathered_bytes, master_sharding, quantize_master_weights
 from jaxquant.layout import FlatLayout
 
 LLAMA3_8B_LAYER = [
@@ -34,6 +40,17 @@ LLAMA3_8B_LAYER = [
 ]
 
 
+def many_small_shapes(side: int, count: int = 300):
+    """``count`` tensors [r, side/8] whose element total is side x side: count - 1 of equal height
+    (a multiple of 16) and one taller last tensor."""
+    cols, total_rows = side // 8, 8 * side
+    count = min(count, total_rows // 32)         # --small: fewer tensors, each at least 16 rows
+    rows = max(16, (total_rows // count) // 16 * 16)
+    while rows * (count - 1) >= total_rows:
+        rows -= 16
+    return [(rows, cols)] * (count - 1) + [(total_rows - rows * (count - 1), cols)]
+
+
 def time_fn(fn, arg, iters, warmup=2):
     for _ in range(warmup):
         jax.block_until_ready(fn(arg))
@@ -42,7 +59,23 @@ def time_fn(fn, arg, iters, warmup=2):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(arg))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+    return statistics.median(times)
+
+
+def master_for(layout, mesh):
+    return jax.jit(lambda k: jax.random.normal(k, (layout.total_size,), jnp.float32) * 0.02,
+                   out_shardings=master_sharding(mesh, "fsdp"))(jax.random.key(0))
+
+
+def step(layout, mesh, recipe, columnwise, impl):
+    return jax.jit(lambda x: quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, impl=impl,
+                                                     columnwise=columnwise,
+                                                     manual_post_all_gather_processing=False))
+
+
+def bf16_gather(mesh):
+    body = lambda s: jax.lax.all_gather(s.astype(jnp.bfloat16), "fsdp", tiled=True)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False))
 
 
 def main():
@@ -50,50 +83,44 @@ def main():
     ap.add_argument("--small", action="store_true", help="dims / 32 (for CPU)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--align", type=int, default=1)
-    ap.add_argument("--recipes", default="nvfp4,fp8")
-    ap.add_argument("--impls", default="auto,reference")
+    ap.add_argument("--impl", default="auto")
     ap.add_argument("--devices", type=int, default=None, help="fsdp size (default: all)")
-    ap.add_argument("--check-finite", action="store_true")
+    ap.add_argument("--skip-group", action="store_true", help="skip the 300-tensor comparison")
     args = ap.parse_args()
 
     div = 32 if args.small else 1
-    names = [n for n, _ in LLAMA3_8B_LAYER]
-    shapes = [(m // div, k // div) for _, (m, k) in LLAMA3_8B_LAYER]
     devices = jax.devices()[: args.devices or len(jax.devices())]
     S = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    names = [n for n, _ in LLAMA3_8B_LAYER]
+    shapes = [(m // div, k // div) for _, (m, k) in LLAMA3_8B_LAYER]
     layout = FlatLayout(shapes, S, align=args.align, names=names)
+    master = master_for(layout, mesh)
     numel = sum(m * k for m, k in shapes)
-    key = jax.random.key(0)
-    master = jax.jit(lambda k: jax.random.normal(k, (layout.total_size,), jnp.float32) * 0.02,
-                     out_shardings=NamedSharding(mesh, P("fsdp")))(key)
-    print(f"devices: {S} x {devices[0].device_kind} ({devices[0].platform}); "
-          f"{numel / 1e6:.1f}M parameters, shard {layout.shard_size / 1e6:.2f}M elements")
+    print(f"devices: {S} x {devices[0].device_kind} ({devices[0].platform}); impl={args.impl}; "
+          f"Llama-3-8B layer: {numel / 1e6:.1f}M parameters, shard {layout.shard_size / 1e6:.2f}M elements")
 
-    rows = []
-    for recipe in args.recipes.split(","):
-        results = {}
-        for impl in args.impls.split(","):
-            fn = jax.jit(lambda x, impl=impl, recipe=recipe: quantize_master_weights(
-                x, layout, mesh=mesh, recipe=recipe, impl=impl, check_finite=args.check_finite))
-            t0 = time.perf_counter()
-            fn.lower(master).compile()
-            compile_s = time.perf_counter() - t0
-            med, best = time_fn(fn, master, args.iters)
-            results[impl] = med
-            rows.append((recipe, impl, med * 1e3, best * 1e3, compile_s, gathered_bytes(layout, recipe)))
-        base = results.get("reference")
-        for i, r in enumerate(rows):
-            if r[0] == recipe and len(r) == 6:
-                ratio = (base / results[r[1]]) if base else float("nan")
-                rows[i] = r + (ratio,)
+    base = time_fn(bf16_gather(mesh), master, args.iters)
+    print(f"\n{'step':<26} {'median us':>10} {'x bf16 gather':>14} {'gathered MB':>12}")
+    print(f"{'bf16 cast + all_gather':<26} {base * 1e6:10.1f} {1.0:14.3f} {2 * layout.total_size / 2**20:12.2f}")
+    for recipe in ("nvfp4", "fp8"):
+        for columnwise in (False, True):
+            t = time_fn(step(layout, mesh, recipe, columnwise, args.impl), master, args.iters)
+            label = recipe + (" + columnwise" if columnwise else "")
+            print(f"{label:<26} {t * 1e6:10.1f} {t / base:14.3f} {gathered_bytes(layout, recipe) / 2**20:12.2f}")
 
-    bf16_bytes = 2 * layout.total_size
-    print(f"\n{'recipe':<7} {'impl':<11} {'median ms':>10} {'min ms':>9} {'compile s':>10} "
-          f"{'gathered MB':>12} {'vs bf16':>8} {'speedup vs reference':>21}")
-    for recipe, impl, med, best, comp, nbytes, ratio in rows:
-        print(f"{recipe:<7} {impl:<11} {med:10.3f} {best:9.3f} {comp:10.2f} {nbytes / 2**20:12.2f} "
-              f"{nbytes / bf16_bytes:8.3f} {ratio:21.2f}x")
+    if args.skip_group:
+        return
+    side = 8192 // div
+    groups = {"one tensor": [(side, side)], f"{len(many_small_shapes(side))} tensors": many_small_shapes(side)}
+    print(f"\n{'group (' + str(side) + '^2 elements)':<26} {'recipe':<7} {'median us':>10} {'x one tensor':>13}")
+    for recipe in ("nvfp4", "fp8"):
+        first = None
+        for label, group_shapes in groups.items():
+            lay = FlatLayout(group_shapes, S, align=args.align)
+            t = time_fn(step(lay, mesh, recipe, False, args.impl), master_for(lay, mesh), args.iters)
+            first = first or t
+            print(f"{label:<26} {recipe:<7} {t * 1e6:10.1f} {t / first:13.3f}")
 
 
 if __name__ == "__main__":

@@ -280,10 +280,12 @@ const int64_t* as_i64(const ffi::Buffer<ffi::U32>& words) { return reinterpret_c
 constexpr int64_t kNoBound = INT64_MAX / 4;
 
 ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                            ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+                            bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   const IeeeSubnormals ieee;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*amax, num_params, "amax"));
   JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
   const int64_t num_tiles = static_cast<int64_t>(tile_amax->element_count());
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, num_tiles, true));
@@ -292,24 +294,27 @@ ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::
   if (r < 0) return invalid("shard_index: must be >= 0");
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   float* t = tile_amax->typed_data();
+  float* a = amax->typed_data();
   int32_t* c = counts->typed_data();
   std::fill(t, t + num_tiles, 0.0f);
+  std::fill(a, a + num_params, 0.0f);
   std::fill(c, c + num_params, 0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
     if (p < 0) continue;
     const int64_t e = g - table.at(p, GroupTable::kOffset);
     if (e >= table.at(p, GroupTable::kNumel)) continue;  // alignment padding
-    const float v = load_as_float(x.untyped_data(), bf16, i);
+    const float v = load_compute(x.untyped_data(), bf16, round_bf16, i);
     float& slot = t[table.tile_of(p, e)];
     slot = std::max(slot, abs_ignoring_nan(v));
+    a[p] = std::max(a[p], abs_ignoring_nan(v));
     c[p] += is_finite(v) ? 0 : 1;
   }
   return ffi::Error::Success();
 }
 
 ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                        ffi::Buffer<ffi::U32> chunk_lo_words, ffi::Buffer<ffi::F32> enc,
+                        ffi::Buffer<ffi::U32> chunk_lo_words, ffi::Buffer<ffi::F32> enc, bool round_bf16,
                         ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
   const IeeeSubnormals ieee;
   int64_t num_params;
@@ -332,7 +337,7 @@ ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buff
       const float m = enc.typed_data()[table.tile_of(p, e0)];
       for (int k = 0; k < 2; ++k) {
         const int64_t i = table.at(p, GroupTable::kOffset) + e0 + k - r * n;
-        if (i >= 0 && i < n) byte |= float_to_e2m1(load_as_float(x.untyped_data(), bf16, i) * m) << (4 * k);
+        if (i >= 0 && i < n) byte |= float_to_e2m1(load_compute(x.untyped_data(), bf16, round_bf16, i) * m) << (4 * k);
       }
     }
     out[j] = byte;
@@ -341,7 +346,7 @@ ffi::Error GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buff
 }
 
 ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                           ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+                           bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   const IeeeSubnormals ieee;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
@@ -359,7 +364,7 @@ ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
     if (p < 0 || g - table.at(p, GroupTable::kOffset) >= table.at(p, GroupTable::kNumel)) continue;
-    const float v = load_as_float(x.untyped_data(), bf16, i);
+    const float v = load_compute(x.untyped_data(), bf16, round_bf16, i);
     a[p] = std::max(a[p], abs_ignoring_nan(v));
     c[p] += is_finite(v) ? 0 : 1;
   }
@@ -367,7 +372,7 @@ ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
 }
 
 ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> data) {
+                           ffi::Buffer<ffi::F32> scale, bool round_bf16, ffi::Result<ffi::AnyBuffer> data) {
   const IeeeSubnormals ieee;
   int64_t num_params;
   bool e5m2;
@@ -381,8 +386,52 @@ ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
   for (int64_t i = 0; i < n; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
     const bool inside = p >= 0 && g - table.at(p, GroupTable::kOffset) < table.at(p, GroupTable::kNumel);
-    out[i] = inside ? fp8_encode(load_as_float(x.untyped_data(), bf16, i) * scale.typed_data()[p], e5m2) : 0;
+    out[i] = inside ? fp8_encode(load_compute(x.untyped_data(), bf16, round_bf16, i) * scale.typed_data()[p], e5m2) : 0;
   }
+  return ffi::Error::Success();
+}
+
+// Scales of every parameter of the group from its reduced tile amaxes and global amax.
+ffi::Error GroupScaleCpu(ffi::Buffer<ffi::F32> tiles, ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::U32> table_words,
+                         ffi::Result<ffi::Buffer<ffi::U8>> scale_inv, ffi::Result<ffi::Buffer<ffi::F32>> enc) {
+  const IeeeSubnormals ieee;
+  int64_t num_params, num_tiles, scale_bytes;
+  JQ_RETURN_IF_ERROR(check_group_scale(tiles, amax, table_words, *scale_inv, *enc, &num_params, &num_tiles, &scale_bytes));
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, num_tiles, true));
+  const GroupTable table{as_i64(table_words), num_params};
+  for (int64_t y = 0; y < scale_bytes; ++y)
+    scale_inv->typed_data()[y] = group_scale_byte(table, tiles.typed_data(), amax.typed_data(), y);
+  for (int64_t t = 0; t < num_tiles; ++t)
+    enc->typed_data()[t] = group_tile_encode(table, tiles.typed_data(), amax.typed_data(), t);
+  return ffi::Error::Success();
+}
+
+// Columnwise data and scales of every parameter from the packed rowwise ones.
+ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
+                              ffi::Buffer<ffi::U32> table_words, int64_t /*num_blocks: GPU grid*/,
+                              ffi::Result<ffi::Buffer<ffi::U8>> data_t, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, kNoBound, true));
+  JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, data, scale_inv));
+  const GroupTable table{as_i64(table_words), num_params};
+  for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
+    data_t->typed_data()[y] = group_data_t_byte(table, data.typed_data(), y);
+  for (int64_t y = 0; y < static_cast<int64_t>(scale_inv_t->element_count()); ++y)
+    scale_inv_t->typed_data()[y] = group_scale_t_byte(table, scale_inv.typed_data(), y);
+  return ffi::Error::Success();
+}
+
+// Byte transpose of every FP8 parameter of the gathered flat buffer.
+ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32> table_words,
+                                int64_t /*num_blocks: GPU grid*/, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_fp8_group_transpose(data, table_words, *data_t, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params,
+                                                static_cast<int64_t>(data.element_count()), 0, false));
+  const GroupTable table{as_i64(table_words), num_params};
+  for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
+    data_t->typed_data()[y] = fp8_group_t_byte(table, data.typed_data(), y);
   return ffi::Error::Success();
 }
 

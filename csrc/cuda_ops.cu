@@ -478,24 +478,37 @@ constexpr int kGroupElems = 16;
 __host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
 
 // Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
-__device__ __forceinline__ void load16(const void* x, bool bf16, int64_t i0, int64_t n, float v[16]) {
+// With round_bf16 each value is rounded to bfloat16 as it is loaded (load_compute).
+__device__ __forceinline__ void load16(const void* x, bool bf16, bool round_bf16, int64_t i0, int64_t n, float v[16]) {
   if (i0 + 16 <= n) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+    if (round_bf16) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = i0 + k < n ? load_as_float(x, bf16, i0 + k) : 0.0f;
+    for (int k = 0; k < 16; ++k) v[k] = i0 + k < n ? load_compute(x, bf16, round_bf16, i0 + k) : 0.0f;
   }
 }
 
-__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__device__ void warp_publish_param_max(float* amax, int64_t held, float m);
+
+// Each block covers one contiguous range of the shard (coalesced within the block), so a thread
+// meets few parameters and the per-parameter amax atomics stay rare (see fp8_group_amax_kernel).
+__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                        GroupTable table, int64_t num_tiles, float* __restrict__ tile_amax,
-                                       int32_t* __restrict__ counts) {
+                                       float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
-  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
+  const int64_t first = blockIdx.x * per_block, last = groups < first + per_block ? groups : first + per_block;
+  int64_t amax_p = -1;  // parameter whose running amax amax_m holds
+  float amax_m = 0.0f;
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
-    load16(x, bf16, i0, n, v);
+    load16(x, bf16, round_bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(g0);
     int64_t held = -1, row = 0, col = 0, cols = 1, tile_base = 0, tile = -1;
@@ -518,6 +531,12 @@ __global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, in
         m = 0.0f;
       }
       m = fmaxf(m, abs_ignoring_nan(v[k]));
+      if (held != amax_p) {  // a new parameter: publish the previous one's running amax
+        if (amax_p >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + amax_p), __float_as_uint(amax_m));
+        amax_p = held;
+        amax_m = 0.0f;
+      }
+      amax_m = fmaxf(amax_m, abs_ignoring_nan(v[k]));
       if (!is_finite(v[k])) atomicAdd(counts + held, 1);  // rare: no need to batch
       if (++col == cols) {
         col = 0;
@@ -526,29 +545,32 @@ __global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, in
     }
     if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
   }
+  warp_publish_param_max(amax, amax_p, amax_m);
 }
 
 ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                             ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
-                             ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+                             ffi::Buffer<ffi::U32> table_words, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
+                             ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*amax, num_params, "amax"));
   JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
   const int64_t n = static_cast<int64_t>(x.element_count()), num_tiles = static_cast<int64_t>(tile_amax->element_count());
   cudaMemsetAsync(tile_amax->untyped_data(), 0, tile_amax->size_bytes(), stream);
+  cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     group_tile_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
-        x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
-        counts->typed_data());
+        amax->typed_data(), counts->typed_data());
   }
   return last_error("group tile amax kernel");
 }
 
 // Threads own 8 consecutive bytes of the group's param-byte space (8-aligned, so 16 elements of
 // one parameter, one row and one tile: byte bases are multiples of 128).
-__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                   GroupTable table, const int64_t* chunk_lo, int64_t num_shards,
                                   const float* __restrict__ enc, int64_t num_tiles, uint8_t* __restrict__ out,
                                   int64_t size) {
@@ -571,13 +593,17 @@ __global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t
       if (i0 >= 0 && i0 + 16 <= n) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+        if (round_bf16) {
+#pragma unroll
+          for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+        }
 #pragma unroll
         for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * m, v[2 * k + 1] * m);
       } else {  // the shard owns part of these 16 elements (or none)
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
           const int64_t i = i0 + k;
-          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_as_float(x, bf16, i) * m) << (4 * (k % 2));
+          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_compute(x, bf16, round_bf16, i) * m) << (4 * (k % 2));
         }
       }
     }
@@ -598,7 +624,7 @@ __global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t
 
 ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
                          ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::U32> chunk_lo_words,
-                         ffi::Buffer<ffi::F32> enc, ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
+                         ffi::Buffer<ffi::F32> enc, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
   if (chunk_lo_words.element_count() % 2) return invalid("chunk_lo: must be int64 values as uint32 words");
@@ -610,7 +636,7 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return last_error("group cast memset");
   }
   group_cast_kernel<<<grid_for(size / 8 + 2), kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, static_cast<int64_t>(x.element_count()),
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, static_cast<int64_t>(x.element_count()),
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
       i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
       static_cast<int64_t>(enc.element_count()), chunk->typed_data(), size);
@@ -633,7 +659,7 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m) {
 
 // Each block reduces one contiguous range of the shard (coalesced within the block), so a thread
 // meets few parameters and the per-parameter atomics (few addresses, all blocks) stay rare.
-__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                       GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
   const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
@@ -643,7 +669,7 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
-    load16(x, bf16, i0, n, v);
+    load16(x, bf16, round_bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(g0);
 #pragma unroll
@@ -662,7 +688,7 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, int
 }
 
 ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                            ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Buffer<ffi::U32> table_words, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                             ffi::Result<ffi::Buffer<ffi::S32>> counts) {
   int64_t num_params;
   JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
@@ -673,20 +699,20 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     fp8_group_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
-        x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
   }
   return last_error("fp8 group amax kernel");
 }
 
-__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, int64_t n, const int32_t* index,
+__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                       GroupTable table, const float* __restrict__ scale, bool e5m2,
                                       uint8_t* __restrict__ out) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
   for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i0 = grp * kGroupElems;
     float v[16];
-    load16(x, bf16, i0, n, v);
+    load16(x, bf16, round_bf16, i0, n, v);
     ParamCursor cur{table};
     cur.seek(r * n + i0);
     uint8_t q[16];
@@ -716,7 +742,7 @@ __global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, int
 }
 
 ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                            ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale, bool round_bf16,
                             ffi::Result<ffi::AnyBuffer> data) {
   int64_t num_params;
   bool e5m2;
@@ -728,10 +754,122 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     return last_error("fp8 group cast memset");
   }
   fp8_group_cast_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, n, index.typed_data(),
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
       GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
   return last_error("fp8 group cast kernel");
+}
+
+
+// ---- grouped scales and columnwise data ------------------------------------------------------
+//
+// Scales: one thread per output unit (a scale byte or a tile's encode multiplier), the parameter
+// found by binary search in the table; the tile amaxes are already reduced over the mesh.
+
+__global__ void group_scale_kernel(const float* __restrict__ tiles, const float* __restrict__ amax, GroupTable table,
+                                   int64_t num_tiles, uint8_t* __restrict__ scale_inv, int64_t scale_bytes,
+                                   float* __restrict__ enc) {
+  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < scale_bytes + num_tiles;
+       u += int64_t(gridDim.x) * blockDim.x) {
+    if (u < scale_bytes) scale_inv[u] = group_scale_byte(table, tiles, amax, u);
+    else enc[u - scale_bytes] = group_tile_encode(table, tiles, amax, u - scale_bytes);
+  }
+}
+
+ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi::Buffer<ffi::F32> amax,
+                          ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv,
+                          ffi::Result<ffi::Buffer<ffi::F32>> enc) {
+  int64_t num_params, num_tiles, scale_bytes;
+  JQ_RETURN_IF_ERROR(check_group_scale(tiles, amax, table_words, *scale_inv, *enc, &num_params, &num_tiles, &scale_bytes));
+  if (scale_bytes + num_tiles == 0) return ffi::Error::Success();
+  group_scale_kernel<<<grid_for(scale_bytes + num_tiles), kThreads, 0, stream>>>(
+      tiles.typed_data(), amax.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles,
+      scale_inv->typed_data(), scale_bytes, enc->typed_data());
+  return last_error("group scale kernel");
+}
+
+// Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
+// block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks); it
+// stages the block in shared memory so that reads and writes are both row-contiguous. Blocks past
+// num_blocks grid-stride over the columnwise scales (NVFP4).
+template <bool kNibbles>
+__device__ void group_transpose_block(const uint8_t* __restrict__ data, uint8_t* __restrict__ out,
+                                      const GroupTable& table, int64_t b, int64_t base_field) {
+  __shared__ uint8_t tile[64][64 + 4];
+  const int64_t p = table.find(b, GroupTable::kBlockBase);
+  if (p < 0) return;
+  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
+  const int64_t m0 = (local / nbx) * 64, k0 = (local % nbx) * 64, base = table.at(p, base_field);
+  if (m0 >= rows) return;
+  const uint8_t* src = data + base;
+  uint8_t* dst = out + base;
+  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {  // element (m0 + dm, k0 + dk)
+    const int dm = i / 64, dk = i % 64;
+    const int64_t m = m0 + dm, k = k0 + dk;
+    uint8_t v = 0;
+    if (m < rows && k < cols) v = kNibbles ? (src[m * (cols / 2) + k / 2] >> (4 * (k & 1))) & 0xFu : src[m * cols + k];
+    tile[dm][dk] = v;
+  }
+  __syncthreads();
+  if (kNibbles) {
+    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {  // output byte (k, m/2) of [cols, rows/2]
+      const int dk = i / 32, db = i % 32;
+      const int64_t k = k0 + dk, mb = m0 / 2 + db;
+      if (k < cols && 2 * mb < rows) dst[k * (rows / 2) + mb] = tile[2 * db][dk] | (tile[2 * db + 1][dk] << 4);
+    }
+  } else {
+    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {  // output byte (k, m) of [cols, rows]
+      const int dk = i / 64, dm = i % 64;
+      const int64_t k = k0 + dk, m = m0 + dm;
+      if (k < cols && m < rows) dst[k * rows + m] = tile[dm][dk];
+    }
+  }
+}
+
+__global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale_inv,
+                                        GroupTable table, int64_t num_blocks, uint8_t* __restrict__ data_t,
+                                        uint8_t* __restrict__ scale_inv_t, int64_t scale_t_bytes) {
+  if (blockIdx.x < num_blocks) {
+    group_transpose_block<true>(data, data_t, table, blockIdx.x, GroupTable::kByteBase);
+    return;
+  }
+  const int64_t stride = (int64_t(gridDim.x) - num_blocks) * blockDim.x;
+  for (int64_t y = (blockIdx.x - num_blocks) * int64_t(blockDim.x) + threadIdx.x; y < scale_t_bytes; y += stride)
+    scale_inv_t[y] = group_scale_t_byte(table, scale_inv, y);
+}
+
+__global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table,
+                                           uint8_t* __restrict__ data_t) {
+  group_transpose_block<false>(data, data_t, table, blockIdx.x, GroupTable::kOffset);
+}
+
+ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
+                               ffi::Buffer<ffi::U32> table_words, int64_t num_blocks,
+                               ffi::Result<ffi::Buffer<ffi::U8>> data_t, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
+  if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
+  const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
+  const int64_t grid = num_blocks + std::min<int64_t>(grid_for(scale_t_bytes), 264);
+  if (num_params == 0) return ffi::Error::Success();
+  group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      data.typed_data(), scale_inv.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
+      num_blocks, data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
+  return last_error("group columnwise kernel");
+}
+
+ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32> table_words,
+                                 int64_t num_blocks, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_fp8_group_transpose(data, table_words, *data_t, &num_params));
+  if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
+  // Alignment padding between parameters is not written by the blocks: zero it first.
+  cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
+  if (num_params == 0 || num_blocks == 0) return last_error("fp8 group transpose memset");
+  fp8_group_transpose_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
+      data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, data_t->typed_data());
+  return last_error("fp8 group transpose kernel");
 }
 
 }  // namespace

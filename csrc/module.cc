@@ -2,6 +2,7 @@
 // JQ_MODULE (module name) and JQ_SUFFIX (handler suffix: Cpu or Cuda) defined by build.py.
 #include <pybind11/pybind11.h>
 
+#include "jaxquant/group_table.h"
 #include "jaxquant/handlers.h"
 
 #define JQ_CAT2(a, b) a##b
@@ -25,6 +26,14 @@ PYBIND11_MODULE(JQ_MODULE, m) {
     JQ_FOR_EACH_TARGET(JQ_ENTRY)
 #undef JQ_ENTRY
     return d;
+  });
+  m.def("group_table_fields", []() {  // the group table's column names, in order
+    py::tuple t(static_cast<size_t>(jaxquant::GroupTable::kFields));
+    int i = 0;
+#define JQ_FIELD_NAME(e, name) t[i++] = py::str(name);
+    JQ_GROUP_TABLE_FIELDS(JQ_FIELD_NAME)
+#undef JQ_FIELD_NAME
+    return t;
   });
   m.def("jaxlib_version", []() { return std::string(JQ_JAXLIB_VERSION); });
   m.def("cuda_archs", []() { return std::string(JQ_CUDA_ARCHS); });

@@ -1,23 +1,29 @@
 """Quantize ZeRO-sharded fp32 master weights to FP8 / NVFP4 model weights (docs/numerics.md §3).
 
-Per device, under ``shard_map`` over the data-parallel mesh axis ``axis``:
+Per device, under ``shard_map`` over the data-parallel mesh axis ``axis`` (and, for FSDP x TP
+layouts, the tensor-parallel axis ``tp_axis``):
 
-1. convert the local shard of the flat master buffer to ``compute_dtype``;
-2. partial statistics of every piece the shard owns: NVFP4 tile amaxes (``ops.nvfp4_tile_amax``),
-   FP8 amaxes (``ops.amax``), plus non-finite counts from the same kernel pass when asked;
-3. **one** ``lax.pmax`` over ``axis`` of one packed int32 vector holding everything (fp32 amaxes are
-   non-negative, so their bit patterns order as int32 do; each shard writes its non-finite counts into
-   its own row of a ``[num_shards, num_params]`` block that is 0 elsewhere, so the max is the matrix);
-4. scales from the reduced statistics, identical on every rank;
-5. partial cast of the owned pieces into a fixed-size local byte chunk;
-6. ``lax.all_gather`` of that chunk (quantized bytes only) and assembly of every weight.
+1. (``compute_dtype`` rounding happens inside the grouped ops of steps 2 and 5, as they read the
+   shard: no separate conversion pass);
+2. partial statistics of every parameter over the shard, one grouped op for the group
+   (``ops.nvfp4_group_tile_amax``: tile amaxes and amaxes; ``ops.fp8_group_amax``), non-finite
+   counts from the same pass;
+3. **one** ``lax.pmax`` of one packed int32 vector (fp32 statistics are non-negative, so their bit
+   patterns order as int32 do), over ``axis`` and ``tp_axis`` together: the amaxes are max-reduced
+   over the whole weight; TP-local tile amaxes travel in a ``[tp_size, T]`` block in which each TP
+   rank fills its own row, non-finite counts in a ``[tp_size, num_shards, P]`` block likewise;
+4. scales of every parameter from the reduced statistics in one grouped op (``ops.nvfp4_group_scale``;
+   FP8: vectorized jnp), identical on every rank of ``axis``;
+5. cast of the shard into a fixed-size byte chunk (``ops.nvfp4_group_cast`` / ``ops.fp8_group_cast``);
+6. ``lax.all_gather`` over ``axis`` only of that chunk (quantized bytes only); the chunks are laid out
+   so that their concatenation is every parameter's bytes in order (NVFP4: one OR per odd shard
+   boundary), so assembling costs one slice per shard and one slice per output;
+7. with ``columnwise`` (and ``manual_post_all_gather_processing=False``), one grouped transpose for
+   the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``).
 
-Steps 2 and 5 are the grouped ops (``ops.nvfp4_group_tile_amax`` / ``nvfp4_group_cast``,
-``ops.fp8_group_amax`` / ``fp8_group_cast``): one call for the whole group whose shard index is
-``lax.axis_index(axis)``, a device value, so every shard runs the same program with no branch on
-the shard (XLA:GPU would run a ``lax.switch`` with a device-to-host copy of the branch index) and
-each shard reads only its own ``shard_size`` elements. See docs/distributed.md for the byte layout
-of the gathered chunk.
+The number of custom calls does not depend on the number of parameters. The shard index is
+``lax.axis_index(axis)``, a device value: every shard runs the same program with no branch on the
+shard. See docs/distributed.md for the byte layout of the gathered chunk.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import formats, ops, reference
+from jaxquant import formats, ops
+from jaxquant import group_table as gtable
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
@@ -48,9 +55,10 @@ RECIPES = ("nvfp4", "fp8")
 class NonFiniteReport:
     """NaN/±inf found in the master weights (after ``compute_dtype`` conversion).
 
-    ``counts[r, p]``: int32 number of non-finite elements of parameter ``p`` in shard ``r``, the same
-    on every rank. ``names``: the parameter names (static). Call :meth:`raise_if_nonfinite` (outside
-    ``jit``; it reads the counts to the host) or test :meth:`any` inside.
+    ``counts[r, p]`` (or ``counts[j, r, p]`` for an FSDP x TP layout, ``j`` the TP rank): int32
+    number of non-finite elements of parameter ``p`` in shard ``r``, the same on every rank.
+    ``names``: the parameter names (static). Call :meth:`raise_if_nonfinite` (outside ``jit``; it
+    reads the counts to the host) or test :meth:`any` inside.
     """
 
     counts: jax.Array
@@ -59,17 +67,23 @@ class NonFiniteReport:
     def any(self) -> jax.Array:
         return jnp.any(self.counts > 0)
 
-    def findings(self) -> list[tuple[str, int, int]]:
-        """Host side: ``[(param name, shard, count), ...]`` for every non-zero count."""
+    def findings(self) -> list[tuple]:
+        """Host side, one tuple per non-zero count: ``(param name, shard, count)``, or
+        ``(param name, tp rank, shard, count)`` for an FSDP x TP layout."""
         counts = np.asarray(jax.device_get(self.counts))
-        return [(self.names[p] if p < len(self.names) else f"param{p}", int(r), int(counts[r, p]))
-                for r, p in zip(*np.nonzero(counts))]
+        out = []
+        for idx in zip(*np.nonzero(counts)):
+            p = idx[-1]
+            name = self.names[p] if p < len(self.names) else f"param{p}"
+            out.append((name, *(int(i) for i in idx[:-1]), int(counts[idx])))
+        return out
 
     def raise_if_nonfinite(self) -> None:
-        """Raise ``FloatingPointError`` naming every (parameter, shard) holding NaN/±inf."""
+        """Raise ``FloatingPointError`` naming every (parameter, [TP rank,] shard) holding NaN/±inf."""
         found = self.findings()
         if found:
-            what = "; ".join(f"{name} in shard {r}: {c} element(s)" for name, r, c in found)
+            what = "; ".join(f"{f[0]} in tp rank {f[1]}, shard {f[2]}: {f[3]} element(s)" if len(f) == 4
+                             else f"{f[0]} in shard {f[1]}: {f[2]} element(s)" for f in found)
             raise FloatingPointError(f"non-finite (NaN or ±inf) master weights: {what}")
 
 
@@ -79,44 +93,69 @@ class NonFiniteReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Chunk:
-    """Where each piece's quantized bytes sit in its shard's gathered chunk."""
+class NVFP4Chunks:
+    """Where each shard's NVFP4 bytes sit: the group's param-byte space (every parameter's packed
+    bytes end to end, parameter p from ``byte_base``) cut at the shards' element boundaries.
 
-    size: int                                # bytes per shard (the same for every shard)
-    entries: tuple                           # per shard: ((piece, chunk offset, byte count), ...)
+    Shard ``r`` owns param-byte-space elements ``[a_r, a_{r+1})`` (alignment padding is not in that
+    space), so its chunk is bytes ``[lo[r], lo[r] + size)`` with ``lo[r] = a_r // 2``, nibbles it does
+    not own 0. The first ``length[r] = a_{r+1}//2 - a_r//2`` bytes of the chunks, concatenated, are
+    the whole space, except that a byte split by an odd boundary ``a_{r+1}`` also needs the low
+    nibble that shard ``r`` holds at chunk position ``length[r]``: ``fix_pos`` (byte in the space)
+    and ``fix_src`` (position in the gathered buffer) list those, one per odd boundary.
+    """
+
+    size: int
+    lo: tuple
+    length: tuple
+    fix_pos: tuple
+    fix_src: tuple
 
 
-def nvfp4_chunk_plan(layout: FlatLayout) -> _Chunk:
-    """NVFP4: shard ``r``'s chunk is the packed bytes ``[start//2, (end+1)//2)`` of each owned piece,
-    end to end in parameter order, zero padded to the largest shard's total. A piece with an odd
-    start or end shares its boundary byte with the neighbouring shard's piece; only its own nibble
-    is set, and the assembly ORs the two."""
-    entries, size = [], 0
+@functools.lru_cache(maxsize=128)
+def nvfp4_chunks(layout: FlatLayout) -> NVFP4Chunks:
+    table = _group_table(layout, True)
+    rows = gtable.rows_of(table)
+    end = 2 * gtable.sizes(table).data_bytes
+    starts = []
     for r in range(layout.num_shards):
-        row, pos = [], 0
-        for pc in layout.pieces(r):
-            lo, hi = formats.nvfp4_byte_range(pc.start, pc.length)
-            row.append((pc, pos, hi - lo))
-            pos += hi - lo
-        entries.append(tuple(row))
-        size = max(size, pos)
-    return _Chunk(size=size, entries=tuple(entries))
+        pcs = layout.pieces(r)
+        starts.append(2 * rows[pcs[0].param].byte_base + pcs[0].start if pcs else None)
+    a = [0] * (layout.num_shards + 1)
+    a[-1] = end
+    for r in reversed(range(layout.num_shards)):     # a shard owning nothing starts where the next does
+        a[r] = a[r + 1] if starts[r] is None else starts[r]
+    S = layout.num_shards
+    lo = tuple(a[r] // 2 for r in range(S))
+    length = tuple(a[r + 1] // 2 - a[r] // 2 for r in range(S))
+    size = max((-(-a[r + 1] // 2) - a[r] // 2 for r in range(S)), default=0)
+    fix_pos, fix_src = [], []
+    for r in range(S):
+        if a[r + 1] % 2 and a[r + 1] < end and a[r + 1] > a[r]:
+            fix_pos.append(a[r + 1] // 2)
+            fix_src.append(r * size + length[r])
+    return NVFP4Chunks(size=size, lo=lo, length=length, fix_pos=tuple(fix_pos), fix_src=tuple(fix_src))
 
 
 def gathered_bytes(layout: FlatLayout, recipe: str = "nvfp4") -> int:
-    """Bytes the all-gather of :func:`quantize_master_weights` delivers to each rank.
+    """Bytes the all-gather of :func:`quantize_master_weights` delivers to each rank (per TP rank).
 
-    NVFP4: ``num_shards * chunk`` where ``chunk`` is the largest per-shard sum of owned piece byte
-    counts; equals ``sum(numel) / 2`` exactly when every shard boundary inside a parameter falls on
-    an even element and the shards own equally many bytes, and exceeds it by at most
-    ``num_shards * (pieces per shard + 1) / 2`` bytes plus the imbalance otherwise.
-    FP8: ``total_size`` (the flat buffer, alignment padding included, one byte an element).
+    NVFP4: ``num_shards * chunk`` where ``chunk`` is the largest shard's byte span; equals
+    ``sum(numel) / 2`` exactly when every shard boundary inside a parameter falls on an even
+    element and the shards own equally many bytes, and exceeds it by at most one byte a shard plus
+    the imbalance otherwise. FP8: ``total_size`` (the flat buffer, alignment padding included).
     """
     if recipe == "nvfp4":
-        return layout.num_shards * nvfp4_chunk_plan(layout).size
+        return layout.num_shards * nvfp4_chunks(layout).size
     if recipe == "fp8":
         return layout.total_size
     raise ValueError(f"recipe: must be one of {RECIPES}, got {recipe!r}")
+
+
+@functools.lru_cache(maxsize=128)
+def _group_table(layout: FlatLayout, nvfp4: bool) -> np.ndarray:
+    return ops.group_table(layout.param_offsets, layout.local_shapes, num_shards=layout.num_shards,
+                           shard_size=layout.shard_size, nvfp4=nvfp4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,21 +178,23 @@ def _check_options(layout, recipe, compute_dtype, columnwise):
         raise ValueError(f"recipe: must be one of {RECIPES}, got {recipe!r}")
     if compute_dtype is not None and jnp.dtype(compute_dtype) not in ops.INPUT_DTYPES:
         raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
-    for p, shape in enumerate(layout.shapes):
+    for p, (shape, local) in enumerate(zip(layout.shapes, layout.local_shapes)):
         where = f"layout.shapes[{p}] ({layout.names[p]})"
+        if local != shape:
+            where += f", TP-local shape {local} (tp_dims[{p}]={layout.tp_dims[p]}, tp_size={layout.tp_size})"
         if recipe == "nvfp4":
             if len(shape) != 2:
                 raise ValueError(f"{where}: NVFP4 weights must have rank 2, got shape {shape}")
-            ops.check_nvfp4_shape(shape[0], shape[1], name=where)
+            ops.check_nvfp4_shape(local[0], local[1], name=where)
         elif columnwise and len(shape) != 2:
             raise ValueError(f"{where}: columnwise=True needs rank-2 weights, got shape {shape}")
 
 
-def _check_flat(name, x, length, what):
-    """``x`` is a float32/bfloat16 array of shape (length,); ``what`` says where length comes from."""
+def _check_flat(name, x, shape, what):
+    """``x`` is a float32/bfloat16 array of ``shape``; ``what`` says where the shape comes from."""
     ops._check_input(name, x)
-    if tuple(x.shape) != (length,):
-        raise ValueError(f"{name}: shape must be ({length},) ({what}), got {tuple(x.shape)}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape must be {tuple(shape)} ({what}), got {tuple(x.shape)}")
 
 
 def _axis_size(axis) -> int:
@@ -164,128 +205,187 @@ def _axis_size(axis) -> int:
                          f"shard_map over a mesh with that axis): {e}") from None
 
 
+def _check_tp(layout, tp_axis, tp_size_of):
+    """The TP axis agrees with the layout; returns the TP size (1 without TP)."""
+    if tp_axis is None:
+        if layout.tp_size > 1:
+            raise ValueError(f"tp_axis: the layout is split over tp_size={layout.tp_size} TP ranks; pass the "
+                             f"tensor-parallel mesh axis as tp_axis")
+        return 1
+    if layout.tp_dims is None:
+        raise ValueError(f"tp_axis: {tp_axis!r} given but the layout has no tp_dims (build it with "
+                         f"FlatLayout(..., tp_size=..., tp_dims=...))")
+    size = tp_size_of(tp_axis)
+    if size != layout.tp_size:
+        raise ValueError(f"layout: has tp_size={layout.tp_size} but mesh axis {tp_axis!r} has {size} devices")
+    return size
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-device form
 # ----------------------------------------------------------------------------------------------
 
 
-def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsdp", recipe: str = "nvfp4",
-                                  compute_dtype=jnp.bfloat16, columnwise: bool = False,
+def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsdp", tp_axis=None,
+                                  recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
                                   manual_post_all_gather_processing: bool = True, check_finite: bool = False,
                                   fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
                                   force_pow_2_scales: bool = False, impl: str = "auto"):
     """The per-device body of :func:`quantize_master_weights`, for use inside your own ``shard_map``.
 
-    ``shard``: this device's ``[layout.shard_size]`` slice of the flat master buffer (shard index =
-    ``lax.axis_index(axis)``). Returns the gathered weights (identical, i.e. invariant, on every rank of
-    ``axis``), and with ``check_finite`` also a :class:`NonFiniteReport`.
-    Collectives over ``axis``: one ``pmax`` (int32, all statistics of the group) and one
-    ``all_gather`` (uint8, quantized bytes only).
+    ``shard``: this device's ``[layout.shard_size]`` slice of its (TP rank's) flat master buffer
+    (shard index = ``lax.axis_index(axis)``; ``[1, shard_size]`` is accepted too). Returns this TP
+    rank's weights (identical on every rank of ``axis``; TP-local shapes), and with ``check_finite``
+    also a :class:`NonFiniteReport`. Collectives: one ``pmax`` over ``axis`` and ``tp_axis`` (int32,
+    all statistics of the group) and one ``all_gather`` over ``axis`` (uint8, quantized bytes only).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
-    _check_flat("shard", shard, layout.shard_size, "layout.shard_size")
+    if hasattr(shard, "shape") and tuple(shard.shape) == (1, layout.shard_size):
+        shard = shard.reshape(-1)
+    _check_flat("shard", shard, (layout.shard_size,), "layout.shard_size")
     ops._check_impl(impl)
     size = _axis_size(axis)
     if size != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has {size} devices")
-    x = shard if compute_dtype is None else formats.to_compute_dtype(shard, compute_dtype)
+    _check_tp(layout, tp_axis, _axis_size)
+    cd = None if compute_dtype is None else jnp.dtype(compute_dtype)   # rounded inside the grouped ops
+    build_columnwise = columnwise and not manual_post_all_gather_processing
+    mesh_axes = _MeshAxes(axis, tp_axis, layout.tp_size)
     if layout.num_params == 0:
-        weights = []
+        weights, counts = [], jnp.zeros(_counts_shape(layout, tp_axis), jnp.int32)
     elif recipe == "nvfp4":
-        weights, counts = _nvfp4_local(x, layout, axis, check_finite, impl)
+        weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, impl)
     else:
-        weights, counts = _fp8_local(x, layout, axis, check_finite, jnp.dtype(fp8_dtype),
+        weights, counts = _fp8_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, jnp.dtype(fp8_dtype),
                                      float(amax_epsilon), bool(force_pow_2_scales), impl)
-    if columnwise and not manual_post_all_gather_processing:
-        weights = post_all_gather_processing(weights, impl=impl)
     if not check_finite:
         return weights
-    if layout.num_params == 0:
-        counts = jnp.zeros((layout.num_shards, 0), jnp.int32)
     return weights, NonFiniteReport(counts=counts, names=layout.names)
 
 
-@functools.lru_cache(maxsize=128)
-def _group_plan(layout: FlatLayout, nvfp4: bool):
-    """Static tables of the grouped ops: the parameter table and, for NVFP4, where each shard's
-    chunk starts in the group's param-byte space (its first piece's first byte)."""
-    table = ops.group_table(layout.param_offsets, layout.shapes, num_shards=layout.num_shards,
-                            shard_size=layout.shard_size, nvfp4=nvfp4)
-    if not nvfp4:
-        return table, None, None
-    plan = nvfp4_chunk_plan(layout)
-    chunk_lo = tuple(int(table[row[0][0].param, 5]) + row[0][0].start // 2 if row else 0 for row in plan.entries)
-    return table, plan, chunk_lo
+@dataclasses.dataclass(frozen=True)
+class _MeshAxes:
+    axis: str
+    tp_axis: object
+    tp_size: int
+
+    @property
+    def reduce(self):
+        """The axes of the one all-reduce: the whole weight mesh."""
+        return self.axis if self.tp_axis is None else (self.axis, self.tp_axis)
+
+    def tp_index(self):
+        return jnp.int32(0) if self.tp_axis is None else jax.lax.axis_index(self.tp_axis)
 
 
-def _reduce_stats(stats_f32, counts, layout, axis, check_finite):
-    """ONE pmax over ``axis`` of one int32 vector: fp32 statistics (non-negative, so their bits order
-    as int32 do) and, with ``check_finite``, a [S, P] block in which each shard fills its own row."""
-    parts = [_f32_bits(stats_f32)]
+def _counts_shape(layout, tp_axis):
+    return ((layout.num_shards, layout.num_params) if tp_axis is None
+            else (layout.tp_size, layout.num_shards, layout.num_params))
+
+
+def _own_row(value, rows: int, row):
+    """A [rows, *value.shape] zero block with ``value`` in row ``row``: max-reduced, every row is its
+    owner's value."""
+    block = jnp.zeros((rows,) + value.shape, value.dtype)
+    return jax.lax.dynamic_update_slice(block, value[None], (row,) + (0,) * value.ndim)
+
+
+def _reduce_stats(parts_f32, counts, layout, axes: _MeshAxes, check_finite):
+    """ONE pmax over the weight mesh of one int32 vector holding ``parts_f32`` (fp32, >= 0: their
+    bits order as int32 do) and, with ``check_finite``, the counts block. Returns the reduced parts
+    and counts ([S, P], or [tp, S, P] with a TP axis)."""
+    vecs = [_f32_bits(v).reshape(-1) for v in parts_f32]
     if check_finite:
-        block = jnp.zeros((layout.num_shards, layout.num_params), jnp.int32)
-        block = jax.lax.dynamic_update_slice(block, counts.astype(jnp.int32)[None], (jax.lax.axis_index(axis), 0))
-        parts.append(block.reshape(-1))
-    packed = jax.lax.pmax(jnp.concatenate(parts), axis)        # the one all-reduce of the group
-    n = stats_f32.shape[0]
-    counts = packed[n:].reshape(layout.num_shards, layout.num_params) if check_finite else None
-    return _bits_f32(packed[:n]), counts
+        block = _own_row(counts.astype(jnp.int32), layout.num_shards, jax.lax.axis_index(axes.axis))
+        if axes.tp_axis is not None:
+            block = _own_row(block, axes.tp_size, axes.tp_index())
+        vecs.append(block.reshape(-1))
+    packed = jax.lax.pmax(jnp.concatenate(vecs), axes.reduce)     # the one all-reduce of the group
+    out, pos = [], 0
+    for v in parts_f32:
+        out.append(_bits_f32(packed[pos:pos + v.size]).reshape(v.shape))
+        pos += v.size
+    counts = packed[pos:].reshape(_counts_shape(layout, axes.tp_axis)) if check_finite else None
+    return out, counts
 
 
-def _nvfp4_local(x, layout, axis, check_finite, impl):
+def _gather(chunk, axis):
+    return jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")
+
+
+def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, impl):
     S = layout.num_shards
-    dims = [tuple(s) for s in layout.shapes]
-    table, plan, chunk_lo = _group_plan(layout, True)
-    r = jax.lax.axis_index(axis)
-    tiles, counts = ops.nvfp4_group_tile_amax(x, r, table=table, num_shards=S, return_nonfinite=True, impl=impl)
-    tiles, counts = _reduce_stats(tiles, counts, layout, axis, check_finite)
-    tile_amax, amax, scale_inv, enc = [], [], [], []
-    for p, (m, k) in enumerate(dims):
-        base, t = int(table[p, 4]), (m // formats.TILE) * (k // formats.TILE)
-        tile_amax.append(tiles[base:base + t].reshape(m // formats.TILE, k // formats.TILE))
-        amax.append(jnp.max(tile_amax[p]).reshape(1))          # as quantize_nvfp4
-        scale_inv.append(ops.nvfp4_scale(tile_amax[p], amax[p], rows=m, cols=k, impl=impl))
-        enc.append(reference.tile_encode(scale_inv[p], amax[p], m, k).reshape(-1))
-    chunk = ops.nvfp4_group_cast(x, r, jnp.concatenate(enc), table=table, num_shards=S, chunk_lo=chunk_lo,
-                                 chunk_size=plan.size, impl=impl)
-    gathered = jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")   # uint8 [S * chunk]
-
-    # Assemble each weight from its pieces; a byte split between two shards is the OR of both.
-    where = {}
-    for r_, row in enumerate(plan.entries):
-        for pc, off, nbytes in row:
-            where[(r_, pc.param)] = (pc, r_ * plan.size + off, nbytes)
-    weights = []
-    for p, (m, k) in enumerate(dims):
-        segs = []
-        for r_ in layout.owners(p):
-            pc, off, nbytes = where[(r_, p)]
-            blk = gathered[off:off + nbytes]
-            if segs and pc.start % 2:
-                last = segs.pop()
-                segs += [last[:-1], last[-1:] | blk[:1], blk[1:]]
-            else:
-                segs.append(blk)
-        data = jnp.concatenate(segs).reshape(m, k // 2)
-        weights.append(NVFP4Tensor(data=data, scale_inv=scale_inv[p], amax=amax[p], shape=(m, k)))
-    return weights, counts
+    table = _group_table(layout, True)
+    rows = gtable.rows_of(table)
+    plan = nvfp4_chunks(layout)
+    r = jax.lax.axis_index(axes.axis)
+    tiles, amax, counts = ops.nvfp4_group_tile_amax(x, r, table=table, num_shards=S, return_nonfinite=True,
+                                                    compute_dtype=compute_dtype, impl=impl)
+    if axes.tp_axis is None:
+        (tiles, amax), counts = _reduce_stats([tiles, amax], counts, layout, axes, check_finite)
+    else:   # TP-local tiles: each TP rank its own row; amaxes over the whole weight
+        j = axes.tp_index()
+        (block, amax), counts = _reduce_stats([_own_row(tiles, axes.tp_size, j), amax], counts, layout, axes,
+                                              check_finite)
+        tiles = jax.lax.dynamic_index_in_dim(block, j, keepdims=False)
+    scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
+    chunk = ops.nvfp4_group_cast(x, r, enc, table=table, num_shards=S, chunk_lo=plan.lo, chunk_size=plan.size,
+                                 compute_dtype=compute_dtype, impl=impl)
+    data = _assemble_nvfp4(_gather(chunk, axes.axis), plan)
+    data_t = scale_inv_t = None
+    if build_columnwise:
+        data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
+    return _split_nvfp4(rows, data, scale_inv, amax, data_t, scale_inv_t), counts
 
 
-def _fp8_local(x, layout, axis, check_finite, dtype, amax_epsilon, force_pow_2_scales, impl):
+def _assemble_nvfp4(gathered, plan: NVFP4Chunks):
+    """The group's param-byte space from the gathered chunks: one slice per shard, one OR per odd
+    shard boundary (a static gather and scatter of at most num_shards bytes)."""
+    parts = [gathered[r * plan.size:r * plan.size + n] for r, n in enumerate(plan.length) if n]
+    data = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+    if plan.fix_pos:
+        pos, src = np.asarray(plan.fix_pos), np.asarray(plan.fix_src)
+        data = data.at[pos].set(data[pos] | gathered[src])
+    return data
+
+
+def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None):
+    """Per-parameter tensors: one slice per output of the group's packed vectors."""
+    out = []
+    for p, row in enumerate(rows):
+        m, k = row.rows, row.cols
+        sr, sc = formats.nvfp4_scale_shape(m, k)
+        b = slice(row.byte_base, row.byte_base + m * k // 2)
+        t = None
+        if data_t is not None:
+            tr, tc = formats.nvfp4_scale_shape(k, m)
+            t = (data_t[b].reshape(k, m // 2), scale_inv_t[row.scale_t_base:row.scale_t_base + tr * tc].reshape(tr, tc))
+        out.append(NVFP4Tensor(data=data[b].reshape(m, k // 2),
+                               scale_inv=scale_inv[row.scale_base:row.scale_base + sr * sc].reshape(sr, sc),
+                               amax=amax[p:p + 1], data_t=None if t is None else t[0],
+                               scale_inv_t=None if t is None else t[1], shape=(m, k)))
+    return out
+
+
+def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, dtype, amax_epsilon,
+               force_pow_2_scales, impl):
     S = layout.num_shards
     fmax = formats.fp8_max(dtype)
-    table, _, _ = _group_plan(layout, False)
-    r = jax.lax.axis_index(axis)
-    amax, counts = ops.fp8_group_amax(x, r, table=table, num_shards=S, return_nonfinite=True, impl=impl)
-    amax, counts = _reduce_stats(amax, counts, layout, axis, check_finite)
+    table = _group_table(layout, False)
+    r = jax.lax.axis_index(axes.axis)
+    amax, counts = ops.fp8_group_amax(x, r, table=table, num_shards=S, return_nonfinite=True,
+                                      compute_dtype=compute_dtype, impl=impl)
+    (amax,), counts = _reduce_stats([amax], counts, layout, axes, check_finite)
     scale, scale_inv = formats.fp8_scale_from_amax(amax, fmax, amax_epsilon, force_pow_2_scales)
-    chunk = ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype, impl=impl)
-    chunk = jax.lax.bitcast_convert_type(chunk, jnp.uint8)
-    gathered = jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")   # uint8 [total_size]
+    chunk = ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype, compute_dtype=compute_dtype,
+                               impl=impl)
+    gathered = jax.lax.bitcast_convert_type(_gather(jax.lax.bitcast_convert_type(chunk, jnp.uint8), axes.axis), dtype)
+    gathered_t = ops.fp8_group_transpose(gathered, table=table, impl=impl) if build_columnwise else None
     weights = []
-    for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.shapes)):
-        data = jax.lax.bitcast_convert_type(gathered[o:o + numel], dtype).reshape(shape)
-        weights.append(Float8Tensor(data=data, scale_inv=scale_inv[p], amax=amax[p]))
+    for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes)):
+        data_t = None if gathered_t is None else gathered_t[o:o + numel].reshape(shape[::-1])
+        weights.append(Float8Tensor(data=gathered[o:o + numel].reshape(shape), scale_inv=scale_inv[p],
+                                    amax=amax[p], data_t=data_t))
     return weights, counts
 
 
@@ -294,33 +394,73 @@ def _fp8_local(x, layout, axis, check_finite, dtype, amax_epsilon, force_pow_2_s
 # ----------------------------------------------------------------------------------------------
 
 
+def _weight_specs(layout, recipe, columnwise_in_step, tp_axis):
+    """out_specs of each weight: sharded over ``tp_axis`` along its TP dim (the transposed dim for
+    columnwise data), replicated otherwise."""
+    specs = []
+    for p, local in enumerate(layout.local_shapes):
+        d = None if layout.tp_dims is None else layout.tp_dims[p]
+        if tp_axis is None or d is None:
+            row, col = P(), P()
+        else:
+            row = P(tp_axis, None) if d == 0 else P(None, tp_axis)
+            col = P(None, tp_axis) if d == 0 else P(tp_axis, None)
+        t = col if columnwise_in_step else None
+        if recipe == "nvfp4":
+            specs.append(NVFP4Tensor(data=row, scale_inv=row, amax=P(), data_t=t, scale_inv_t=t, shape=tuple(local)))
+        else:
+            specs.append(Float8Tensor(data=row, scale_inv=P(), amax=P(), data_t=t))
+    return specs
+
+
 @functools.lru_cache(maxsize=128)
-def _build(layout, mesh, axis, options):
-    body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, **dict(options))
-    # The results are replicated over ``axis`` (pmax / all_gather), which check_vma verifies.
-    smap = jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P())
+def _build(layout, mesh, axis, tp_axis, options):
+    opts = dict(options)
+    body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, tp_axis=tp_axis, **opts)
+    specs = _weight_specs(layout, opts["recipe"], opts["columnwise"] and not opts["manual_post_all_gather_processing"],
+                          tp_axis)
+    out_specs = (specs, NonFiniteReport(counts=P(), names=layout.names)) if opts["check_finite"] else specs
+    in_spec = P(axis) if tp_axis is None else P(tp_axis, axis)
+    # 1-D: the results are replicated over ``axis`` (pmax / all_gather), which check_vma verifies.
+    # FSDP x TP: weights replicated over TP (tp_dims None) are computed from TP-varying inputs that
+    # hold the same values on every TP rank, which check_vma cannot know.
+    smap = jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_specs, check_vma=tp_axis is None)
     explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
     def run(master_flat):
         if explicit:   # explicit-sharding meshes do not reshard shard_map inputs implicitly
-            master_flat = jax.reshard(master_flat, NamedSharding(mesh, P(axis)))
-        return smap(master_flat)
+            master_flat = jax.reshard(master_flat, NamedSharding(mesh, in_spec))
+        out = smap(master_flat)
+        if tp_axis is None:
+            return out
+        weights, report = (out if opts["check_finite"] else (out, None))
+        weights = [dataclasses.replace(w, shape=tuple(s)) if isinstance(w, NVFP4Tensor) else w
+                   for w, s in zip(weights, layout.shapes)]
+        return (weights, report) if opts["check_finite"] else weights
 
     return jax.jit(run)
 
 
-def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str = "fsdp",
+def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str = "fsdp", tp_axis=None,
                             recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
                             manual_post_all_gather_processing: bool = True, check_finite: bool = False,
                             fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
                             force_pow_2_scales: bool = False, impl: str = "auto"):
     """Quantize a ZeRO-sharded flat fp32 master buffer into full (gathered) FP8 / NVFP4 weights.
 
-    ``master_flat``: global ``[layout.total_size]`` array, sharded ``P(axis)`` on ``mesh`` (replicated
-    over the other mesh axes). Returns the list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's
-    order, replicated on every device, bit-identical to ``quantize_nvfp4`` / ``quantize_fp8`` of each
-    whole weight after ``compute_dtype`` conversion; with ``check_finite=True`` returns
-    ``(weights, NonFiniteReport)``.
+    ``master_flat``: global ``[layout.total_size]`` array sharded ``P(axis)`` on ``mesh`` (replicated
+    over the other mesh axes), or, for an FSDP x TP layout (``tp_axis`` set), ``[tp_size,
+    total_size]`` sharded ``P(tp_axis, axis)`` (:func:`master_sharding`). Returns the list of
+    ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order, bit-identical to ``quantize_nvfp4`` /
+    ``quantize_fp8`` of each whole weight after ``compute_dtype`` conversion; with ``check_finite=True``
+    returns ``(weights, NonFiniteReport)``.
+
+    Without ``tp_axis`` the weights are replicated on every device. With ``tp_axis``, each is a global
+    array sharded over ``tp_axis`` along its TP dim (data and scale_inv; columnwise data_t /
+    scale_inv_t along the transposed dim) and replicated over ``axis``; amaxes are reduced over the
+    whole weight. Bytes equal whole-tensor quantization when the TP split is aligned to the scale
+    layout (docs/distributed.md, "FSDP x TP"); otherwise each TP rank's local tensor equals the
+    quantization of its slice with the shared global amax.
 
     ``columnwise``: also produce the columnwise data (``data_t`` and, for NVFP4, ``scale_inv_t``); with
     ``manual_post_all_gather_processing=True`` (default) it is left to the caller, who runs
@@ -332,12 +472,22 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ops._check_impl(impl)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if not isinstance(axis, str) or axis not in mesh.axis_names:
-        raise ValueError(f"axis: {axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    for name, a in (("axis", axis), ("tp_axis", tp_axis)):
+        if (a is not None or name == "axis") and (not isinstance(a, str) or a not in mesh.axis_names):
+            raise ValueError(f"{name}: {a!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    if tp_axis == axis:
+        raise ValueError(f"tp_axis: must differ from axis ({axis!r})")
     if mesh.shape[axis] != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has "
                          f"{mesh.shape[axis]} devices")
-    _check_flat("master_flat", master_flat, layout.total_size, "layout.total_size = num_shards * shard_size")
+    _check_tp(layout, tp_axis, lambda a: mesh.shape[a])
+    if layout.tp_dims is None:
+        _check_flat("master_flat", master_flat, (layout.total_size,), "layout.total_size = num_shards * shard_size")
+    else:
+        if tp_axis is None:
+            raise ValueError("tp_axis: the layout was built with tp_dims; pass the tensor-parallel mesh axis")
+        _check_flat("master_flat", master_flat, (layout.tp_size, layout.total_size),
+                    "[layout.tp_size, layout.total_size], as layout.flatten returns it")
     options = (("recipe", recipe),
                ("compute_dtype", None if compute_dtype is None else jnp.dtype(compute_dtype)),
                ("columnwise", bool(columnwise)),
@@ -345,12 +495,13 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                ("check_finite", bool(check_finite)), ("fp8_dtype", jnp.dtype(fp8_dtype)),
                ("amax_epsilon", float(amax_epsilon)), ("force_pow_2_scales", bool(force_pow_2_scales)),
                ("impl", impl))
-    return _build(layout, mesh, axis, options)(master_flat)
+    return _build(layout, mesh, axis, tp_axis, options)(master_flat)
 
 
-def master_sharding(mesh, axis: str = "fsdp") -> NamedSharding:
-    """The sharding ``quantize_master_weights`` expects for ``master_flat``: ``P(axis)``."""
-    return NamedSharding(mesh, P(axis))
+def master_sharding(mesh, axis: str = "fsdp", tp_axis=None) -> NamedSharding:
+    """The sharding ``quantize_master_weights`` expects for ``master_flat``: ``P(axis)``, or
+    ``P(tp_axis, axis)`` for an FSDP x TP layout."""
+    return NamedSharding(mesh, P(axis) if tp_axis is None else P(tp_axis, axis))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,12 +512,27 @@ def master_sharding(mesh, axis: str = "fsdp") -> NamedSharding:
 def post_all_gather_processing(weights, *, impl: str = "auto"):
     """Build the columnwise data from the gathered rowwise data.
 
-    NVFP4: ``data_t`` (``ops.nvfp4_transpose``) and ``scale_inv_t`` (``ops.nvfp4_scale_transpose``);
-    FP8: ``data_t``, the byte transpose. Takes one tensor or a list/tuple of them and returns the same
-    structure; tensors that already have columnwise data are returned unchanged.
+    NVFP4: ``data_t`` and ``scale_inv_t``; FP8: ``data_t``, the byte transpose. Takes one tensor or a
+    list/tuple of them and returns the same structure; tensors that already have columnwise data are
+    returned unchanged. A list is processed as a group: one grouped transpose call for all its NVFP4
+    tensors (``ops.nvfp4_group_columnwise``) and one for all its FP8 tensors
+    (``ops.fp8_group_transpose``), whatever their number.
+    For FSDP x TP weights whose TP split is not aligned to the scale layout, run it per TP rank
+    (inside ``shard_map``) or pass ``manual_post_all_gather_processing=False``.
     """
     if isinstance(weights, (list, tuple)):
-        return type(weights)(post_all_gather_processing(w, impl=impl) for w in weights)
+        for w in weights:
+            if not isinstance(w, (NVFP4Tensor, Float8Tensor)):
+                raise TypeError(f"weights: must be an NVFP4Tensor, a Float8Tensor or a list of them, "
+                                f"got an element of type {type(w).__name__}")
+        out = list(weights)
+        nv = [i for i, w in enumerate(out) if isinstance(w, NVFP4Tensor) and (w.data_t is None or w.scale_inv_t is None)]
+        f8 = [i for i, w in enumerate(out) if isinstance(w, Float8Tensor) and w.data_t is None]
+        for i, w in zip(nv, _nvfp4_group_columnwise([out[i] for i in nv], impl)):
+            out[i] = w
+        for i, w in zip(f8, _fp8_group_columnwise([out[i] for i in f8], impl)):
+            out[i] = w
+        return type(weights)(out)
     if isinstance(weights, NVFP4Tensor):
         if weights.data_t is not None and weights.scale_inv_t is not None:
             return weights
@@ -377,3 +543,40 @@ def post_all_gather_processing(weights, *, impl: str = "auto"):
         return fp8_columnwise(weights)
     raise TypeError(f"weights: must be an NVFP4Tensor, a Float8Tensor or a list of them, "
                     f"got {type(weights).__name__}")
+
+
+def _packed_table(shapes, nvfp4):
+    offsets = np.concatenate([[0], np.cumsum([int(np.prod(s)) for s in shapes])]).astype(int)
+    return ops.group_table([int(o) for o in offsets[:-1]], shapes, num_shards=1, shard_size=int(offsets[-1]),
+                           nvfp4=nvfp4)
+
+
+def _nvfp4_group_columnwise(ts, impl):
+    if not ts:
+        return []
+    for t in ts:
+        if tuple(t.scale_inv.shape) != formats.nvfp4_scale_shape(*t.shape):
+            raise ValueError(f"weights: an NVFP4Tensor of shape {t.shape} has scale_inv of shape "
+                             f"{tuple(t.scale_inv.shape)} (a TP-sharded tensor whose split is not aligned to the "
+                             f"scale layout): build its columnwise data per TP rank")
+    table = _packed_table([t.shape for t in ts], True)
+    data = jnp.concatenate([t.data.reshape(-1) for t in ts])
+    scale_inv = jnp.concatenate([t.scale_inv.reshape(-1) for t in ts])
+    data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
+    amax = jnp.concatenate([t.amax.reshape(1) for t in ts])
+    return _split_nvfp4(gtable.rows_of(table), data, scale_inv, amax, data_t, scale_inv_t)
+
+
+def _fp8_group_columnwise(ts, impl):
+    if not ts:
+        return []
+    for t in ts:
+        if t.data.ndim != 2:
+            raise ValueError(f"t.data: columnwise data needs rank 2, got shape {tuple(t.data.shape)}")
+    table = _packed_table([t.data.shape for t in ts], False)
+    data_t = ops.fp8_group_transpose(jnp.concatenate([t.data.reshape(-1) for t in ts]), table=table, impl=impl)
+    out = []
+    for t, row in zip(ts, gtable.rows_of(table)):
+        out.append(Float8Tensor(data=t.data, scale_inv=t.scale_inv, amax=t.amax,
+                                data_t=data_t[row.offset:row.offset + row.numel].reshape(row.cols, row.rows)))
+    return out

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -65,24 +66,61 @@ class FlatLayout:
     ``num_shards``. :meth:`from_param_offsets` takes explicit offsets, :meth:`from_start_offsets`
     TransformerEngine-style per-rank start offsets.
 
-    Attributes: ``shapes``, ``numels``, ``names``, ``num_params``, ``num_shards``, ``shard_size``,
-    ``total_size`` (``num_shards * shard_size``), ``param_offsets``, ``align`` (None for layouts built
-    from explicit offsets).
+    **Tensor parallelism** (docs/distributed.md, "FSDP x TP"): with ``tp_dims`` (one entry per
+    parameter: 0 = TP splits rows, i.e. ``out`` of a column-parallel ``[out, in]`` weight; 1 = TP
+    splits columns, row-parallel; None = replicated over TP) every TP rank's flat buffer holds its
+    TP-local slices, laid out and ZeRO-cut as above; all TP ranks share one layout of the local
+    shapes. :meth:`flatten` then returns the global master ``[tp_size, total_size]`` (even with
+    ``tp_size=1``) and :meth:`unflatten` inverts it.
+
+    Attributes: ``shapes`` (global), ``local_shapes`` (TP-local; = ``shapes`` without TP),
+    ``numels`` (TP-local), ``names``, ``num_params``, ``num_shards``, ``shard_size``, ``total_size``
+    (``num_shards * shard_size``), ``param_offsets``, ``align`` (None for layouts built from explicit
+    offsets), ``tp_size``, ``tp_dims`` (None without TP).
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], num_shards: int, align: int = 1, *,
-                 names: Optional[Sequence[str]] = None):
+                 names: Optional[Sequence[str]] = None, tp_size: int = 1, tp_dims: Optional[Sequence] = None):
         shapes = self._check_shapes(shapes)
         num_shards = _as_int("num_shards", num_shards, minimum=1)
         align = _as_int("align", align, minimum=1)
+        tp_size = _as_int("tp_size", tp_size, minimum=1)
+        local = self._tp_local_shapes(shapes, tp_size, tp_dims)
         offsets, pos = [], 0
-        for s in shapes:
+        for s in local:
             pos = -(-pos // align) * align
             offsets.append(pos)
             pos += math.prod(s)
         shard_size = -(-pos // num_shards)
-        self._init(shapes, tuple(offsets), num_shards, shard_size, names)
+        self._init(local, tuple(offsets), num_shards, shard_size, names)
         self.align = align
+        self.shapes = shapes
+        self.tp_size = tp_size
+        self.tp_dims = None if tp_dims is None else tuple(None if d is None else int(d) for d in tp_dims)
+
+    @staticmethod
+    def _tp_local_shapes(shapes, tp_size, tp_dims):
+        if tp_dims is None:
+            if tp_size != 1:
+                raise ValueError(f"tp_dims: needed when tp_size > 1 (got tp_size={tp_size}); one entry per "
+                                 f"parameter: 0 (rows split), 1 (columns split) or None (replicated)")
+            return shapes
+        tp_dims = list(tp_dims)
+        if len(tp_dims) != len(shapes):
+            raise ValueError(f"tp_dims: expected {len(shapes)} entries (one per parameter), got {len(tp_dims)}")
+        local = []
+        for p, (s, d) in enumerate(zip(shapes, tp_dims)):
+            if d is None:
+                local.append(s)
+                continue
+            if isinstance(d, bool) or d not in (0, 1):
+                raise ValueError(f"tp_dims[{p}]: must be 0, 1 or None, got {d!r}")
+            if len(s) != 2:
+                raise ValueError(f"tp_dims[{p}]: a TP-split parameter must have rank 2, got shape {s}")
+            if s[d] % tp_size:
+                raise ValueError(f"tp_dims[{p}]: dimension {d} of shape {s} is not divisible by tp_size={tp_size}")
+            local.append(tuple(n // tp_size if i == d else n for i, n in enumerate(s)))
+        return tuple(local)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -93,7 +131,8 @@ class FlatLayout:
         return tuple(_as_shape(f"shapes[{i}]", s) for i, s in enumerate(shapes))
 
     def _init(self, shapes, offsets, num_shards, shard_size, names):
-        self.shapes = shapes
+        self.shapes = self.local_shapes = shapes
+        self.tp_size, self.tp_dims = 1, None
         self.numels = tuple(math.prod(s) for s in shapes)
         self.num_params = len(shapes)
         self.num_shards = num_shards
@@ -302,9 +341,19 @@ class FlatLayout:
 
     # -- data movement -----------------------------------------------------------------------
 
+    def tp_slice(self, array, param: int, tp_rank: int):
+        """TP rank ``tp_rank``'s slice of the whole parameter ``array`` (the whole of it when the
+        parameter is replicated over TP)."""
+        d = None if self.tp_dims is None else self.tp_dims[param]
+        if d is None:
+            return array
+        n = self.local_shapes[param][d]
+        return jax.lax.slice_in_dim(jnp.asarray(array), tp_rank * n, (tp_rank + 1) * n, axis=d)
+
     def flatten(self, arrays: Sequence, dtype=None):
-        """Lay ``arrays`` (one per parameter, shapes as the layout's) into one flat buffer of
-        ``total_size`` elements; padding is 0. ``dtype`` defaults to the arrays' result type."""
+        """Lay ``arrays`` (one whole parameter each, shapes as ``shapes``) into the flat master buffer:
+        ``[total_size]``, or ``[tp_size, total_size]`` (row ``j``: TP rank ``j``'s slices) for a layout
+        built with ``tp_dims``; padding is 0. ``dtype`` defaults to the arrays' result type."""
         arrays = list(arrays)
         if len(arrays) != self.num_params:
             raise ValueError(f"arrays: expected {self.num_params} arrays (one per parameter), got {len(arrays)}")
@@ -313,6 +362,12 @@ class FlatLayout:
                 raise ValueError(f"arrays[{p}]: shape must be {s} ({self.names[p]}), got {tuple(np.shape(a))}")
         if dtype is None:
             dtype = jnp.result_type(*arrays) if arrays else jnp.float32
+        if self.tp_dims is None:
+            return self._flatten_local(arrays, dtype)
+        return jnp.stack([self._flatten_local([self.tp_slice(a, p, j) for p, a in enumerate(arrays)], dtype)
+                          for j in range(self.tp_size)])
+
+    def _flatten_local(self, arrays, dtype):
         parts, pos = [], 0
         for a, o, m in zip(arrays, self.param_offsets, self.numels):
             if o > pos:
@@ -326,10 +381,19 @@ class FlatLayout:
         return jnp.concatenate(parts)
 
     def unflatten(self, flat) -> list:
-        """The parameters, in their shapes, from a flat buffer of ``total_size`` elements."""
-        if tuple(np.shape(flat)) != (self.total_size,):
-            raise ValueError(f"flat: shape must be ({self.total_size},), got {tuple(np.shape(flat))}")
-        return [jnp.reshape(flat[o:o + m], s) for o, m, s in zip(self.param_offsets, self.numels, self.shapes)]
+        """The whole parameters, in their shapes, from a flat buffer as :meth:`flatten` returns it."""
+        want = (self.total_size,) if self.tp_dims is None else (self.tp_size, self.total_size)
+        if tuple(np.shape(flat)) != want:
+            raise ValueError(f"flat: shape must be {want}, got {tuple(np.shape(flat))}")
+        if self.tp_dims is None:
+            return self._unflatten_local(flat)
+        ranks = [self._unflatten_local(flat[j]) for j in range(self.tp_size)]
+        return [ranks[0][p] if d is None else jnp.concatenate([r[p] for r in ranks], axis=d)
+                for p, d in enumerate(self.tp_dims)]
+
+    def _unflatten_local(self, flat) -> list:
+        return [jnp.reshape(flat[o:o + m], s)
+                for o, m, s in zip(self.param_offsets, self.numels, self.local_shapes)]
 
     def shard_of(self, flat, shard: int):
         """Shard ``shard``'s local range of a flat buffer."""
@@ -339,7 +403,8 @@ class FlatLayout:
     # -- identity ----------------------------------------------------------------------------
 
     def _key(self):
-        return (self.shapes, self.param_offsets, self.num_shards, self.shard_size, self.names)
+        return (self.shapes, self.param_offsets, self.num_shards, self.shard_size, self.names, self.tp_size,
+                self.tp_dims)
 
     def __eq__(self, other):
         return isinstance(other, FlatLayout) and self._key() == other._key()
@@ -349,4 +414,5 @@ class FlatLayout:
 
     def __repr__(self):
         return (f"FlatLayout(num_params={self.num_params}, num_shards={self.num_shards}, "
-                f"shard_size={self.shard_size}, param_offsets={self.param_offsets}, shapes={self.shapes})")
+                f"shard_size={self.shard_size}, param_offsets={self.param_offsets}, shapes={self.shapes}"
+                + (f", tp_size={self.tp_size}, tp_dims={self.tp_dims})" if self.tp_dims is not None else ")"))

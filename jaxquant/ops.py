@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _ffi, formats, reference
+from jaxquant import group_table as gtable
+from jaxquant.group_table import GROUP_TABLE_FIELDS  # noqa: F401  (re-exported)
 from jaxquant.partitioning import Rule, sharded
 from jaxquant.formats import TILE
 
@@ -494,44 +496,25 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
 
 
 def group_table(offsets, shapes, *, num_shards: int, shard_size: int, nvfp4: bool) -> np.ndarray:
-    """Static int64 [P, 6] table: (flat offset, numel, rows, cols, tile base, byte base) per parameter.
+    """Static int64 [P, F] parameter table of a group (``jaxquant.group_table``: the fields, by name,
+    are ``GROUP_TABLE_FIELDS``, defined once in ``csrc/jaxquant/group_table.h``)."""
+    return gtable.build(offsets, shapes, num_shards=num_shards, shard_size=shard_size, nvfp4=nvfp4)
 
-    Tile base: where the parameter's tiles start in the packed tile vector (NVFP4); byte base:
-    where its packed bytes start in the group's param-byte space (NVFP4: numel/2 per parameter).
-    """
-    if len(offsets) != len(shapes):
-        raise ValueError(f"offsets: {len(offsets)} offsets for {len(shapes)} shapes")
-    if not isinstance(num_shards, (int, np.integer)) or num_shards <= 0:
-        raise ValueError(f"num_shards: must be a positive int, got {num_shards!r}")
-    total = num_shards * shard_size
-    rows_out, tile_base, byte_base, end = [], 0, 0, 0
-    for p, (off, shape) in enumerate(zip(offsets, shapes)):
-        shape = tuple(int(d) for d in shape)
-        numel = int(np.prod(shape, dtype=np.int64))
-        if nvfp4:
-            if len(shape) != 2:
-                raise ValueError(f"shapes[{p}]: NVFP4 weights must have rank 2, got {shape}")
-            check_nvfp4_shape(*shape, name=f"shapes[{p}]")
-        rows, cols = (shape if len(shape) == 2 else (numel, 1))
-        if off < end:
-            raise ValueError(f"offsets[{p}]: parameters must not overlap and must be in order "
-                             f"(offset {off} < end of the previous parameter {end})")
-        if off + numel > total:
-            raise ValueError(f"offsets[{p}]: parameter [{off}, {off + numel}) lies outside the flat buffer "
-                             f"of {num_shards} x {shard_size} elements")
-        rows_out.append((off, numel, rows, cols, tile_base, byte_base))
-        end = off + numel
-        if nvfp4:
-            tile_base += numel // (TILE * TILE)
-            byte_base += numel // 2
-    return np.asarray(rows_out, np.int64).reshape(-1, 6)
+
+def _check_table(table):
+    """Table as int64 [P, F] and as GroupRow tuples (for the references)."""
+    table = np.asarray(table)
+    if table.ndim != 2 or table.shape[1] != len(gtable.GROUP_TABLE_FIELDS) or table.dtype != np.int64:
+        raise ValueError(f"table: must be the int64 [P, {len(gtable.GROUP_TABLE_FIELDS)}] array built by "
+                         f"ops.group_table")
+    return table, gtable.rows_of(table)
 
 
 def _check_group_args(impl, shard, shard_index, table):
-    """Validates the common arguments of the grouped ops.
+    """Validates the common arguments of the grouped ops over a shard.
 
-    Returns (table as int64 [P, 6], shard index as an int32 scalar, the table as nested tuples of
-    ints for the reference, the number of tiles T of the group)."""
+    Returns (table as int64 [P, F], shard index as an int32 scalar, the table as GroupRow tuples for
+    the reference, the number of tiles T of the group)."""
     _check_impl(impl)
     _check_input("shard", shard)
     if shard.ndim != 1:
@@ -539,12 +522,20 @@ def _check_group_args(impl, shard, shard_index, table):
     if not hasattr(shard_index, "dtype") or not jnp.issubdtype(shard_index.dtype, jnp.integer) or shard_index.size != 1:
         raise TypeError(f"shard_index: must be an integer scalar array (e.g. lax.axis_index), got "
                         f"{getattr(shard_index, 'dtype', type(shard_index).__name__)}")
-    table = np.asarray(table)
-    if table.ndim != 2 or table.shape[1] != 6 or table.dtype != np.int64:
-        raise ValueError("table: must be the int64 [P, 6] array built by ops.group_table")
-    rows = tuple(tuple(int(c) for c in row) for row in table)
-    num_tiles = int(table[:, 1].sum() // (TILE * TILE))
+    table, rows = _check_table(table)
+    num_tiles = sum(r.numel for r in rows) // (TILE * TILE)
     return table, jnp.reshape(shard_index, ()).astype(jnp.int32), rows, num_tiles
+
+
+def _group_compute(shard, compute_dtype):
+    """The grouped ops round to ``compute_dtype`` as they load (docs/numerics.md §2, "Compute dtype"):
+    (the custom call's ``round_bf16`` attribute, the reference's input conversion)."""
+    if compute_dtype is not None and jnp.dtype(compute_dtype) not in INPUT_DTYPES:
+        raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
+    round_bf16 = (compute_dtype is not None and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
+                  and jnp.dtype(shard.dtype) == jnp.dtype(jnp.float32))
+    convert = (lambda v: v) if compute_dtype is None else (lambda v: formats.to_compute_dtype(v, compute_dtype))
+    return round_bf16, convert
 
 
 def _i64_operand(a: np.ndarray) -> jax.Array:
@@ -553,34 +544,116 @@ def _i64_operand(a: np.ndarray) -> jax.Array:
 
 
 def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
-                          impl: str = "auto"):
-    """Tile amax of every parameter of the group over this shard's elements, packed [T] (tile
-    ``table[p, 4] + i * cols/16 + j``), tiles the shard does not touch 0; with ``return_nonfinite``
-    also the int32 [P] count of NaN/±inf elements per parameter (same pass over memory)."""
+                          compute_dtype=None, impl: str = "auto"):
+    """(tile amaxes, amaxes) of every parameter of the group over this shard's elements: tiles packed
+    [T] (tile ``tile_base + i * cols/16 + j``; tiles the shard does not touch 0) and per-parameter
+    amax [P]; with ``return_nonfinite`` also the int32 [P] count of NaN/±inf elements per parameter
+    (all from one pass over memory). ``compute_dtype`` (None, float32, bfloat16): the shard's values
+    are rounded to it as they are read, as ``formats.to_compute_dtype`` does."""
     table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
-    outs = [jax.ShapeDtypeStruct((num_tiles,), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
+    round_bf16, convert = _group_compute(shard, compute_dtype)
+    P = table.shape[0]
+    outs = [jax.ShapeDtypeStruct((num_tiles,), jnp.float32), jax.ShapeDtypeStruct((P,), jnp.float32),
+            jax.ShapeDtypeStruct((P,), jnp.int32)]
 
     def custom(v, r):
-        return tuple(_ffi.call("jq_nvfp4_group_tile_amax", outs, v, r, _i64_operand(table)))
+        return tuple(_ffi.call("jq_nvfp4_group_tile_amax", outs, v, r, _i64_operand(table), round_bf16=round_bf16))
 
     def ref(v, r):
-        return reference.nvfp4_group_tile_amax(v, r, table=rows,
-                                               num_shards=num_shards)
+        return reference.nvfp4_group_tile_amax(convert(v), r, table=rows, num_shards=num_shards)
 
     result = _dispatch(impl, custom, ref, shard, index)
-    return result if return_nonfinite else result[0]
+    return result if return_nonfinite else result[:2]
+
+
+def nvfp4_group_scale(tile_amax, amax, *, table, impl: str = "auto"):
+    """Scales of every parameter of the group, one call: (scale_inv, enc).
+
+    ``tile_amax``: fp32 [T], every parameter's tile amaxes (reduced over the shards); ``amax``: fp32
+    [P], every parameter's global amax. ``scale_inv``: uint8, every parameter's padded
+    [ru(rows,128), ru(cols/16,4)] E4M3 scales, row-major from ``scale_base``; ``enc``: fp32 [T],
+    each tile's encode multiplier (docs/numerics.md §2.4, §2.5), what ``nvfp4_group_cast`` takes.
+    """
+    _check_impl(impl)
+    table, rows = _check_table(table)
+    sz = gtable.sizes(table)
+    _check_array("tile_amax", tile_amax, jnp.float32, (sz.num_tiles,))
+    _check_array("amax", amax, jnp.float32, (table.shape[0],))
+    outs = [jax.ShapeDtypeStruct((sz.scale_bytes,), jnp.uint8), jax.ShapeDtypeStruct((sz.num_tiles,), jnp.float32)]
+
+    def custom(t, a):
+        return tuple(_ffi.call("jq_nvfp4_group_scale", outs, t, a, _i64_operand(table)))
+
+    def ref(t, a):
+        return reference.nvfp4_group_scale(t, a, table=rows)
+
+    return _dispatch(impl, custom, ref, tile_amax, amax)
+
+
+def nvfp4_group_columnwise(data, scale_inv, *, table, impl: str = "auto"):
+    """Columnwise data and scales of every parameter of the group, one call: (data_t, scale_inv_t).
+
+    ``data``: uint8 [sum numel/2], every parameter's packed rowwise data from ``byte_base``;
+    ``scale_inv``: the packed rowwise scales (``nvfp4_group_scale``). ``data_t``: every parameter's
+    packed [cols, rows/2] transpose from ``byte_base``; ``scale_inv_t``: every parameter's padded
+    [ru(cols,128), ru(rows/16,4)] scales from ``scale_t_base``.
+    """
+    _check_impl(impl)
+    table, rows = _check_table(table)
+    sz = gtable.sizes(table)
+    _check_array("data", data, jnp.uint8, (sz.data_bytes,))
+    _check_array("scale_inv", scale_inv, jnp.uint8, (sz.scale_bytes,))
+    outs = [jax.ShapeDtypeStruct((sz.data_bytes,), jnp.uint8), jax.ShapeDtypeStruct((sz.scale_t_bytes,), jnp.uint8)]
+
+    def custom(d, s):
+        return tuple(_ffi.call("jq_nvfp4_group_columnwise", outs, d, s, _i64_operand(table),
+                               num_blocks=np.int64(sz.num_blocks)))
+
+    def ref(d, s):
+        return reference.nvfp4_group_columnwise(d, s, table=rows)
+
+    return _dispatch(impl, custom, ref, data, scale_inv)
+
+
+def fp8_group_transpose(data, *, table, impl: str = "auto") -> jax.Array:
+    """Byte transpose of every FP8 parameter of a flat buffer, one call: parameter p's [cols, rows]
+    transpose at its ``offset``; bytes outside every parameter (alignment padding) are 0.
+    ``data``: fp8 or uint8 [N], N >= the end of the last parameter; the result has its dtype."""
+    _check_impl(impl)
+    table, rows = _check_table(table)
+    if not hasattr(data, "dtype") or jnp.dtype(data.dtype).itemsize != 1 or data.ndim != 1:
+        raise TypeError(f"data: must be a rank-1 array of 1-byte elements (fp8 or uint8), got "
+                        f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
+    if rows and rows[-1].offset + rows[-1].numel > data.shape[0]:
+        raise ValueError(f"data: has {data.shape[0]} elements, the table's last parameter ends at "
+                         f"{rows[-1].offset + rows[-1].numel}")
+    dtype = jnp.dtype(data.dtype)
+    bytes_ = jax.lax.bitcast_convert_type(data, jnp.uint8) if dtype != jnp.uint8 else data
+    out = jax.ShapeDtypeStruct(bytes_.shape, jnp.uint8)
+    num_blocks = gtable.sizes(table).num_blocks
+
+    def custom(d):
+        return _ffi.call("jq_fp8_group_transpose", [out], d, _i64_operand(table), num_blocks=np.int64(num_blocks))[0]
+
+    def ref(d):
+        return reference.fp8_group_transpose(d, table=rows)
+
+    result = _dispatch(impl, custom, ref, bytes_)
+    return jax.lax.bitcast_convert_type(result, dtype) if dtype != jnp.uint8 else result
 
 
 def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_lo, chunk_size: int,
-                     impl: str = "auto") -> jax.Array:
+                     compute_dtype=None, impl: str = "auto") -> jax.Array:
     """This shard's chunk of the group's packed NVFP4 bytes.
 
-    The group's param-byte space lays every parameter's packed data end to end (parameter p at
-    ``table[p, 5]``). Shard r returns positions [chunk_lo[r], chunk_lo[r] + chunk_size); nibbles of
+    The group's param-byte space lays every parameter's packed data end to end (parameter p at its
+    ``byte_base``). Shard r returns positions [chunk_lo[r], chunk_lo[r] + chunk_size); nibbles of
     elements it does not own are 0, so a byte split between two shards is the OR of their chunks.
-    ``enc``: fp32 [T] encode multiplier of every tile (``formats.nvfp4_tile_encode``).
+    ``enc``: fp32 [T] encode multiplier of every tile (``nvfp4_group_scale``); ``compute_dtype`` as
+    in ``nvfp4_group_tile_amax``.
     """
     table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     _check_array("enc", enc, jnp.float32, (num_tiles,))
     chunk_lo = np.asarray(chunk_lo, np.int64)
     if chunk_lo.shape != (num_shards,):
@@ -588,27 +661,30 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
     out = jax.ShapeDtypeStruct((chunk_size,), jnp.uint8)
 
     def custom(v, r, e):
-        return _ffi.call("jq_nvfp4_group_cast", [out], v, r, _i64_operand(table), _i64_operand(chunk_lo), e)[0]
+        return _ffi.call("jq_nvfp4_group_cast", [out], v, r, _i64_operand(table), _i64_operand(chunk_lo), e,
+                         round_bf16=round_bf16)[0]
 
     def ref(v, r, e):
-        return reference.nvfp4_group_cast(v, r, e, table=rows,
+        return reference.nvfp4_group_cast(convert(v), r, e, table=rows,
                                           num_shards=num_shards, chunk_lo=chunk_lo, chunk_size=chunk_size)
 
     return _dispatch(impl, custom, ref, shard, index, enc)
 
 
 def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
-                   impl: str = "auto"):
+                   compute_dtype=None, impl: str = "auto"):
     """amax of every parameter over this shard's elements [P] (0 where it owns none); with
-    ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory)."""
+    ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory); ``compute_dtype``
+    as in ``nvfp4_group_tile_amax``."""
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     outs = [jax.ShapeDtypeStruct((table.shape[0],), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
 
     def custom(v, r):
-        return tuple(_ffi.call("jq_fp8_group_amax", outs, v, r, _i64_operand(table)))
+        return tuple(_ffi.call("jq_fp8_group_amax", outs, v, r, _i64_operand(table), round_bf16=round_bf16))
 
     def ref(v, r):
-        return reference.fp8_group_amax(v, r, table=rows,
+        return reference.fp8_group_amax(convert(v), r, table=rows,
                                         num_shards=num_shards)
 
     result = _dispatch(impl, custom, ref, shard, index)
@@ -616,20 +692,22 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfini
 
 
 def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=jnp.float8_e4m3fn,
-                   impl: str = "auto") -> jax.Array:
+                   compute_dtype=None, impl: str = "auto") -> jax.Array:
     """fp8 [n]: each element of the shard times its parameter's ``scale`` (fp32 [P]), RNE,
-    saturating; elements outside every parameter (alignment padding) are 0."""
+    saturating; elements outside every parameter (alignment padding) are 0. ``compute_dtype`` as in
+    ``nvfp4_group_tile_amax``."""
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
+    round_bf16, convert = _group_compute(shard, compute_dtype)
     formats.fp8_max(dtype)
     dtype = jnp.dtype(dtype)
     _check_array("scale", scale, jnp.float32, (table.shape[0],))
     out = jax.ShapeDtypeStruct(shard.shape, dtype)
 
     def custom(v, r, s):
-        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s)[0]
+        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s, round_bf16=round_bf16)[0]
 
     def ref(v, r, s):
-        return reference.fp8_group_cast(v, r, s, table=rows,
+        return reference.fp8_group_cast(convert(v), r, s, table=rows,
                                         num_shards=num_shards, dtype=dtype)
 
     return _dispatch(impl, custom, ref, shard, index, scale)

@@ -184,13 +184,11 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
 # Grouped primitives over one shard of a ZeRO flat buffer (docs/numerics.md §3)
 # ----------------------------------------------------------------------------------------------
 #
-# ``table`` is the static int64 [P, 6] parameter table built by ``ops.group_table``: per parameter
-# (flat offset, numel, rows, cols, tile base, byte base). Shard r owns flat elements
-# [r * n, (r + 1) * n) of the group buffer, with r = ``shard_index`` (a traced int32 scalar).
-# These references place the shard into a zero buffer of the whole group: parameters' elements
-# that other shards own are 0 there and are masked out where that matters.
-
-TABLE_COLS = 6  # offset, numel, rows, cols, tile_base, byte_base
+# ``table`` is the parameter table of ``jaxquant.group_table`` as ``GroupRow`` tuples (fields by
+# name). Shard r owns flat elements [r * n, (r + 1) * n) of the group buffer, with r =
+# ``shard_index`` (a traced int32 scalar). These references place the shard into a zero buffer of
+# the whole group: parameters' elements that other shards own are 0 there and are masked out
+# where that matters. They loop over parameters in Python (the custom calls do not).
 
 
 def _place_shard(shard, shard_index, num_shards: int):
@@ -205,14 +203,59 @@ def _owned_mask(shard_index, n: int, offset: int, numel: int):
 
 
 def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int):
-    """(tile amax of every parameter's tiles, packed [T]; non-finite counts [P])."""
+    """(tile amax of every parameter's tiles, packed [T]; amax [P]; non-finite counts [P])."""
     full = _place_shard(shard, shard_index, num_shards)
-    tiles, counts = [], []
-    for off, numel, rows, cols, _, _ in table:
-        w = full[off:off + numel]
-        tiles.append(_tile_max(formats.abs_ignoring_nan(w.reshape(rows, cols))).reshape(-1))
+    tiles, amaxes, counts = [], [], []
+    for row in table:
+        w = full[row.offset:row.offset + row.numel]
+        absw = formats.abs_ignoring_nan(w)
+        tiles.append(_tile_max(absw.reshape(row.rows, row.cols)).reshape(-1))
+        amaxes.append(jnp.max(absw))
         counts.append(nonfinite_count(w))
-    return jnp.concatenate(tiles), jnp.stack(counts)
+    if not table:
+        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
+    return jnp.concatenate(tiles), jnp.stack(amaxes), jnp.stack(counts)
+
+
+def _tiles_of(tiles, row):
+    t = (row.rows // TILE) * (row.cols // TILE)
+    return tiles[row.tile_base:row.tile_base + t].reshape(row.rows // TILE, row.cols // TILE)
+
+
+def nvfp4_group_scale(tiles, amax, *, table):
+    """(packed padded scale_inv of every parameter, uint8; encode multiplier of every tile [T])."""
+    scales, encs = [], []
+    for p, row in enumerate(table):
+        s = nvfp4_scale(_tiles_of(tiles, row), amax[p], rows=row.rows, cols=row.cols)
+        scales.append(s.reshape(-1))
+        encs.append(tile_encode(s, amax[p], row.rows, row.cols).reshape(-1))
+    if not table:
+        return jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)
+    return jnp.concatenate(scales), jnp.concatenate(encs)
+
+
+def nvfp4_group_columnwise(data, scale_inv, *, table):
+    """(packed data_t of every parameter [sum numel/2]; packed padded scale_inv_t of every parameter)."""
+    datas, scales = [], []
+    for row in table:
+        d = data[row.byte_base:row.byte_base + row.numel // 2].reshape(row.rows, row.cols // 2)
+        datas.append(nvfp4_transpose(d).reshape(-1))
+        pr, pc = formats.nvfp4_scale_shape(row.rows, row.cols)
+        s = scale_inv[row.scale_base:row.scale_base + pr * pc].reshape(pr, pc)
+        scales.append(nvfp4_scale_transpose(s, rows=row.rows, cols=row.cols).reshape(-1))
+    if not table:
+        return jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8)
+    return jnp.concatenate(datas), jnp.concatenate(scales)
+
+
+def fp8_group_transpose(data, *, table):
+    """uint8 [N]: parameter p's [cols, rows] byte transpose at its offset, 0 elsewhere."""
+    out = jnp.zeros_like(data)
+    for row in table:
+        if row.numel:
+            t = data[row.offset:row.offset + row.numel].reshape(row.rows, row.cols).T.reshape(-1)
+            out = jax.lax.dynamic_update_slice(out, t, (row.offset,))
+    return out
 
 
 def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_lo, chunk_size: int):
@@ -221,12 +264,12 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
     n = shard.size
     full = _place_shard(shard, shard_index, num_shards)
     parts = []
-    for off, numel, rows, cols, tile_base, _ in table:
-        t = (rows // TILE) * (cols // TILE)
-        e = enc[tile_base:tile_base + t].reshape(rows // TILE, 1, cols // TILE, 1)
-        scaled = full[off:off + numel].reshape(rows // TILE, TILE, cols // TILE, TILE) * e
+    for row in table:
+        rows, cols = row.rows, row.cols
+        e = _tiles_of(enc, row).reshape(rows // TILE, 1, cols // TILE, 1)
+        scaled = full[row.offset:row.offset + row.numel].reshape(rows // TILE, TILE, cols // TILE, TILE) * e
         codes = fp32_to_e2m1_code(scaled).reshape(-1)
-        codes = jnp.where(_owned_mask(shard_index, n, off, numel), codes, jnp.uint8(0))
+        codes = jnp.where(_owned_mask(shard_index, n, row.offset, row.numel), codes, jnp.uint8(0))
         parts.append(pack_codes(codes))
     packed = jnp.concatenate(parts + [jnp.zeros((chunk_size,), jnp.uint8)])
     lo = jnp.asarray(chunk_lo, jnp.int32)[shard_index]
@@ -237,9 +280,9 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int):
     """(amax of every parameter over the shard's elements [P]; non-finite counts [P])."""
     full = _place_shard(shard, shard_index, num_shards)
     amaxes, counts = [], []
-    for off, numel, *_ in table:
-        w = full[off:off + numel]
-        amaxes.append(jnp.max(formats.abs_ignoring_nan(w)) if numel else jnp.float32(0))
+    for row in table:
+        w = full[row.offset:row.offset + row.numel]
+        amaxes.append(jnp.max(formats.abs_ignoring_nan(w)) if row.numel else jnp.float32(0))
         counts.append(nonfinite_count(w))
     return jnp.stack(amaxes), jnp.stack(counts)
 
@@ -249,8 +292,8 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype):
     n = shard.size
     full = _place_shard(shard, shard_index, num_shards)
     out = jnp.zeros((num_shards * n,), dtype)
-    for p, (off, numel, *_) in enumerate(table):
-        if numel:
-            q = to_fp8_saturating(full[off:off + numel] * scale[p], dtype)
-            out = jax.lax.dynamic_update_slice(out, q, (off,))
+    for p, row in enumerate(table):
+        if row.numel:
+            q = to_fp8_saturating(full[row.offset:row.offset + row.numel] * scale[p], dtype)
+            out = jax.lax.dynamic_update_slice(out, q, (row.offset,))
     return jax.lax.dynamic_slice(out, (shard_index * n,), (n,))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import distributed as D
+from jaxquant import distributed as D, ops
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
@@ -191,6 +191,11 @@ def test_manual_post_all_gather_processing():
     for q, w in zip(out, ws):
         _assert_same(q, _reference(w, "nvfp4", columnwise=True))
     assert D.post_all_gather_processing(out[0], impl=IMPL) is out[0]
+    out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe="fp8", impl=IMPL,
+                                    columnwise=True)
+    out = D.post_all_gather_processing(out, impl=IMPL)      # one grouped transpose for the list
+    for q, w in zip(out, ws):
+        _assert_same(q, _reference(w, "fp8", columnwise=True))
 
 
 def test_compute_dtype_none_and_fp8_options():
@@ -305,7 +310,8 @@ def test_hlo_nvfp4_gathers_half_numel_bytes_and_one_pmax(check_finite):
     assert len(reduces) == 1, reduces                              # one all-reduce for the whole group
     rtype, rlen, comp = reduces[0]
     n_tiles = sum(m * k // 256 for m, k in shapes)
-    assert rtype == "s32" and int(rlen) == n_tiles + (S * len(shapes) if check_finite else 0)
+    # tile amaxes, then one amax per parameter, then the [S, P] non-finite block
+    assert rtype == "s32" and int(rlen) == n_tiles + len(shapes) + (S * len(shapes) if check_finite else 0)
     assert _reduction_is_max(hlo, comp)
     assert "all-to-all" not in hlo and "collective-permute" not in hlo
     # No branch on the shard index: XLA:GPU runs a conditional with a device-to-host copy.
@@ -412,3 +418,170 @@ def test_explicit_axis_mesh_and_unsharded_input():
     out = D.quantize_master_weights(layout.flatten(ws), layout, mesh=mesh, impl=IMPL)
     for q, w in zip(out, ws):
         _assert_same(q, _reference(w, "nvfp4"))
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP x TP (2-D master weights)
+# ----------------------------------------------------------------------------------------------
+
+
+def _tp_shapes(tp):
+    """(shape, tp_dims, aligned) per parameter: aligned and unaligned splits of both kinds, and a
+    parameter replicated over TP."""
+    return [((tp * 128, 32), 0, True), ((32, tp * 128), 1, True), ((48, 80), None, True),
+            ((tp * 16, 48), 0, tp == 1), ((16, tp * 16), 1, tp == 1)]
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _nvfp4_slice_reference(w, amax, columnwise):
+    """TE's quantization of a TP rank's slice with the shared global amax."""
+    tiles, _, _ = ops.nvfp4_stats(w, impl="reference")
+    return ops.nvfp4_quantize(w, tiles, amax, columnwise=columnwise, impl="reference")
+
+
+def _assert_tp_weight(q, w, recipe, tp_dim, aligned, tp, columnwise):
+    if recipe == "fp8" or tp_dim is None or aligned:
+        _assert_same(q, _reference(w, recipe, columnwise))
+        return
+    np.testing.assert_array_equal(q.amax, _reference(w, recipe).amax)
+    names = ("data", "scale_inv") + (("data_t", "scale_inv_t") if columnwise else ())
+    parts = {n: np.split(np.asarray(getattr(q, n)), tp, axis=tp_dim if n in ("data", "scale_inv") else 1 - tp_dim)
+             for n in names}
+    for j, wj in enumerate(np.split(np.asarray(w), tp, axis=tp_dim)):
+        want = dict(zip(("data", "scale_inv", "data_t", "scale_inv_t"),
+                        _nvfp4_slice_reference(jnp.asarray(wj), q.amax, columnwise)))
+        for n in names:
+            np.testing.assert_array_equal(parts[n][j], np.asarray(want[n]), err_msg=f"{n} of TP rank {j}")
+
+
+@pytest.mark.parametrize("align", [1, 3])
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fsdp,tp", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_fsdp_tp_bytes(fsdp, tp, recipe, align):
+    rng = np.random.default_rng(100 * fsdp + tp + align)
+    spec = _tp_shapes(tp)
+    shapes = [s for s, _, _ in spec]
+    tp_dims = [d for _, d, _ in spec]
+    ws = _weights(rng, shapes)
+    layout = FlatLayout(shapes, fsdp, align, tp_size=tp, tp_dims=tp_dims)
+    mesh = _mesh(fsdp, tp)
+    master = layout.flatten(ws)
+    assert master.shape == (tp, layout.total_size)
+    master = jax.device_put(master, D.master_sharding(mesh, "fsdp", tp_axis="tp"))
+    columnwise = align == 1          # columnwise built in the step on half of the cases
+    out = D.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe, impl=IMPL,
+                                    columnwise=columnwise, manual_post_all_gather_processing=not columnwise)
+    for (shape, d, aligned), q, w in zip(spec, out, ws):
+        if recipe == "nvfp4":
+            assert q.shape == shape
+        spec_row = P() if d is None else (P("tp", None) if d == 0 else P(None, "tp"))
+        assert q.data.sharding.is_equivalent_to(NamedSharding(mesh, spec_row), 2), (shape, q.data.sharding)
+        if columnwise:
+            spec_col = P() if d is None else (P(None, "tp") if d == 0 else P("tp", None))
+            assert q.data_t.sharding.is_equivalent_to(NamedSharding(mesh, spec_col), 2)
+        _assert_tp_weight(q, w, recipe, d, aligned, tp, columnwise)
+
+
+def test_fsdp_tp_layout_roundtrip_and_errors():
+    rng = np.random.default_rng(3)
+    shapes = [(64, 32), (32, 64), (16, 16)]
+    ws = _weights(rng, shapes)
+    layout = FlatLayout(shapes, 2, tp_size=2, tp_dims=[0, 1, None])
+    assert layout.local_shapes == ((32, 32), (32, 32), (16, 16)) and layout.shapes == tuple(shapes)
+    flat = layout.flatten(ws)
+    np.testing.assert_array_equal(flat[1, :32 * 32], ws[0][32:].reshape(-1))
+    for a, b in zip(layout.unflatten(flat), ws):
+        np.testing.assert_array_equal(a, b)
+    assert FlatLayout(shapes, 2, tp_dims=[0, 1, None]).flatten(ws).shape[0] == 1
+    assert FlatLayout(shapes, 2).flatten(ws).ndim == 1
+    mesh = _mesh(4, 2)
+    assert D.master_sharding(mesh, "fsdp", tp_axis="tp").spec == P("tp", "fsdp")
+    with pytest.raises(ValueError, match=r"tp_dims\[0\]: dimension 0 of shape \(64, 32\) is not divisible"):
+        FlatLayout(shapes, 2, tp_size=3, tp_dims=[0, 1, None])
+    with pytest.raises(ValueError, match="tp_dims: needed"):
+        FlatLayout(shapes, 2, tp_size=2)
+    with pytest.raises(ValueError, match=r"tp_dims\[2\]: must be 0, 1 or None"):
+        FlatLayout(shapes, 2, tp_size=2, tp_dims=[0, 1, 2])
+    lay4 = FlatLayout(shapes, 4, tp_size=2, tp_dims=[0, 1, None])
+    master = jax.device_put(lay4.flatten(ws), D.master_sharding(mesh, "fsdp", "tp"))
+    with pytest.raises(ValueError, match="tp_axis: the layout is split"):
+        D.quantize_master_weights(master, lay4, mesh=mesh)
+    with pytest.raises(ValueError, match="tp_axis: 'tq' is not an axis"):
+        D.quantize_master_weights(master, lay4, mesh=mesh, tp_axis="tq")
+    with pytest.raises(ValueError, match="layout: has tp_size=2 but mesh axis 'tp' has 1"):
+        D.quantize_master_weights(master, FlatLayout(shapes, 8, tp_size=2, tp_dims=[0, 1, None]), mesh=_mesh(8),
+                                  tp_axis="tp")
+    bad = FlatLayout([(32, 16)], 4, tp_size=4, tp_dims=[0])      # 8 local rows: off the 16-grid
+    with pytest.raises(ValueError, match=r"TP-local shape \(8, 16\).*multiple of 16"):
+        D.quantize_master_weights(jnp.zeros((4, bad.total_size)), bad, mesh=_mesh(2, 4), tp_axis="tp")
+
+
+def test_fsdp_tp_check_finite_names_tp_rank_and_shard():
+    shapes = [(32, 32), (16, 32)]
+    layout = FlatLayout(shapes, 2, tp_size=2, tp_dims=[0, None], names=["wq", "norm"])
+    ws = [np.ones(s, np.float32) for s in shapes]
+    ws[0][20, 5] = np.nan          # TP rank 1 (rows 16..31), local row 4 -> local element 133 -> shard 0
+    mesh = _mesh(2, 2)
+    master = jax.device_put(layout.flatten(ws), D.master_sharding(mesh, "fsdp", "tp"))
+    for recipe in ("nvfp4", "fp8"):
+        _, rep = D.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+                                           check_finite=True, impl=IMPL)
+        assert rep.counts.shape == (2, 2, 2)
+        assert rep.findings() == [("wq", 1, 0, 1)]
+        with pytest.raises(FloatingPointError, match=r"wq in tp rank 1, shard 0: 1 element"):
+            rep.raise_if_nonfinite()
+
+
+def _replica_group_size(line):
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    return len(m.group(1).split(",")) if m else None
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_hlo_fsdp_tp_one_all_reduce_over_both_axes_one_gather_over_fsdp(recipe):
+    fsdp, tp = 4, 2
+    shapes = [(256, 32), (32, 128), (48, 80)]
+    layout = FlatLayout(shapes, fsdp, tp_size=tp, tp_dims=[0, 1, None])
+    mesh = _mesh(fsdp, tp)
+    master = jax.device_put(layout.flatten([np.zeros(s, np.float32) for s in shapes]),
+                            D.master_sharding(mesh, "fsdp", "tp"))
+    f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+                                                    check_finite=True, impl=IMPL))
+    hlo = f.lower(master).compile().as_text()
+    reduces = [ln for ln in hlo.splitlines() if " all-reduce(" in ln or " all-reduce-start(" in ln]
+    gathers = [ln for ln in hlo.splitlines() if " all-gather(" in ln or " all-gather-start(" in ln]
+    assert len(reduces) == 1 and len(gathers) == 1, (reduces, gathers)
+    assert _replica_group_size(reduces[0]) == fsdp * tp          # the whole weight mesh
+    assert _replica_group_size(gathers[0]) == fsdp               # quantized bytes over fsdp only
+    assert "all-to-all" not in hlo and "collective-permute" not in hlo and " conditional(" not in hlo
+
+
+# ----------------------------------------------------------------------------------------------
+# The grouped path does not grow with the number of parameters
+# ----------------------------------------------------------------------------------------------
+
+
+def _jaxquant_custom_calls(lowered_text):
+    """jaxquant's custom calls in a lowered (StableHLO) module; shard_map adds its own per output."""
+    return re.findall(r"stablehlo.custom_call @(jq_\w+)", lowered_text)
+
+
+@pytest.mark.skipif(IMPL == "reference", reason="counts the custom calls of the compiled extension")
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_custom_call_count_independent_of_parameter_count(recipe):
+    calls = {}
+    for n in (7, 300):
+        shapes = [(16, 16 * (1 + p % 3)) for p in range(n)]
+        layout = FlatLayout(shapes, 4, align=1 if n == 7 else 3)
+        mesh = _mesh(4)
+        flat = jax.ShapeDtypeStruct((layout.total_size,), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+        f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=True,
+                                                        manual_post_all_gather_processing=False,
+                                                        check_finite=True, impl="custom_call"))
+        calls[n] = sorted(_jaxquant_custom_calls(f.lower(flat).as_text()))
+    want = (["jq_nvfp4_group_cast", "jq_nvfp4_group_columnwise", "jq_nvfp4_group_scale", "jq_nvfp4_group_tile_amax"]
+            if recipe == "nvfp4" else ["jq_fp8_group_amax", "jq_fp8_group_cast", "jq_fp8_group_transpose"])
+    assert calls[7] == calls[300] == want, calls

@@ -61,3 +61,42 @@ def test_check_finite_on_gpus_names_parameter_and_shard():
     assert counts[owner, 1] == 1 and counts.sum() == 1
     with pytest.raises(FloatingPointError, match=f"shard {owner}"):
         report.raise_if_nonfinite()
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_fsdp_tp_on_gpus_equal_single_tensor(recipe):
+    """tp = 2 (fsdp = the other devices): aligned TP splits of both kinds and a TP-replicated weight
+    equal whole-tensor quantization; one all-reduce over both axes, one all-gather over fsdp."""
+    tp = 2
+    fsdp = len(jax.devices()) // tp
+    mesh = Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
+    shapes, tp_dims = [(512, 256), (256, 512), (96, 80)], [0, 1, None]
+    layout = FlatLayout(shapes, fsdp, align=3, tp_size=tp, tp_dims=tp_dims)
+    ws = _weights(np.random.default_rng(5), shapes)
+    master = jax.device_put(layout.flatten(ws), jq.master_sharding(mesh, "fsdp", tp_axis="tp"))
+    f = jax.jit(lambda x: jq.quantize_master_weights(x, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+                                                     columnwise=True, manual_post_all_gather_processing=False))
+    hlo = f.lower(master).compile().as_text()
+    assert hlo.count(" all-reduce-start(") + hlo.count(" all-reduce(") == 1
+    assert hlo.count(" all-gather-start(") + hlo.count(" all-gather(") == 1
+    out = f(master)
+    single = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
+    for p, (q, w, d) in enumerate(zip(out, ws, tp_dims)):
+        if d is not None:
+            want_spec = P("tp", None) if d == 0 else P(None, "tp")
+            assert q.data.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2)
+        want = single(jnp.asarray(w), columnwise=True)
+        for field in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if recipe == "nvfp4" else ()):
+            assert_bytes_equal(getattr(q, field), getattr(want, field), f"tp param {p} {field}")
+
+
+def test_custom_call_count_on_gpus_independent_of_parameter_count():
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    counts = []
+    for n in (7, 300):
+        layout = FlatLayout([(16, 32)] * n, len(jax.devices()))
+        flat = jax.device_put(jnp.zeros((layout.total_size,), jnp.float32), NamedSharding(mesh, P("fsdp")))
+        f = jax.jit(lambda x: jq.quantize_master_weights(x, layout, mesh=mesh, columnwise=True,
+                                                         manual_post_all_gather_processing=False))
+        counts.append(f.lower(flat).compile().as_text().count(" custom-call("))
+    assert counts[0] == counts[1], counts

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import formats, ops, reference
+from jaxquant import _ffi, formats, ops
+from jaxquant import group_table as gtable
+from jaxquant.group_table import FIELD
 from conftest import assert_bytes_equal
 
 
@@ -60,25 +62,49 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     flat[offsets[-1]] = -np.inf
     table = ops.group_table(offsets, shapes, num_shards=num_shards, shard_size=n, nvfp4=True)
     los, _, size = _chunk_plan(shapes, offsets, num_shards, n)
-    tiles = int(table[:, 1].sum() // 256)
+    tiles = int(table[:, FIELD["numel"]].sum() // 256)
     enc = jnp.asarray(rng.uniform(0.25, 8.0, tiles).astype(np.float32))
     scale = jnp.asarray(rng.uniform(0.25, 8.0, num_params).astype(np.float32))
     kw = dict(table=table, num_shards=num_shards)
-    for r in range(num_shards):
+    impl_pair = ("reference", "custom_call")
+    # compute_dtype bfloat16 rounds inside the ops: ties of the fp32 -> bf16 rounding, and a value
+    # that overflows to inf there
+    flat[offsets[0] + 5] = np.float32(1.0 + 2.0 ** -8)
+    flat[offsets[0] + 6] = np.float32(1.0 + 3 * 2.0 ** -8)
+    flat[offsets[-1] + 7] = np.float32(3.4e38)
+    for r, cd in [(r, cd) for r in range(num_shards) for cd in (None, jnp.bfloat16)]:
         shard, index = jnp.asarray(flat[r * n:(r + 1) * n]).astype(dtype), jnp.int32(r)
-        for impl_pair in (("reference", "custom_call"),):
-            a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
-            assert_bytes_equal(b[0], a[0], f"tile amax shard {r}")
-            assert_bytes_equal(b[1], a[1], f"counts shard {r}")
-            a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **kw)
-                    for i in impl_pair)
-            assert_bytes_equal(b, a, f"nvfp4 chunk shard {r}")
-            a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
-            assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
-            assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
-            for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-                a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **kw) for i in impl_pair)
-                assert_bytes_equal(b, a, f"fp8 data shard {r}")
+        ckw = dict(kw, compute_dtype=cd)
+        a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **ckw) for i in impl_pair)
+        for name, x, y in zip(("tile amax", "amax", "counts"), b, a):
+            assert_bytes_equal(x, y, f"{name} shard {r} compute_dtype {cd}")
+        a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **ckw)
+                for i in impl_pair)
+        assert_bytes_equal(b, a, f"nvfp4 chunk shard {r} compute_dtype {cd}")
+        a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **ckw) for i in impl_pair)
+        assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
+        assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
+        for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **ckw) for i in impl_pair)
+            assert_bytes_equal(b, a, f"fp8 data shard {r} compute_dtype {cd}")
+    # Whole-group stages: scales (tile amaxes over decades, zero tiles, a NaN-free amax per parameter)
+    # and the grouped transposes.
+    tile_amax = rng.uniform(0, 1, tiles).astype(np.float32) * 10.0 ** rng.uniform(-6, 4, tiles).astype(np.float32)
+    tile_amax[rng.random(tiles) < 0.1] = 0
+    amax = np.stack([tile_amax[row.tile_base:row.tile_base + row.numel // 256].max()
+                     for row in gtable.rows_of(table)]).astype(np.float32)
+    amax[0] = 0   # degenerate amax: scale 1
+    a, b = (ops.nvfp4_group_scale(jnp.asarray(tile_amax), jnp.asarray(amax), table=table, impl=i) for i in impl_pair)
+    assert_bytes_equal(b[0], a[0], "group scale_inv")
+    assert_bytes_equal(b[1], a[1], "group enc")
+    sizes = gtable.sizes(table)
+    data = jnp.asarray(rng.integers(0, 256, sizes.data_bytes).astype(np.uint8))
+    a, b = (ops.nvfp4_group_columnwise(data, a[0], table=table, impl=i) for i in impl_pair)
+    assert_bytes_equal(b[0], a[0], "group data_t")
+    assert_bytes_equal(b[1], a[1], "group scale_inv_t")
+    raw = jnp.asarray(rng.integers(0, 256, num_shards * n).astype(np.uint8))
+    a, b = (ops.fp8_group_transpose(raw, table=table, impl=i) for i in impl_pair)
+    assert_bytes_equal(b, a, "fp8 group transpose")
 
 
 @pytest.mark.parametrize("impl", ["reference", "custom_call"])
@@ -92,28 +118,57 @@ def test_group_ops_assemble_to_single_tensor_quantization(impl):
     los, his, size = _chunk_plan(shapes, offsets, num_shards, n)
     kw = dict(table=table, num_shards=num_shards, impl=impl)
     shards = [(jnp.asarray(flat[r * n:(r + 1) * n]), jnp.int32(r)) for r in range(num_shards)]
-    tiles = jnp.max(jnp.stack([ops.nvfp4_group_tile_amax(s, i, **kw) for s, i in shards]), axis=0)
+    stats = [ops.nvfp4_group_tile_amax(s, i, **kw) for s, i in shards]
+    tiles = jnp.max(jnp.stack([t for t, _ in stats]), axis=0)
+    amax = jnp.max(jnp.stack([a for _, a in stats]), axis=0)
     amaxes = jnp.max(jnp.stack([ops.fp8_group_amax(s, i, **kw) for s, i in shards]), axis=0)
-    scale_invs, encs = [], []
-    for p, (m, k) in enumerate(shapes):
-        t = tiles[table[p, 4]:table[p, 4] + m * k // 256].reshape(m // 16, k // 16)
-        amax = jnp.max(t).reshape(1)
-        scale_invs.append(ops.nvfp4_scale(t, amax, rows=m, cols=k, impl=impl))
-        encs.append(reference.tile_encode(scale_invs[-1], amax, m, k).reshape(-1))
-    space = np.zeros(int(table[:, 1].sum() // 2), np.uint8)
+    np.testing.assert_array_equal(amax, amaxes)
+    scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
+    space = np.zeros(int(table[:, FIELD["numel"]].sum() // 2), np.uint8)
     for (s, i), lo, hi in zip(shards, los, his):
-        chunk = np.asarray(ops.nvfp4_group_cast(s, i, jnp.concatenate(encs), chunk_lo=los, chunk_size=size, **kw))
+        chunk = np.asarray(ops.nvfp4_group_cast(s, i, enc, chunk_lo=los, chunk_size=size, **kw))
         space[lo:hi] |= chunk[:hi - lo]
+    data_t, scale_inv_t = ops.nvfp4_group_columnwise(jnp.asarray(space), scale_inv, table=table, impl=impl)
     scale, _ = formats.fp8_scale_from_amax(amaxes, 448.0)
     fp8 = np.concatenate([np.asarray(ops.fp8_group_cast(s, i, scale, **kw)).view(np.uint8) for s, i in shards])
-    for p, (off, (m, k)) in enumerate(zip(offsets, shapes)):
+    fp8_t = np.asarray(ops.fp8_group_transpose(jnp.asarray(fp8), table=table, impl=impl))
+    for p, row in enumerate(gtable.rows_of(table)):
+        m, k, off = row.rows, row.cols, row.offset
         w = jnp.asarray(flat[off:off + m * k].reshape(m, k))
-        want = jq.quantize_nvfp4(w, compute_dtype=None, impl="reference")
-        got = space[table[p, 5]:table[p, 5] + m * k // 2].reshape(m, k // 2)
+        want = jq.quantize_nvfp4(w, compute_dtype=None, columnwise=True, impl="reference")
+        got = space[row.byte_base:row.byte_base + m * k // 2].reshape(m, k // 2)
         assert_bytes_equal(got, want.data, f"nvfp4 data of param {p}")
-        assert_bytes_equal(scale_invs[p], want.scale_inv, f"nvfp4 scale_inv of param {p}")
-        want8 = jq.quantize_fp8(w, compute_dtype=None, impl="reference")
+        sr, sc = formats.nvfp4_scale_shape(m, k)
+        assert_bytes_equal(scale_inv[row.scale_base:row.scale_base + sr * sc].reshape(sr, sc), want.scale_inv,
+                           f"nvfp4 scale_inv of param {p}")
+        assert_bytes_equal(data_t[row.byte_base:row.byte_base + m * k // 2].reshape(k, m // 2), want.data_t,
+                           f"nvfp4 data_t of param {p}")
+        tr, tc = formats.nvfp4_scale_shape(k, m)
+        assert_bytes_equal(scale_inv_t[row.scale_t_base:row.scale_t_base + tr * tc].reshape(tr, tc),
+                           want.scale_inv_t, f"nvfp4 scale_inv_t of param {p}")
+        want8 = jq.quantize_fp8(w, compute_dtype=None, columnwise=True, impl="reference")
         assert_bytes_equal(fp8[off:off + m * k].reshape(m, k), np.asarray(want8.data).view(np.uint8), f"fp8 {p}")
+        assert_bytes_equal(fp8_t[off:off + m * k].reshape(k, m), np.asarray(want8.data_t).view(np.uint8),
+                           f"fp8 data_t {p}")
+    gaps = np.ones(fp8_t.shape, bool)
+    for row in gtable.rows_of(table):
+        gaps[row.offset:row.offset + row.numel] = False
+    assert not fp8_t[gaps].any(), "alignment padding of the FP8 transpose is 0"
+
+
+@pytest.mark.skipif("cpu" not in _ffi.built_platforms(), reason="needs the compiled CPU extension")
+def test_group_table_fields_are_the_compiled_ones():
+    """Python's field names are the ones csrc/jaxquant/group_table.h defines, in the same order."""
+    import jaxquant._jaxquant_cpu as ext
+
+    assert tuple(ext.group_table_fields()) == gtable.GROUP_TABLE_FIELDS
+    table = ops.group_table([3, 600], [(16, 32), (48, 16)], num_shards=2, shard_size=700, nvfp4=True)
+    assert table.shape == (2, len(gtable.GROUP_TABLE_FIELDS))
+    second = gtable.rows_of(table)[1]
+    assert (second.offset, second.numel, second.rows, second.cols) == (600, 768, 48, 16)
+    assert (second.tile_base, second.byte_base, second.scale_base) == (2, 256, 128 * 4)
+    assert second.scale_t_base == formats.round_up(32, 128) * formats.round_up(1, 4)
+    assert second.block_base == 1
 
 
 def test_group_table_rejects_bad_layouts():
@@ -136,6 +191,14 @@ def test_group_ops_reject_bad_arguments():
         ops.nvfp4_group_tile_amax(shard, 0.5, table=table, num_shards=2)
     with pytest.raises(ValueError, match="table"):
         ops.fp8_group_amax(shard, jnp.int32(0), table=np.zeros((1, 5), np.int64), num_shards=2)
+    with pytest.raises(ValueError, match="tile_amax: shape"):
+        ops.nvfp4_group_scale(jnp.zeros((2,)), jnp.zeros((1,)), table=table)
+    with pytest.raises(ValueError, match="amax: shape"):
+        ops.nvfp4_group_scale(jnp.zeros((1,)), jnp.zeros((2,)), table=table)
+    with pytest.raises(ValueError, match="data: shape"):
+        ops.nvfp4_group_columnwise(jnp.zeros((7,), jnp.uint8), jnp.zeros((512,), jnp.uint8), table=table)
+    with pytest.raises(TypeError, match="data: must be a rank-1"):
+        ops.fp8_group_transpose(jnp.zeros((256,), jnp.float32), table=table)
     with pytest.raises(ValueError, match="enc: shape"):
         ops.nvfp4_group_cast(shard, jnp.int32(0), jnp.zeros((3,)), table=table, num_shards=2, chunk_lo=[0, 64],
                              chunk_size=64)

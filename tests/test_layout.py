@@ -151,3 +151,26 @@ def test_errors():
         FlatLayout.from_start_offsets([(4, 4)], [[0], [10]], [[10], [8]])
     with pytest.raises(ValueError, match="no rank holds"):
         FlatLayout.from_start_offsets([(4, 4)], [[None]], [[0]])
+
+
+def test_tp_layout_local_shapes_identity_and_slices():
+    shapes = [(64, 32), (32, 64), (16, 16)]
+    lay = FlatLayout(shapes, 3, align=5, tp_size=4, tp_dims=[0, 1, None])
+    assert lay.local_shapes == ((16, 32), (32, 16), (16, 16))
+    assert lay.numels == (512, 512, 256) and lay.param_offsets == (0, 515, 1030)
+    assert lay.total_size == 3 * lay.shard_size >= 1030 + 256
+    assert lay != FlatLayout(shapes, 3, align=5, tp_size=4, tp_dims=[1, 0, None])
+    assert lay != FlatLayout(shapes, 3, align=5, tp_size=2, tp_dims=[0, 1, None])
+    assert lay == FlatLayout(shapes, 3, align=5, tp_size=4, tp_dims=(0, 1, None))
+    assert hash(lay) == hash(FlatLayout(shapes, 3, align=5, tp_size=4, tp_dims=(0, 1, None)))
+    assert "tp_size=4" in repr(lay)
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    np.testing.assert_array_equal(lay.tp_slice(w, 0, 2), w[32:48])
+    flat = np.asarray(lay.flatten([w, w.T.copy(), np.ones((16, 16), np.float32)]))
+    np.testing.assert_array_equal(flat[2, :512], w[32:48].reshape(-1))
+    np.testing.assert_array_equal(flat[3, 515:1027], w.T[:, 48:64].reshape(-1))
+    assert not flat[:, 512:515].any()                       # alignment padding
+    with pytest.raises(ValueError, match=r"tp_dims\[0\]: a TP-split parameter must have rank 2"):
+        FlatLayout([(64,)], 1, tp_size=2, tp_dims=[0])
+    with pytest.raises(ValueError, match="tp_dims: expected 3 entries"):
+        FlatLayout(shapes, 1, tp_size=2, tp_dims=[0])

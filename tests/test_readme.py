@@ -20,6 +20,9 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
     assert ns["w_hat"].dtype == np.dtype("bfloat16")
     assert ns["weights"][0].data_t is not None
     np.testing.assert_array_equal(np.asarray(ns["weights"][0].data), np.asarray(ns["q4"].data))
+    w2 = ns["weights2"]                                 # FSDP x TP: aligned splits equal whole-tensor bytes
+    np.testing.assert_array_equal(np.asarray(w2[0].data), np.asarray(ns["weights"][0].data))
+    np.testing.assert_array_equal(np.asarray(w2[1].scale_inv), np.asarray(ns["weights"][1].scale_inv))
     restored = ns["restored"]
     assert restored["step"] == 100
     np.testing.assert_array_equal(np.asarray(restored["model"]["w"]), np.asarray(ns["w"]))

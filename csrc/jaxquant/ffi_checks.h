@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "jaxquant/group_table.h"
 #include "jaxquant/numerics.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -177,8 +178,11 @@ inline ffi::Error check_group(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S3
   if (auto e = check_input(x, "shard"); e.failure()) return e;
   if (x.dimensions().size() != 1) return invalid("shard: must be rank 1");
   if (auto e = check_count(index, 1, "shard_index"); e.failure()) return e;
-  if (table.element_count() % 12 != 0) return invalid("table: must be an int64 [P, 6] table as uint32 words");
-  *num_params = static_cast<int64_t>(table.element_count() / 12);
+  constexpr size_t kWords = 2 * GroupTable::kFields;
+  if (table.element_count() % kWords != 0)
+    return invalid("table: must be the int64 [P, " + std::to_string(GroupTable::kFields) +
+                   "] group table (ops.group_table) as uint32 words");
+  *num_params = static_cast<int64_t>(table.element_count() / kWords);
   return ffi::Error::Success();
 }
 
@@ -194,16 +198,69 @@ inline ffi::Error check_fp8_group_cast(const ffi::AnyBuffer& x, const ffi::Buffe
   return ffi::Error::Success();
 }
 
+// Grouped scale op: tiles [T] and amax [P] f32, scale_inv [sum of padded scales] u8, enc [T] f32.
+inline ffi::Error check_group_scale(const ffi::Buffer<ffi::F32>& tiles, const ffi::Buffer<ffi::F32>& amax,
+                                    const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::U8>& scale_inv,
+                                    const ffi::Buffer<ffi::F32>& enc, int64_t* num_params, int64_t* num_tiles,
+                                    int64_t* scale_bytes) {
+  constexpr size_t kWords = 2 * GroupTable::kFields;
+  if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
+  *num_params = static_cast<int64_t>(table.element_count() / kWords);
+  if (auto e = check_count(amax, *num_params, "amax"); e.failure()) return e;
+  *num_tiles = static_cast<int64_t>(tiles.element_count());
+  if (enc.element_count() != tiles.element_count()) return invalid("enc: must have one entry per tile");
+  *scale_bytes = static_cast<int64_t>(scale_inv.element_count());
+  return ffi::Error::Success();
+}
+
+// Grouped columnwise op: data and data_t [sum numel/2] u8, scale_inv / scale_inv_t packed u8.
+inline ffi::Error check_group_columnwise(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::U8>& scale_inv,
+                                         const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::U8>& data_t,
+                                         const ffi::Buffer<ffi::U8>& scale_inv_t, int64_t* num_params) {
+  constexpr size_t kWords = 2 * GroupTable::kFields;
+  if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
+  *num_params = static_cast<int64_t>(table.element_count() / kWords);
+  if (data_t.element_count() != data.element_count()) return invalid("data_t: must have as many bytes as data");
+  return ffi::Error::Success();
+}
+
+// Host-readable table (CPU): the group's packed bytes and scales fit in data and scale_inv.
+inline ffi::Error check_group_columnwise_bounds(const int64_t* table, int64_t num_params,
+                                                const ffi::Buffer<ffi::U8>& data,
+                                                const ffi::Buffer<ffi::U8>& scale_inv) {
+  const GroupTable t{table, num_params};
+  if (num_params > 0) {
+    const int64_t last = num_params - 1, rows = t.at(last, GroupTable::kRows), cols = t.at(last, GroupTable::kCols);
+    if (t.at(last, GroupTable::kByteBase) + rows * cols / 2 > static_cast<int64_t>(data.element_count()))
+      return invalid("data: shorter than the group's packed bytes");
+    if (t.at(last, GroupTable::kScaleBase) + nvfp4_scale_rows(rows) * nvfp4_scale_cols(cols) >
+        static_cast<int64_t>(scale_inv.element_count()))
+      return invalid("scale_inv: shorter than the group's packed scales");
+  }
+  return ffi::Error::Success();
+}
+
+// FP8 grouped transpose: data and data_t, the gathered flat buffer [total_size] u8.
+inline ffi::Error check_fp8_group_transpose(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::U32>& table,
+                                            const ffi::Buffer<ffi::U8>& data_t, int64_t* num_params) {
+  constexpr size_t kWords = 2 * GroupTable::kFields;
+  if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
+  *num_params = static_cast<int64_t>(table.element_count() / kWords);
+  if (data_t.element_count() != data.element_count()) return invalid("data_t: must have as many bytes as data");
+  return ffi::Error::Success();
+}
+
 // Host-readable table: parameters in order, inside the flat buffer, tiles and bytes inside bounds.
 inline ffi::Error check_group_table_contents(const int64_t* t, int64_t num_params, int64_t flat_size,
                                              int64_t num_tiles, bool nvfp4) {
   int64_t end = 0;
   for (int64_t p = 0; p < num_params; ++p) {
-    const int64_t* row = t + p * 6;
-    const int64_t off = row[0], numel = row[1], rows = row[2], cols = row[3];
+    const GroupTable table{t, num_params};
+    const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
+    const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
     if (off < end || numel < 0 || off + numel > flat_size || rows * cols != numel || cols <= 0)
       return invalid("table: row " + std::to_string(p) + " is not a parameter inside the flat buffer, in order");
-    if (nvfp4 && (rows % kTile || cols % kTile || row[4] + numel / (kTile * kTile) > num_tiles))
+    if (nvfp4 && (rows % kTile || cols % kTile || table.at(p, GroupTable::kTileBase) + numel / (kTile * kTile) > num_tiles))
       return invalid("table: row " + std::to_string(p) + " breaks the 16x16 grid or the tile vector");
     end = off + numel;
   }

@@ -23,7 +23,10 @@
   X("jq_nvfp4_group_tile_amax", JqNvfp4GroupTileAmax) \
   X("jq_nvfp4_group_cast", JqNvfp4GroupCast)         \
   X("jq_fp8_group_amax", JqFp8GroupAmax)             \
-  X("jq_fp8_group_cast", JqFp8GroupCast)
+  X("jq_fp8_group_cast", JqFp8GroupCast)             \
+  X("jq_nvfp4_group_scale", JqNvfp4GroupScale)       \
+  X("jq_nvfp4_group_columnwise", JqNvfp4GroupColumnwise) \
+  X("jq_fp8_group_transpose", JqFp8GroupTranspose)
 
 #define JQ_NO_CTX
 // Handlers that only enqueue work on the stream (no host sync, no data-dependent host decisions)
@@ -127,6 +130,8 @@
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::S32>>());                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupCast##S, GroupCast##S,                                  \
@@ -135,11 +140,13 @@
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::U8>>());                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupAmax##S, Fp8GroupAmax##S,                                 \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::S32>>());                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupCast##S, Fp8GroupCast##S,                                 \
@@ -147,4 +154,23 @@
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::AnyBuffer>());
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::AnyBuffer>());                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupScale##S, GroupScale##S,                                \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::F32>>());                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupColumnwise##S, GroupColumnwise##S,                      \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
+                                    .Arg<F::Buffer<F::U8>>()                                        \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<int64_t>("num_blocks")                                    \
+                                    .Ret<F::Buffer<F::U8>>()                                        \
+                                    .Ret<F::Buffer<F::U8>>());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupTranspose##S, Fp8GroupTranspose##S,                       \
+                                F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
+                                    .Arg<F::Buffer<F::U32>>()                                       \
+                                    .Attr<int64_t>("num_blocks")                                    \
+                                    .Ret<F::Buffer<F::U8>>());

@@ -1,0 +1,139 @@
+// The static parameter table of a ZeRO group: one int64 row per parameter, its fields defined
+// once here. Python builds the table (jaxquant.ops.group_table) and reads field positions by name
+// from GROUP_TABLE_FIELDS, which tests check against group_table_fields() of the compiled module.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "jaxquant/elementwise.h"
+#include "jaxquant/numerics.h"
+
+// X(enumerator, python name): the fields, in column order.
+//   offset        first element of the parameter in the (TP-local) flat buffer
+//   numel         its element count
+//   rows, cols    its 2-D shape (rank-1 and scalar FP8 parameters: numel x 1)
+//   tile_base     NVFP4: first of its tiles in the group's packed tile vector
+//   byte_base     NVFP4: first of its packed bytes in the group's param-byte space (numel/2 each)
+//   scale_base    NVFP4: first byte of its padded rowwise scale_inv in the group's packed scales
+//   scale_t_base  NVFP4: first byte of its padded columnwise scale_inv_t in the packed scales_t
+//   block_base    first of its 64x64-element blocks in the grid of the grouped transposes
+#define JQ_GROUP_TABLE_FIELDS(X) \
+  X(kOffset, "offset")           \
+  X(kNumel, "numel")             \
+  X(kRows, "rows")               \
+  X(kCols, "cols")               \
+  X(kTileBase, "tile_base")      \
+  X(kByteBase, "byte_base")      \
+  X(kScaleBase, "scale_base")    \
+  X(kScaleTBase, "scale_t_base") \
+  X(kBlockBase, "block_base")
+
+namespace jaxquant {
+
+struct GroupTable {
+#define JQ_FIELD_ENUM(e, name) e,
+  enum Field { JQ_GROUP_TABLE_FIELDS(JQ_FIELD_ENUM) kFields };
+#undef JQ_FIELD_ENUM
+  const int64_t* t;  // [P, kFields]
+  int64_t num_params;
+
+  JQ_HD int64_t at(int64_t p, int f) const { return t[p * kFields + f]; }
+
+  // The last parameter p with at(p, f) <= pos (f: an ascending field: offset, byte/scale bases), or -1.
+  JQ_HD int64_t find(int64_t pos, int f) const {
+    int64_t lo = 0, hi = num_params;  // answer in [lo - 1, hi - 1]
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (at(mid, f) <= pos) lo = mid + 1; else hi = mid;
+    }
+    return lo - 1;
+  }
+
+  // Packed tile index of element e of parameter p.
+  JQ_HD int64_t tile_of(int64_t p, int64_t e) const {
+    const int64_t cols = at(p, kCols), row = e / cols, col = e - row * cols;
+    return at(p, kTileBase) + (row / kTile) * (cols / kTile) + col / kTile;
+  }
+};
+
+// Walks a non-decreasing sequence of flat positions through the parameters of a group, keeping
+// the current parameter's bounds in registers (one table lookup per parameter change).
+struct ParamCursor {
+  GroupTable table;
+  int64_t p = -1, begin = 0, end = 0, next = 0;  // p owns [begin, end); the next one starts at next
+
+  JQ_HD void seek(int64_t g) {
+    p = table.find(g, GroupTable::kOffset);
+    load();
+  }
+  JQ_HD void load() {
+    begin = p >= 0 ? table.at(p, GroupTable::kOffset) : 0;
+    end = p >= 0 ? begin + table.at(p, GroupTable::kNumel) : 0;
+    next = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kOffset) : INT64_MAX;
+  }
+  // Moves to the parameter holding or preceding g; true when g is one of its elements.
+  JQ_HD bool inside(int64_t g) {
+    while (g >= next) {
+      ++p;
+      load();
+    }
+    return p >= 0 && g < end;
+  }
+};
+
+// Shard elements are read with load_compute (elementwise.h): compute_dtype rounding fused into the load.
+
+// ---- per-output-unit pieces of the grouped ops, shared by the CPU loops and the CUDA kernels ----
+
+// Byte y of the group's packed rowwise scales (parameter p's padded scale_inv at kScaleBase) from
+// the parameter's tile amaxes (packed vector `tiles`) and its global amax.
+JQ_HD uint8_t group_scale_byte(const GroupTable& table, const float* tiles, const float* amax, int64_t y) {
+  const int64_t p = table.find(y, GroupTable::kScaleBase);
+  if (p < 0) return 0;
+  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  const int64_t pc = nvfp4_scale_cols(cols), b = y - table.at(p, GroupTable::kScaleBase);
+  if (b >= nvfp4_scale_rows(rows) * pc) return 0;
+  return scale_entry(tiles + table.at(p, GroupTable::kTileBase), rows, cols,
+                     nvfp4_global_encode_scale(amax[p]), b / pc, b % pc);
+}
+
+// Encode multiplier of packed tile t (docs/numerics.md §2.5), from the E4M3 scale it stores.
+JQ_HD float group_tile_encode(const GroupTable& table, const float* tiles, const float* amax, int64_t t) {
+  const int64_t p = table.find(t, GroupTable::kTileBase);
+  if (p < 0) return 0.0f;
+  const float s_enc = nvfp4_global_encode_scale(amax[p]);
+  return nvfp4_tile_encode(nvfp4_tile_scale_bits(tiles[t], s_enc), 1.0f / s_enc);
+}
+
+// Byte y of the group's packed columnwise data: parameter p's [cols, rows/2] transpose at kByteBase.
+JQ_HD uint8_t group_data_t_byte(const GroupTable& table, const uint8_t* data, int64_t y) {
+  const int64_t p = table.find(y, GroupTable::kByteBase);
+  if (p < 0) return 0;
+  const int64_t base = table.at(p, GroupTable::kByteBase), b = y - base;
+  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  if (b >= rows * cols / 2) return 0;
+  return transpose_byte(data + base, cols, b / (rows / 2), b % (rows / 2));
+}
+
+// Byte y of the group's packed columnwise scales: parameter p's scale_inv_t at kScaleTBase.
+JQ_HD uint8_t group_scale_t_byte(const GroupTable& table, const uint8_t* scale_inv, int64_t y) {
+  const int64_t p = table.find(y, GroupTable::kScaleTBase);
+  if (p < 0) return 0;
+  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  const int64_t pc = nvfp4_scale_cols(rows), b = y - table.at(p, GroupTable::kScaleTBase);
+  if (b >= nvfp4_scale_rows(cols) * pc) return 0;
+  return scale_t_entry(scale_inv + table.at(p, GroupTable::kScaleBase), rows, cols, b / pc, b % pc);
+}
+
+// Byte y of the FP8 group's columnwise buffer: parameter p's [cols, rows] byte transpose at its
+// flat offset (the gathered flat layout); alignment padding is 0.
+JQ_HD uint8_t fp8_group_t_byte(const GroupTable& table, const uint8_t* data, int64_t y) {
+  const int64_t p = table.find(y, GroupTable::kOffset);
+  if (p < 0) return 0;
+  const int64_t off = table.at(p, GroupTable::kOffset), b = y - off, rows = table.at(p, GroupTable::kRows);
+  if (b >= table.at(p, GroupTable::kNumel)) return 0;
+  return data[off + (b % rows) * table.at(p, GroupTable::kCols) + b / rows];
+}
+
+}  // namespace jaxquant
