@@ -7,6 +7,7 @@ and their pure-JAX references in ``jaxquant.reference``. Checkpoints: ``jaxquant
 """
 
 from jaxquant import formats, ops, reference
+from jaxquant.dense import dense, straight_through
 from jaxquant.distributed import (
     NonFiniteReport,
     gathered_bytes,
@@ -38,4 +39,6 @@ __all__ = [
     "formats",
     "ops",
     "reference",
+    "dense",
+    "straight_through",
 ]
