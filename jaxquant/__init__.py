@@ -17,6 +17,7 @@ from jaxquant.distributed import (
     quantize_master_weights_local,
 )
 from jaxquant.layout import FlatLayout
+from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
@@ -41,4 +42,8 @@ __all__ = [
     "reference",
     "dense",
     "straight_through",
+    "MixedPrecisionPolicy",
+    "make_train_step",
+    "raise_if_nonfinite",
+    "TrainState",
 ]
