@@ -90,12 +90,19 @@ def _gemm_tn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def pcast_varying(x, axes):
+    """Mark ``x`` as varying over the manual mesh ``axes`` (``shard_map``)."""
+    pcast = getattr(jax.lax, "pcast", None)
+    return pcast(x, axes, to="varying") if pcast is not None else jax.lax.pvary(x, axes)
+
+
 def _fp8_quantize_local(v, dtype, amax_axes):
     """FP8 current scaling of an activation/gradient block: (data, scale_inv). The amax is the block's,
     max-reduced over ``amax_axes`` (docs/numerics.md §1.1)."""
     amax, _ = ops.fp8_stats(v, compute_dtype=None)
     if amax_axes:
-        amax = jax.lax.pmax(amax, amax_axes)
+        # varying again after the reduction: ops' custom-call and reference branches must agree on it
+        amax = pcast_varying(jax.lax.pmax(amax, amax_axes), amax_axes)
     data, scale_inv, _ = ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=None)
     return data, scale_inv
 

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
-from jaxquant.dense import straight_through
+from jaxquant.dense import pcast_varying, straight_through
 from jaxquant.distributed import quantize_master_weights
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
@@ -172,12 +172,6 @@ def raise_if_nonfinite(metrics) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _pcast_varying(x, axes):
-    """Mark an invariant value as varying over ``axes`` so its gradient stays per rank (no implicit psum)."""
-    pcast = getattr(jax.lax, "pcast", None)
-    return pcast(x, axes, to="varying") if pcast is not None else jax.lax.pvary(x, axes)
-
-
 class TrainStep:
     """What :func:`make_train_step` returns: ``init``, ``__call__``, ``params``, ``lower``."""
 
@@ -241,7 +235,7 @@ class TrainStep:
         quantized = pol.compute_weights != "bf16"
         diff = {"m": [jnp.zeros(s, COMPUTE_DTYPE) for s in plan.matrices.shapes] if quantized else list(weights),
                 "o": list(others)}
-        diff = jax.tree.map(lambda a: _pcast_varying(a, axes), diff)
+        diff = jax.tree.map(lambda a: pcast_varying(a, axes), diff)
 
         def loss_of(d, mb):
             mats = [straight_through(q, s) for q, s in zip(weights, d["m"])] if quantized else d["m"]
@@ -268,8 +262,8 @@ class TrainStep:
                 l, g = grad_fn(diff, mb)
                 return (loss_sum + l, jax.tree.map(jnp.add, acc, to_main(g))), None
 
-            zeros = jax.tree.map(lambda a: _pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), axes), diff)
-            (loss, grads), _ = jax.lax.scan(accumulate, (_pcast_varying(jnp.float32(0), axes), zeros), mbs)
+            zeros = jax.tree.map(lambda a: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), axes), diff)
+            (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
             loss = loss / k
         out = [jax.lax.pmean(loss, axes)]
         scale = np.float32(1.0 / (S * k))
