@@ -107,8 +107,10 @@ def _fp8_quantize_local(v, dtype, amax_axes):
     return data, scale_inv
 
 
-def _nvfp4_operand(data, scale_inv, rows, cols):
-    """bf16 ``[rows, cols]``: ``value(q) * s8`` per element, exact in bf16 (the global factor is left out)."""
+def _nvfp4_operand(data, scale_inv):
+    """bf16 ``[rows, cols]`` from packed ``data [rows, cols/2]``: ``value(q) * s8`` per element, exact in
+    bf16 (the global factor is left out). Built next to the GEMM that reads it, so XLA can fuse it."""
+    rows, cols = data.shape[0], data.shape[1] * 2
     values = reference.e2m1_code_to_fp32(reference.unpack_codes(data))
     s8 = reference.e4m3_bits_to_fp32(scale_inv[:rows, : cols // formats.TILE])
     return (values * jnp.repeat(s8, formats.TILE, axis=1)).astype(jnp.bfloat16)
@@ -142,9 +144,7 @@ def _weight_operands(w, cfg: _Config):
         return {"data": w.data, "data_t": w.data_t, "scale_inv": jnp.reshape(w.scale_inv, ())}
     if w.data_t is None or w.scale_inv_t is None:
         w = nvfp4_columnwise(w)
-    rows, cols = w.shape
-    return {"w": _nvfp4_operand(w.data, w.scale_inv, rows, cols),
-            "w_t": _nvfp4_operand(w.data_t, w.scale_inv_t, cols, rows),
+    return {"data": w.data, "scale_inv": w.scale_inv, "data_t": w.data_t, "scale_inv_t": w.scale_inv_t,
             "dec": _nvfp4_global_decode(w.amax)}
 
 
@@ -163,7 +163,8 @@ def _forward(x2, wops, cfg: _Config):
         y = _gemm_tn(xq, wops["data"]) * (sx * wops["scale_inv"])
         return y, (xq, sx, wops["data_t"], wops["scale_inv"])
     xb = x2.astype(jnp.bfloat16)
-    return _gemm_tn(xb, wops["w"]) * wops["dec"], (xb, wops["w_t"], wops["dec"])
+    y = _gemm_tn(xb, _nvfp4_operand(wops["data"], wops["scale_inv"])) * wops["dec"]
+    return y, (xb, wops["data_t"], wops["scale_inv_t"], wops["dec"])   # packed bytes, not a bf16 copy
 
 
 def _backward(res, g, cfg: _Config):
@@ -177,9 +178,9 @@ def _backward(res, g, cfg: _Config):
         xq, sx, w_t, sw = res
         gq, sg = _fp8_quantize_local(g, BWD_FP8, cfg.amax_axes)
         return _gemm_tn(gq, w_t) * (sg * sw), _gemm_tn(gq.T, xq.T) * (sg * sx)
-    xb, w_t, dec = res
+    xb, data_t, scale_inv_t, dec = res
     gb = g.astype(jnp.bfloat16)
-    return _gemm_tn(gb, w_t) * dec, _gemm_tn(gb.T, xb.T)
+    return _gemm_tn(gb, _nvfp4_operand(data_t, scale_inv_t)) * dec, _gemm_tn(gb.T, xb.T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -304,6 +304,9 @@ class TrainStep:
             grads = jax.lax.with_sharding_constraint(grads, self._master_sharding())
         updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
         new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
+        # outputs sharded as the inputs, so the donated buffers are reused
+        new_master = jax.lax.with_sharding_constraint(new_master, self._master_sharding())
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
         metrics = {"loss": loss}
         if self.report_nan:
             ok = jnp.logical_not(jnp.any(flags[0] > 0))
