@@ -34,9 +34,10 @@ def timeit(fn, *args, iters: int = 20, repeats: int = 5) -> float:
 
 
 def step(weight_of):
-    """jitted forward+backward of sum(dense(x, w)**2) w.r.t. x and the (master) weight."""
-    def loss(x, m):
-        return jnp.sum(jnp.square(jq.dense(x, weight_of(m)).astype(jnp.float32)))
+    """jitted forward+backward of sum(dense(x, w)**2) w.r.t. x and the (master) weight ``m``;
+    ``weight_of(m, *extra)`` builds the weight, ``extra`` are jit arguments (never baked-in constants)."""
+    def loss(x, m, *extra):
+        return jnp.sum(jnp.square(jq.dense(x, weight_of(m, *extra)).astype(jnp.float32)))
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
@@ -55,10 +56,10 @@ def main():
     sink = jnp.zeros((n, n), jnp.bfloat16)
 
     bf16 = step(lambda m: m)
-    fp8 = step(lambda m: jq.straight_through(q, m))
-    hlo = fp8.lower(x, sink).compile().as_text()
+    fp8 = step(lambda m, q: jq.straight_through(q, m))
+    hlo = fp8.lower(x, sink, q).compile().as_text()
     t_bf16 = timeit(bf16, x, w_bf16, iters=args.iters)
-    t_fp8 = timeit(fp8, x, sink, iters=args.iters)
+    t_fp8 = timeit(fp8, x, sink, q, iters=args.iters)
     flops = 3 * 2 * n ** 3
     res = {
         "device": jax.devices()[0].device_kind, "size": n,
