@@ -107,13 +107,23 @@ def _fp8_quantize_local(v, dtype, amax_axes):
     return data, scale_inv
 
 
+def _e2m1_to_bf16(code):
+    """E2M1 codes (docs/numerics.md §2: bit 3 sign, bits 2..1 exponent with bias 1, bit 0 mantissa) as
+    bf16, by building the bf16 bit pattern (integer ops that fuse, no table lookup): exponent field
+    e > 0 gives 2^(e-1) * (1 + m/2), e == 0 gives m/2 (0.5 or zero)."""
+    code = code.astype(jnp.uint16)
+    e, m = (code >> 1) & 3, code & 1
+    bits = jnp.where(e > 0, ((e + 126) << 7) | (m << 6), m * (126 << 7))
+    return jax.lax.bitcast_convert_type((bits | ((code & 8) << 12)).astype(jnp.uint16), jnp.bfloat16)
+
+
 def _nvfp4_operand(data, scale_inv):
     """bf16 ``[rows, cols]`` from packed ``data [rows, cols/2]``: ``value(q) * s8`` per element, exact in
-    bf16 (the global factor is left out). Built next to the GEMM that reads it, so XLA can fuse it."""
+    bf16 (a 2-bit by 4-bit significand product, within bf16's exponent range); the global factor is
+    left out. Elementwise and next to the GEMM that reads it, so XLA can fuse it into the operand."""
     rows, cols = data.shape[0], data.shape[1] * 2
-    values = reference.e2m1_code_to_fp32(reference.unpack_codes(data))
-    s8 = reference.e4m3_bits_to_fp32(scale_inv[:rows, : cols // formats.TILE])
-    return (values * jnp.repeat(s8, formats.TILE, axis=1)).astype(jnp.bfloat16)
+    s8 = jax.lax.bitcast_convert_type(scale_inv[:rows, : cols // formats.TILE], jnp.float8_e4m3fn)
+    return _e2m1_to_bf16(reference.unpack_codes(data)) * jnp.repeat(s8.astype(jnp.bfloat16), formats.TILE, axis=1)
 
 
 def _nvfp4_global_decode(amax):
