@@ -265,7 +265,13 @@ class TrainStep:
             zeros = jax.tree.map(lambda a: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), axes), diff)
             (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
             loss = loss / k
-        out = [jax.lax.pmean(loss, axes)]
+        # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce
+        stats = [jnp.reshape(loss, (1,))]
+        if self.report_nan:
+            stats += [jnp.reshape(jnp.logical_not(jnp.all(jnp.isfinite(g))), (1,)).astype(jnp.float32)
+                      for g in grads["m"] + grads["o"]]
+        stats = jax.lax.psum(jnp.concatenate(stats), axes)
+        out = [stats[0] / S]
         scale = np.float32(1.0 / (S * k))
         for group, layout in (("m", plan.matrices), ("o", plan.others)):
             if layout.total_size == 0:
@@ -279,8 +285,7 @@ class TrainStep:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
             out.append(flat.astype(pol.main_grads_dtype))
         if self.report_nan:
-            bad = [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in grads["m"] + grads["o"]]
-            out.append(jax.lax.pmax(jnp.stack(bad).astype(jnp.int32), axes) if bad else jnp.zeros((0,), jnp.int32))
+            out.append(stats[1:] > 0)       # per parameter, in the order matrices then others
         return tuple(out)
 
     def _grads(self, plan, weights, others, batch):
@@ -309,12 +314,12 @@ class TrainStep:
         opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
         metrics = {"loss": loss}
         if self.report_nan:
-            ok = jnp.logical_not(jnp.any(flags[0] > 0))
+            ok = jnp.logical_not(jnp.any(flags[0]))
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
             per_leaf = [None] * len(plan.names)
-            for i, f in zip(plan.matrix_leaves + plan.other_leaves, flags[0] if len(plan.names) else []):
-                per_leaf[i] = f > 0
+            for i, flag in zip(plan.matrix_leaves + plan.other_leaves, flags[0]):
+                per_leaf[i] = flag
             metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, per_leaf)
             metrics["update_skipped"] = jnp.logical_not(ok)
         new_weights = (self._gather_weights(new_master["matrices"], plan)
