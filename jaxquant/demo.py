@@ -185,8 +185,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
     print(f"model: {cfg.layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab}, {n_params:,} parameters; "
           f"mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; weights {recipe}, strategy {strategy}; "
           f"batch {batch} x {cfg.seq} tokens")
-    print(f"weights all-gathered per step: {sent / 1024:.1f} KiB (bf16 weights: {sent_bf16 / 1024:.1f} KiB, "
-          f"{sent / max(sent_bf16, 1):.2f}x)")
+    gathered = (f"{sent / 1024:.0f} KiB/step ({sent / sent_bf16:.2f}x bf16)" if sent_bf16
+                else "no weight gather (no_shard: replicated masters)")
+    print(f"weights all-gathered per step: {gathered}")
     data = SyntheticData(cfg, batch, seed)
     tokens = batch * cfg.seq
     losses, times = [], []
@@ -199,8 +200,7 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         tok_s = tokens / (np.median(times[1:]) if len(times) > 1 else times[0])
-        bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s  gathered {sent / 1024:.0f} KiB/step "
-                            f"({sent / max(sent_bf16, 1):.2f}x bf16)")
+        bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s  gathered {gathered}")
     bar.close()
     params = step.params(state)
     weights = {}
