@@ -9,6 +9,7 @@ Checkpoints: ``jaxquant.checkpoint``.
 """
 
 from jaxquant import formats, ops, reference
+from jaxquant.dense import dense, straight_through
 from jaxquant.distributed import (
     NonFiniteReport,
     gathered_bytes,
@@ -18,6 +19,7 @@ from jaxquant.distributed import (
     quantize_master_weights_local,
 )
 from jaxquant.layout import FlatLayout
+from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 from jaxquant.sp import sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp
@@ -41,6 +43,12 @@ __all__ = [
     "formats",
     "ops",
     "reference",
+    "dense",
+    "straight_through",
+    "MixedPrecisionPolicy",
+    "make_train_step",
+    "raise_if_nonfinite",
+    "TrainState",
     "sp_layernorm_dense",
     "sp_dense_reduce_scatter",
     "sp_mlp",

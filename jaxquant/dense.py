@@ -1,0 +1,280 @@
+"""``jq.dense``: ``y = x @ W.T`` for a PyTorch-convention weight ``W [out, in]`` that is a bf16/fp32 array,
+a ``Float8Tensor`` or an ``NVFP4Tensor``, with a hand-written backward pass (``jax.custom_vjp``).
+
+GEMMs, all ``lax.dot_general`` with fp32 accumulation and both operands contracted on their last axis
+(the "TN" layout cuBLASLt's FP8 GEMM needs), so the weight is read as ``data`` in the forward and as
+``data_t`` (its stored transpose) in the backward and never transposed at step time:
+
+* FP8 (docs/numerics.md §1): activations quantized to E4M3 with current scaling in the forward, output
+  gradients to E5M2 in the backward (``ops.fp8_stats`` / ``ops.fp8_quantize``); the three GEMMs take the
+  float8 operands and the product of the two ``scale_inv`` multiplies the fp32 output.
+* NVFP4 (docs/numerics.md §2): each weight element becomes ``value(q) * s8``, exact in bf16 (a 2-bit
+  by 4-bit significand product), the GEMM runs on bf16 operands, and the global decode factor
+  ``amax * (1/2688)`` of §2.8 multiplies the fp32 output.
+* bf16/fp32 arrays: the GEMMs run in the weight's dtype (the activation is cast to it).
+
+Weight gradients are straight-through: quantization is treated as the identity, so ``dW = g.T @ x``
+(computed from the quantized activation and gradient in the FP8 case) is delivered to the weight that
+was quantized: the array itself with ``recipe=`` (quantized on the fly), or the ``master`` attached
+with :func:`straight_through` to an already quantized tensor.
+
+Amax scope: activation and gradient statistics are those of the ``x``/``g`` this call sees (under
+``shard_map``: the local block), max-reduced over ``amax_axes`` (the mesh axes that shard the activation,
+e.g. TP/SP). ``make_train_step`` calls the loss per data-parallel rank, so the data-parallel axis is left
+out unless a caller names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import formats, ops, reference
+from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+
+RECIPES = ("fp8", "nvfp4")
+FWD_FP8 = jnp.dtype(jnp.float8_e4m3fn)     # activations (and weights) in the forward
+BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantized tensors that carry their straight-through gradient target
+# ----------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Float8WithMaster(Float8Tensor):
+    master: Optional[jax.Array] = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _NVFP4WithMaster(NVFP4Tensor):
+    master: Optional[jax.Array] = None
+
+
+def straight_through(q, master):
+    """``q`` (a ``Float8Tensor`` or ``NVFP4Tensor``) whose ``dense`` weight gradient goes to ``master``.
+
+    The result is still a ``Float8Tensor`` / ``NVFP4Tensor`` (a subclass that also holds ``master``); the
+    forward never reads ``master``, and differentiating with respect to it gives ``dW`` in
+    ``master.dtype``. ``master`` may be a zeros placeholder of the weight's shape (XLA never builds it).
+    """
+    if not isinstance(q, (Float8Tensor, NVFP4Tensor)):
+        raise TypeError(f"q: must be a Float8Tensor or NVFP4Tensor, got {type(q).__name__}")
+    if not hasattr(master, "shape") or tuple(master.shape) != tuple(q.shape):
+        raise ValueError(f"master: must have the weight's shape {tuple(q.shape)}, got "
+                         f"{getattr(master, 'shape', type(master).__name__)}")
+    if not jnp.issubdtype(master.dtype, jnp.floating):
+        raise TypeError(f"master: must be a floating array, got {master.dtype}")
+    if isinstance(q, Float8Tensor):
+        return _Float8WithMaster(data=q.data, scale_inv=q.scale_inv, amax=q.amax, data_t=q.data_t, master=master)
+    return _NVFP4WithMaster(data=q.data, scale_inv=q.scale_inv, amax=q.amax, data_t=q.data_t,
+                            scale_inv_t=q.scale_inv_t, shape=q.shape, master=master)
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM and operand helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _gemm_tn(a, b):
+    """``a [M, K] @ b[N, K].T`` in fp32: both operands contracted on their last (minor) axis."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def pcast_varying(x, axes):
+    """Mark ``x`` as varying over the manual mesh ``axes`` (``shard_map``)."""
+    pcast = getattr(jax.lax, "pcast", None)
+    return pcast(x, axes, to="varying") if pcast is not None else jax.lax.pvary(x, axes)
+
+
+def _fp8_quantize_local(v, dtype, amax_axes):
+    """FP8 current scaling of an activation/gradient block: (data, scale_inv). The amax is the block's,
+    max-reduced over ``amax_axes`` (docs/numerics.md §1.1)."""
+    amax, _ = ops.fp8_stats(v, compute_dtype=None)
+    if amax_axes:
+        # varying again after the reduction: ops' custom-call and reference branches must agree on it
+        amax = pcast_varying(jax.lax.pmax(amax, amax_axes), amax_axes)
+    data, scale_inv, _ = ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=None)
+    return data, scale_inv
+
+
+def _e2m1_to_bf16(code):
+    """E2M1 codes (docs/numerics.md §2: bit 3 sign, bits 2..1 exponent with bias 1, bit 0 mantissa) as
+    bf16, by building the bf16 bit pattern (integer ops that fuse, no table lookup): exponent field
+    e > 0 gives 2^(e-1) * (1 + m/2), e == 0 gives m/2 (0.5 or zero)."""
+    code = code.astype(jnp.uint16)
+    e, m = (code >> 1) & 3, code & 1
+    bits = jnp.where(e > 0, ((e + 126) << 7) | (m << 6), m * (126 << 7))
+    return jax.lax.bitcast_convert_type((bits | ((code & 8) << 12)).astype(jnp.uint16), jnp.bfloat16)
+
+
+def _nvfp4_operand(data, scale_inv):
+    """bf16 ``[rows, cols]`` from packed ``data [rows, cols/2]``: ``value(q) * s8`` per element, exact in
+    bf16 (a 2-bit by 4-bit significand product, within bf16's exponent range); the global factor is
+    left out. Elementwise and next to the GEMM that reads it, so XLA can fuse it into the operand."""
+    rows, cols = data.shape[0], data.shape[1] * 2
+    s8 = jax.lax.bitcast_convert_type(scale_inv[:rows, : cols // formats.TILE], jnp.float8_e4m3fn)
+    return _e2m1_to_bf16(reference.unpack_codes(data)) * jnp.repeat(s8.astype(jnp.bfloat16), formats.TILE, axis=1)
+
+
+def _nvfp4_global_decode(amax):
+    """docs/numerics.md §2.8: the global factor ``amax * (1/2688)`` of the dequantization."""
+    return jnp.reshape(amax, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
+
+
+class _Config(NamedTuple):
+    kind: str                 # "array" | "fp8" | "nvfp4"
+    on_the_fly: bool          # the weight operand is an array quantized inside the call
+    out_dtype: np.dtype
+    amax_axes: tuple
+    x_dtype: np.dtype
+    w_grad_dtype: Optional[np.dtype]       # gradient of the weight argument (arrays), else None
+    target_dtype: Optional[np.dtype]       # gradient of the straight_through master, else None
+
+
+def _weight_operands(w, cfg: _Config):
+    """The weight as the GEMMs read it: a dict of arrays (quantizing an array weight on the fly)."""
+    if cfg.kind == "array":
+        return {"w": w}
+    if cfg.on_the_fly:
+        fn = quantize_fp8 if cfg.kind == "fp8" else quantize_nvfp4
+        w = fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
+    if cfg.kind == "fp8":
+        if w.data_t is None:
+            w = fp8_columnwise(w)
+        return {"data": w.data, "data_t": w.data_t, "scale_inv": jnp.reshape(w.scale_inv, ())}
+    if w.data_t is None or w.scale_inv_t is None:
+        w = nvfp4_columnwise(w)
+    return {"data": w.data, "scale_inv": w.scale_inv, "data_t": w.data_t, "scale_inv_t": w.scale_inv_t,
+            "dec": _nvfp4_global_decode(w.amax)}
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp core on 2-D activations
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward(x2, wops, cfg: _Config):
+    """(y fp32 [B, N], residuals for the backward)."""
+    if cfg.kind == "array":
+        xc = x2.astype(wops["w"].dtype)
+        return _gemm_tn(xc, wops["w"]), (xc, wops["w"])
+    if cfg.kind == "fp8":
+        xq, sx = _fp8_quantize_local(x2, FWD_FP8, cfg.amax_axes)
+        y = _gemm_tn(xq, wops["data"]) * (sx * wops["scale_inv"])
+        return y, (xq, sx, wops["data_t"], wops["scale_inv"])
+    xb = x2.astype(jnp.bfloat16)
+    y = _gemm_tn(xb, _nvfp4_operand(wops["data"], wops["scale_inv"])) * wops["dec"]
+    return y, (xb, wops["data_t"], wops["scale_inv_t"], wops["dec"])   # packed bytes, not a bf16 copy
+
+
+def _backward(res, g, cfg: _Config):
+    """(dx fp32 [B, K], dW fp32 [N, K]) from the output gradient ``g [B, N]``."""
+    if cfg.kind == "array":
+        xc, w = res
+        gc = g.astype(w.dtype)
+        # dx = g @ W; dW = g.T @ x, both written TN.
+        return _gemm_tn(gc, w.T), _gemm_tn(gc.T, xc.T)
+    if cfg.kind == "fp8":
+        xq, sx, w_t, sw = res
+        gq, sg = _fp8_quantize_local(g, BWD_FP8, cfg.amax_axes)
+        return _gemm_tn(gq, w_t) * (sg * sw), _gemm_tn(gq.T, xq.T) * (sg * sx)
+    xb, data_t, scale_inv_t, dec = res
+    gb = g.astype(jnp.bfloat16)
+    return _gemm_tn(gb, _nvfp4_operand(data_t, scale_inv_t)) * dec, _gemm_tn(gb.T, xb.T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense2d(x2, w, target, cfg: _Config):
+    y, _ = _forward(x2, _weight_operands(w, cfg), cfg)
+    return y.astype(cfg.out_dtype)
+
+
+def _dense2d_fwd(x2, w, target, cfg: _Config):
+    y, res = _forward(x2, _weight_operands(w, cfg), cfg)
+    return y.astype(cfg.out_dtype), res
+
+
+def _dense2d_bwd(cfg: _Config, res, g):
+    dx, dw = _backward(res, g, cfg)
+    w_ct = None if cfg.w_grad_dtype is None else dw.astype(cfg.w_grad_dtype)      # arrays: the weight itself
+    target_ct = None if cfg.target_dtype is None else dw.astype(cfg.target_dtype)  # straight_through master
+    return dx.astype(cfg.x_dtype), w_ct, target_ct
+
+
+_dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_recipe(w, recipe) -> tuple[str, bool]:
+    """(kind, on_the_fly) from the weight's type and ``recipe``."""
+    if recipe is not None and recipe not in RECIPES:
+        raise ValueError(f"recipe: must be None or one of {RECIPES}, got {recipe!r}")
+    if isinstance(w, Float8Tensor):
+        if recipe not in (None, "fp8"):
+            raise ValueError(f"recipe: {recipe!r} does not match the weight, a Float8Tensor (use None or 'fp8')")
+        if w.data.ndim != 2 or jnp.dtype(w.data.dtype) != FWD_FP8:
+            raise ValueError(f"w: a Float8Tensor weight must hold float8_e4m3fn data of rank 2, got "
+                             f"{w.data.dtype} {tuple(w.data.shape)}")
+        return "fp8", False
+    if isinstance(w, NVFP4Tensor):
+        if recipe not in (None, "nvfp4"):
+            raise ValueError(f"recipe: {recipe!r} does not match the weight, an NVFP4Tensor (use None or 'nvfp4')")
+        return "nvfp4", False
+    if not hasattr(w, "dtype") or not hasattr(w, "shape"):
+        raise TypeError(f"w: must be an array, a Float8Tensor or an NVFP4Tensor, got {type(w).__name__}")
+    if w.ndim != 2:
+        raise ValueError(f"w: must have rank 2 ([out, in]), got shape {tuple(w.shape)}")
+    if jnp.dtype(w.dtype) not in ops.INPUT_DTYPES:
+        raise TypeError(f"w: dtype must be float32 or bfloat16, got {w.dtype}")
+    return ("array", False) if recipe is None else (recipe, True)
+
+
+def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
+    """``y = x @ W.T`` for ``x [..., in]`` and a weight ``W [out, in]`` (PyTorch convention).
+
+    ``w``: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3) or an ``NVFP4Tensor``.
+    ``recipe``: None (follow the weight's type), ``"fp8"`` or ``"nvfp4"``; with an array weight it is
+    quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
+    ``out_dtype``: dtype of ``y`` (default ``x.dtype``). ``amax_axes``: mesh axis name(s) over which the
+    FP8 activation/gradient amax is max-reduced (inside ``shard_map``; default: none).
+    A quantized weight gets no gradient unless it comes from :func:`straight_through`.
+    """
+    kind, on_the_fly = _check_recipe(w, recipe)
+    ops._check_input("x", x)
+    if x.ndim < 1:
+        raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
+    n_out, n_in = (int(d) for d in w.shape)
+    if x.shape[-1] != n_in:
+        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is [out, in] = "
+                         f"{tuple(w.shape)}), got x of shape {tuple(x.shape)}")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype: must be a floating dtype, got {out_dtype}")
+    if isinstance(amax_axes, str):
+        amax_axes = (amax_axes,)
+    target = getattr(w, "master", None)
+    cfg = _Config(kind, on_the_fly, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype),
+                  jnp.dtype(w.dtype) if kind == "array" or on_the_fly else None,
+                  None if target is None else jnp.dtype(target.dtype))
+    if isinstance(w, (_Float8WithMaster, _NVFP4WithMaster)):
+        w = (Float8Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t)
+             if kind == "fp8" else
+             NVFP4Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t,
+                         scale_inv_t=w.scale_inv_t, shape=w.shape))
+    lead = x.shape[:-1]
+    y = _dense2d(x.reshape(-1, n_in), w, target, cfg)
+    return y.reshape(*lead, n_out)

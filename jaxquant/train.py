@@ -1,0 +1,429 @@
+"""Mixed-precision data-parallel training steps with quantized weights: ``MixedPrecisionPolicy``,
+``make_train_step`` and ``raise_if_nonfinite``.
+
+The fp32 main (master) parameters live in two flat buffers laid out by :class:`~jaxquant.FlatLayout`:
+``"matrices"`` (every 2-D leaf: these become the compute weights of the policy, bf16 arrays,
+``Float8Tensor`` or ``NVFP4Tensor``) and ``"others"`` (every other leaf, used as is in the main-params
+dtype). The optimizer (any optax ``GradientTransformation``) sees ``{"matrices": flat, "others": flat}``.
+
+One step, with ``S`` data-parallel ranks on ``fsdp_axis`` and ``k`` microbatches:
+
+1. compute weights: ``optim_grads_params`` gathers them from the master shards (``quantize_master_weights``:
+   quantized bytes only; bf16: a bf16 all-gather); ``optim`` / ``optim_grads`` keep the gathered weights
+   of the previous update in the state (gathered right after it); ``no_shard`` quantizes / casts its
+   replicated master locally;
+2. per rank (``shard_map``), the local batch is cut into ``k`` microbatches; the gradient of each
+   microbatch's loss comes in the compute dtype (bf16; quantized weights get the straight-through
+   gradient, see ``jaxquant.dense``) and is accumulated in ``main_grads_dtype``; the sum is scaled by
+   ``1/(S*k)`` (so the update uses the gradient of the full-batch mean loss), converted to
+   ``grad_comm_dtype`` and all-reduced (``no_shard``, ``optim``) or reduce-scattered (``optim_grads``,
+   ``optim_grads_params``), then converted back to ``main_grads_dtype``;
+3. the optimizer updates the master shards (replicated for ``no_shard``); with ``report_nan`` a step with
+   a non-finite gradient leaves master and optimizer state unchanged.
+
+Tensor parallelism (``tp_axis``) plugs in at step 1 (weights gathered over FSDP only, TP-sharded by
+``param_specs``) and step 2 (``shard_map`` over both axes); it needs the FSDP x TP form of
+``quantize_master_weights`` / ``FlatLayout`` and is refused until those exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxquant import formats
+from jaxquant.dense import pcast_varying, straight_through
+from jaxquant.distributed import quantize_master_weights
+from jaxquant.layout import FlatLayout
+from jaxquant.quantize import quantize_fp8, quantize_nvfp4
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
+MASTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)   # dtype of compute weights and of their gradients
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of a training step (Megatron-FSDP's mixed-precision controls).
+
+    ``main_params_dtype``: master weights and optimizer inputs (float32 or bfloat16);
+    ``main_grads_dtype``: gradient accumulation over microbatches and the optimizer's gradient;
+    ``grad_comm_dtype``: dtype gradients travel in (None: ``main_grads_dtype``);
+    ``compute_weights``: what ``loss_fn`` receives for 2-D parameters, ``"bf16"``, ``"fp8"`` or ``"nvfp4"``.
+    """
+
+    main_params_dtype: Any = jnp.float32
+    main_grads_dtype: Any = jnp.float32
+    grad_comm_dtype: Any = None
+    compute_weights: str = "bf16"
+
+    def __post_init__(self):
+        for name, allowed in (("main_params_dtype", MASTER_DTYPES), ("main_grads_dtype", GRAD_DTYPES),
+                              ("grad_comm_dtype", GRAD_DTYPES)):
+            value = getattr(self, name)
+            if value is None and name == "grad_comm_dtype":
+                continue
+            try:
+                dt = jnp.dtype(value)
+            except TypeError:
+                raise TypeError(f"{name}: must be a dtype, got {value!r}") from None
+            if dt not in allowed:
+                raise ValueError(f"{name}: must be one of {[str(a) for a in allowed]}, got {dt}")
+            object.__setattr__(self, name, dt)
+        if self.compute_weights not in COMPUTE_WEIGHTS:
+            raise ValueError(f"compute_weights: must be one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
+
+    @property
+    def comm_dtype(self):
+        return self.main_grads_dtype if self.grad_comm_dtype is None else self.grad_comm_dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# Static plan and state
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one parameter tree: hashable, so it rides in the state as metadata."""
+
+    treedef: Any
+    names: tuple                 # key path of every leaf
+    shapes: tuple
+    matrix_leaves: tuple         # leaf indices of the "matrices" group, in layout order
+    other_leaves: tuple
+    matrices: FlatLayout
+    others: FlatLayout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """``master``: ``{"matrices": flat, "others": flat}`` main params (sharded over ``fsdp_axis`` except
+    with ``no_shard``); ``opt_state``: the optimizer's state (sharded like ``master``); ``weights``: the
+    gathered compute weights (``optim`` / ``optim_grads``) or None; ``step``: int32 steps taken."""
+
+    master: dict
+    opt_state: Any
+    weights: Any
+    step: jax.Array
+    plan: _Plan = dataclasses.field(metadata=dict(static=True))
+
+
+def _leaf_name(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _make_plan(params, num_shards: int, compute_weights: str) -> _Plan:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if not leaves_with_path:
+        raise ValueError("params: the parameter tree has no leaves")
+    names, shapes, mats, others = [], [], [], []
+    for i, (path, leaf) in enumerate(leaves_with_path):
+        name = _leaf_name(path)
+        if not hasattr(leaf, "shape") or not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"params{name}: every leaf must be a floating array, got {type(leaf).__name__}")
+        shape = tuple(int(d) for d in np.shape(leaf))
+        names.append(name)
+        shapes.append(shape)
+        if len(shape) == 2:
+            if compute_weights == "nvfp4" and (shape[0] % formats.TILE or shape[1] % formats.TILE):
+                raise ValueError(f"params{name}: NVFP4 compute weights need 2-D parameters whose dimensions "
+                                 f"are multiples of 16, got shape {shape}")
+            mats.append(i)
+        else:
+            others.append(i)
+    layout = lambda idx: FlatLayout([shapes[i] for i in idx], num_shards, names=[names[i] for i in idx])
+    return _Plan(treedef, tuple(names), tuple(shapes), tuple(mats), tuple(others), layout(mats), layout(others))
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite report
+# ----------------------------------------------------------------------------------------------
+
+
+def raise_if_nonfinite(metrics) -> None:
+    """Raise ``FloatingPointError`` naming every parameter whose gradient was non-finite in the step
+    that produced ``metrics`` (``make_train_step(..., report_nan=True)``). Reads device values."""
+    if not isinstance(metrics, dict) or "nonfinite" not in metrics:
+        raise ValueError("metrics: has no 'nonfinite' entry; build the step with make_train_step(..., report_nan=True)")
+    flags = jax.tree_util.tree_flatten_with_path(jax.device_get(metrics["nonfinite"]))[0]
+    bad = [_leaf_name(path) for path, flag in flags if bool(flag)]
+    if bad:
+        raise FloatingPointError(f"non-finite (NaN or ±inf) gradient in parameter(s) {', '.join(bad)}; "
+                                 f"the update of this step was skipped")
+
+
+# ----------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------
+
+
+class TrainStep:
+    """What :func:`make_train_step` returns: ``init``, ``__call__``, ``params``, ``lower``."""
+
+    def __init__(self, loss_fn, optimizer, mesh, policy, strategy, microbatches, report_nan, fsdp_axis):
+        self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
+        self.strategy, self.microbatches, self.report_nan, self.fsdp_axis = strategy, microbatches, report_nan, fsdp_axis
+        self.num_shards = int(mesh.shape[fsdp_axis])
+        self._steps = {}          # plan -> jitted step (per instance, no module state)
+
+    # -- shardings ---------------------------------------------------------------------------
+
+    @property
+    def _sharded(self) -> bool:
+        return self.strategy != "no_shard"
+
+    def _master_sharding(self):
+        return NamedSharding(self.mesh, P(self.fsdp_axis) if self._sharded else P())
+
+    def _replicated(self):
+        return NamedSharding(self.mesh, P())
+
+    def _like_master(self, tree, plan):
+        """Shardings for ``tree`` (e.g. the optimizer state): 1-D leaves of a group's flat size are sharded
+        like the master, everything else replicated."""
+        sizes = {plan.matrices.total_size, plan.others.total_size}
+        return jax.tree.map(lambda a: self._master_sharding() if a.ndim == 1 and a.shape[0] in sizes
+                            else self._replicated(), tree)
+
+    # -- compute weights ---------------------------------------------------------------------
+
+    def _gather_weights(self, master_mat, plan):
+        """The compute weights of the "matrices" group (list in layout order), replicated."""
+        cw, layout = self.policy.compute_weights, plan.matrices
+        if layout.num_params == 0:
+            return []
+        if not self._sharded:
+            leaves = layout.unflatten(master_mat)
+            if cw == "bf16":
+                return [formats.to_compute_dtype(w, COMPUTE_DTYPE) for w in leaves]
+            fn = quantize_fp8 if cw == "fp8" else quantize_nvfp4
+            return [fn(w, columnwise=True, compute_dtype=COMPUTE_DTYPE) for w in leaves]
+        if cw == "bf16":   # a bf16 all-gather of the master shards
+            gather = jax.shard_map(
+                lambda s: jax.lax.all_gather(formats.to_compute_dtype(s, COMPUTE_DTYPE), self.fsdp_axis,
+                                             tiled=True, to="invarying"),
+                mesh=self.mesh, in_specs=P(self.fsdp_axis), out_specs=P())
+            return layout.unflatten(gather(master_mat))
+        return quantize_master_weights(master_mat, layout, mesh=self.mesh, axis=self.fsdp_axis, recipe=cw,
+                                       compute_dtype=COMPUTE_DTYPE, columnwise=True,
+                                       manual_post_all_gather_processing=False)
+
+    def _others(self, master_oth, plan):
+        flat = jax.lax.with_sharding_constraint(master_oth, self._replicated())
+        return plan.others.unflatten(flat)
+
+    # -- gradients (per rank) ----------------------------------------------------------------
+
+    def _grad_body(self, plan, weights, others, batch):
+        """Inside shard_map: (mean loss, matrix grad flat, other grad flat[, non-finite flags])."""
+        axes, pol, k, S = (self.fsdp_axis,), self.policy, self.microbatches, self.num_shards
+        quantized = pol.compute_weights != "bf16"
+        diff = {"m": [jnp.zeros(s, COMPUTE_DTYPE) for s in plan.matrices.shapes] if quantized else list(weights),
+                "o": list(others)}
+        diff = jax.tree.map(lambda a: pcast_varying(a, axes), diff)
+
+        def loss_of(d, mb):
+            mats = [straight_through(q, s) for q, s in zip(weights, d["m"])] if quantized else d["m"]
+            leaves = [None] * len(plan.names)
+            for i, w in zip(plan.matrix_leaves, mats):
+                leaves[i] = w
+            for i, w in zip(plan.other_leaves, d["o"]):
+                leaves[i] = w
+            loss = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb)
+            if jnp.shape(loss) != ():
+                raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(loss)}")
+            return loss.astype(jnp.float32)
+
+        grad_fn = jax.value_and_grad(loss_of)
+        to_main = lambda g: jax.tree.map(lambda a: a.astype(pol.main_grads_dtype), g)
+        if k == 1:
+            loss, grads = grad_fn(diff, batch)
+            grads = to_main(grads)
+        else:
+            mbs = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
+
+            def accumulate(carry, mb):
+                loss_sum, acc = carry
+                l, g = grad_fn(diff, mb)
+                return (loss_sum + l, jax.tree.map(jnp.add, acc, to_main(g))), None
+
+            zeros = jax.tree.map(lambda a: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), axes), diff)
+            (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
+            loss = loss / k
+        # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce
+        stats = [jnp.reshape(loss, (1,))]
+        if self.report_nan:
+            stats += [jnp.reshape(jnp.logical_not(jnp.all(jnp.isfinite(g))), (1,)).astype(jnp.float32)
+                      for g in grads["m"] + grads["o"]]
+        stats = jax.lax.psum(jnp.concatenate(stats), axes)
+        out = [stats[0] / S]
+        scale = np.float32(1.0 / (S * k))
+        for group, layout in (("m", plan.matrices), ("o", plan.others)):
+            if layout.total_size == 0:
+                out.append(jnp.zeros((0,), pol.main_grads_dtype))
+                continue
+            flat = layout.flatten(grads[group], pol.main_grads_dtype) * scale.astype(pol.main_grads_dtype)
+            flat = flat.astype(pol.comm_dtype)
+            if self.strategy in ("no_shard", "optim"):
+                flat = jax.lax.psum(flat, axes)
+            else:
+                flat = jax.lax.psum_scatter(flat, axes, tiled=True)
+            out.append(flat.astype(pol.main_grads_dtype))
+        if self.report_nan:
+            out.append(stats[1:] > 0)       # per parameter, in the order matrices then others
+        return tuple(out)
+
+    def _grads(self, plan, weights, others, batch):
+        grad_spec = P(self.fsdp_axis) if self.strategy in ("optim_grads", "optim_grads_params") else P()
+        out_specs = (P(), grad_spec, grad_spec) + ((P(),) if self.report_nan else ())
+        fn = jax.shard_map(functools.partial(self._grad_body, plan), mesh=self.mesh,
+                           in_specs=(P(), P(), P(self.fsdp_axis)), out_specs=out_specs)
+        return fn(weights, others, batch)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _step_fn(self, plan, state: TrainState, batch):
+        master = state.master
+        if self.strategy in ("optim", "optim_grads"):
+            weights = state.weights
+        else:
+            weights = self._gather_weights(master["matrices"], plan)
+        loss, g_mat, g_oth, *flags = self._grads(plan, weights, self._others(master["others"], plan), batch)
+        grads = {"matrices": g_mat, "others": g_oth}
+        if self._sharded:
+            grads = jax.lax.with_sharding_constraint(grads, self._master_sharding())
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
+        new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
+        # outputs sharded as the inputs, so the donated buffers are reused
+        new_master = jax.lax.with_sharding_constraint(new_master, self._master_sharding())
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
+        metrics = {"loss": loss}
+        if self.report_nan:
+            ok = jnp.logical_not(jnp.any(flags[0]))
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
+            per_leaf = [None] * len(plan.names)
+            for i, flag in zip(plan.matrix_leaves + plan.other_leaves, flags[0]):
+                per_leaf[i] = flag
+            metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, per_leaf)
+            metrics["update_skipped"] = jnp.logical_not(ok)
+        new_weights = (self._gather_weights(new_master["matrices"], plan)
+                       if self.strategy in ("optim", "optim_grads") else None)
+        return TrainState(new_master, opt_state, new_weights, state.step + 1, plan), metrics
+
+    def _compiled(self, plan):
+        if plan not in self._steps:
+            self._steps[plan] = jax.jit(functools.partial(self._step_fn, plan), donate_argnums=0)
+        return self._steps[plan]
+
+    # -- public ------------------------------------------------------------------------------
+
+    def init(self, params) -> TrainState:
+        """State from ``params`` (a pytree of full arrays): flat main params, optimizer state, weights."""
+        plan = _make_plan(params, self.num_shards, self.policy.compute_weights)
+        leaves = jax.tree_util.tree_leaves(params)
+        dtype = self.policy.main_params_dtype
+
+        def build(leaves):
+            master = {"matrices": plan.matrices.flatten([leaves[i] for i in plan.matrix_leaves], dtype),
+                      "others": plan.others.flatten([leaves[i] for i in plan.other_leaves], dtype)}
+            master = jax.lax.with_sharding_constraint(master, self._master_sharding())
+            opt_state = self.optimizer.init(master)
+            opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
+            weights = (self._gather_weights(master["matrices"], plan)
+                       if self.strategy in ("optim", "optim_grads") else None)
+            return TrainState(master, opt_state, weights, jnp.int32(0), plan)
+
+        return jax.jit(build)(leaves)
+
+    def __call__(self, state: TrainState, batch):
+        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan)(state, batch)
+
+    def lower(self, state: TrainState, batch):
+        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan).lower(state, batch)
+
+    def params(self, state: TrainState):
+        """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: must be the TrainState from step.init, got {type(state).__name__}")
+        plan = state.plan
+
+        def unpack(master):
+            leaves = [None] * len(plan.names)
+            for group, idx in (("matrices", plan.matrix_leaves), ("others", plan.other_leaves)):
+                flat = jax.lax.with_sharding_constraint(master[group], self._replicated())
+                for i, a in zip(idx, getattr(plan, group).unflatten(flat)):
+                    leaves[i] = a
+            return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+        return jax.jit(unpack)(state.master)
+
+    def _check_call(self, state, batch):
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: must be the TrainState from step.init, got {type(state).__name__}")
+        leaves = jax.tree_util.tree_leaves(batch)
+        if not leaves:
+            raise ValueError("batch: has no arrays")
+        n = self.num_shards * self.microbatches
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            if np.ndim(leaf) < 1 or np.shape(leaf)[0] % n:
+                raise ValueError(f"batch{_leaf_name(path)}: the leading (batch) axis must be a multiple of "
+                                 f"{self.fsdp_axis} size x microbatches = {self.num_shards} x {self.microbatches} "
+                                 f"= {n}, got shape {tuple(np.shape(leaf))}")
+
+
+def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecisionPolicy] = None,
+                    strategy: str = "optim_grads_params", microbatches: int = 1, report_nan: bool = False,
+                    param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None) -> TrainStep:
+    """A jitted data-parallel training step; see the module docstring for what it does.
+
+    ``loss_fn(weights, batch) -> scalar``: ``weights`` is a pytree like ``params`` whose 2-D leaves are the
+    policy's compute weights (call ``jq.dense`` with them) and other leaves main-params arrays; ``batch``
+    is the rank's microbatch. ``optimizer``: an optax ``GradientTransformation``. ``mesh`` must have
+    ``fsdp_axis``; other axes must have size 1 until FSDP x TP lands (``tp_axis``, ``param_specs``).
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(f"optimizer: must be an optax GradientTransformation (init/update), got {type(optimizer).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    policy = MixedPrecisionPolicy() if policy is None else policy
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"policy: must be a jaxquant.MixedPrecisionPolicy, got {type(policy).__name__}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: must be one of {STRATEGIES}, got {strategy!r}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+        raise ValueError(f"microbatches: must be a positive int, got {microbatches!r}")
+    if fsdp_axis not in mesh.axis_names:
+        raise ValueError(f"fsdp_axis: {fsdp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    if tp_axis is not None and tp_axis not in mesh.axis_names:
+        raise ValueError(f"tp_axis: {tp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
+    if param_specs is not None or (tp_axis is not None and mesh.shape[tp_axis] > 1):
+        raise NotImplementedError(
+            "tp_axis/param_specs: FSDP x TP training needs quantize_master_weights(..., tp_axis=) and a "
+            "TP-aware FlatLayout, which this jaxquant does not have yet; use a mesh whose tp axis has size 1")
+    for axis in mesh.axis_names:
+        if axis != fsdp_axis and mesh.shape[axis] != 1:
+            raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} may be larger "
+                             f"than 1 (data parallel)")
+    return TrainStep(loss_fn, optimizer, mesh, policy, strategy, int(microbatches), bool(report_nan), fsdp_axis)

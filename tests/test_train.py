@@ -1,0 +1,277 @@
+"""make_train_step on 8 simulated CPU devices: microbatches, full-batch-mean gradient, gradient dtypes in
+the lowered module, NVFP4 vs on-the-fly parity over 50 steps, NaN reporting, donation, bad input.
+
+The strategy x compute-weights equivalence matrix is in tests/test_train_strategies.py; the model and the
+single-device reference used there live here.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import jaxquant as jq
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+
+D_IN, D_HID, D_OUT, BATCH = 16, 32, 16, 64
+
+
+# ----------------------------------------------------------------------------------------------
+# A small MLP and the single-device reference of one step's math
+# ----------------------------------------------------------------------------------------------
+
+
+def init_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w1": jax.random.normal(k1, (D_HID, D_IN), jnp.float32) * 0.3,
+            "b1": jnp.linspace(-0.1, 0.1, D_HID, dtype=jnp.float32),
+            "w2": jax.random.normal(k2, (D_OUT, D_HID), jnp.float32) * 0.3}
+
+
+def make_batch(seed=1, n=BATCH):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return {"x": jax.random.normal(kx, (n, D_IN), jnp.float32),
+            "y": jax.random.normal(ky, (n, D_OUT), jnp.float32)}
+
+
+def loss_fn(w, batch):
+    h = jax.nn.relu(jq.dense(batch["x"], w["w1"], out_dtype=jnp.float32) + w["b1"])
+    return jnp.mean((jq.dense(h, w["w2"], out_dtype=jnp.float32) - batch["y"]) ** 2)
+
+
+def mesh_of(n):
+    return Mesh(np.array(jax.devices()[:n]), ("fsdp",))
+
+
+def compute_weight(w, cw):
+    """What the step hands loss_fn for a 2-D master ``w`` under compute_weights ``cw``."""
+    if cw == "bf16":
+        return w.astype(jnp.bfloat16)
+    fn = jq.quantize_fp8 if cw == "fp8" else jq.quantize_nvfp4
+    return fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
+
+
+def _make_microbatch_grad(cw):
+    """jitted (params, microbatch) -> (loss, grads) of the same math as one rank's microbatch: bf16
+    gradients of the compute weights (straight-through for quantized ones), fp32 for the bias."""
+
+    @jax.jit
+    def grad(params, mb):
+        mats = {n: compute_weight(params[n], cw) for n in ("w1", "w2")}
+
+        def f(diff):
+            w = {n: (jq.straight_through(mats[n], diff[n]) if cw != "bf16" else diff[n]) for n in mats}
+            return loss_fn({**w, "b1": diff["b1"]}, mb)
+
+        diff = {n: (jnp.zeros(params[n].shape, jnp.bfloat16) if cw != "bf16" else mats[n]) for n in mats}
+        return jax.value_and_grad(f)({**diff, "b1": params["b1"]})
+
+    return grad
+
+
+def reference_sgd(params, batch, *, cw, num_shards, microbatches, lr, steps, comm_dtype=jnp.float32):
+    """Single-device SGD with the step's math: rank r's rows, microbatch j's rows, gradients accumulated
+    in fp32 from zero, scaled by 1/(S*k), cast to the comm dtype, summed over ranks in rank order."""
+    grad = _make_microbatch_grad(cw)
+    n = jax.tree.leaves(batch)[0].shape[0]
+    rows = n // (num_shards * microbatches)
+    scale = np.float32(1.0 / (num_shards * microbatches))
+    losses = []
+    for _ in range(steps):
+        total, loss_sum = None, 0.0
+        for r in range(num_shards):
+            acc = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
+            for j in range(microbatches):
+                lo = (r * microbatches + j) * rows
+                loss, g = grad(params, jax.tree.map(lambda a: a[lo:lo + rows], batch))
+                loss_sum += float(loss)
+                acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+            part = jax.tree.map(lambda a: (a * scale).astype(comm_dtype), acc)
+            total = part if total is None else jax.tree.map(jnp.add, total, part)
+        g = jax.tree.map(lambda a: a.astype(jnp.float32), total)
+        params = jax.tree.map(lambda p, d: p + (-lr) * d, params, g)
+        losses.append(loss_sum / (num_shards * microbatches))
+    return params, losses
+
+
+def run_step(params, batch, *, steps, optimizer, **kw):
+    mesh = kw.pop("mesh", None) or mesh_of(8)
+    step = jq.make_train_step(loss_fn, optimizer, mesh=mesh, **kw)
+    state = step.init(params)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    return step.params(state), [float(v) for v in losses], step, state
+
+
+def assert_tree_close(actual, expected, rtol, atol, what=""):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)):
+        name = what + jax.tree_util.keystr(path)
+        if rtol == 0 and atol == 0:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cw", ["bf16", "nvfp4"])
+def test_microbatches_4_equals_1(cw):
+    """Same batch, 4 microbatches vs 1: the loss is equal up to fp32 summation order and the update up
+    to the bf16 rounding of each microbatch's weight gradient (2^-7 of the largest update); the weight quantization
+    does not depend on the batch split. (FP8 activations are scaled per microbatch, so fp8 differs by
+    more: its microbatches are covered against the reference in test_train_strategies.py.)"""
+    params, batch = init_params(), make_batch()
+    kw = dict(steps=1, optimizer=optax.sgd(1.0), policy=jq.MixedPrecisionPolicy(compute_weights=cw),
+              strategy="optim_grads_params")
+    p1, l1, *_ = run_step(params, batch, microbatches=1, **kw)
+    p4, l4, *_ = run_step(params, batch, microbatches=4, **kw)
+    np.testing.assert_allclose(l4, l1, rtol=1e-6)
+    d1, d4 = (jax.tree.map(jnp.subtract, params, p) for p in (p1, p4))
+    for name in d1:   # microbatch gradients are larger than their mean: bound by the largest update
+        np.testing.assert_allclose(d4[name], d1[name], rtol=0, atol=2 ** -7 * float(jnp.max(jnp.abs(d1[name]))),
+                                   err_msg=name)
+    assert float(jnp.max(jnp.abs(d1["w1"]))) > 1e-2
+
+
+@pytest.mark.parametrize("num_shards", [1, 8])
+def test_update_is_full_batch_mean_gradient(num_shards):
+    """SGD(lr=1) with 4 microbatches: params move by exactly minus the full-batch-mean gradient
+    (not g + sum(g), not a sum over microbatches), also with a data-parallel group of size 1."""
+    params, batch = init_params(), make_batch()
+    policy = jq.MixedPrecisionPolicy(compute_weights="bf16", main_params_dtype=jnp.float32)
+    p, *_ = run_step(params, batch, steps=1, optimizer=optax.sgd(1.0), policy=policy, microbatches=4,
+                     strategy="optim_grads", mesh=mesh_of(num_shards))
+
+    def full_loss(ps):   # the full-batch mean loss with the same bf16 weights
+        return loss_fn({"w1": ps["w1"].astype(jnp.bfloat16), "w2": ps["w2"].astype(jnp.bfloat16),
+                        "b1": ps["b1"]}, batch)
+
+    g = jax.grad(full_loss)(params)
+    moved = jax.tree.map(lambda a, b: a - b, params, p)
+    # bf16 rounding of each microbatch's weight gradient: far below the 25% a g + sum(g) bug would add
+    assert_tree_close(moved, g, rtol=2e-2, atol=2e-3)
+
+
+def collective_types(text, name):
+    """(operand type, result type) of every ``stablehlo.<name>`` in a lowered module's text."""
+    out = []
+    for m in re.finditer(rf'"stablehlo\.{name}"', text):
+        sig = re.search(r"\}\) : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)", text[m.end():])
+        out.append(sig.groups())
+    return out
+
+
+@pytest.mark.parametrize("strategy,collective", [("optim_grads_params", "reduce_scatter"), ("optim", "all_reduce")])
+@pytest.mark.parametrize("comm", [None, jnp.bfloat16])
+def test_grad_comm_dtype_in_lowered_module(strategy, collective, comm):
+    """Gradients travel in grad_comm_dtype and reach the optimizer in main_grads_dtype (fp32)."""
+    policy = jq.MixedPrecisionPolicy(compute_weights="nvfp4", grad_comm_dtype=comm)
+    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, strategy=strategy,
+                              microbatches=2)
+    text = step.lower(step.init(init_params()), make_batch()).as_text()
+    t = "bf16" if comm is not None else "f32"
+    n = D_HID * D_IN + D_OUT * D_HID                   # the matrices' flat gradient (8 | n)
+    m = n // 8 if collective == "reduce_scatter" else n
+    assert (f"tensor<{n}x{t}>", f"tensor<{m}x{t}>") in collective_types(text, collective), \
+        collective_types(text, collective)
+    assert f"tensor<{n}x{'f32' if comm is None else 'bf16'}>" in text
+    if comm is not None:   # accumulated in fp32, sent in bf16, back to fp32 for the optimizer
+        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{n}xf32>\) -> tensor<{n}xbf16>", text)
+        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{m}xbf16>\) -> tensor<{m}xf32>", text)
+    else:
+        assert (f"tensor<{n}xbf16>", f"tensor<{m}xbf16>") not in collective_types(text, collective)
+
+
+def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
+    """TransformerEngine's parity test: NVFP4 weights cast from fp32 master shards each step vs bf16
+    weights that dense quantizes with the same recipe: the loss is bitwise equal at every step."""
+    params, batch = init_params(), make_batch()
+    kw = dict(steps=50, optimizer=optax.adam(1e-2), strategy="optim_grads_params", microbatches=1)
+    _, la, *_ = run_step(params, batch, policy=jq.MixedPrecisionPolicy(compute_weights="nvfp4"), **kw)
+
+    def on_the_fly(w, b):
+        h = jax.nn.relu(jq.dense(b["x"], w["w1"], recipe="nvfp4", out_dtype=jnp.float32) + w["b1"])
+        return jnp.mean((jq.dense(h, w["w2"], recipe="nvfp4", out_dtype=jnp.float32) - b["y"]) ** 2)
+
+    step = jq.make_train_step(on_the_fly, optax.adam(1e-2), mesh=mesh_of(8),
+                              policy=jq.MixedPrecisionPolicy(compute_weights="bf16"), strategy="optim_grads_params")
+    state, lb = step.init(params), []
+    for _ in range(50):
+        state, m = step(state, batch)
+        lb.append(float(m["loss"]))
+    assert la[-1] < 0.8 * la[0], la
+    np.testing.assert_array_equal(np.asarray(la, np.float32), np.asarray(lb, np.float32))
+
+
+@pytest.mark.parametrize("bad", ["b1", "w2"])
+def test_nan_gradient_names_parameter_and_skips_update(bad):
+    def poisoned(w, b):   # the extra term is 0 normally, NaN in the gradient of `bad` when b["p"] is NaN
+        extra = (jnp.sum(w["b1"] * b["p"]) if bad == "b1" else
+                 jnp.sum(jq.dense(b["p"][:, :D_HID], w["w2"], out_dtype=jnp.float32)))
+        return loss_fn(w, b) + 0.0 * extra
+
+    step = jq.make_train_step(poisoned, optax.adam(1e-2), mesh=mesh_of(8),
+                              policy=jq.MixedPrecisionPolicy(compute_weights="fp8"), report_nan=True)
+    params = init_params()
+    clean = {**make_batch(), "p": jnp.zeros((BATCH, D_HID), jnp.float32)}
+    state, metrics = step(step.init(params), clean)
+    jq.raise_if_nonfinite(metrics)                    # nothing to report
+    before = step.params(state)
+    poison = clean["p"].at[5, 3].set(jnp.nan)
+    state, metrics = step(state, {**clean, "p": poison})
+    flags = {k: bool(v) for k, v in metrics["nonfinite"].items()}
+    assert flags == {"b1": bad == "b1", "w1": False, "w2": bad == "w2"}
+    assert bool(metrics["update_skipped"])
+    with pytest.raises(FloatingPointError, match=rf"\['{bad}'\]"):
+        jq.raise_if_nonfinite(metrics)
+    assert_tree_close(step.params(state), before, rtol=0, atol=0)
+    state, metrics = step(state, clean)             # training goes on
+    assert not bool(metrics["update_skipped"])
+
+
+def test_state_is_donated_and_params_round_trip():
+    params = init_params()
+    step = jq.make_train_step(loss_fn, optax.sgd(0.0), mesh=mesh_of(8),
+                              policy=jq.MixedPrecisionPolicy(compute_weights="bf16"))
+    state = step.init(params)
+    assert_tree_close(step.params(state), params, rtol=0, atol=0)
+    old = state.master["matrices"]
+    assert len(old.sharding.device_set) == 8 and old.addressable_shards[0].data.shape[0] == old.shape[0] // 8
+    state2, _ = step(state, make_batch())
+    assert old.is_deleted()
+    assert_tree_close(step.params(state2), params, rtol=0, atol=0)   # lr 0
+    assert isinstance(step.lower(state2, make_batch()), jax.stages.Lowered)
+
+
+def test_bad_input():
+    mesh = mesh_of(8)
+    with pytest.raises(ValueError, match="strategy"):
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, strategy="zero3")
+    with pytest.raises(ValueError, match="compute_weights"):
+        jq.MixedPrecisionPolicy(compute_weights="int8")
+    with pytest.raises(ValueError, match="microbatches"):
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, microbatches=0)
+    with pytest.raises(ValueError, match="fsdp_axis"):
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, fsdp_axis="dp")
+    tp_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
+    with pytest.raises(NotImplementedError, match="tp_axis"):
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=tp_mesh, tp_axis="tp")
+    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, microbatches=4)
+    state = step.init(init_params())
+    with pytest.raises(ValueError, match=r"batch\['x'\].*multiple of"):
+        step(state, make_batch(n=48))
+    with pytest.raises(ValueError, match="metrics"):
+        jq.raise_if_nonfinite({"loss": jnp.float32(1)})
+    with pytest.raises(ValueError, match=r"params\['w'\].*multiples of 16"):
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh,
+                           policy=jq.MixedPrecisionPolicy(compute_weights="nvfp4")).init({"w": jnp.zeros((24, 16))})
