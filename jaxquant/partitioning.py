@@ -179,20 +179,30 @@ def _sdy_rule(layout: _Layout) -> SdyShardingRule:
             if t.name != "1" and _aligned(t, layout.frame):
                 divisors.setdefault(t.name, set()).add(t.div)
     chains = {name: sorted(ds, reverse=True) for name, ds in divisors.items()}
-    sizes, fresh = {}, iter(range(1 << 30))
+    fresh = iter(range(1 << 30))
 
-    def mapping(t: Term):
+    def factor_size(name: str, i: int) -> int:
+        chain = chains[name]
+        return layout.frame[name] // chain[0] if i == 0 else chain[i - 1] // chain[i]
+
+    def mapping(t: Term) -> list:
+        """The factors of one dimension as (name, size) pairs (size None: never inferred)."""
         if t.name == "1" or not _aligned(t, layout.frame):
-            return f"u{next(fresh)}"
-        chain = chains[t.name]
-        n = chain.index(t.div) + 1
-        factors = [f"{t.name}{i}" for i in range(n)]
-        for i in range(1, n):
-            sizes[factors[i]] = chain[i - 1] // chain[i]
-        return factors[0] if n == 1 else CompoundFactor(*factors)
+            return [(f"u{next(fresh)}", None)]
+        n = chains[t.name].index(t.div) + 1
+        # Shardy rejects size-1 factors inside a compound (e.g. L0 when M = 16 rows is one tile row).
+        factors = [(f"{t.name}{i}", factor_size(t.name, i)) for i in range(n)]
+        kept = [f for f in factors if f[1] > 1] if n > 1 else factors
+        return kept or [(f"u{next(fresh)}", None)]
 
     ops = tuple(tuple(mapping(t) for t in terms) for terms in layout.operands)
     res = tuple(tuple(mapping(t) for t in terms) for terms in layout.results)
+    # Shardy infers the size of a factor that is a whole dimension somewhere; the others need it.
+    alone = {m[0][0] for dims in ops + res for m in dims if len(m) == 1}
+    sizes = {name: size for dims in ops + res for m in dims if len(m) > 1 for name, size in m if name not in alone}
+    as_dim = lambda m: m[0][0] if len(m) == 1 else CompoundFactor(*(name for name, _ in m))
+    ops = tuple(tuple(as_dim(m) for m in dims) for dims in ops)
+    res = tuple(tuple(as_dim(m) for m in dims) for dims in res)
     return SdyShardingRule(tuple(ArrayMapping(*m) for m in ops), tuple(ArrayMapping(*m) for m in res), **sizes)
 
 
