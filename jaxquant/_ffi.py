@@ -12,6 +12,7 @@ import os
 
 import jax
 import jaxlib
+import jaxlib.xla_client
 
 REBUILD_HINT = (
     "Rebuild it against the installed jaxlib with `pip install --no-build-isolation -e .` "
@@ -19,6 +20,12 @@ REBUILD_HINT = (
 )
 # Lowercase platform names as jax.lax.platform_dependent spells them -> FFI registration names.
 _PLATFORMS = {"cpu": ("_jaxquant_cpu", "cpu"), "cuda": ("_jaxquant_cuda", "CUDA")}
+
+
+# Every CUDA handler only enqueues work on XLA's stream (no host synchronisation, no data-dependent
+# host decisions) and is declared kCmdBufferCompatible in csrc/jaxquant/handlers.h (a test keeps the
+# two in step); XLA takes the trait from the registration, so it is repeated here for CUDA graphs.
+_TRAITS = {"cuda": {"traits": jaxlib.xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}}
 
 
 class ExtensionError(ImportError):
@@ -51,7 +58,7 @@ def _register_all() -> dict:
         if mod is None:
             continue
         for name, capsule in mod.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform=xla_name)
+            jax.ffi.register_ffi_target(name, capsule, platform=xla_name, **_TRAITS.get(platform, {}))
         registered[platform] = mod
     return registered
 

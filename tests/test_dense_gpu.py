@@ -23,7 +23,8 @@ def _fp8_problem(m=256, k=512, n=384):
 
 
 def test_fp8_dense_fwd_bwd_compiles_to_cublaslt_fp8():
-    x, q, w = _fp8_problem()
+    # Training-sized GEMMs: at toy sizes XLA's autotuner may pick its own Triton GEMM for an FP8 dot.
+    x, q, w = _fp8_problem(4096, 4096, 4096)
     loss = lambda x, m, q: jnp.sum(jq.dense(x, jq.straight_through(q, m)).astype(jnp.float32) ** 2)
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     hlo = fn.lower(x, jnp.zeros(w.shape, jnp.bfloat16), q).compile().as_text()
