@@ -71,7 +71,9 @@ def _ref_operands(recipe, act, w, act_dtype=E4M3):
     if recipe == "fp8":
         wq = w if isinstance(w, jq.Float8Tensor) else _fp8_weight(w)
         return _q(act, act_dtype), (wq.data, jnp.reshape(wq.scale_inv, ()))
-    if isinstance(w, jq.NVFP4Tensor):
+    if isinstance(w, tuple):   # an operand decoded by the caller
+        wop = w
+    elif isinstance(w, jq.NVFP4Tensor):
         wop = (gemm.nvfp4_operand(w.data, w.scale_inv), jnp.reshape(w.amax, ()) / np.float32(2688))
     else:
         wop = (w.astype(jnp.bfloat16), None)
@@ -394,3 +396,38 @@ def test_trains_inside_a_jitted_step():
         params, state, loss = step(params, state)
         losses.append(float(loss))
     assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+
+
+def _tp_local_nvfp4_operand(w, tp, tp_dim):
+    """The reference reading of a TP-local NVFP4 weight: each rank's bytes decoded with its own padded
+    scales (gemm.nvfp4_operand of the rank's slice of data and scale_inv), concatenated on tp_dim."""
+    data, scale = np.asarray(w.data), np.asarray(w.scale_inv)
+    parts = [gemm.nvfp4_operand(d, sc) for d, sc in zip(np.split(data, tp, tp_dim), np.split(scale, tp, tp_dim))]
+    return jnp.concatenate(parts, axis=tp_dim), jnp.reshape(w.amax, ()) / np.float32(2688)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_weights_from_quantize_master_weights_pass_directly(recipe):
+    """[out, in] weights from quantize_master_weights(tp_axis="tp") (w1 tp_dims 0: column parallel, w2
+    tp_dims 1: row parallel) on an fsdp x tp mesh go into the layers as they are. NVFP4 with a TP split
+    not aligned to the scale layout (local rows 32, local cols 32): each rank's padded scales are read
+    with its own bytes. FP8: the per-tensor bytes equal whole-tensor quantization."""
+    from jaxquant.layout import FlatLayout
+    tp = 2
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]).reshape(2, tp), ("fsdp", "tp"))
+    col_args, row_args = _layer_args(4, "bf16", "float")
+    w1, w2 = col_args[3], row_args[1]
+    layout = FlatLayout([w1.shape, w2.shape], 2, tp_size=tp, tp_dims=[0, 1])
+    master = jax.device_put(layout.flatten([w1, w2]), jq.distributed.master_sharding(mesh, "fsdp", "tp"))
+    q1, q2 = jq.distributed.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+                                                    columnwise=True, manual_post_all_gather_processing=False)
+    col_args, row_args = (*col_args[:3], q1, col_args[4]), (row_args[0], q2, row_args[2])
+    run = jax.jit(lambda c, r: (_column_vjp(mesh, "ring", None, *c), _row_vjp(mesh, "ring", None, *r)))
+    results = run(col_args, row_args)
+    if recipe == "nvfp4":
+        from jaxquant import formats
+        assert tuple(q1.scale_inv.shape) != formats.nvfp4_scale_shape(*w1.shape)   # the TP-local layout
+        assert tuple(q2.scale_inv.shape) != formats.nvfp4_scale_shape(*w2.shape)
+        col_args = (*col_args[:3], _tp_local_nvfp4_operand(q1, tp, 0), col_args[4])
+        row_args = (row_args[0], _tp_local_nvfp4_operand(q2, tp, 1), row_args[2])
+    check_layers_match_single_device(results, col_args, row_args, "fp8" if recipe == "fp8" else "bf16")
