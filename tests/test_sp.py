@@ -431,3 +431,28 @@ def test_weights_from_quantize_master_weights_pass_directly(recipe):
         col_args = (*col_args[:3], _tp_local_nvfp4_operand(q1, tp, 0), col_args[4])
         row_args = (row_args[0], _tp_local_nvfp4_operand(q2, tp, 1), row_args[2])
     check_layers_match_single_device(results, col_args, row_args, "fp8" if recipe == "fp8" else "bf16")
+
+
+def test_fp8_gemms_take_float8_operands_and_no_fp8_bytes_are_transposed():
+    """sp_mlp forward+backward with Float8Tensor weights carrying data_t ("off": one GEMM per product):
+    every GEMM reads float8 on both sides; forward and dgrad GEMMs contract both operands on their
+    minor axis (the weight read as data, then as data_t; without data_t the dgrad would contract the
+    weight's dim 0), wgrad GEMMs the rows of both; no FP8 tensor is transposed by the program."""
+    mesh = _mesh(2)
+    x, gamma, beta, w1, w2 = _inputs()
+    q1, q2 = _fp8_weight(w1), _fp8_weight(w2)
+
+    def loss(x, m1, m2):
+        y = jq.sp_mlp(x, gamma, beta, jq.straight_through(q1, m1), jq.straight_through(q2, m2), mesh=mesh,
+                      overlap="off")
+        return jnp.sum(y)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    contracted = [line.split("contracting_dims = ")[1].split(",")[0] for line in dots]
+    # forward, dgrad and wgrad of two layers (XLA may share one lowered body between equal GEMMs)
+    assert len(dots) >= 5 and set(contracted) == {"[1] x [1]", "[0] x [0]"}, contracted
+    for line in dots:
+        operands = line.rsplit(" : (", 1)[1].split(") -> ")[0]
+        assert operands.count("xf8E") == 2, line
+    assert not [line for line in text.splitlines() if "stablehlo.transpose" in line and "xf8E" in line]
