@@ -316,6 +316,10 @@ def test_bad_input_errors():
             (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
     with pytest.raises(TypeError, match="w: a Float8Tensor weight must be float8_e4m3fn"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_fp8(w2, dtype=E5M2), mesh=mesh)
+    bad_scales = jq.NVFP4Tensor(data=q_nvfp4(w1).data, scale_inv=jnp.zeros((256, 4), jnp.uint8),
+                                amax=q_nvfp4(w1).amax)            # tp=2's TP-local layout on a tp=4 mesh
+    with pytest.raises(ValueError, match=r"w: NVFP4 scales of shape \(256, 4\) match neither"):
+        jq.sp_layernorm_dense(x, gamma, beta, bad_scales, mesh=mesh)
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
 
