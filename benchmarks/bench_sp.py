@@ -10,7 +10,10 @@ where the transfer is >= 20% of the GEMM, never > 1.03 x off at large sizes).
     python3 benchmarks/bench_sp.py --profile /tmp/sp_prof            # + a trace per mode
     python3 benchmarks/bench_sp.py --cpu-smoke                       # CPU check of the script
 
-Sizes are SEQxHIDDENxFFN (batch 1 unless --batch): w1 [HIDDEN, FFN], w2 [FFN, HIDDEN].
+Sizes are SEQxHIDDENxFFN (batch 1 unless --batch): w1 [FFN, HIDDEN], w2 [HIDDEN, FFN] ([out, in]).
+Recipes: bf16 (bf16 weights), fp8 (Float8Tensor weights with data_t), nvfp4 (NVFP4Tensor weights with
+the columnwise copy; bf16 activations). Quantized weights get their gradient through
+jq.straight_through masters, so the step includes every wgrad GEMM.
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ def overlap_report(hlo_text):
 
 
 def _child(args):
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -134,30 +139,42 @@ def _child(args):
             g = put(jax.random.normal(k[1], (args.batch, seq, hidden), jnp.bfloat16), P(None, "tp", None))
             gamma, beta = put(jnp.ones((hidden,), jnp.float32), P()), put(jnp.zeros((hidden,), jnp.float32), P())
 
-            def weight(key, shape, rows_spec):
-                w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[0])
+            def weight(key, shape, tp_dim):
+                """(weight [out, in] sharded on tp_dim, its gradient target: the weight or a master)."""
+                spec, spec_t = (P("tp", None), P(None, "tp"))[::1 if tp_dim == 0 else -1]
+                w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[1])
                 if recipe == "bf16":
-                    return put(w.astype(jnp.bfloat16), rows_spec)
-                q = jq.quantize_fp8(w, columnwise=True)
-                return jq.Float8Tensor(data=put(q.data, rows_spec), scale_inv=put(q.scale_inv, P()),
-                                       amax=put(q.amax, P()), data_t=put(q.data_t, P(*reversed(rows_spec))))
+                    return put(w.astype(jnp.bfloat16), spec), None
+                q = (jq.quantize_fp8 if recipe == "fp8" else jq.quantize_nvfp4)(w, columnwise=True)
+                specs = dict(data=spec, scale_inv=spec if recipe == "nvfp4" else P(), amax=P(), data_t=spec_t,
+                             scale_inv_t=spec_t)
+                q = dataclasses.replace(q, **{f.name: put(getattr(q, f.name), specs[f.name])
+                                              for f in dataclasses.fields(q) if f.name in specs})
+                return q, put(jnp.zeros(shape, jnp.float32), spec)
 
-            w1, w2 = weight(k[2], (hidden, ffn), P(None, "tp")), weight(k[3], (ffn, hidden), P("tp", None))
-            mlp = lambda x, gamma, beta, w1, w2: jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=mode)
-            def step_fn(x, gamma, beta, w1, w2, g):
-                out, vjp = jax.vjp(mlp, x, gamma, beta, w1, w2)
+            (q1, m1), (q2, m2) = weight(k[2], (ffn, hidden), 0), weight(k[3], (hidden, ffn), 1)
+            as_weight = lambda q, m: q if m is None else jq.straight_through(q, m)
+
+            def mlp(x, gamma, beta, q1, q2, m1, m2):
+                return jq.sp_mlp(x, gamma, beta, as_weight(q1, m1), as_weight(q2, m2), mesh=mesh, overlap=mode)
+
+            def step_fn(x, gamma, beta, q1, q2, m1, m2, g):
+                diff = lambda x, gamma, beta, a1, a2: mlp(x, gamma, beta, *((a1, a2, m1, m2) if m1 is None
+                                                                            else (q1, q2, a1, a2)))
+                out, vjp = jax.vjp(diff, x, gamma, beta, *((q1, q2) if m1 is None else (m1, m2)))
                 return out, vjp(g)
 
-            fwd = jax.jit(mlp).lower(x, gamma, beta, w1, w2).compile()
-            step = jax.jit(step_fn).lower(x, gamma, beta, w1, w2, g).compile()
-            fwd_ms = _time(fwd, (x, gamma, beta, w1, w2), args.iters, args.warmup)
-            step_ms = _time(step, (x, gamma, beta, w1, w2, g), args.iters, args.warmup)
+            args_fwd = (x, gamma, beta, q1, q2, m1, m2)
+            fwd = jax.jit(mlp).lower(*args_fwd).compile()
+            step = jax.jit(step_fn).lower(*args_fwd, g).compile()
+            fwd_ms = _time(fwd, args_fwd, args.iters, args.warmup)
+            step_ms = _time(step, (*args_fwd, g), args.iters, args.warmup)
             schedule = overlap_report(step.as_text())
             if args.profile:
                 path = os.path.join(args.profile, f"{mode}-{recipe}-{seq}x{hidden}x{ffn}")
                 with jax.profiler.trace(path):
                     for _ in range(3):
-                        jax.block_until_ready(step(x, gamma, beta, w1, w2, g))
+                        jax.block_until_ready(step(*args_fwd, g))
             print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
                                   ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind),
                                   **schedule)),

@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import formats, ops, reference
+from jaxquant import ops
+from jaxquant.gemm import (BWD_FP8, FWD_FP8, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
+                           quantize_current, scaled_gemm)
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
 RECIPES = ("fp8", "nvfp4")
-FWD_FP8 = jnp.dtype(jnp.float8_e4m3fn)     # activations (and weights) in the forward
-BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,55 +80,21 @@ def straight_through(q, master):
                             scale_inv_t=q.scale_inv_t, shape=q.shape, master=master)
 
 
+def split_master(w):
+    """(the weight as a plain array / ``Float8Tensor`` / ``NVFP4Tensor``, its straight-through
+    ``master`` or None). The plain tensor goes through ``custom_vjp`` and gets no cotangent; the
+    master gets ``dW``."""
+    if isinstance(w, _Float8WithMaster):
+        return Float8Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t), w.master
+    if isinstance(w, _NVFP4WithMaster):
+        return (NVFP4Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t,
+                            scale_inv_t=w.scale_inv_t, shape=w.shape), w.master)
+    return w, None
+
+
 # ----------------------------------------------------------------------------------------------
 # GEMM and operand helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _gemm_tn(a, b):
-    """``a [M, K] @ b[N, K].T`` in fp32: both operands contracted on their last (minor) axis."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def pcast_varying(x, axes):
-    """Mark ``x`` as varying over the manual mesh ``axes`` (``shard_map``)."""
-    pcast = getattr(jax.lax, "pcast", None)
-    return pcast(x, axes, to="varying") if pcast is not None else jax.lax.pvary(x, axes)
-
-
-def _fp8_quantize_local(v, dtype, amax_axes):
-    """FP8 current scaling of an activation/gradient block: (data, scale_inv). The amax is the block's,
-    max-reduced over ``amax_axes`` (docs/numerics.md §1.1)."""
-    amax, _ = ops.fp8_stats(v, compute_dtype=None)
-    if amax_axes:
-        # varying again after the reduction: ops' custom-call and reference branches must agree on it
-        amax = pcast_varying(jax.lax.pmax(amax, amax_axes), amax_axes)
-    data, scale_inv, _ = ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=None)
-    return data, scale_inv
-
-
-def _e2m1_to_bf16(code):
-    """E2M1 codes (docs/numerics.md §2: bit 3 sign, bits 2..1 exponent with bias 1, bit 0 mantissa) as
-    bf16, by building the bf16 bit pattern (integer ops that fuse, no table lookup): exponent field
-    e > 0 gives 2^(e-1) * (1 + m/2), e == 0 gives m/2 (0.5 or zero)."""
-    code = code.astype(jnp.uint16)
-    e, m = (code >> 1) & 3, code & 1
-    bits = jnp.where(e > 0, ((e + 126) << 7) | (m << 6), m * (126 << 7))
-    return jax.lax.bitcast_convert_type((bits | ((code & 8) << 12)).astype(jnp.uint16), jnp.bfloat16)
-
-
-def _nvfp4_operand(data, scale_inv):
-    """bf16 ``[rows, cols]`` from packed ``data [rows, cols/2]``: ``value(q) * s8`` per element, exact in
-    bf16 (a 2-bit by 4-bit significand product, within bf16's exponent range); the global factor is
-    left out. Elementwise and next to the GEMM that reads it, so XLA can fuse it into the operand."""
-    rows, cols = data.shape[0], data.shape[1] * 2
-    s8 = jax.lax.bitcast_convert_type(scale_inv[:rows, : cols // formats.TILE], jnp.float8_e4m3fn)
-    return _e2m1_to_bf16(reference.unpack_codes(data)) * jnp.repeat(s8.astype(jnp.bfloat16), formats.TILE, axis=1)
-
-
-def _nvfp4_global_decode(amax):
-    """docs/numerics.md §2.8: the global factor ``amax * (1/2688)`` of the dequantization."""
-    return jnp.reshape(amax, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
 
 
 class _Config(NamedTuple):
@@ -155,7 +121,7 @@ def _weight_operands(w, cfg: _Config):
     if w.data_t is None or w.scale_inv_t is None:
         w = nvfp4_columnwise(w)
     return {"data": w.data, "scale_inv": w.scale_inv, "data_t": w.data_t, "scale_inv_t": w.scale_inv_t,
-            "dec": _nvfp4_global_decode(w.amax)}
+            "dec": nvfp4_global_decode(w.amax)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,13 +133,13 @@ def _forward(x2, wops, cfg: _Config):
     """(y fp32 [B, N], residuals for the backward)."""
     if cfg.kind == "array":
         xc = x2.astype(wops["w"].dtype)
-        return _gemm_tn(xc, wops["w"]), (xc, wops["w"])
+        return scaled_gemm(xc, None, wops["w"], None), (xc, wops["w"])
     if cfg.kind == "fp8":
-        xq, sx = _fp8_quantize_local(x2, FWD_FP8, cfg.amax_axes)
-        y = _gemm_tn(xq, wops["data"]) * (sx * wops["scale_inv"])
+        xq, sx, _ = quantize_current(x2, FWD_FP8, cfg.amax_axes)
+        y = scaled_gemm(xq, sx, wops["data"], wops["scale_inv"])
         return y, (xq, sx, wops["data_t"], wops["scale_inv"])
     xb = x2.astype(jnp.bfloat16)
-    y = _gemm_tn(xb, _nvfp4_operand(wops["data"], wops["scale_inv"])) * wops["dec"]
+    y = scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"])
     return y, (xb, wops["data_t"], wops["scale_inv_t"], wops["dec"])   # packed bytes, not a bf16 copy
 
 
@@ -183,14 +149,14 @@ def _backward(res, g, cfg: _Config):
         xc, w = res
         gc = g.astype(w.dtype)
         # dx = g @ W; dW = g.T @ x, both written TN.
-        return _gemm_tn(gc, w.T), _gemm_tn(gc.T, xc.T)
+        return scaled_gemm(gc, None, w.T, None), scaled_gemm(gc.T, None, xc.T, None)
     if cfg.kind == "fp8":
         xq, sx, w_t, sw = res
-        gq, sg = _fp8_quantize_local(g, BWD_FP8, cfg.amax_axes)
-        return _gemm_tn(gq, w_t) * (sg * sw), _gemm_tn(gq.T, xq.T) * (sg * sx)
+        gq, sg, _ = quantize_current(g, BWD_FP8, cfg.amax_axes)
+        return scaled_gemm(gq, sg, w_t, sw), scaled_gemm(gq.T, sg, xq.T, sx)
     xb, data_t, scale_inv_t, dec = res
     gb = g.astype(jnp.bfloat16)
-    return _gemm_tn(gb, _nvfp4_operand(data_t, scale_inv_t)) * dec, _gemm_tn(gb.T, xb.T)
+    return scaled_gemm(gb, None, nvfp4_operand(data_t, scale_inv_t), dec), scaled_gemm(gb.T, None, xb.T, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -266,15 +232,10 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
         raise TypeError(f"out_dtype: must be a floating dtype, got {out_dtype}")
     if isinstance(amax_axes, str):
         amax_axes = (amax_axes,)
-    target = getattr(w, "master", None)
+    w, target = split_master(w)
     cfg = _Config(kind, on_the_fly, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype),
                   jnp.dtype(w.dtype) if kind == "array" or on_the_fly else None,
                   None if target is None else jnp.dtype(target.dtype))
-    if isinstance(w, (_Float8WithMaster, _NVFP4WithMaster)):
-        w = (Float8Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t)
-             if kind == "fp8" else
-             NVFP4Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t,
-                         scale_inv_t=w.scale_inv_t, shape=w.shape))
     lead = x.shape[:-1]
     y = _dense2d(x.reshape(-1, n_in), w, target, cfg)
     return y.reshape(*lead, n_out)

@@ -4,15 +4,17 @@ activations and the communication overlapped with the GEMMs. Design and numerics
 Layout on the mesh axis ``tp_axis`` (size n); activations are ``[..., S, H]`` with the sequence at -2:
 
 - ``sp_layernorm_dense``: x sequence-sharded ``[..., S/n, H]`` -> layernorm (bf16 out) -> all-gather
-  over the sequence -> GEMM with the column-parallel weight ``[H, F/n]`` -> ``[..., S, F/n]``.
+  over the sequence -> GEMM with the column-parallel weight ``[F/n, H]`` -> ``[..., S, F/n]``.
 - ``sp_dense_reduce_scatter``: x feature-sharded ``[..., S, F/n]`` -> GEMM with the row-parallel
-  weight ``[F/n, H]`` -> reduce-scatter over the sequence -> ``[..., S/n, H]``.
+  weight ``[H, F/n]`` -> reduce-scatter over the sequence -> ``[..., S/n, H]``.
 
-Weights are JAX kernels ``[in, out]``. FP8 (recipe "fp8"): every quantized tensor is a per-tensor
+Weights are ``[out, in]`` (PyTorch convention, as ``jq.dense`` and ``quantize_master_weights``), read as
+``data`` in the forward GEMM and as ``data_t`` in the dgrad GEMM, both contracted on their minor axis.
+FP8 (recipe "fp8"): every quantized tensor is a per-tensor
 current-scaled value (docs/numerics.md §1) whose amax is max-reduced over ``tp_axis`` before the local
-block is quantized once; its bytes and the one ``scale_inv`` travel together as an ``_FP8`` pytree
+block is quantized once; its bytes and the one ``scale_inv`` travel together as a ``_Scaled`` pytree
 through every collective, so a receiver multiplies by the scale that came with the bytes. Forward
-operands are E4M3, gradients E5M2. Residuals for the backward pass are values returned by this
+operands are E4M3, gradients E5M2. GEMMs and quantizers are those of ``jq.dense`` (jaxquant/gemm.py). Residuals for the backward pass are values returned by this
 forward call (no quantizer state), so interleaving forward passes of several microbatches cannot
 change what a backward pass reads.
 
@@ -33,20 +35,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import ops
+from jaxquant import formats, gemm, ops
+from jaxquant.dense import split_master
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
 OVERLAPS = ("ring", "xla", "off")
 RECIPES = ("bf16", "fp8")
-FWD_DTYPE = jnp.float8_e4m3fn
-GRAD_DTYPE = jnp.float8_e5m2
+FWD_DTYPE = gemm.FWD_FP8
+GRAD_DTYPE = gemm.BWD_FP8
 COMPUTE_DTYPE = jnp.bfloat16
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _FP8:
-    """FP8 bytes and the scale_inv that belongs to them: the unit that travels through collectives."""
+class _Scaled:
+    """A GEMM operand and the per-tensor factor that multiplies the GEMM's output: FP8 bytes and their
+    scale_inv (the unit that travels through collectives), or an NVFP4 weight's bf16 blockwise value
+    and its global decode factor."""
 
     data: jax.Array
     scale_inv: jax.Array
@@ -55,11 +60,13 @@ class _FP8:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Weight:
-    """GEMM operands of a local weight: ``rows`` is [in, out]; ``cols`` its [out, in] byte transpose
-    (FP8 weights that carry ``data_t``), used where the GEMM contracts ``in`` (K-major operand)."""
+    """GEMM operands of a weight ``[out, in]``: ``fwd`` contracted on dim 1 (``in``); ``dgrad`` contracted on
+    ``dgrad_contract`` (``out``): ``data_t [in, out]`` on dim 1 where the weight carries it, else ``fwd``
+    on dim 0."""
 
-    rows: object
-    cols: object = None
+    fwd: object
+    dgrad: object
+    dgrad_contract: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,31 +83,23 @@ class _Ctx:
 # ----------------------------------------------------------------------------------------------
 
 
-# FP8 GEMM. NOTE for the merge: jaxquant/dense.py has the same helper; fold the two into one.
-def _fp8_gemm(a_fp8, a_scale_inv, b_fp8, b_scale_inv, dims):
-    """float8 x float8 dot_general accumulated in fp32; the two scales applied to the output."""
-    acc = lax.dot_general(a_fp8, b_fp8, dims, preferred_element_type=jnp.float32)
-    return acc * (a_scale_inv * b_scale_inv)
-
-
 def _dot(a, b, dims):
-    if isinstance(a, _FP8):
-        return _fp8_gemm(a.data, a.scale_inv, b.data, b.scale_inv, dims)
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    parts = [(op.data, op.scale_inv) if isinstance(op, _Scaled) else (op, None) for op in (a, b)]
+    return gemm.scaled_gemm(*parts[0], *parts[1], dims)
 
 
 def _shape(op) -> tuple[int, ...]:
-    return tuple(int(d) for d in (op.data if isinstance(op, _FP8) else op).shape)
+    return tuple(int(d) for d in (op.data if isinstance(op, _Scaled) else op).shape)
 
 
 def _ndim(op) -> int:
-    return (op.data if isinstance(op, _FP8) else op).ndim
+    return (op.data if isinstance(op, _Scaled) else op).ndim
 
 
 def _flat_rows(op):
     """[..., K] -> [M, K]: GEMMs see plain matrices (one contracting dim, as cuBLASLt FP8 wants)."""
-    if isinstance(op, _FP8):
-        return _FP8(_flat_rows(op.data), op.scale_inv)
+    if isinstance(op, _Scaled):
+        return _Scaled(_flat_rows(op.data), op.scale_inv)
     return op.reshape(-1, op.shape[-1])
 
 
@@ -123,10 +122,6 @@ def _wgrad(a, g, flat: bool = True):
     return _dot(_flat_rows(a), _flat_rows(g), (((0,), (0,)), ((), ())))
 
 
-def _fwd_operand(w: _Weight):
-    return (w.cols, 1) if w.cols is not None else (w.rows, 0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Specs and small per-device helpers
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +137,7 @@ def _feat_spec(ndim, axis):
 
 def _op_spec(op, spec):
     """The spec pytree of an operand: the FP8 scale is one replicated scalar."""
-    return _FP8(spec, P()) if isinstance(op, _FP8) else spec
+    return _Scaled(spec, P()) if isinstance(op, _Scaled) else spec
 
 
 def _smap(ctx, f, in_specs, out_specs):
@@ -154,19 +149,9 @@ def _smap(ctx, f, in_specs, out_specs):
 
 def _rows(op, start, size):
     """Rows ``[start, start+size)`` of the sequence dim (-2) of an operand."""
-    if isinstance(op, _FP8):
-        return _FP8(_rows(op.data, start, size), op.scale_inv)
+    if isinstance(op, _Scaled):
+        return _Scaled(_rows(op.data, start, size), op.scale_inv)
     return lax.dynamic_slice_in_dim(op, start, size, axis=op.ndim - 2)
-
-
-def _quantize_shared(v, axis, dtype, impl, compute_dtype=None, columnwise=False):
-    """Current scaling with the amax max-reduced over ``axis`` first: every rank derives the same
-    scale (docs/numerics.md §1.1-§1.6) and quantizes its local block once."""
-    local_amax, _ = ops.fp8_stats(v, compute_dtype=compute_dtype, impl=impl)
-    amax = lax.pmax(local_amax, axis)
-    data, scale_inv, data_t = ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=compute_dtype,
-                                               columnwise=columnwise, impl=impl)
-    return _FP8(data, scale_inv), (None if data_t is None else _FP8(data_t, scale_inv))
 
 
 def _layernorm_f32(x, gamma, beta, eps):
@@ -232,10 +217,10 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
         s = _shape(a_loc)[-2]
         if ctx.overlap == "off":
             gather = lambda v: lax.all_gather(v, axis, axis=nd - 2, tiled=True)
-            if isinstance(a_loc, _FP8):
+            if isinstance(a_loc, _Scaled):
                 # each rank's scale travels with its bytes; all are equal (shared amax), so the one
                 # GEMM over the gathered buffer uses a travelled scale (that of rank 0)
-                full = _FP8(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
+                full = _Scaled(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
             else:
                 full = gather(a_loc)
             return (_matmul(full, w_loc, w_contract).astype(out_dtype) if want_out else None,
@@ -263,8 +248,8 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
 
 def _columns(op, dim, start, size):
     """``size`` entries of dim ``dim`` of a 2-D weight operand, from ``start``."""
-    if isinstance(op, _FP8):
-        return _FP8(_columns(op.data, dim, start, size), op.scale_inv)
+    if isinstance(op, _Scaled):
+        return _Scaled(_columns(op.data, dim, start, size), op.scale_inv)
     return lax.slice_in_dim(op, start, start + size, axis=dim)
 
 
@@ -320,33 +305,68 @@ def _operand(ctx, recipe, v, spec, dtype):
     with their shared scale."""
     if recipe == "bf16":
         return v.astype(COMPUTE_DTYPE)
-    body = lambda v_loc: _quantize_shared(v_loc, ctx.axis, dtype, ctx.impl)[0]
-    return _smap(ctx, body, spec, _FP8(spec, P()))(v)
+    body = lambda v_loc: _Scaled(*gemm.quantize_current(v_loc, dtype, ctx.axis, impl=ctx.impl)[:2])
+    return _smap(ctx, body, spec, _Scaled(spec, P()))(v)
 
 
-def _weight_operands(ctx, recipe, w, rows_spec) -> _Weight:
-    """GEMM operands of the global weight ``w`` [in, out] sharded ``rows_spec``."""
+def _tp_spec(ctx, tp_dim):
+    return P(ctx.axis, None) if tp_dim == 0 else P(None, ctx.axis)
+
+
+def _nvfp4_value(ctx, data, scale_inv, shape, tp_dim, name):
+    """bf16 ``value(q) * s8`` of NVFP4 bytes of logical ``shape``, sharded on ``tp_dim`` over tp.
+
+    Two scale layouts are read: the whole tensor's (``quantize_nvfp4``; decoded as one array) and the
+    TP-local one of ``quantize_master_weights(tp_axis=...)`` (each rank's padded scales; decoded per
+    rank). They coincide when the TP split is aligned to the scale layout (docs/sp.md)."""
+    n, (rows, cols) = ctx.n, shape
+    local = (rows // n, cols) if tp_dim == 0 else (rows, cols // n)
+    whole = formats.nvfp4_scale_shape(rows, cols)
+    per_rank = formats.nvfp4_scale_shape(*local)
+    tp_local = (per_rank[0] * n, per_rank[1]) if tp_dim == 0 else (per_rank[0], per_rank[1] * n)
+    aligned = local[0] % 128 == 0 if tp_dim == 0 else (local[1] // formats.TILE) % 4 == 0
+    got = tuple(int(d) for d in scale_inv.shape)
+    if got == whole and (whole != tp_local or aligned):
+        return gemm.nvfp4_operand(data, scale_inv)
+    if got == tp_local and whole != tp_local and local[tp_dim] % formats.TILE == 0:
+        spec = _tp_spec(ctx, tp_dim)
+        return _smap(ctx, gemm.nvfp4_operand, (spec, spec), spec)(data, scale_inv)
+    raise ValueError(f"{name}: NVFP4 scales of shape {got} match neither the whole-tensor layout {whole} nor, "
+                     f"unambiguously, the TP-local layout {tp_local} of a {shape} weight split on dim {tp_dim} "
+                     f"over {n} ranks (docs/sp.md, NVFP4 weights)")
+
+
+def _weight_operands(ctx, recipe, w, tp_dim) -> _Weight:
+    """GEMM operands of the global weight ``w [out, in]``, sharded on ``tp_dim`` over tp."""
     if isinstance(w, Float8Tensor):
         scale_inv = jnp.reshape(w.scale_inv, ())
-        return _Weight(_FP8(w.data, scale_inv), None if w.data_t is None else _FP8(w.data_t, scale_inv))
+        fwd = _Scaled(w.data, scale_inv)
+        return _Weight(fwd, _Scaled(w.data_t, scale_inv)) if w.data_t is not None else _Weight(fwd, fwd, 0)
+    if isinstance(w, NVFP4Tensor):
+        dec = gemm.nvfp4_global_decode(w.amax)
+        fwd = _Scaled(_nvfp4_value(ctx, w.data, w.scale_inv, w.shape, tp_dim, "w"), dec)
+        if w.data_t is None or w.scale_inv_t is None:
+            return _Weight(fwd, fwd, 0)
+        value_t = _nvfp4_value(ctx, w.data_t, w.scale_inv_t, w.shape[::-1], 1 - tp_dim, "w (data_t)")
+        return _Weight(fwd, _Scaled(value_t, dec))
     if recipe == "bf16":
-        return _Weight(w.astype(COMPUTE_DTYPE))
+        wb = w.astype(COMPUTE_DTYPE)
+        return _Weight(wb, wb, 0)
     # a float weight under the FP8 recipe: per-tensor current scaling of the TP-sharded weight
     # (bf16 compute dtype, docs/numerics.md §2 "Compute dtype"), rowwise and its byte transpose
     def body(w_loc):
-        return _Weight(*_quantize_shared(w_loc, ctx.axis, FWD_DTYPE, ctx.impl,
-                                         compute_dtype=COMPUTE_DTYPE, columnwise=True))
-    out_specs = _Weight(_FP8(rows_spec, P()), _FP8(P(*reversed(tuple(rows_spec))), P()))
-    return _smap(ctx, body, rows_spec, out_specs)(w)
+        data, scale_inv, data_t = gemm.quantize_current(w_loc, FWD_DTYPE, ctx.axis, compute_dtype=COMPUTE_DTYPE,
+                                                        columnwise=True, impl=ctx.impl)
+        return _Weight(_Scaled(data, scale_inv), _Scaled(data_t, scale_inv))
+    spec = _tp_spec(ctx, tp_dim)
+    out_specs = _Weight(_Scaled(spec, P()), _Scaled(_tp_spec(ctx, 1 - tp_dim), P()))
+    return _smap(ctx, body, spec, out_specs)(w)
 
 
-def _weight_cotangent(w, dw):
-    """Straight-through: the gradient with respect to the (dequantized) weight. For a Float8Tensor it
-    is carried, in fp32, by the ``data`` leaf; every other leaf gets zero (docs/sp.md)."""
-    if isinstance(w, Float8Tensor):
-        zero = lambda a: None if a is None else jnp.zeros(a.shape, jnp.float32)
-        return Float8Tensor(data=dw, scale_inv=zero(w.scale_inv), amax=zero(w.amax), data_t=zero(w.data_t))
-    return dw.astype(w.dtype)
+def _weight_cotangents(wgrad_dtypes, dw):
+    """Straight-through (dense.py's rule): dW goes to an array weight itself and to the master of a
+    ``straight_through`` tensor; a plain quantized tensor gets none."""
+    return tuple(None if d is None else dw.astype(d) for d in wgrad_dtypes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,48 +375,49 @@ def _weight_cotangent(w, dw):
 
 
 @functools.lru_cache(maxsize=256)
-def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype):
+def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype, wgrad_dtypes):
     seq, feat = _seq_spec(nd, ctx.axis), _feat_spec(nd, ctx.axis)
     layernorm = lambda x, g, b: _layernorm_f32(x, g, b, eps)
 
-    def fwd(x, gamma, beta, w):
-        wop = _weight_operands(ctx, recipe, w, P(None, ctx.axis))
+    def fwd(x, gamma, beta, w, target):
+        wop = _weight_operands(ctx, recipe, w, 0)
         a = _operand(ctx, recipe, layernorm(x, gamma, beta).astype(COMPUTE_DTYPE), seq, FWD_DTYPE)
-        out, _ = _gather_matmul(ctx, a, *_fwd_operand(wop), out_dtype=out_dtype)
-        return out, (x, gamma, beta, w, a, wop)
+        out, _ = _gather_matmul(ctx, a, wop.fwd, 1, out_dtype=out_dtype)
+        return out, (x, gamma, beta, a, wop)
 
     def bwd(res, g):
-        x, gamma, beta, w, a, wop = res
+        x, gamma, beta, a, wop = res
         gq = _operand(ctx, recipe, g, feat, GRAD_DTYPE)
-        dy = _matmul_reduce_scatter(ctx, gq, wop.rows, 1)           # dgrad: GEMM -> reduce-scatter
-        _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=True)  # wgrad on the re-gathered x
+        dy = _matmul_reduce_scatter(ctx, gq, wop.dgrad, wop.dgrad_contract)   # dgrad: GEMM -> reduce-scatter
+        _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=False)     # wgrad [out, in] on the re-gathered x
         # the bf16 rounding of the layernorm output passes the gradient straight through
         dx, dgamma, dbeta = jax.vjp(layernorm, x, gamma, beta)[1](dy)
-        return dx, dgamma, dbeta, _weight_cotangent(w, dw)
+        return dx, dgamma, dbeta, *_weight_cotangents(wgrad_dtypes, dw)
 
-    layer = jax.custom_vjp(lambda x, gamma, beta, w: fwd(x, gamma, beta, w)[0])
+    layer = jax.custom_vjp(lambda x, gamma, beta, w, target: fwd(x, gamma, beta, w, target)[0])
     layer.defvjp(fwd, bwd)
     return layer
 
 
 @functools.lru_cache(maxsize=256)
-def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype):
+def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype, wgrad_dtypes):
     seq, feat = _seq_spec(nd, ctx.axis), _feat_spec(nd, ctx.axis)
 
-    def fwd(x, w):
-        wop = _weight_operands(ctx, recipe, w, P(ctx.axis, None))
+    def fwd(x, w, target):
+        wop = _weight_operands(ctx, recipe, w, 1)
         a = _operand(ctx, recipe, x, feat, FWD_DTYPE)
-        out = _matmul_reduce_scatter(ctx, a, *_fwd_operand(wop))
-        return out.astype(dtype), (w, a, wop)
+        out = _matmul_reduce_scatter(ctx, a, wop.fwd, 1)
+        return out.astype(dtype), (a, wop)
 
     def bwd(res, g):
-        w, a, wop = res
+        a, wop = res
         gq = _operand(ctx, recipe, g, seq, GRAD_DTYPE)
-        # one gather of dY feeds both the dgrad GEMM and the wgrad GEMM
-        dx, dw = _gather_matmul(ctx, gq, wop.rows, 1, other=a, gathered_is_lhs=False, out_dtype=dtype)
-        return dx, _weight_cotangent(w, dw)
+        # one gather of dY feeds both the dgrad GEMM and the wgrad GEMM ([out, in])
+        dx, dw = _gather_matmul(ctx, gq, wop.dgrad, wop.dgrad_contract, other=a, gathered_is_lhs=True,
+                                out_dtype=dtype)
+        return dx, *_weight_cotangents(wgrad_dtypes, dw)
 
-    layer = jax.custom_vjp(lambda x, w: fwd(x, w)[0])
+    layer = jax.custom_vjp(lambda x, w, target: fwd(x, w, target)[0])
     layer.defvjp(fwd, bwd)
     return layer
 
@@ -427,8 +448,10 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
     return _Ctx(mesh, tp_axis, int(mesh.shape[tp_axis]), overlap, impl)
 
 
-def _weight_and_recipe(w, recipe, rows: int, name: str = "w"):
-    """Validate ``w`` [in, out]; NVFP4 weights are dequantized blockwise to bf16 (docs/sp.md)."""
+def _weight_and_recipe(w, recipe, n_in: int, name: str = "w"):
+    """Validate ``w [out, in]``: (plain weight, straight-through master or None, recipe, dtypes of the
+    weight cotangents (weight, master), None where none is returned)."""
+    w, master = split_master(w)
     if recipe is None:
         recipe = "fp8" if isinstance(w, Float8Tensor) else "bf16"
     if recipe not in RECIPES:
@@ -437,21 +460,22 @@ def _weight_and_recipe(w, recipe, rows: int, name: str = "w"):
         if recipe != "bf16":
             raise ValueError(f"recipe: an NVFP4Tensor {name} is dequantized to bf16, so recipe must be "
                              f"'bf16' (or None), got {recipe!r}")
-        w = w.dequantize(COMPUTE_DTYPE)
     elif isinstance(w, Float8Tensor):
         if recipe != "fp8":
             raise ValueError(f"recipe: a Float8Tensor {name} needs recipe 'fp8' (or None), got {recipe!r}")
         if w.data.ndim != 2:
-            raise ValueError(f"{name}: Float8Tensor data must be [in, out], got shape {tuple(w.data.shape)}")
+            raise ValueError(f"{name}: Float8Tensor data must be [out, in], got shape {tuple(w.data.shape)}")
         if jnp.dtype(w.dtype) != jnp.dtype(FWD_DTYPE):
             raise TypeError(f"{name}: a Float8Tensor weight must be {jnp.dtype(FWD_DTYPE)} (its dgrad GEMM "
                             f"meets E5M2 gradients), got {w.dtype}")
     else:
         _check_float(name, w)
-    shape = tuple(w.shape)
-    if len(shape) != 2 or shape[0] != rows:
-        raise ValueError(f"{name}: must be [in, out] with in = {rows} (the last dim of x), got shape {shape}")
-    return w, recipe
+    shape = tuple(int(d) for d in w.shape)
+    if len(shape) != 2 or shape[1] != n_in:
+        raise ValueError(f"{name}: must be [out, in] with in = {n_in} (the last dim of x), got shape {shape}")
+    quantized = isinstance(w, (Float8Tensor, NVFP4Tensor))
+    dtypes = (None if quantized else jnp.dtype(w.dtype), None if master is None else jnp.dtype(master.dtype))
+    return w, master, recipe, dtypes
 
 
 def _check_divisible(name, what, size, n, tp_axis):
@@ -468,13 +492,15 @@ def _check_x(x, ctx):
 
 def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
                        recipe: Optional[str] = None, eps: float = 1e-5, impl: str = "auto"):
-    """Column-parallel layer: layernorm, then all-gather over the sequence, then ``@ w``.
+    """Column-parallel layer: layernorm, then all-gather over the sequence, then ``@ w.T``.
 
-    x: ``[..., S, H]`` sharded on the sequence over ``tp_axis``; gamma, beta: ``[H]``; w: ``[H, F]``
-    (float array, ``Float8Tensor`` or ``NVFP4Tensor``) sharded ``P(None, tp_axis)``. Returns
+    x: ``[..., S, H]`` sharded on the sequence over ``tp_axis``; gamma, beta: ``[H]``; w: ``[F, H]``
+    (``[out, in]``: a float array, ``Float8Tensor`` or ``NVFP4Tensor``, e.g. from
+    ``quantize_master_weights(tp_axis=...)`` with tp_dims 0) sharded ``P(tp_axis, None)``. Returns
     ``[..., S, F]`` in x's dtype, sharded on the features. ``recipe``: "fp8" (E4M3 activations and
     weight, E5M2 gradients; the default for a Float8Tensor weight) or "bf16" (the default otherwise;
-    NVFP4 weights are dequantized to bf16). Differentiable in x, gamma, beta and w (docs/sp.md).
+    NVFP4 weights are read as bf16 blockwise values). Differentiable in x, gamma, beta and a float w;
+    a quantized w passes dW to the master attached with ``jq.straight_through`` (docs/sp.md).
     """
     ctx = _context(mesh, tp_axis, overlap, impl)
     _check_x(x, ctx)
@@ -483,35 +509,35 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
         _check_float(name, v)
         if tuple(v.shape) != (hidden,):
             raise ValueError(f"{name}: must have shape ({hidden},) (the last dim of x), got {tuple(v.shape)}")
-    w, recipe = _weight_and_recipe(w, recipe, hidden)
-    _check_divisible("w", "the output features w.shape[1]", w.shape[1], ctx.n, tp_axis)
-    layer = _column_layer(ctx, recipe, float(eps), x.ndim, jnp.dtype(x.dtype))
-    return layer(x, gamma, beta, w)
+    w, master, recipe, dtypes = _weight_and_recipe(w, recipe, hidden)
+    _check_divisible("w", "the output features w.shape[0]", w.shape[0], ctx.n, tp_axis)
+    layer = _column_layer(ctx, recipe, float(eps), x.ndim, jnp.dtype(x.dtype), dtypes)
+    return layer(x, gamma, beta, w, master)
 
 
 def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
                             recipe: Optional[str] = None, impl: str = "auto"):
-    """Row-parallel layer: ``x @ w`` with the partial sums reduce-scattered over the sequence.
+    """Row-parallel layer: ``x @ w.T`` with the partial sums reduce-scattered over the sequence.
 
-    x: ``[..., S, F]`` sharded on the features over ``tp_axis``; w: ``[F, H]`` sharded
-    ``P(tp_axis, None)``. Returns ``[..., S, H]`` in x's dtype, sharded on the sequence. ``recipe``
-    as in :func:`sp_layernorm_dense`.
+    x: ``[..., S, F]`` sharded on the features over ``tp_axis``; w: ``[H, F]`` (``[out, in]``, tp_dims 1)
+    sharded ``P(None, tp_axis)``. Returns ``[..., S, H]`` in x's dtype, sharded on the sequence.
+    ``recipe`` and weight gradients as in :func:`sp_layernorm_dense`.
     """
     ctx = _context(mesh, tp_axis, overlap, impl)
     _check_x(x, ctx)
     _check_divisible("x", "the features x.shape[-1]", x.shape[-1], ctx.n, tp_axis)
-    w, recipe = _weight_and_recipe(w, recipe, int(x.shape[-1]))
-    layer = _row_layer(ctx, recipe, x.ndim, jnp.dtype(x.dtype))
-    return layer(x, w)
+    w, master, recipe, dtypes = _weight_and_recipe(w, recipe, int(x.shape[-1]))
+    layer = _row_layer(ctx, recipe, x.ndim, jnp.dtype(x.dtype), dtypes)
+    return layer(x, w, master)
 
 
 def sp_mlp(x, gamma, beta, w1, w2, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
            recipe: Optional[str] = None, activation=jax.nn.gelu, eps: float = 1e-5, impl: str = "auto"):
     """``sp_dense_reduce_scatter(activation(sp_layernorm_dense(x, gamma, beta, w1)), w2)``.
 
-    x: ``[..., S, H]`` sequence-sharded; w1 ``[H, F]``, w2 ``[F, H]``. Returns ``[..., S, H]``
-    sequence-sharded (add the residual yourself). The activation runs on feature-sharded values
-    without communication.
+    x: ``[..., S, H]`` sequence-sharded; w1 ``[F, H]``, w2 ``[H, F]`` (``[out, in]``). Returns
+    ``[..., S, H]`` sequence-sharded (add the residual yourself). The activation runs on
+    feature-sharded values without communication.
     """
     kw = dict(mesh=mesh, tp_axis=tp_axis, overlap=overlap, recipe=recipe, impl=impl)
     h = activation(sp_layernorm_dense(x, gamma, beta, w1, eps=eps, **kw))

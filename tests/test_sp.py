@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import sp
+from jaxquant import gemm, sp
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 (simulated) CPU devices: "
                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -37,8 +37,8 @@ def _inputs(seed=0):
     x = jax.random.normal(k[0], (B, S, H), jnp.float32) * 3.0
     gamma = 1.0 + 0.1 * jax.random.normal(k[1], (H,), jnp.float32)
     beta = 0.1 * jax.random.normal(k[2], (H,), jnp.float32)
-    w1 = jax.random.normal(k[3], (H, F), jnp.float32) / np.sqrt(H)
-    w2 = jax.random.normal(k[4], (F, H), jnp.float32) / np.sqrt(F)
+    w1 = jax.random.normal(k[3], (F, H), jnp.float32) / np.sqrt(H)     # [out, in]
+    w2 = jax.random.normal(k[4], (H, F), jnp.float32) / np.sqrt(F)
     return x, gamma, beta, w1, w2
 
 
@@ -57,44 +57,49 @@ def _q(v, dtype):
     return t.data.reshape(v.shape), t.scale_inv
 
 
-def _ref_mm(a, b, a_dims, b_dims, recipe):
-    """a·b contracting a_dims with b_dims; FP8 operands are quantized (a: (bytes, scale))."""
-    dims = ((a_dims, b_dims), ((), ()))
-    if recipe == "fp8":
-        (ad, asc), (bd, bsc) = a, b
-        return lax.dot_general(ad, bd, dims, **F32) * (asc * bsc)
-    return lax.dot_general(a, b, dims, **F32)
+def _ref_mm(a, b, a_dims, b_dims):
+    """a·b contracting a_dims with b_dims; operands are (values, per-tensor factor or None)."""
+    (ad, asc), (bd, bsc) = a, b
+    out = lax.dot_general(ad, bd, ((a_dims, b_dims), ((), ())), **F32)
+    factors = [f for f in (asc, bsc) if f is not None]
+    return out * (factors[0] * factors[1] if len(factors) == 2 else factors[0]) if factors else out
 
 
 def _ref_operands(recipe, act, w, act_dtype=E4M3):
+    """(activation operand, weight operand [out, in]): FP8 bytes and scale; NVFP4 bf16 value(q)*s8 of
+    the whole tensor and the global factor amax/2688 (docs/numerics.md §2.8); else bf16."""
     if recipe == "fp8":
         wq = w if isinstance(w, jq.Float8Tensor) else _fp8_weight(w)
         return _q(act, act_dtype), (wq.data, jnp.reshape(wq.scale_inv, ()))
-    if isinstance(w, jq.NVFP4Tensor):
-        w = w.dequantize(jnp.bfloat16)
-    return act.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    if isinstance(w, tuple):   # an operand decoded by the caller
+        wop = w
+    elif isinstance(w, jq.NVFP4Tensor):
+        wop = (gemm.nvfp4_operand(w.data, w.scale_inv), jnp.reshape(w.amax, ()) / np.float32(2688))
+    else:
+        wop = (w.astype(jnp.bfloat16), None)
+    return (act.astype(jnp.bfloat16), None), wop
 
 
 def _ref_grad_operand(recipe, g):
-    return _q(g, E5M2) if recipe == "fp8" else g.astype(jnp.bfloat16)
+    return _q(g, E5M2) if recipe == "fp8" else (g.astype(jnp.bfloat16), None)
 
 
 def ref_column(recipe, x, gamma, beta, w, g):
-    """(out, (dx, dgamma, dbeta, dw)) of layernorm -> dense on one device."""
+    """(out, (dx, dgamma, dbeta, dw)) of layernorm -> dense on one device (w [out, in])."""
     ln = lambda x_, g_, b_: sp._layernorm_f32(x_, g_, b_, 1e-5)
     a, wop = _ref_operands(recipe, ln(x, gamma, beta).astype(jnp.bfloat16), w)
-    out = _ref_mm(a, wop, (2,), (0,), recipe).astype(x.dtype)
+    out = _ref_mm(a, wop, (2,), (1,)).astype(x.dtype)
     gq = _ref_grad_operand(recipe, g)
-    dy = _ref_mm(gq, wop, (2,), (1,), recipe)
-    dw = _ref_mm(a, gq, (0, 1), (0, 1), recipe)
+    dy = _ref_mm(gq, wop, (2,), (0,))
+    dw = _ref_mm(gq, a, (0, 1), (0, 1))
     return out, (*jax.vjp(ln, x, gamma, beta)[1](dy), dw)
 
 
 def ref_row(recipe, x, w, g):
     a, wop = _ref_operands(recipe, x, w)
-    out = _ref_mm(a, wop, (2,), (0,), recipe).astype(x.dtype)
+    out = _ref_mm(a, wop, (2,), (1,)).astype(x.dtype)
     gq = _ref_grad_operand(recipe, g)
-    return out, (_ref_mm(gq, wop, (2,), (1,), recipe).astype(x.dtype), _ref_mm(a, gq, (0, 1), (0, 1), recipe))
+    return out, (_ref_mm(gq, wop, (2,), (0,)).astype(x.dtype), _ref_mm(gq, a, (0, 1), (0, 1)))
 
 
 def ref_mlp_dx(x, g, gamma, beta, w1, w2):
@@ -109,26 +114,27 @@ def ref_mlp_dx(x, g, gamma, beta, w1, w2):
 # ----------------------------------------------------------------------------------------------
 
 
-def _weight_grad(dw):
-    """The straight-through weight gradient: a Float8Tensor cotangent carries it in ``data``; an
-    NVFP4Tensor has none (its bytes are integers; docs/sp.md), so it is not compared."""
-    if isinstance(dw, jq.NVFP4Tensor):
-        return None
-    return dw.data if isinstance(dw, jq.Float8Tensor) else dw
+def _grad_target(w):
+    """(what to differentiate, how the layer receives it): a quantized weight's straight-through
+    gradient is read on a master attached with jq.straight_through (as for jq.dense)."""
+    if isinstance(w, (jq.Float8Tensor, jq.NVFP4Tensor)):
+        return jnp.zeros(w.shape, jnp.float32), lambda m: jq.straight_through(w, m)
+    return w, lambda v: v
 
 
 def _column_vjp(mesh, overlap, recipe, x, gamma, beta, w, g):
-    f = functools.partial(jq.sp_layernorm_dense, mesh=mesh, overlap=overlap, recipe=recipe)
-    out, vjp = jax.vjp(f, x, gamma, beta, w)
-    dx, dgamma, dbeta, dw = vjp(g)
-    return out, (dx, dgamma, dbeta, _weight_grad(dw))
+    w_arg, as_weight = _grad_target(w)
+    f = lambda x, gamma, beta, w_arg: jq.sp_layernorm_dense(x, gamma, beta, as_weight(w_arg), mesh=mesh,
+                                                            overlap=overlap, recipe=recipe)
+    out, vjp = jax.vjp(f, x, gamma, beta, w_arg)
+    return out, vjp(g)
 
 
 def _row_vjp(mesh, overlap, recipe, x, w, g):
-    f = functools.partial(jq.sp_dense_reduce_scatter, mesh=mesh, overlap=overlap, recipe=recipe)
-    out, vjp = jax.vjp(f, x, w)
-    dx, dw = vjp(g)
-    return out, (dx, _weight_grad(dw))
+    w_arg, as_weight = _grad_target(w)
+    f = lambda x, w_arg: jq.sp_dense_reduce_scatter(x, as_weight(w_arg), mesh=mesh, overlap=overlap, recipe=recipe)
+    out, vjp = jax.vjp(f, x, w_arg)
+    return out, vjp(g)
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,13 +211,11 @@ def check_layers_match_single_device(results, col_args, row_args, recipe, rtol=2
     # differently for another N split (bitwise where the partition is the same: modes test)
     _assert_close(out, ref_out, "column out", rtol=min(rtol, 1e-6))
     for name, a, e in zip(("dx", "dgamma", "dbeta", "dw"), grads, ref_grads):
-        if a is not None:
-            _assert_close(a, e, "column " + name, rtol)
+        _assert_close(a, e, "column " + name, rtol)
     ref_out, ref_grads = ref_row(recipe, *row_args)
     _assert_close(row_out, ref_out, "row out", rtol)   # partial sums over tp: another summation order
     _assert_close(row_grads[0], ref_grads[0], "row dx", min(rtol, 1e-6))   # all-gather of dY -> GEMM
-    if row_grads[1] is not None:
-        _assert_close(row_grads[1], ref_grads[1], "row dw", rtol)
+    _assert_close(row_grads[1], ref_grads[1], "row dw", rtol)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -225,7 +229,8 @@ def test_layers_match_single_device(tp, recipe, kind):
 @pytest.mark.parametrize("kind", ["float", "nvfp4"])
 def test_other_weight_types(kind):
     """A float weight under the FP8 recipe is quantized inside (shared amax over tp) with its
-    gradient passed straight through; an NVFP4 weight is dequantized to bf16."""
+    gradient passed straight through; an NVFP4 weight is read as bf16 value(q)*s8 with the global factor
+    on the GEMM output, its gradient going to a straight_through master."""
     recipe = "fp8" if kind == "float" else "bf16"
     col_args, row_args = _layer_args(3, recipe, kind)
     check_layers_match_single_device(_runner(2, "ring", recipe)(col_args, row_args), col_args, row_args, recipe)
@@ -258,15 +263,20 @@ def test_interleaved_microbatches_match_one_at_a_time():
     xs = [_inputs(20)[0], x_spike, x_flat]
     gs = [jax.random.normal(jax.random.key(30 + i), (B, S, H), jnp.float32) * s
           for i, s in enumerate((1.0, 1e-4, 50.0))]
-    mlp = functools.partial(jq.sp_mlp, mesh=mesh, overlap="ring")
+    # weight gradients land on straight-through masters (zeros placeholders of the weights' shapes)
+    m1, m2 = jnp.zeros(w1.shape, jnp.float32), jnp.zeros(w2.shape, jnp.float32)
+
+    def mlp(x, gamma, beta, m1, m2):
+        return jq.sp_mlp(x, gamma, beta, jq.straight_through(w1q, m1), jq.straight_through(w2q, m2),
+                         mesh=mesh, overlap="ring")
 
     def one(x, g):
-        out, vjp = jax.vjp(mlp, x, gamma, beta, w1q, w2q)
+        out, vjp = jax.vjp(mlp, x, gamma, beta, m1, m2)
         return out, vjp(g)
 
     @jax.jit
     def interleaved(xs, gs):
-        pending = [jax.vjp(mlp, x, gamma, beta, w1q, w2q) for x in xs]   # all forwards first
+        pending = [jax.vjp(mlp, x, gamma, beta, m1, m2) for x in xs]     # all forwards first
         grads = [pending[i][1](gs[i]) for i in (2, 0, 1)]                # backwards out of order
         return [p[0] for p in pending], [grads[1], grads[2], grads[0]]
 
@@ -293,7 +303,7 @@ def test_bad_input_errors():
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, tp_axis="model")
     with pytest.raises(ValueError, match=r"x: the sequence length .* multiple of the 'tp' axis size 4"):
         jq.sp_layernorm_dense(x[:, :30], gamma, beta, w1, mesh=mesh)
-    with pytest.raises(ValueError, match=r"w: must be \[in, out\] with in = 32"):
+    with pytest.raises(ValueError, match=r"w: must be \[out, in\] with in = 32"):
         jq.sp_layernorm_dense(x, gamma, beta, w2, mesh=mesh)
     with pytest.raises(ValueError, match=r"gamma: must have shape \(32,\)"):
         jq.sp_layernorm_dense(x, gamma[:8], beta, w1, mesh=mesh)
@@ -306,6 +316,10 @@ def test_bad_input_errors():
             (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
     with pytest.raises(TypeError, match="w: a Float8Tensor weight must be float8_e4m3fn"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_fp8(w2, dtype=E5M2), mesh=mesh)
+    bad_scales = jq.NVFP4Tensor(data=q_nvfp4(w1).data, scale_inv=jnp.zeros((256, 4), jnp.uint8),
+                                amax=q_nvfp4(w1).amax)            # tp=2's TP-local layout on a tp=4 mesh
+    with pytest.raises(ValueError, match=r"w: NVFP4 scales of shape \(256, 4\) match neither"):
+        jq.sp_layernorm_dense(x, gamma, beta, bad_scales, mesh=mesh)
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
 
@@ -386,3 +400,63 @@ def test_trains_inside_a_jitted_step():
         params, state, loss = step(params, state)
         losses.append(float(loss))
     assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+
+
+def _tp_local_nvfp4_operand(w, tp, tp_dim):
+    """The reference reading of a TP-local NVFP4 weight: each rank's bytes decoded with its own padded
+    scales (gemm.nvfp4_operand of the rank's slice of data and scale_inv), concatenated on tp_dim."""
+    data, scale = np.asarray(w.data), np.asarray(w.scale_inv)
+    parts = [gemm.nvfp4_operand(d, sc) for d, sc in zip(np.split(data, tp, tp_dim), np.split(scale, tp, tp_dim))]
+    return jnp.concatenate(parts, axis=tp_dim), jnp.reshape(w.amax, ()) / np.float32(2688)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+def test_weights_from_quantize_master_weights_pass_directly(recipe):
+    """[out, in] weights from quantize_master_weights(tp_axis="tp") (w1 tp_dims 0: column parallel, w2
+    tp_dims 1: row parallel) on an fsdp x tp mesh go into the layers as they are. NVFP4 with a TP split
+    not aligned to the scale layout (local rows 32, local cols 32): each rank's padded scales are read
+    with its own bytes. FP8: the per-tensor bytes equal whole-tensor quantization."""
+    from jaxquant.layout import FlatLayout
+    tp = 2
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]).reshape(2, tp), ("fsdp", "tp"))
+    col_args, row_args = _layer_args(4, "bf16", "float")
+    w1, w2 = col_args[3], row_args[1]
+    layout = FlatLayout([w1.shape, w2.shape], 2, tp_size=tp, tp_dims=[0, 1])
+    master = jax.device_put(layout.flatten([w1, w2]), jq.distributed.master_sharding(mesh, "fsdp", "tp"))
+    q1, q2 = jq.distributed.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+                                                    columnwise=True, manual_post_all_gather_processing=False)
+    col_args, row_args = (*col_args[:3], q1, col_args[4]), (row_args[0], q2, row_args[2])
+    run = jax.jit(lambda c, r: (_column_vjp(mesh, "ring", None, *c), _row_vjp(mesh, "ring", None, *r)))
+    results = run(col_args, row_args)
+    if recipe == "nvfp4":
+        from jaxquant import formats
+        assert tuple(q1.scale_inv.shape) != formats.nvfp4_scale_shape(*w1.shape)   # the TP-local layout
+        assert tuple(q2.scale_inv.shape) != formats.nvfp4_scale_shape(*w2.shape)
+        col_args = (*col_args[:3], _tp_local_nvfp4_operand(q1, tp, 0), col_args[4])
+        row_args = (row_args[0], _tp_local_nvfp4_operand(q2, tp, 1), row_args[2])
+    check_layers_match_single_device(results, col_args, row_args, "fp8" if recipe == "fp8" else "bf16")
+
+
+def test_fp8_gemms_take_float8_operands_and_no_fp8_bytes_are_transposed():
+    """sp_mlp forward+backward with Float8Tensor weights carrying data_t ("off": one GEMM per product):
+    every GEMM reads float8 on both sides; forward and dgrad GEMMs contract both operands on their
+    minor axis (the weight read as data, then as data_t; without data_t the dgrad would contract the
+    weight's dim 0), wgrad GEMMs the rows of both; no FP8 tensor is transposed by the program."""
+    mesh = _mesh(2)
+    x, gamma, beta, w1, w2 = _inputs()
+    q1, q2 = _fp8_weight(w1), _fp8_weight(w2)
+
+    def loss(x, m1, m2):
+        y = jq.sp_mlp(x, gamma, beta, jq.straight_through(q1, m1), jq.straight_through(q2, m2), mesh=mesh,
+                      overlap="off")
+        return jnp.sum(y)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    contracted = [line.split("contracting_dims = ")[1].split(",")[0] for line in dots]
+    # forward, dgrad and wgrad of two layers (XLA may share one lowered body between equal GEMMs)
+    assert len(dots) >= 5 and set(contracted) == {"[1] x [1]", "[0] x [0]"}, contracted
+    for line in dots:
+        operands = line.rsplit(" : (", 1)[1].split(") -> ")[0]
+        assert operands.count("xf8E") == 2, line
+    assert not [line for line in text.splitlines() if "stablehlo.transpose" in line and "xf8E" in line]

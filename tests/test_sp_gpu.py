@@ -1,5 +1,7 @@
 """jaxquant.sp on the GPUs of one host (tp = every GPU): each layer against the single-GPU computation
-of the same quantized math, in every overlap mode. Skipped unless the default backend is a GPU with
+of the same quantized math, in every overlap mode and for every weight type ([out, in] bf16 array,
+Float8Tensor, float weight quantized inside under "fp8", NVFP4Tensor; quantized weights' gradients on
+straight-through masters). Skipped unless the default backend is a GPU with
 at least 2 devices (tests/test_sp.py covers tp in {2, 4, 8} on simulated CPU devices)."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.mark.parametrize("overlap", sp.OVERLAPS)
-@pytest.mark.parametrize("recipe,kind", CASES)
+@pytest.mark.parametrize("recipe,kind", CASES + [("fp8", "float"), ("bf16", "nvfp4")])
 def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
     tp = len(jax.devices())
     col_args, row_args = _layer_args(tp, recipe, kind)

@@ -1,0 +1,68 @@
+"""GEMMs and GEMM operands shared by the quantized layers (``jq.dense``, ``jaxquant.sp``).
+
+Every GEMM is a ``lax.dot_general`` accumulated in fp32 whose per-tensor factors (the FP8
+``scale_inv`` of each operand, the NVFP4 global decode factor) multiply the fp32 output, never the
+operands: the float8 operands go to the GEMM as they are (docs/numerics.md §1), an NVFP4 operand as
+its exact bf16 blockwise value (§2.8).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import formats, ops, reference
+
+FWD_FP8 = jnp.dtype(jnp.float8_e4m3fn)     # activations (and weights) in the forward
+BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
+TN = (((1,), (1,)), ((), ()))              # a [M, K] x b [N, K]: both contracted on their minor axis
+
+
+def scaled_gemm(a, a_scale, b, b_scale, dims=TN):
+    """``dot_general(a, b, dims)`` in fp32 times the operands' per-tensor factors (None: no factor)."""
+    acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    if a_scale is None and b_scale is None:
+        return acc
+    return acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
+
+
+def pcast_varying(x, axes):
+    """Mark ``x`` as varying over the manual mesh ``axes`` (``shard_map``)."""
+    pcast = getattr(jax.lax, "pcast", None)
+    return pcast(x, axes, to="varying") if pcast is not None else jax.lax.pvary(x, axes)
+
+
+def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=False, impl="auto"):
+    """FP8 current scaling of a block: (data, scale_inv, data_t or None). The amax is the block's,
+    max-reduced over the mesh ``amax_axes`` first, so every rank derives the same scale and quantizes
+    its own block once (docs/numerics.md §1.1-§1.6)."""
+    amax, _ = ops.fp8_stats(v, compute_dtype=compute_dtype, impl=impl)
+    if amax_axes:
+        # varying again after the reduction: ops' custom-call and reference branches must agree on it
+        amax = pcast_varying(jax.lax.pmax(amax, amax_axes), amax_axes)
+    return ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=compute_dtype, columnwise=columnwise, impl=impl)
+
+
+def _e2m1_to_bf16(code):
+    """E2M1 codes (docs/numerics.md §2: bit 3 sign, bits 2..1 exponent with bias 1, bit 0 mantissa) as
+    bf16, by building the bf16 bit pattern (integer ops that fuse, no table lookup): exponent field
+    e > 0 gives 2^(e-1) * (1 + m/2), e == 0 gives m/2 (0.5 or zero)."""
+    code = code.astype(jnp.uint16)
+    e, m = (code >> 1) & 3, code & 1
+    bits = jnp.where(e > 0, ((e + 126) << 7) | (m << 6), m * (126 << 7))
+    return jax.lax.bitcast_convert_type((bits | ((code & 8) << 12)).astype(jnp.uint16), jnp.bfloat16)
+
+
+def nvfp4_operand(data, scale_inv):
+    """bf16 ``[rows, cols]`` from packed ``data [rows, cols/2]``: ``value(q) * s8`` per element, exact in
+    bf16 (a 2-bit by 4-bit significand product, within bf16's exponent range); the global factor is
+    left out. Elementwise and next to the GEMM that reads it, so XLA can fuse it into the operand."""
+    rows, cols = data.shape[0], data.shape[1] * 2
+    s8 = jax.lax.bitcast_convert_type(scale_inv[:rows, : cols // formats.TILE], jnp.float8_e4m3fn)
+    return _e2m1_to_bf16(reference.unpack_codes(data)) * jnp.repeat(s8.astype(jnp.bfloat16), formats.TILE, axis=1)
+
+
+def nvfp4_global_decode(amax):
+    """docs/numerics.md §2.8: the global factor ``amax * (1/2688)`` of the dequantization."""
+    return jnp.reshape(amax, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
