@@ -39,12 +39,18 @@ def make_batch():
             "y": jax.random.normal(ky, (BATCH, D_OUT), jnp.float32)}
 
 
+def tp_varying(x, tp_axis):
+    """Megatron's "f": identity forward, all-reduce over tp of the gradient (the transpose of the cast)."""
+    return jax.lax.pcast(x, tp_axis, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, tp_axis)
+
+
 def mlp_loss(w, batch, tp_axis=None):
     """Megatron MLP: the input marked TP-varying before the column-parallel w1, psum after the row-parallel w2."""
-    x = batch["x"] if tp_axis is None else jax.lax.pcast(batch["x"], tp_axis, to="varying") \
-        if hasattr(jax.lax, "pcast") else jax.lax.pvary(batch["x"], tp_axis)
-    h = jax.nn.relu(jq.dense(x, w["w1"], out_dtype=jnp.float32))
-    y = jq.dense(h, w["w2"], out_dtype=jnp.float32)
+    x = batch["x"] if tp_axis is None else tp_varying(batch["x"], tp_axis)
+    # FP8: activations / gradients split over tp share one amax over tp (the whole tensor's, as on one device)
+    amax = () if tp_axis is None else (tp_axis,)
+    h = jax.nn.relu(jq.dense(x, w["w1"], out_dtype=jnp.float32, amax_axes=amax))
+    y = jq.dense(h, w["w2"], out_dtype=jnp.float32, amax_axes=amax)
     y = y if tp_axis is None else jax.lax.psum(y, tp_axis)
     return jnp.mean((y + w["b2"] - batch["y"]) ** 2)
 
@@ -122,15 +128,29 @@ def test_fsdp_tp_other_strategies(strategy):
     assert_matches_reference(params, losses, "nvfp4", 4)
 
 
-def test_fsdp_tp_nan_report_names_parameter():
-    params = init_params()
-    params["w2"] = params["w2"].at[3, 40].set(jnp.nan)    # in the second TP rank's block of the row-parallel w2
-    out, _, metrics, _ = run_tp(4, 2, "bf16", steps=1, params=params, report_nan=True)
-    flags = jax.device_get(metrics["nonfinite"])
-    assert bool(flags["w2"]) and not bool(flags["b2"])
-    with pytest.raises(FloatingPointError, match=r"\['w2'\]"):
+@pytest.mark.parametrize("bad", ["w2", "b2"])
+def test_fsdp_tp_nan_report_names_parameter(bad):
+    def poisoned(w, b):   # the extra term is 0 normally, NaN in the gradient of `bad` when b["p"] is NaN
+        extra = (jnp.sum(jq.dense(tp_varying(b["p"][:, :w["w2"].shape[1]], "tp"), w["w2"], out_dtype=jnp.float32)) if bad == "w2"
+                 else jnp.sum(w["b2"] * b["p"][:, :D_OUT]))
+        if bad == "w2":   # TP-local: summed over tp so that the loss stays the same on every TP rank
+            extra = jax.lax.psum(extra, "tp")
+        return mlp_loss(w, b, "tp") + 0.0 * extra
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
+    step = jq.make_train_step(poisoned, optax.sgd(LR), mesh=mesh, tp_axis="tp", param_specs=SPECS,
+                              policy=jq.MixedPrecisionPolicy(compute_weights="fp8"), report_nan=True)
+    clean = {**make_batch(), "p": jnp.zeros((BATCH, D_HID), jnp.float32)}
+    state, metrics = step(step.init(init_params()), clean)
+    jq.raise_if_nonfinite(metrics)                    # nothing to report
+    before = step.params(state)
+    state, metrics = step(state, {**clean, "p": clean["p"].at[5, 3].set(jnp.nan)})
+    assert {k: bool(v) for k, v in metrics["nonfinite"].items()} == {"w1": False, "w2": bad == "w2", "b2": bad == "b2"}
+    with pytest.raises(FloatingPointError, match=rf"\['{bad}'\]"):
         jq.raise_if_nonfinite(metrics)
-    np.testing.assert_array_equal(out["w1"], params["w1"])     # the update was skipped
+    after = step.params(state)
+    for name in before:                                # the update was skipped
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
 
 def test_param_specs_errors():
