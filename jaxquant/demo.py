@@ -159,7 +159,8 @@ def check_tp(cfg: ModelConfig, tp: int, recipe: str) -> None:
 
 
 def bytes_gathered(plan, recipe: str) -> tuple[int, int]:
-    """(bytes all-gathered per step for the weights, the same for bf16 weights) of a sharded strategy."""
+    """(bytes all-gathered per step and device for the weights, the same for bf16 weights) of a sharded
+    strategy; with TP, one TP rank's blocks (its row of the master)."""
     import jaxquant as jq
 
     bf16 = 2 * plan.matrices.total_size
@@ -214,11 +215,11 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
                               param_specs=param_specs(cfg), policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
     state = step.init(init_params(jax.random.key(seed), cfg))
     sent, sent_bf16 = bytes_gathered(state.plan, recipe) if strategy != "no_shard" else (0, 0)
-    n_params = state.plan.matrices.total_size + state.plan.others.total_size
+    n_params = sum(math.prod(shape) for shape in state.plan.shapes)
     print(f"model: {cfg.layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab}, {n_params:,} parameters; "
           f"mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; weights {recipe}, strategy {strategy}; "
           f"batch {batch} x {cfg.seq} tokens")
-    gathered = (f"{sent / 1024:.0f} KiB/step ({sent / sent_bf16:.2f}x bf16)" if sent_bf16
+    gathered = (f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)" if sent_bf16
                 else "no weight gather (no_shard: replicated masters)")
     print(f"weights all-gathered per step: {gathered}")
     data = SyntheticData(cfg, batch, seed)
