@@ -5,8 +5,9 @@ After 3 SGD steps the params equal a single-device computation of the same math:
 whole (TP-local quantization with the whole weight's amax gives the same bytes: the splits are aligned to
 the 16-element tiles), each FSDP rank's rows, gradients in bf16 accumulated in fp32, scaled by 1/S and
 summed in rank order. Not bitwise: on the mesh the row-parallel GEMM's contraction is split in T partial
-sums added by the psum over tp, on one device it is one GEMM; stated tolerance: 1e-3 of the largest update
-plus 1e-6 (fp32 reordering, through the bf16 casts of activations and output gradients).
+sums added by the psum over tp, on one device it is one GEMM. Stated tolerance: 1e-5 of the parameter's
+largest update (fp32 reordering of the output; measured on XLA:CPU: w1 and w2 come out bitwise equal, the
+bias b2, whose gradient is the fp32 output, within 2e-7 of its update), losses within 1e-5 relative.
 """
 
 import functools
@@ -111,7 +112,7 @@ def assert_matches_reference(params, losses, cw, fsdp):
     for name in ref_params:
         update = float(jnp.max(jnp.abs(ref_params[name] - init[name])))
         assert update > 1e-3, f"{name} did not train"
-        np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-3 * update + 1e-6, err_msg=name)
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-5 * update, err_msg=name)
 
 
 @pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
