@@ -64,7 +64,7 @@ def compute_weight(w, cw):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(cw, num_shards):
+def reference(cw, num_shards, microbatches=1):
     """Single-device SGD of the same math (see the module docstring)."""
 
     @jax.jit
@@ -79,24 +79,30 @@ def reference(cw, num_shards):
         return jax.value_and_grad(f)({**diff, "b2": params["b2"]})
 
     params, batch, losses = init_params(), make_batch(), []
-    n = BATCH // num_shards
+    k = microbatches
+    n = BATCH // (num_shards * k)
     for _ in range(STEPS):
         total, loss_sum = None, 0.0
         for r in range(num_shards):
-            loss, g = grad(params, jax.tree.map(lambda a: a[r * n:(r + 1) * n], batch))
-            loss_sum += float(loss)
-            part = jax.tree.map(lambda a: a.astype(jnp.float32) * np.float32(1 / num_shards), g)
+            acc = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
+            for j in range(k):
+                lo = (r * k + j) * n
+                loss, g = grad(params, jax.tree.map(lambda a: a[lo:lo + n], batch))
+                loss_sum += float(loss)
+                acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+            part = jax.tree.map(lambda a: a * np.float32(1 / (num_shards * k)), acc)
             total = part if total is None else jax.tree.map(jnp.add, total, part)
         params = jax.tree.map(lambda p, d: p + (-LR) * d, params, total)
-        losses.append(loss_sum / num_shards)
+        losses.append(loss_sum / (num_shards * k))
     return params, losses
 
 
-def run_tp(fsdp, tp, cw, strategy="optim_grads_params", steps=STEPS, params=None, report_nan=False):
+def run_tp(fsdp, tp, cw, strategy="optim_grads_params", steps=STEPS, params=None, report_nan=False, microbatches=1):
     mesh = Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
     step = jq.make_train_step(functools.partial(mlp_loss, tp_axis="tp"), optax.sgd(LR), mesh=mesh,
                               policy=jq.MixedPrecisionPolicy(compute_weights=cw), strategy=strategy,
-                              tp_axis="tp", param_specs=SPECS, report_nan=report_nan)
+                              tp_axis="tp", param_specs=SPECS, report_nan=report_nan,
+                              microbatches=microbatches)
     state = step.init(init_params() if params is None else params)
     losses, metrics = [], None
     for _ in range(steps):
@@ -105,8 +111,8 @@ def run_tp(fsdp, tp, cw, strategy="optim_grads_params", steps=STEPS, params=None
     return step.params(state), losses, metrics, state
 
 
-def assert_matches_reference(params, losses, cw, fsdp):
-    ref_params, ref_losses = reference(cw, fsdp)
+def assert_matches_reference(params, losses, cw, fsdp, microbatches=1):
+    ref_params, ref_losses = reference(cw, fsdp, microbatches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     init = init_params()
     for name in ref_params:
@@ -123,10 +129,11 @@ def test_fsdp_tp_equals_single_device(fsdp, tp, cw):
     assert_matches_reference(params, losses, cw, fsdp)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
-def test_fsdp_tp_other_strategies(strategy):
-    params, losses, _, _ = run_tp(4, 2, "nvfp4", strategy=strategy)
-    assert_matches_reference(params, losses, "nvfp4", 4)
+@pytest.mark.parametrize("strategy,microbatches", [("no_shard", 1), ("optim", 1), ("optim_grads", 1),
+                                                   ("optim_grads_params", 2)])
+def test_fsdp_tp_other_strategies_and_microbatches(strategy, microbatches):
+    params, losses, _, _ = run_tp(4, 2, "nvfp4", strategy=strategy, microbatches=microbatches)
+    assert_matches_reference(params, losses, "nvfp4", 4, microbatches)
 
 
 @pytest.mark.parametrize("bad", ["w2", "b2"])
