@@ -35,7 +35,8 @@ ones; the batch is the FSDP rank's, the same on every TP rank. ``loss_fn`` does 
 Megatron style: mark the input of a column-parallel ``dense`` as varying over ``tp_axis``
 (``jax.lax.pcast(x, tp_axis, to="varying")``; its transpose all-reduces the input gradient over TP) and
 ``psum`` the output of a row-parallel ``dense`` over ``tp_axis``, so that the loss it returns is the same on
-every TP rank (or use the ``jq.sp_*`` layers). Gradients of split weights stay TP-local and are reduced
+every TP rank (or use the ``jq.sp_*`` layers); with FP8 weights pass ``amax_axes=tp_axis`` to ``dense`` so that
+TP-split activations and gradients are scaled by the whole tensor's amax. Gradients of split weights stay TP-local and are reduced
 over ``fsdp_axis`` only; replicated leaves enter ``loss_fn`` TP-invariant, so JAX's transpose of their
 implicit broadcast psums their gradient over ``tp_axis`` (the whole gradient on every TP rank).
 """
@@ -147,6 +148,25 @@ class TrainState:
     weights: Any
     step: jax.Array
     plan: _Plan = dataclasses.field(metadata=dict(static=True))
+
+
+def _explain_tp_errors(fn, tp_axis):
+    """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
+    if tp_axis is None:
+        return fn
+
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            if "manual axis types do not match" not in str(e):
+                raise
+            raise ValueError(f"loss_fn: a TP-split weight met an activation that is the same on every {tp_axis!r} "
+                             f"rank; mark the input of a column-parallel dense as varying over {tp_axis!r} first "
+                             f"(jax.lax.pcast(x, {tp_axis!r}, to='varying')) and psum row-parallel outputs over "
+                             f"it ({e})") from e
+
+    return wrapped
 
 
 def _leaf_name(path) -> str:
@@ -375,7 +395,7 @@ class TrainStep:
                 raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(loss)}")
             return loss.astype(jnp.float32)
 
-        grad_fn = jax.value_and_grad(loss_of)
+        grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis if plan.tp else None)
         to_main = lambda g: jax.tree.map(lambda a: a.astype(pol.main_grads_dtype), g)
         if k == 1:
             loss, grads = grad_fn(diff, batch)

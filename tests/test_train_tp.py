@@ -171,3 +171,14 @@ def test_param_specs_errors():
         make(param_specs={**SPECS, "w1": "cols"}).init(init_params())
     with pytest.raises(ValueError, match="param_specs: given without tp_axis"):
         jq.make_train_step(mlp_loss, optax.sgd(LR), mesh=mesh, param_specs=SPECS)
+
+
+def test_missing_tp_cast_is_explained():
+    def no_cast(w, b):    # the column-parallel w1 applied to the TP-replicated batch without pcast
+        h = jax.nn.relu(jq.dense(b["x"], w["w1"], out_dtype=jnp.float32))
+        return jnp.mean(jax.lax.psum(jq.dense(h, w["w2"], out_dtype=jnp.float32), "tp") + w["b2"])
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
+    step = jq.make_train_step(no_cast, optax.sgd(LR), mesh=mesh, tp_axis="tp", param_specs=SPECS)
+    with pytest.raises(ValueError, match="loss_fn: a TP-split weight met an activation"):
+        step(step.init(init_params()), make_batch())
