@@ -35,9 +35,9 @@ ones; the batch is the FSDP rank's, the same on every TP rank. ``loss_fn`` does 
 Megatron style: mark the input of a column-parallel ``dense`` as varying over ``tp_axis``
 (``jax.lax.pcast(x, tp_axis, to="varying")``; its transpose all-reduces the input gradient over TP) and
 ``psum`` the output of a row-parallel ``dense`` over ``tp_axis``, so that the loss it returns is the same on
-every TP rank (or use the ``jq.sp_*`` layers); with FP8 weights pass ``amax_axes=tp_axis`` to ``dense`` so that
-TP-split activations and gradients are scaled by the whole tensor's amax. Gradients of split weights stay TP-local and are reduced
-over ``fsdp_axis`` only; replicated leaves enter ``loss_fn`` TP-invariant, so JAX's transpose of their
+every TP rank (or use the ``jq.sp_*`` layers); with FP8 weights pass ``amax_axes=tp_axis`` to ``dense`` so
+that TP-split activations and gradients are scaled by the whole tensor's amax. Gradients of split weights
+stay TP-local and are reduced over ``fsdp_axis`` only; replicated leaves enter ``loss_fn`` TP-invariant, so JAX's transpose of their
 implicit broadcast psums their gradient over ``tp_axis`` (the whole gradient on every TP rank).
 """
 
