@@ -4,7 +4,10 @@ A decoder-only transformer (token embedding, ``layers`` pre-norm blocks of causa
 output head; every matrix in PyTorch ``[out, in]`` convention and applied with ``jq.dense``) learns
 synthetic next-token data: each sequence follows a fixed random permutation of the vocabulary from a
 random first token, so the loss falls from ``ln(vocab)`` towards 0. Training runs through
-``jq.make_train_step`` on an ``(fsdp, tp)`` mesh; the run ends by saving a PyTorch DCP checkpoint of the
+``jq.make_train_step`` on an ``(fsdp, tp)`` mesh, Megatron-style tensor parallel over ``tp``: the QKV and
+MLP-up weights are column-parallel (each TP rank holds ``heads/tp`` heads and ``d_ff/tp`` hidden units),
+the attention output and MLP-down weights row-parallel, their outputs ``psum``-ed over ``tp``; embedding,
+head and norms are replicated over ``tp``. The run ends by saving a PyTorch DCP checkpoint of the
 fp32 parameters and the NVFP4/FP8 weights.
 """
 
@@ -28,16 +31,21 @@ class ModelConfig:
     seq: int = 32
 
 
-def init_params(key, cfg: ModelConfig):
-    """fp32 parameters; matrices are [out, in]. The embedding is [d_model, vocab]: dense(one_hot, E)."""
-    import jax
-    import jax.numpy as jnp
-
+def _param_shapes(cfg: ModelConfig) -> dict:
     d, f = cfg.d_model, cfg.d_ff
     shapes = {"embed": (d, cfg.vocab), "head": (cfg.vocab, d), "final_norm": (d,)}
     for i in range(cfg.layers):
         shapes |= {f"l{i}.attn_norm": (d,), f"l{i}.q": (d, d), f"l{i}.k": (d, d), f"l{i}.v": (d, d),
                    f"l{i}.o": (d, d), f"l{i}.mlp_norm": (d,), f"l{i}.up": (f, d), f"l{i}.down": (d, f)}
+    return shapes
+
+
+def init_params(key, cfg: ModelConfig):
+    """fp32 parameters; matrices are [out, in]. The embedding is [d_model, vocab]: dense(one_hot, E)."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = _param_shapes(cfg)
     params = {}
     for (name, shape), k in zip(sorted(shapes.items()), jax.random.split(key, len(shapes))):
         if len(shape) == 1:
@@ -60,8 +68,15 @@ def _positions(seq, d):
     return np.concatenate([np.sin(pos), np.cos(pos)], axis=1).astype(np.float32)
 
 
-def loss_fn(cfg: ModelConfig):
-    """loss(weights, batch): mean next-token cross-entropy; batch["tokens"] int32 [B, seq + 1]."""
+def param_specs(cfg: ModelConfig):
+    """How make_train_step splits each parameter over tp (Megatron: column- then row-parallel)."""
+    split = {"q": "col", "k": "col", "v": "col", "o": "row", "up": "col", "down": "row"}
+    return {name: split.get(name.split(".")[-1]) if "." in name else None for name in _param_shapes(cfg)}
+
+
+def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1):
+    """loss(weights, batch): mean next-token cross-entropy; batch["tokens"] int32 [B, seq + 1]. With
+    ``tp > 1`` it runs on one TP rank's blocks (``param_specs``) and does the TP collectives itself."""
     import jax
     import jax.numpy as jnp
 
@@ -69,6 +84,17 @@ def loss_fn(cfg: ModelConfig):
 
     act = jnp.bfloat16
     hd = cfg.d_model // cfg.heads
+    heads = cfg.heads // tp                # this TP rank's heads
+    amax = (tp_axis,) if tp > 1 else ()    # FP8 statistics of TP-split activations span the whole tensor
+
+    def column_parallel(x, w):
+        if tp > 1:   # Megatron's "f": identity forward; its transpose all-reduces the input gradient over tp
+            x = jax.lax.pcast(x, tp_axis, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, tp_axis)
+        return jq.dense(x, w, out_dtype=act, amax_axes=amax)
+
+    def row_parallel(x, w):   # Megatron's "g": partial products summed over tp (in fp32)
+        y = jq.dense(x, w, out_dtype=jnp.float32, amax_axes=amax)
+        return (jax.lax.psum(y, tp_axis) if tp > 1 else y).astype(act)
     pos = _positions(cfg.seq, cfg.d_model)
     mask = np.tril(np.ones((cfg.seq, cfg.seq), bool))
 
@@ -80,13 +106,13 @@ def loss_fn(cfg: ModelConfig):
         for i in range(cfg.layers):
             p = lambda n: w[f"l{i}.{n}"]
             x = _rms_norm(h, p("attn_norm"))
-            q, k, v = (jq.dense(x, p(n), out_dtype=act).reshape(b, cfg.seq, cfg.heads, hd) for n in "qkv")
+            q, k, v = (column_parallel(x, p(n)).reshape(b, cfg.seq, heads, hd) for n in "qkv")
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
             a = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1).astype(act)
-            o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, cfg.seq, cfg.d_model)
-            h = h + jq.dense(o, p("o"), out_dtype=act)
+            o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, cfg.seq, heads * hd)
+            h = h + row_parallel(o, p("o"))
             x = _rms_norm(h, p("mlp_norm"))
-            h = h + jq.dense(jax.nn.gelu(jq.dense(x, p("up"), out_dtype=act)), p("down"), out_dtype=act)
+            h = h + row_parallel(jax.nn.gelu(column_parallel(x, p("up"))), p("down"))
         logits = jq.dense(_rms_norm(h, w["final_norm"]), w["head"], out_dtype=jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
@@ -111,9 +137,9 @@ class SyntheticData:
 
 
 def parse_mesh(spec: str | None, num_devices: int) -> tuple[int, int]:
-    """``"FxT"`` -> (fsdp, tp); None -> (all devices, 1)."""
+    """``"FxT"`` -> (fsdp, tp); None -> every device on a (fsdp, tp=2) mesh (``Nx1`` for an odd count)."""
     if spec is None:
-        return num_devices, 1
+        return (num_devices // 2, 2) if num_devices % 2 == 0 else (num_devices, 1)
     try:
         fsdp, tp = (int(v) for v in spec.lower().split("x"))
     except ValueError:
@@ -123,8 +149,18 @@ def parse_mesh(spec: str | None, num_devices: int) -> tuple[int, int]:
     return fsdp, tp
 
 
+def check_tp(cfg: ModelConfig, tp: int, recipe: str) -> None:
+    """The model splits over ``tp`` ranks: whole heads and hidden units, NVFP4 16-element tiles."""
+    if cfg.heads % tp or cfg.d_ff % tp:
+        raise ValueError(f"--mesh: tp={tp} must divide the {cfg.heads} heads and d_ff={cfg.d_ff}")
+    if recipe == "nvfp4" and (cfg.d_model // tp) % 16:
+        raise ValueError(f"--mesh: tp={tp} leaves {cfg.d_model // tp} columns per TP rank; NVFP4 needs a "
+                         f"multiple of 16 (use tp <= {cfg.d_model // 16})")
+
+
 def bytes_gathered(plan, recipe: str) -> tuple[int, int]:
-    """(bytes all-gathered per step for the weights, the same for bf16 weights) of a sharded strategy."""
+    """(bytes all-gathered per step and device for the weights, the same for bf16 weights) of a sharded
+    strategy; with TP, one TP rank's blocks (its row of the master)."""
     import jaxquant as jq
 
     bf16 = 2 * plan.matrices.total_size
@@ -171,21 +207,19 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
         raise ValueError(f"--recipe: must be nvfp4, fp8 or bf16, got {recipe!r}")
     devices = jax.devices()
     fsdp, tp = parse_mesh(mesh_spec, len(devices))
-    if tp > 1:
-        raise ValueError(f"--mesh: tp={tp} needs FSDP x TP support in quantize_master_weights (tp_axis=), "
-                         f"which this jaxquant does not have yet; use --mesh {fsdp * tp}x1")
+    check_tp(cfg, tp, recipe)
     _print_backends()
     mesh = Mesh(np.array(devices[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
-    batch = batch_per_device * fsdp
-    step = jq.make_train_step(loss_fn(cfg), optax.adam(lr), mesh=mesh, strategy=strategy, tp_axis="tp",
-                              policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
+    batch = batch_per_device * fsdp * tp        # the TP ranks of one FSDP rank share its rows
+    step = jq.make_train_step(loss_fn(cfg, "tp", tp), optax.adam(lr), mesh=mesh, strategy=strategy, tp_axis="tp",
+                              param_specs=param_specs(cfg), policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
     state = step.init(init_params(jax.random.key(seed), cfg))
     sent, sent_bf16 = bytes_gathered(state.plan, recipe) if strategy != "no_shard" else (0, 0)
-    n_params = state.plan.matrices.total_size + state.plan.others.total_size
+    n_params = sum(math.prod(shape) for shape in state.plan.shapes)
     print(f"model: {cfg.layers} blocks, d_model {cfg.d_model}, vocab {cfg.vocab}, {n_params:,} parameters; "
           f"mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; weights {recipe}, strategy {strategy}; "
           f"batch {batch} x {cfg.seq} tokens")
-    gathered = (f"{sent / 1024:.0f} KiB/step ({sent / sent_bf16:.2f}x bf16)" if sent_bf16
+    gathered = (f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)" if sent_bf16
                 else "no weight gather (no_shard: replicated masters)")
     print(f"weights all-gathered per step: {gathered}")
     data = SyntheticData(cfg, batch, seed)
@@ -223,7 +257,7 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     demo.add_argument("--recipe", choices=("nvfp4", "fp8", "bf16"), default="nvfp4",
                       help="compute weights (default nvfp4)")
-    demo.add_argument("--mesh", default=None, help="FSDPxTP, e.g. 8x1 (default: all devices x 1)")
+    demo.add_argument("--mesh", default=None, help="FSDPxTP, e.g. 4x2 (default: all devices, tp=2: 4x2 on 8)")
     demo.add_argument("--strategy", choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
                       default="optim_grads_params")
     demo.add_argument("--batch-per-device", type=int, default=2)

@@ -21,9 +21,24 @@ One step, with ``S`` data-parallel ranks on ``fsdp_axis`` and ``k`` microbatches
 3. the optimizer updates the master shards (replicated for ``no_shard``); with ``report_nan`` a step with
    a non-finite gradient leaves master and optimizer state unchanged.
 
-Tensor parallelism (``tp_axis``) plugs in at step 1 (weights gathered over FSDP only, TP-sharded by
-``param_specs``) and step 2 (``shard_map`` over both axes); it needs the FSDP x TP form of
-``quantize_master_weights`` / ``FlatLayout`` and is refused until those exist.
+FSDP x TP (``tp_axis`` of size T > 1): ``param_specs`` (a pytree like ``params``) says, per 2-D leaf, how
+it is split over ``tp_axis``: ``"col"`` (column-parallel: ``out`` of ``[out, in]`` split, each TP rank holds
+``[out/T, in]``), ``"row"`` (row-parallel: ``in`` split, ``[out, in/T]``) or None (replicated over TP, the
+default for every leaf; non-2-D leaves must be None). The "matrices" master is a TP-aware ``FlatLayout``
+(``tp_dims`` 0 / 1 / None), ``[T, num_shards * shard_size]`` sharded ``P(tp_axis, fsdp_axis)`` (replicated
+leaves repeated in every TP row); "others" stay ``P(fsdp_axis)``. Step 1 gathers over ``fsdp_axis`` only
+(``quantize_master_weights(..., tp_axis=)``, amaxes over the whole weight; bf16: an all-gather over
+``fsdp_axis`` of each TP rank's row); ``no_shard`` quantizes through the same call. Step 2's ``shard_map``
+runs over both axes and ``loss_fn`` receives the TP-local block of each split weight (``[out/T, in]`` or
+``[out, in/T]``, as a bf16 array / ``Float8Tensor`` / ``NVFP4Tensor`` of that shape) and whole replicated
+ones; the batch is the FSDP rank's, the same on every TP rank. ``loss_fn`` does the TP collectives itself,
+Megatron style: mark the input of a column-parallel ``dense`` as varying over ``tp_axis``
+(``jax.lax.pcast(x, tp_axis, to="varying")``; its transpose all-reduces the input gradient over TP) and
+``psum`` the output of a row-parallel ``dense`` over ``tp_axis``, so that the loss it returns is the same on
+every TP rank (or use the ``jq.sp_*`` layers); with FP8 weights pass ``amax_axes=tp_axis`` to ``dense`` so
+that TP-split activations and gradients are scaled by the whole tensor's amax. Gradients of split weights
+stay TP-local and are reduced over ``fsdp_axis`` only; replicated leaves enter ``loss_fn`` TP-invariant, so JAX's transpose of their
+implicit broadcast psums their gradient over ``tp_axis`` (the whole gradient on every TP rank).
 """
 
 from __future__ import annotations
@@ -39,9 +54,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
 from jaxquant.dense import pcast_varying, straight_through
-from jaxquant.distributed import quantize_master_weights
+from jaxquant.distributed import _weight_specs, quantize_master_weights
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
+from jaxquant.tensors import NVFP4Tensor
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
@@ -96,6 +112,9 @@ class MixedPrecisionPolicy:
 # ----------------------------------------------------------------------------------------------
 
 
+TP_SPECS = {"col": 0, "row": 1, None: None}     # param_specs leaf -> FlatLayout tp_dims entry
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Everything static about one parameter tree: hashable, so it rides in the state as metadata."""
@@ -105,8 +124,16 @@ class _Plan:
     shapes: tuple
     matrix_leaves: tuple         # leaf indices of the "matrices" group, in layout order
     other_leaves: tuple
-    matrices: FlatLayout
+    matrices: FlatLayout         # TP-aware (tp_dims) with FSDP x TP
     others: FlatLayout
+    matrices_local: FlatLayout   # one TP rank's row of ``matrices``: TP-local shapes, same offsets
+
+    @property
+    def tp(self) -> bool:
+        return self.matrices.tp_dims is not None
+
+    def tp_dim(self, p: int):
+        return self.matrices.tp_dims[p] if self.tp else None
 
 
 @jax.tree_util.register_dataclass
@@ -123,14 +150,55 @@ class TrainState:
     plan: _Plan = dataclasses.field(metadata=dict(static=True))
 
 
+def _explain_tp_errors(fn, tp_axis):
+    """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
+    if tp_axis is None:
+        return fn
+
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            if "manual axis types do not match" not in str(e):
+                raise
+            raise ValueError(f"loss_fn: a TP-split weight met an activation that is the same on every {tp_axis!r} "
+                             f"rank; mark the input of a column-parallel dense as varying over {tp_axis!r} first "
+                             f"(jax.lax.pcast(x, {tp_axis!r}, to='varying')) and psum row-parallel outputs over "
+                             f"it ({e})") from e
+
+    return wrapped
+
+
 def _leaf_name(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _make_plan(params, num_shards: int, compute_weights: str) -> _Plan:
+def _tp_dims(param_specs, treedef, names, shapes):
+    """One FlatLayout tp_dims entry per leaf from ``param_specs`` (a pytree like params)."""
+    try:
+        specs = treedef.flatten_up_to(param_specs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"param_specs: must be a pytree with the structure of params ({e})") from None
+    dims = []
+    for name, shape, spec in zip(names, shapes, specs):
+        if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+            spec = {0: "col", 1: "row"}.get(int(spec), spec)
+        if not isinstance(spec, (str, type(None))) or spec not in TP_SPECS:
+            raise ValueError(f"param_specs{name}: must be 'col', 'row' or None, got {spec!r}")
+        if spec is not None and len(shape) != 2:
+            raise ValueError(f"param_specs{name}: only 2-D [out, in] weights can be split over TP, got shape {shape}")
+        dims.append(TP_SPECS[spec])
+    return dims
+
+
+def _make_plan(params, num_shards: int, compute_weights: str, tp_size: int = 1, param_specs=None) -> _Plan:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
         raise ValueError("params: the parameter tree has no leaves")
+    dims = [None] * len(leaves_with_path)
+    if param_specs is not None:
+        dims = _tp_dims(param_specs, treedef, [_leaf_name(p) for p, _ in leaves_with_path],
+                        [tuple(np.shape(a)) for _, a in leaves_with_path])
     names, shapes, mats, others = [], [], [], []
     for i, (path, leaf) in enumerate(leaves_with_path):
         name = _leaf_name(path)
@@ -140,14 +208,25 @@ def _make_plan(params, num_shards: int, compute_weights: str) -> _Plan:
         names.append(name)
         shapes.append(shape)
         if len(shape) == 2:
-            if compute_weights == "nvfp4" and (shape[0] % formats.TILE or shape[1] % formats.TILE):
-                raise ValueError(f"params{name}: NVFP4 compute weights need 2-D parameters whose dimensions "
-                                 f"are multiples of 16, got shape {shape}")
+            d = dims[i] if tp_size > 1 else None
+            if d is not None and shape[d] % tp_size:
+                raise ValueError(f"param_specs{name}: dimension {d} of shape {shape} is not divisible by the "
+                                 f"tp axis size {tp_size}")
+            local = shape if d is None else tuple(n // tp_size if a == d else n for a, n in enumerate(shape))
+            if compute_weights == "nvfp4" and (local[0] % formats.TILE or local[1] % formats.TILE):
+                raise ValueError(f"params{name}: NVFP4 compute weights need 2-D parameters whose (TP-local) "
+                                 f"dimensions are multiples of 16, got shape {local}")
             mats.append(i)
         else:
             others.append(i)
-    layout = lambda idx: FlatLayout([shapes[i] for i in idx], num_shards, names=[names[i] for i in idx])
-    return _Plan(treedef, tuple(names), tuple(shapes), tuple(mats), tuple(others), layout(mats), layout(others))
+    layout = lambda idx, **tp: FlatLayout([shapes[i] for i in idx], num_shards, names=[names[i] for i in idx], **tp)
+    tp = {}
+    if tp_size > 1:
+        tp = dict(tp_size=tp_size, tp_dims=[dims[i] for i in mats])
+    matrices = layout(mats, **tp)
+    local = FlatLayout.from_param_offsets(matrices.local_shapes, matrices.param_offsets, num_shards,
+                                          matrices.shard_size, names=matrices.names)
+    return _Plan(treedef, tuple(names), tuple(shapes), tuple(mats), tuple(others), matrices, layout(others), local)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,10 +254,15 @@ def raise_if_nonfinite(metrics) -> None:
 class TrainStep:
     """What :func:`make_train_step` returns: ``init``, ``__call__``, ``params``, ``lower``."""
 
-    def __init__(self, loss_fn, optimizer, mesh, policy, strategy, microbatches, report_nan, fsdp_axis):
+    def __init__(self, loss_fn, optimizer, mesh, policy, strategy, microbatches, report_nan, fsdp_axis,
+                 tp_axis=None, param_specs=None):
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
         self.strategy, self.microbatches, self.report_nan, self.fsdp_axis = strategy, microbatches, report_nan, fsdp_axis
         self.num_shards = int(mesh.shape[fsdp_axis])
+        # TP is on when the tp axis has more than one device; a size-1 tp axis is plain FSDP
+        self.tp_size = 1 if tp_axis is None else int(mesh.shape[tp_axis])
+        self.tp_axis = tp_axis if self.tp_size > 1 else None
+        self.param_specs = param_specs
         self._steps = {}          # plan -> jitted step (per instance, no module state)
 
     # -- shardings ---------------------------------------------------------------------------
@@ -187,26 +271,55 @@ class TrainStep:
     def _sharded(self) -> bool:
         return self.strategy != "no_shard"
 
-    def _master_sharding(self):
-        return NamedSharding(self.mesh, P(self.fsdp_axis) if self._sharded else P())
+    @property
+    def _axes(self) -> tuple:
+        """The mesh axes the gradient shard_map is manual over and the loss statistics are reduced over."""
+        return (self.fsdp_axis,) if self.tp_axis is None else (self.fsdp_axis, self.tp_axis)
+
+    def _spec(self, group, plan):
+        """PartitionSpec of a group's flat master (and gradient): ``[total]`` over FSDP, or the FSDP x TP
+        ``[tp, total]`` of the matrices."""
+        fsdp = self.fsdp_axis if self._sharded else None
+        return P(self.tp_axis, fsdp) if group == "matrices" and plan.tp else P(fsdp)
+
+    def _master_sharding(self, plan):
+        return {g: NamedSharding(self.mesh, self._spec(g, plan)) for g in ("matrices", "others")}
 
     def _replicated(self):
         return NamedSharding(self.mesh, P())
 
     def _like_master(self, tree, plan):
-        """Shardings for ``tree`` (e.g. the optimizer state): 1-D leaves of a group's flat size are sharded
-        like the master, everything else replicated."""
-        sizes = {plan.matrices.total_size, plan.others.total_size}
-        return jax.tree.map(lambda a: self._master_sharding() if a.ndim == 1 and a.shape[0] in sizes
-                            else self._replicated(), tree)
+        """Shardings for ``tree`` (e.g. the optimizer state): leaves shaped like a group's flat master are
+        sharded like it, everything else replicated."""
+        by_shape = {(plan.others.total_size,): self._master_sharding(plan)["others"],
+                    self._flat_shape(plan): self._master_sharding(plan)["matrices"]}
+        return jax.tree.map(lambda a: by_shape.get(tuple(a.shape), self._replicated()), tree)
+
+    @staticmethod
+    def _flat_shape(plan):
+        m = plan.matrices
+        return (m.tp_size, m.total_size) if plan.tp else (m.total_size,)
+
+    def _weight_specs(self, plan):
+        """in_specs of the compute weights (TP-local shapes) in the gradient shard_map."""
+        cw = self.policy.compute_weights
+        if not plan.tp:
+            return P()
+        if cw != "bf16":
+            return _weight_specs(plan.matrices, cw, True, self.tp_axis)
+        return [P() if d is None else P(*((self.tp_axis, None) if d == 0 else (None, self.tp_axis)))
+                for d in plan.matrices.tp_dims]
 
     # -- compute weights ---------------------------------------------------------------------
 
     def _gather_weights(self, master_mat, plan):
-        """The compute weights of the "matrices" group (list in layout order), replicated."""
+        """The compute weights of the "matrices" group (list in layout order): replicated, or with TP
+        global arrays sharded over the tp axis along each weight's TP dim."""
         cw, layout = self.policy.compute_weights, plan.matrices
         if layout.num_params == 0:
             return []
+        if plan.tp:
+            return self._gather_tp_weights(master_mat, plan)
         if not self._sharded:
             leaves = layout.unflatten(master_mat)
             if cw == "bf16":
@@ -223,6 +336,33 @@ class TrainStep:
                                        compute_dtype=COMPUTE_DTYPE, columnwise=True,
                                        manual_post_all_gather_processing=False)
 
+    def _gather_tp_weights(self, master_mat, plan):
+        """FSDP x TP: gathered over ``fsdp_axis`` only. ``no_shard`` masters are replicated over FSDP: the
+        quantized path reads them through the same call (its input resharding is a local slice)."""
+        cw, layout = self.policy.compute_weights, plan.matrices
+        if cw != "bf16":
+            return quantize_master_weights(master_mat, layout, mesh=self.mesh, axis=self.fsdp_axis,
+                                           tp_axis=self.tp_axis, recipe=cw, compute_dtype=COMPUTE_DTYPE,
+                                           columnwise=True, manual_post_all_gather_processing=False)
+
+        def gather(block):   # this TP rank's row: [1, shard_size] (or [1, total_size] with no_shard)
+            row = formats.to_compute_dtype(block.reshape(-1), COMPUTE_DTYPE)
+            if self._sharded:
+                row = jax.lax.all_gather(row, self.fsdp_axis, tiled=True, to="invarying")
+            return plan.matrices_local.unflatten(row)
+
+        # replicated weights come from TP-varying rows holding equal values, which check_vma cannot know
+        fn = jax.shard_map(gather, mesh=self.mesh, in_specs=self._spec("matrices", plan),
+                           out_specs=self._weight_specs(plan), check_vma=False)
+        return fn(master_mat)
+
+    def _local_weights(self, weights, plan):
+        """What the gradient shard_map takes: NVFP4 tensors carry their TP-local shape."""
+        if not plan.tp:
+            return weights
+        return [dataclasses.replace(w, shape=tuple(s)) if isinstance(w, NVFP4Tensor) else w
+                for w, s in zip(weights, plan.matrices.local_shapes)]
+
     def _others(self, master_oth, plan):
         flat = jax.lax.with_sharding_constraint(master_oth, self._replicated())
         return plan.others.unflatten(flat)
@@ -233,9 +373,15 @@ class TrainStep:
         """Inside shard_map: (mean loss, matrix grad flat, other grad flat[, non-finite flags])."""
         axes, pol, k, S = (self.fsdp_axis,), self.policy, self.microbatches, self.num_shards
         quantized = pol.compute_weights != "bf16"
-        diff = {"m": [jnp.zeros(s, COMPUTE_DTYPE) for s in plan.matrices.shapes] if quantized else list(weights),
+        # mesh axes each differentiated leaf varies over: TP-split weights also over the tp axis
+        vary = {"m": [axes + (() if plan.tp_dim(p) is None else (self.tp_axis,))
+                      for p in range(plan.matrices.num_params)],
+                "o": [axes] * plan.others.num_params}
+        diff = {"m": [jnp.zeros(s, COMPUTE_DTYPE) for s in plan.matrices.local_shapes] if quantized else list(weights),
                 "o": list(others)}
-        diff = jax.tree.map(lambda a: pcast_varying(a, axes), diff)
+        # bf16 weights of TP-split leaves arrive varying over tp already (their in_specs)
+        cast = vary if quantized else {"m": [axes] * len(vary["m"]), "o": vary["o"]}
+        diff = jax.tree.map(pcast_varying, diff, cast, is_leaf=lambda a: isinstance(a, tuple))
 
         def loss_of(d, mb):
             mats = [straight_through(q, s) for q, s in zip(weights, d["m"])] if quantized else d["m"]
@@ -249,7 +395,7 @@ class TrainStep:
                 raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(loss)}")
             return loss.astype(jnp.float32)
 
-        grad_fn = jax.value_and_grad(loss_of)
+        grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis if plan.tp else None)
         to_main = lambda g: jax.tree.map(lambda a: a.astype(pol.main_grads_dtype), g)
         if k == 1:
             loss, grads = grad_fn(diff, batch)
@@ -262,18 +408,22 @@ class TrainStep:
                 l, g = grad_fn(diff, mb)
                 return (loss_sum + l, jax.tree.map(jnp.add, acc, to_main(g))), None
 
-            zeros = jax.tree.map(lambda a: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), axes), diff)
+            zeros = jax.tree.map(lambda a, v: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), v), diff, vary,
+                                 is_leaf=lambda a: isinstance(a, tuple))
             (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
             loss = loss / k
-        # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce
+        # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce; with
+        # TP the loss is the same on every TP rank (loss_fn's contract) and TP rank 0's copy is the one summed
+        if plan.tp:
+            loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
         stats = [jnp.reshape(loss, (1,))]
         if self.report_nan:
             stats += [jnp.reshape(jnp.logical_not(jnp.all(jnp.isfinite(g))), (1,)).astype(jnp.float32)
                       for g in grads["m"] + grads["o"]]
-        stats = jax.lax.psum(jnp.concatenate(stats), axes)
+        stats = jax.lax.psum(jnp.concatenate(stats), self._axes)
         out = [stats[0] / S]
         scale = np.float32(1.0 / (S * k))
-        for group, layout in (("m", plan.matrices), ("o", plan.others)):
+        for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
                 continue
@@ -283,17 +433,21 @@ class TrainStep:
                 flat = jax.lax.psum(flat, axes)
             else:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
+            if group == "m" and plan.tp:        # this TP rank's row of the [tp, ...] gradient
+                flat = flat.reshape(1, -1)
             out.append(flat.astype(pol.main_grads_dtype))
         if self.report_nan:
             out.append(stats[1:] > 0)       # per parameter, in the order matrices then others
         return tuple(out)
 
     def _grads(self, plan, weights, others, batch):
-        grad_spec = P(self.fsdp_axis) if self.strategy in ("optim_grads", "optim_grads_params") else P()
-        out_specs = (P(), grad_spec, grad_spec) + ((P(),) if self.report_nan else ())
+        scattered = self.strategy in ("optim_grads", "optim_grads_params")
+        fsdp = self.fsdp_axis if scattered else None
+        mat_spec = P(self.tp_axis, fsdp) if plan.tp else P(fsdp)
+        out_specs = (P(), mat_spec, P(fsdp)) + ((P(),) if self.report_nan else ())
         fn = jax.shard_map(functools.partial(self._grad_body, plan), mesh=self.mesh,
-                           in_specs=(P(), P(), P(self.fsdp_axis)), out_specs=out_specs)
-        return fn(weights, others, batch)
+                           in_specs=(self._weight_specs(plan), P(), P(self.fsdp_axis)), out_specs=out_specs)
+        return fn(self._local_weights(weights, plan), others, batch)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -306,11 +460,11 @@ class TrainStep:
         loss, g_mat, g_oth, *flags = self._grads(plan, weights, self._others(master["others"], plan), batch)
         grads = {"matrices": g_mat, "others": g_oth}
         if self._sharded:
-            grads = jax.lax.with_sharding_constraint(grads, self._master_sharding())
+            grads = jax.lax.with_sharding_constraint(grads, self._master_sharding(plan))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
         new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
         # outputs sharded as the inputs, so the donated buffers are reused
-        new_master = jax.lax.with_sharding_constraint(new_master, self._master_sharding())
+        new_master = jax.lax.with_sharding_constraint(new_master, self._master_sharding(plan))
         opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
         metrics = {"loss": loss}
         if self.report_nan:
@@ -335,14 +489,14 @@ class TrainStep:
 
     def init(self, params) -> TrainState:
         """State from ``params`` (a pytree of full arrays): flat main params, optimizer state, weights."""
-        plan = _make_plan(params, self.num_shards, self.policy.compute_weights)
+        plan = _make_plan(params, self.num_shards, self.policy.compute_weights, self.tp_size, self.param_specs)
         leaves = jax.tree_util.tree_leaves(params)
         dtype = self.policy.main_params_dtype
 
         def build(leaves):
             master = {"matrices": plan.matrices.flatten([leaves[i] for i in plan.matrix_leaves], dtype),
                       "others": plan.others.flatten([leaves[i] for i in plan.other_leaves], dtype)}
-            master = jax.lax.with_sharding_constraint(master, self._master_sharding())
+            master = jax.lax.with_sharding_constraint(master, self._master_sharding(plan))
             opt_state = self.optimizer.init(master)
             opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
             weights = (self._gather_weights(master["matrices"], plan)
@@ -399,7 +553,10 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
     ``loss_fn(weights, batch) -> scalar``: ``weights`` is a pytree like ``params`` whose 2-D leaves are the
     policy's compute weights (call ``jq.dense`` with them) and other leaves main-params arrays; ``batch``
     is the rank's microbatch. ``optimizer``: an optax ``GradientTransformation``. ``mesh`` must have
-    ``fsdp_axis``; other axes must have size 1 until FSDP x TP lands (``tp_axis``, ``param_specs``).
+    ``fsdp_axis``; ``tp_axis`` (optional) is the tensor-parallel axis and ``param_specs`` (a pytree like
+    ``params``, leaves ``"col"`` / ``"row"`` / None, or 0 / 1 / None) splits 2-D weights over it: see the
+    module docstring for what ``loss_fn`` then receives and the TP collectives it must do. Other mesh axes
+    must have size 1.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
@@ -418,12 +575,13 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         raise ValueError(f"fsdp_axis: {fsdp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
     if tp_axis is not None and tp_axis not in mesh.axis_names:
         raise ValueError(f"tp_axis: {tp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
-    if param_specs is not None or (tp_axis is not None and mesh.shape[tp_axis] > 1):
-        raise NotImplementedError(
-            "tp_axis/param_specs: FSDP x TP training needs quantize_master_weights(..., tp_axis=) and a "
-            "TP-aware FlatLayout, which this jaxquant does not have yet; use a mesh whose tp axis has size 1")
+    if tp_axis is not None and tp_axis == fsdp_axis:
+        raise ValueError(f"tp_axis: must differ from fsdp_axis ({fsdp_axis!r})")
+    if param_specs is not None and tp_axis is None:
+        raise ValueError("param_specs: given without tp_axis; name the tensor-parallel mesh axis as tp_axis")
     for axis in mesh.axis_names:
-        if axis != fsdp_axis and mesh.shape[axis] != 1:
-            raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} may be larger "
-                             f"than 1 (data parallel)")
-    return TrainStep(loss_fn, optimizer, mesh, policy, strategy, int(microbatches), bool(report_nan), fsdp_axis)
+        if axis not in (fsdp_axis, tp_axis) and mesh.shape[axis] != 1:
+            raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} (data parallel)"
+                             f" and the tp_axis may be larger than 1")
+    return TrainStep(loss_fn, optimizer, mesh, policy, strategy, int(microbatches), bool(report_nan), fsdp_axis,
+                     tp_axis, param_specs)

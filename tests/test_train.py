@@ -264,8 +264,10 @@ def test_bad_input():
     with pytest.raises(ValueError, match="fsdp_axis"):
         jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, fsdp_axis="dp")
     tp_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
-    with pytest.raises(NotImplementedError, match="tp_axis"):
-        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=tp_mesh, tp_axis="tp")
+    with pytest.raises(ValueError, match="mesh: axis 'tp' has size 2"):     # a second axis needs tp_axis=
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=tp_mesh)
+    with pytest.raises(ValueError, match="tp_axis: must differ"):
+        jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=tp_mesh, tp_axis="fsdp")
     step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, microbatches=4)
     state = step.init(init_params())
     with pytest.raises(ValueError, match=r"batch\['x'\].*multiple of"):
