@@ -146,8 +146,9 @@ struct Fp8Params {
 __device__ __forceinline__ uint32_t e2m1_code_fpu(float f) {
   const float a = fminf(fabsf(f), 6.0f);
   const uint32_t magic = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u) + (22u << 23);
-  const uint32_t k = __float_as_uint(__fadd_rn(a, __uint_as_float(magic))) - magic;
-  return ((__float_as_uint(f) >> 28) & 0x8u) | (k + ((magic - 0x4A800000u) >> 22));
+  // k + 2e: magic >> 22 is 2e + 298 exactly (magic is a multiple of 2^23).
+  const uint32_t code = __float_as_uint(__fadd_rn(a, __uint_as_float(magic))) - magic + (magic >> 22) - 298u;
+  return ((__float_as_uint(f) >> 28) & 0x8u) | code;
 }
 
 // E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else e2m1_code_fpu;
