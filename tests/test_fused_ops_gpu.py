@@ -122,3 +122,24 @@ def test_fp8_stats_and_cast_large_custom_equals_reference(dtype_name, compute):
         cus_q = cast(v, amax, compute_dtype=cdt, impl="custom_call")
         for i, (a, b) in enumerate(zip(jax.tree_util.tree_leaves(cus_q), jax.tree_util.tree_leaves(ref_q))):
             assert_bytes_equal_nan_aware(a, b, f"{name} fp8_quantize output {i}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_nvfp4_quantize_e2m1_every_fp32_in_decision_range():
+    """Every fp32 value with 0.125 <= |x| < 8 (all E2M1 rounding decisions, both signs) through the
+    CUDA quantize with an encode multiplier of exactly 1 (tile amax 6, global amax 2688, as in
+    test_nvfp4_quantize_e2m1_rounding_sweep): the packed codes equal the reference's."""
+    import jax.numpy as jnp
+    from jaxquant import ops
+
+    mags = np.arange(0x3E000000, 0x41000000, dtype=np.uint32)  # [2^-3, 2^3)
+    x = np.concatenate([mags, mags | np.uint32(0x80000000)]).view(np.float32).reshape(-1, 4096)
+    rows, cols = x.shape
+    tiles = jnp.full((rows // 16, cols // 16), 6.0, jnp.float32)
+    amax = jnp.asarray([2688.0], jnp.float32)
+    xj = jnp.asarray(x)
+    ref = ops.nvfp4_quantize(xj, tiles, amax, compute_dtype=None, impl="reference")
+    cus = ops.nvfp4_quantize(xj, tiles, amax, compute_dtype=None, impl="custom_call")
+    assert_bytes_equal(cus[0], ref[0], "data")
+    assert_bytes_equal(cus[1], ref[1], "scale_inv")
