@@ -137,62 +137,116 @@ struct Fp8Params {
   }
 };
 
-// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else the shared
-// software rounding; both are RNE with saturation to ±6 and keep the sign of zero.
+// E2M1 code of f with the FPU doing the rounding (the cast is ALU-bound on Hopper): the same code
+// as float_to_e2m1 for every fp32 input (checked exhaustively on the host; min.f32 maps NaN to 6,
+// code 7, as float_to_e2m1 does). After saturating |f| to 6, adding 2^(e+22) (e the exponent of
+// |f|, at least 0) leaves one ulp equal to the E2M1 spacing of that binade (0.5 below 2, 1 in
+// [2, 4), 2 in [4, 6]), so the sum is RNE on the grid (the ulp parity is the E2M1 mantissa
+// parity); k = its distance from 2^(e+22) in ulps, and the magnitude code is k + 2e.
+__device__ __forceinline__ uint32_t e2m1_code_fpu(float f) {
+  const float a = fminf(fabsf(f), 6.0f);
+  const uint32_t magic = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u) + (22u << 23);
+  // k + 2e: magic >> 22 is 2e + 298 exactly (magic is a multiple of 2^23).
+  const uint32_t code = __float_as_uint(__fadd_rn(a, __uint_as_float(magic))) - magic + (magic >> 22) - 298u;
+  return ((__float_as_uint(f) >> 28) & 0x8u) | code;
+}
+
+// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else e2m1_code_fpu;
+// both are RNE with saturation to ±6 and keep the sign of zero (as float_to_e2m1).
 __device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
   uint16_t out;
   asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
   return static_cast<uint8_t>(out);
 #else
-  return static_cast<uint8_t>(float_to_e2m1(lo) | (float_to_e2m1(hi) << 4));
+  return static_cast<uint8_t>(e2m1_code_fpu(lo) | (e2m1_code_fpu(hi) << 4));
 #endif
 }
 
 #include "jaxquant/stage_kernels.cuh"
 
 // ---- FP8 statistics (amax and the non-finite count, one read) --------------------------------
+//
+// The max is taken on magnitude bits (|x| of a non-NaN float orders like its bits): one AND and
+// one integer max an element (a packed 16x2 max for bf16). A vector whose largest magnitude could
+// be non-finite after the compute-dtype rounding (kFp8Suspect) goes through the per-element
+// numerics path instead (rare: inf/NaN inputs). Rounding to bf16 is monotone and odd, so the max
+// of the rounded magnitudes is the rounding of the max magnitude: it is rounded once per thread.
 
-// 16-byte vector loads where the pointer allows it; a scalar tail.
+// Smallest fp32 magnitude bits that are non-finite in the compute dtype: bf16 RNE sends
+// 0x7F7F8000 and above to inf (the tie goes to the even inf), NaN bits are above inf.
+template <bool kRound>
+constexpr uint32_t kFp8Suspect = kRound ? 0x7F7F8000u : 0x7F800000u;
+
+// Packed max of the two unsigned 16-bit halves (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
+// Exact statistics of one element (docs/numerics.md §1.1): rounding, NaN ignored, counted.
+template <bool kRound>
+__device__ __forceinline__ void stats_exact(float v, float& m, int& c) {
+  const float a = kRound ? round_to_bf16(v) : v;
+  m = fmaxf(m, abs_ignoring_nan(a));
+  c += !is_finite(a);
+}
+
+// Folds one 16-byte vector into the running magnitude bits `acc` (fp32: max bits; bf16: packed
+// max of 16-bit halves), or into (m, c) element by element when it holds a suspect value.
 template <bool kBf16, bool kRound>
-__global__ void amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits, int32_t* count) {
-  constexpr int kVec = kBf16 ? 8 : 4;
+__device__ __forceinline__ void stats_vector(const uint4 raw, uint32_t& acc, float& m, int& c) {
+  bool suspect;
+  uint32_t vm;
+  if constexpr (kBf16) {
+    vm = max_u16x2(max_u16x2(raw.x & 0x7FFF7FFFu, raw.y & 0x7FFF7FFFu),
+                   max_u16x2(raw.z & 0x7FFF7FFFu, raw.w & 0x7FFF7FFFu));
+    suspect = ((vm + 0x00800080u) & 0x80008000u) != 0;  // a half >= 0x7F80 (no carry: halves < 0x8000)
+  } else {
+    vm = max(max(raw.x & 0x7FFFFFFFu, raw.y & 0x7FFFFFFFu), max(raw.z & 0x7FFFFFFFu, raw.w & 0x7FFFFFFFu));
+    suspect = vm >= kFp8Suspect<kRound>;
+  }
+  if (__builtin_expect(!suspect, 1)) {
+    acc = kBf16 ? max_u16x2(acc, vm) : max(acc, vm);
+    return;
+  }
+  float v[kBf16 ? 8 : 4];
+  to_compute<kBf16, false>(raw, v);  // raw values; stats_exact rounds
+#pragma unroll
+  for (int k = 0; k < (kBf16 ? 8 : 4); ++k) stats_exact<kRound>(v[k], m, c);
+}
+
+// Grid-stride over 16-byte vectors, kInFlight independent loads a lane before the first use
+// (consecutive lanes read consecutive vectors); full rounds unpredicated. Scalar tail.
+template <bool kBf16, bool kRound>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits,
+                                                        int32_t* count) {
+  constexpr int kVec = kBf16 ? 8 : 4, kInFlight = 8;
+  uint32_t acc = 0;
   float m = 0.0f;
   int c = 0;
   const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
   const int64_t nvec = aligned ? n / kVec : 0;
-  constexpr int kInFlight = 8;  // independent 16-byte loads issued before the first use
-  for (int64_t i0 = tid; i0 < nvec; i0 += stride * kInFlight) {
+  const auto* vx = reinterpret_cast<const uint4*>(x);
+  int64_t i0 = tid;
+  for (; i0 + (kInFlight - 1) * stride < nvec; i0 += kInFlight * stride) {
     uint4 vs[kInFlight];
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const int64_t i = i0 + j * stride;
-      vs[j] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
-    }
+    for (int j = 0; j < kInFlight; ++j) vs[j] = vx[i0 + j * stride];
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j) {
-      const uint32_t w[4] = {vs[j].x, vs[j].y, vs[j].z, vs[j].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (kBf16) {
-          const float a = bf16_bits_to_float(uint16_t(w[k] & 0xFFFFu)), b = bf16_bits_to_float(uint16_t(w[k] >> 16));
-          m = fmaxf(m, fmaxf(abs_ignoring_nan(a), abs_ignoring_nan(b)));
-          c += !is_finite(a) + !is_finite(b);
-        } else {
-          const float a = kRound ? round_to_bf16(__uint_as_float(w[k])) : __uint_as_float(w[k]);
-          m = fmaxf(m, abs_ignoring_nan(a));
-          c += !is_finite(a);
-        }
-      }
-    }
+    for (int j = 0; j < kInFlight; ++j) stats_vector<kBf16, kRound>(vs[j], acc, m, c);
   }
-  for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
-    const float a = load_compute(x, kBf16, kRound, i);
-    m = fmaxf(m, abs_ignoring_nan(a));
-    c += !is_finite(a);
-  }
-  block_publish(m, c, amax_bits, count);
+  for (; i0 < nvec; i0 += stride) stats_vector<kBf16, kRound>(vx[i0], acc, m, c);
+  for (int64_t i = nvec * kVec + tid; i < n; i += stride) stats_exact<kRound>(load_as_float(x, kBf16, i), m, c);
+  if (kBf16) acc = max(acc & 0xFFFFu, acc >> 16) << 16;
+  const float fast = kRound ? round_to_bf16(__uint_as_float(acc)) : __uint_as_float(acc);
+  block_publish(fmaxf(m, fast), c, amax_bits, count);
 }
 
 ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,

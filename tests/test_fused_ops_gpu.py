@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import requires_gpu
+from conftest import assert_bytes_equal, assert_bytes_equal_nan_aware, requires_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,3 +77,69 @@ def test_command_buffer_capture_gives_identical_bytes(tmp_path):
     assert sorted(a.files) == sorted(b.files) and len(a.files) >= 14
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _large_fp8_input(dtype):
+    """[5001, 7001] values (an odd count: a scalar tail after the 16-byte vectors; large enough that
+    every thread of the resident grid runs full rounds of in-flight loads) with non-finite values
+    and values that round to inf in bf16 spread over the vector body and the tail."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((5001, 7001)) * 3).astype(np.float32)
+    flat = x.reshape(-1)
+    n = flat.size
+    specials = np.array([np.inf, -np.inf, np.nan, -np.nan, 3.4e38, -3.39e38, 1e-40, -0.0], np.float32)
+    for k, at in enumerate((1, 12_345, n // 3 + 5, n // 2, n - 9_000_000, n - 70_001, n - 3, n - 1)):
+        flat[at] = specials[k]
+    return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("compute", ["none", "bf16"])
+def test_fp8_stats_and_cast_large_custom_equals_reference(dtype_name, compute):
+    """At a size where the FP8 statistics kernel runs its unpredicated multi-load rounds and the
+    suspect-vector path (inf/NaN/overflowing values) inside them, and the rowwise cast its warp
+    spans: amax, count and the FP8 bytes equal the reference; then the same without specials."""
+    import jax
+    import jax.numpy as jnp
+    from jaxquant import ops
+
+    cdt = None if compute == "none" else jnp.bfloat16
+    stats = jax.jit(ops.fp8_stats, static_argnames=("compute_dtype", "impl"))
+    cast = jax.jit(ops.fp8_quantize, static_argnames=("compute_dtype", "impl"))
+    x = _large_fp8_input(jnp.dtype(dtype_name))
+    finite = jnp.where(jnp.isfinite(x) & (jnp.abs(x) < 1e38), x, jnp.zeros_like(x))
+    for name, v in (("specials", x), ("finite", finite)):
+        ref = stats(v, compute_dtype=cdt, impl="reference")
+        cus = stats(v, compute_dtype=cdt, impl="custom_call")
+        assert_bytes_equal(cus[0], ref[0], f"{name} amax")
+        assert_bytes_equal(cus[1], ref[1], f"{name} count")
+        amax = jnp.float32(5.0)
+        ref_q = cast(v, amax, compute_dtype=cdt, impl="reference")
+        cus_q = cast(v, amax, compute_dtype=cdt, impl="custom_call")
+        for i, (a, b) in enumerate(zip(jax.tree_util.tree_leaves(cus_q), jax.tree_util.tree_leaves(ref_q))):
+            assert_bytes_equal_nan_aware(a, b, f"{name} fp8_quantize output {i}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_nvfp4_quantize_e2m1_every_fp32_in_decision_range():
+    """Every fp32 value with 0.125 <= |x| < 8 (all E2M1 rounding decisions, both signs) through the
+    CUDA quantize with an encode multiplier of exactly 1 (tile amax 6, global amax 2688, as in
+    test_nvfp4_quantize_e2m1_rounding_sweep): the packed codes equal the reference's."""
+    import jax.numpy as jnp
+    from jaxquant import ops
+
+    mags = np.arange(0x3E000000, 0x41000000, dtype=np.uint32)  # [2^-3, 2^3)
+    x = np.concatenate([mags, mags | np.uint32(0x80000000)]).view(np.float32).reshape(-1, 4096)
+    rows, cols = x.shape
+    tiles = jnp.full((rows // 16, cols // 16), 6.0, jnp.float32)
+    amax = jnp.asarray([2688.0], jnp.float32)
+    xj = jnp.asarray(x)
+    ref = ops.nvfp4_quantize(xj, tiles, amax, compute_dtype=None, impl="reference")
+    cus = ops.nvfp4_quantize(xj, tiles, amax, compute_dtype=None, impl="custom_call")
+    assert_bytes_equal(cus[0], ref[0], "data")
+    assert_bytes_equal(cus[1], ref[1], "scale_inv")

@@ -73,33 +73,37 @@ __device__ __forceinline__ void to_compute(const uint4 raw, float* v) {
 
 // ---- FP8 rowwise cast ------------------------------------------------------------------------
 
-// A thread converts 64 input bytes (16 fp32 or 32 bf16 elements) an iteration: four 16-byte
-// loads issued before any use, one or two 16-byte stores. Unaligned buffers and the tail go
-// element by element.
+// A warp converts 4 x 32 consecutive 16-byte input vectors an iteration: each lane issues its four
+// loads (vectors lane, 32 + lane, ...) before any use, so every load and store instruction of the
+// warp covers one contiguous span (512 input bytes; 128 or 256 output bytes). Unaligned buffers
+// and the tail go element by element.
 template <bool kBf16, bool kRound>
 __global__ void __launch_bounds__(kThreads) fp8_rows_kernel(const void* __restrict__ x, int64_t n, Fp8Params p,
                                                             bool aligned, uint8_t* __restrict__ out) {
-  constexpr int kVec = kBf16 ? 8 : 4, kChunk = 4 * kVec;
+  constexpr int kVec = kBf16 ? 8 : 4, kLoads = 4, kWarpElems = 32 * kLoads * kVec;
   const float scale = p.scale();
-  const int64_t chunks = aligned ? n / kChunk : 0, stride = int64_t(gridDim.x) * blockDim.x;
-  const auto* in = static_cast<const uint8_t*>(x);
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < chunks; c += stride) {
-    uint4 raw[4];
+  const int64_t spans = aligned ? n / kWarpElems : 0;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const auto* vx = static_cast<const uint4*>(x);
+  for (int64_t w = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; w < spans; w += warps) {
+    uint4 raw[kLoads];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) raw[j] = load_raw16<kBf16>(in + (c * kChunk + j * kVec) * (kBf16 ? 2 : 4), true);
-    uint32_t q[kChunk / 4];
+    for (int j = 0; j < kLoads; ++j) raw[j] = vx[(w * kLoads + j) * 32 + lane];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kLoads; ++j) {
       float v[kVec];
       to_compute<kBf16, kRound>(raw[j], v);
-#pragma unroll
-      for (int k = 0; k < kVec; k += 4) q[(j * kVec + k) / 4] = fp8_quad(v + k, scale, p.e5m2);
+      const int64_t vi = (w * kLoads + j) * 32 + lane;
+      const uint32_t q0 = fp8_quad(v, scale, p.e5m2);
+      if (kBf16)
+        reinterpret_cast<uint2*>(out)[vi] = make_uint2(q0, fp8_quad(v + 4, scale, p.e5m2));
+      else
+        reinterpret_cast<uint32_t*>(out)[vi] = q0;
     }
-#pragma unroll
-    for (int s = 0; s < kChunk / 16; ++s)
-      reinterpret_cast<uint4*>(out + c * kChunk)[s] = make_uint4(q[4 * s], q[4 * s + 1], q[4 * s + 2], q[4 * s + 3]);
   }
-  for (int64_t i = chunks * kChunk + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride)
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = spans * kWarpElems + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride)
     out[i] = fp8_encode(load_compute(x, kBf16, kRound, i) * scale, p.e5m2);
 }
 
