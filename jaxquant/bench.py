@@ -117,6 +117,11 @@ def run(args) -> int:
     print(header)
     print("-" * len(header))
     rows_out, copies = [], []
+    # Host cost of one dispatch of a jitted op on 4 elements: rows near it are dispatch-bound, not
+    # kernel-bound (the batches are back-to-back asynchronous dispatches).
+    dispatch_us = median_seconds(jax.jit(lambda v: v + 1), jnp.ones((4,), jnp.float32), iters=iters,
+                                 repeats=repeats) * 1e6
+    print(f"{'(dispatch, 4 elts)':18s} {'':>12s} {'':>9s} {dispatch_us:9.1f}")
     for size in sizes.split(","):
         rows, cols = (int(v) for v in size.lower().split("x"))
         bw = copy_bandwidth(rows * cols, iters=iters, repeats=repeats)
@@ -139,6 +144,7 @@ def run(args) -> int:
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=_git_commit(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
+                  dispatch_us=dispatch_us,
                   rows=rows_out)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
