@@ -11,26 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxquant as jq
+from jaxquant.bench import median_seconds
 
 
 def timeit(fn, *args, iters: int = 20, repeats: int = 5) -> float:
-    """Median seconds per call over ``repeats`` batches of ``iters`` dispatches."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    """Median seconds per call (jaxquant.bench's timing: batches of back-to-back dispatches)."""
+    return median_seconds(fn, *args, iters=iters, repeats=repeats)
 
 
 def step(weight_of):

@@ -60,6 +60,17 @@ def _check_amax(amax):
                         f"{getattr(amax, 'dtype', type(amax).__name__)} {getattr(amax, 'shape', '')}")
 
 
+def _check_fp8_cast_args(x, amax_value, dtype, amax_epsilon, columnwise):
+    """Checks shared by the FP8 casts; returns the fp8 dtype."""
+    _check_amax(amax_value)
+    formats.fp8_max(dtype)  # validates dtype
+    if columnwise and x.ndim != 2:
+        raise ValueError(f"x: columnwise=True needs a rank-2 tensor, got shape {tuple(x.shape)}")
+    if not np.isfinite(np.float32(amax_epsilon)) or amax_epsilon < 0:
+        raise ValueError(f"amax_epsilon: must be finite in float32 and >= 0, got {amax_epsilon}")
+    return jnp.dtype(dtype)
+
+
 def check_nvfp4_shape(rows: int, cols: int, name: str = "shape") -> None:
     for what, n in (("M (rows)", rows), ("K (cols)", cols)):
         if not isinstance(n, (int, np.integer)) or n <= 0 or n % TILE:
@@ -202,13 +213,7 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
     needs rank 2 and also returns ``data_t``, the byte transpose of ``data``.
     """
     _check_input("x", x)
-    _check_amax(amax_value)
-    formats.fp8_max(dtype)  # validates dtype
-    if columnwise and x.ndim != 2:
-        raise ValueError(f"x: columnwise=True needs a rank-2 tensor, got shape {tuple(x.shape)}")
-    if not np.isfinite(np.float32(amax_epsilon)) or amax_epsilon < 0:
-        raise ValueError(f"amax_epsilon: must be finite in float32 and >= 0, got {amax_epsilon}")
-    dtype = jnp.dtype(dtype)
+    dtype = _check_fp8_cast_args(x, amax_value, dtype, amax_epsilon, columnwise)
     kw = dict(amax_epsilon=float(amax_epsilon), force_pow_2_scales=bool(force_pow_2_scales))
 
     def custom(v, a):
@@ -410,13 +415,7 @@ def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bf
     pass writes ``data_t``."""
     _check_impl(impl)
     round_bf16 = _round_bf16(x, compute_dtype)
-    _check_amax(amax_value)
-    formats.fp8_max(dtype)  # validates dtype
-    if columnwise and x.ndim != 2:
-        raise ValueError(f"x: columnwise=True needs a rank-2 tensor, got shape {tuple(x.shape)}")
-    if not np.isfinite(np.float32(amax_epsilon)) or amax_epsilon < 0:
-        raise ValueError(f"amax_epsilon: must be finite in float32 and >= 0, got {amax_epsilon}")
-    dtype = jnp.dtype(dtype)
+    dtype = _check_fp8_cast_args(x, amax_value, dtype, amax_epsilon, columnwise)
 
     def custom(v, a):
         outs = [jax.ShapeDtypeStruct(v.shape, dtype), jax.ShapeDtypeStruct((), jnp.float32)]
