@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "jaxquant/elementwise.h"
 #include "jaxquant/ffi_checks.h"
@@ -870,6 +871,58 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   fp8_group_transpose_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
       data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, data_t->typed_data());
   return last_error("fp8 group transpose kernel");
+}
+
+// ---- grouped split ---------------------------------------------------------------------------
+//
+// One launch per kSplitBatch results (instead of one XLA copy per result): the segments travel by
+// value in the kernel parameters, so the launch needs no host-to-device copy and graphs capture it.
+
+constexpr int kSplitBatch = 96;  // 96 x 24 bytes: well inside the 4 KiB kernel parameter space
+struct SplitBatch {
+  CopySegment seg[kSplitBatch];
+};
+
+// blockIdx.y: the segment; the blocks along x grid-stride over its bytes, 16-byte vectors (four in
+// flight) where source and destination agree modulo 16, single bytes for the rest.
+__global__ void split_kernel(SplitBatch batch) {
+  const CopySegment s = batch.seg[blockIdx.y];
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const uintptr_t sa = reinterpret_cast<uintptr_t>(s.src), da = reinterpret_cast<uintptr_t>(s.dst);
+  int64_t head = s.bytes, nvec = 0;
+  if (sa % 16 == da % 16) {
+    head = std::min<int64_t>(s.bytes, (16 - sa % 16) % 16);
+    nvec = (s.bytes - head) / 16;
+  }
+  const uint4* __restrict__ src4 = reinterpret_cast<const uint4*>(s.src + head);
+  uint4* __restrict__ dst4 = reinterpret_cast<uint4*>(s.dst + head);
+  int64_t i = tid;
+  for (; i + 3 * stride < nvec; i += 4 * stride) {
+    const uint4 a = src4[i], b = src4[i + stride], c = src4[i + 2 * stride], d = src4[i + 3 * stride];
+    dst4[i] = a;
+    dst4[i + stride] = b;
+    dst4[i + 2 * stride] = c;
+    dst4[i + 3 * stride] = d;
+  }
+  for (; i < nvec; i += stride) dst4[i] = src4[i];
+  for (int64_t j = tid; j < head; j += stride) s.dst[j] = s.src[j];
+  for (int64_t j = head + 16 * nvec + tid; j < s.bytes; j += stride) s.dst[j] = s.src[j];
+}
+
+ffi::Error GroupSplitCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          ffi::Span<const int64_t> plan) {
+  std::vector<CopySegment> segments;
+  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, &segments));
+  // Largest first: each launch's grid fits its segments, small ones do not idle behind big ones.
+  std::sort(segments.begin(), segments.end(), [](const CopySegment& a, const CopySegment& b) { return a.bytes > b.bytes; });
+  for (size_t b0 = 0; b0 < segments.size(); b0 += kSplitBatch) {
+    const int count = static_cast<int>(std::min<size_t>(kSplitBatch, segments.size() - b0));
+    if (segments[b0].bytes == 0) break;
+    SplitBatch batch{};
+    for (int k = 0; k < count; ++k) batch.seg[k] = segments[b0 + k];
+    split_kernel<<<dim3(grid_for(segments[b0].bytes, kThreads * 64), count), kThreads, 0, stream>>>(batch);
+  }
+  return last_error("group split kernel");
 }
 
 }  // namespace
