@@ -17,11 +17,11 @@ layouts, the tensor-parallel axis ``tp_axis``):
 5. cast of the shard into a fixed-size byte chunk (``ops.nvfp4_group_cast`` / ``ops.fp8_group_cast``);
 6. ``lax.all_gather`` over ``axis`` only of that chunk (quantized bytes only); the chunks are laid out
    so that their concatenation is every parameter's bytes in order (NVFP4: one OR per odd shard
-   boundary), so assembling costs one slice per shard and one slice per output;
+   boundary); one ``group_split`` call writes every per-parameter output from them;
 7. with ``columnwise`` (and ``manual_post_all_gather_processing=False``), one grouped transpose for
    the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``).
 
-The number of custom calls does not depend on the number of parameters. The shard index is
+The number of custom calls (and of XLA kernels) does not depend on the number of parameters. The shard index is
 ``lax.axis_index(axis)``, a device value: every shard runs the same program with no branch on the
 shard. See docs/distributed.md for the byte layout of the gathered chunk.
 """

@@ -711,4 +711,3 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=j
                                         num_shards=num_shards, dtype=dtype)
 
     return _dispatch(impl, custom, ref, shard, index, scale)
-
