@@ -877,26 +877,50 @@ __device__ void group_transpose_block(const uint8_t* __restrict__ data, uint8_t*
   if (m0 >= rows) return;
   const uint8_t* src = data + base;
   uint8_t* dst = out + base;
-  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {  // element (m0 + dm, k0 + dk)
-    const int dm = i / 64, dk = i % 64;
-    const int64_t m = m0 + dm, k = k0 + dk;
-    uint8_t v = 0;
-    if (m < rows && k < cols) v = kNibbles ? (src[m * (cols / 2) + k / 2] >> (4 * (k & 1))) & 0xFu : src[m * cols + k];
-    tile[dm][dk] = v;
+  // kThreads threads, 4 a row: each moves 16 elements of its row in (8 or 16 bytes, one vector
+  // load where aligned and whole) and 16 of its output row out, so memory sees full sectors.
+  static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
+  constexpr int kInBytes = kNibbles ? 8 : 16;  // source bytes holding 16 elements
+  const int row = threadIdx.x / 4, part = threadIdx.x % 4, c0 = part * 16;  // c0: first of 16 columns
+  {
+    const int64_t m = m0 + row, pitch = kNibbles ? cols / 2 : cols;
+    const uint8_t* s = src + m * pitch + (kNibbles ? (k0 + c0) / 2 : k0 + c0);
+    alignas(16) uint8_t in[kInBytes];
+    if (m < rows && k0 + c0 + 16 <= cols && reinterpret_cast<uintptr_t>(s) % kInBytes == 0) {
+      if (kNibbles) *reinterpret_cast<uint2*>(in) = *reinterpret_cast<const uint2*>(s);
+      else *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(s);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kInBytes; ++j) in[j] = m < rows && k0 + c0 + (kNibbles ? 2 * j : j) < cols ? s[j] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kInBytes; ++j) {
+      if (kNibbles) {
+        tile[row][c0 + 2 * j] = in[j] & 0xFu;
+        tile[row][c0 + 2 * j + 1] = in[j] >> 4;
+      } else {
+        tile[row][c0 + j] = in[j];
+      }
+    }
   }
   __syncthreads();
-  if (kNibbles) {
-    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {  // output byte (k, m/2) of [cols, rows/2]
-      const int dk = i / 32, db = i % 32;
-      const int64_t k = k0 + dk, mb = m0 / 2 + db;
-      if (k < cols && 2 * mb < rows) dst[k * (rows / 2) + mb] = tile[2 * db][dk] | (tile[2 * db + 1][dk] << 4);
-    }
+  // Output row k = k0 + row holds block rows m0.. as bytes (FP8) or nibble pairs (NVFP4).
+  const int64_t k = k0 + row;
+  if (k >= cols) return;
+  constexpr int kOutBytes = kNibbles ? 8 : 16;  // output bytes of 16 block rows
+  alignas(16) uint8_t o[kOutBytes];
+#pragma unroll
+  for (int j = 0; j < kOutBytes; ++j)
+    o[j] = kNibbles ? uint8_t(tile[c0 + 2 * j][row] | (tile[c0 + 2 * j + 1][row] << 4)) : tile[c0 + j][row];
+  const int64_t opitch = kNibbles ? rows / 2 : rows, first = kNibbles ? (m0 + c0) / 2 : m0 + c0;
+  uint8_t* d = dst + k * opitch + first;
+  if (m0 + c0 + 16 <= rows && reinterpret_cast<uintptr_t>(d) % kOutBytes == 0) {
+    if (kNibbles) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(o);
+    else *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
   } else {
-    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {  // output byte (k, m) of [cols, rows]
-      const int dk = i / 64, dm = i % 64;
-      const int64_t k = k0 + dk, m = m0 + dm;
-      if (k < cols && m < rows) dst[k * rows + m] = tile[dm][dk];
-    }
+#pragma unroll
+    for (int j = 0; j < kOutBytes; ++j)
+      if (m0 + c0 + (kNibbles ? 2 * j : j) < rows) d[j] = o[j];
   }
 }
 
