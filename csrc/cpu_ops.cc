@@ -3,6 +3,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "jaxquant/elementwise.h"
 #include "jaxquant/ffi_checks.h"
@@ -432,6 +433,14 @@ ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32>
   const GroupTable table{as_i64(table_words), num_params};
   for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
     data_t->typed_data()[y] = fp8_group_t_byte(table, data.typed_data(), y);
+  return ffi::Error::Success();
+}
+
+// Per-parameter results from the group's packed buffers: one call, any number of results.
+ffi::Error GroupSplitCpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> plan) {
+  std::vector<CopySegment> segments;
+  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, &segments));
+  for (const CopySegment& s : segments) std::memcpy(s.dst, s.src, static_cast<size_t>(s.bytes));
   return ffi::Error::Success();
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "jaxquant/elementwise.h"
 #include "jaxquant/ffi_checks.h"
@@ -549,57 +550,97 @@ __device__ __forceinline__ void load16(const void* x, bool bf16, bool round_bf16
 
 __device__ void warp_publish_param_max(float* amax, int64_t held, float m);
 
-// Each block covers one contiguous range of the shard (coalesced within the block), so a thread
-// meets few parameters and the per-parameter amax atomics stay rare (see fp8_group_amax_kernel).
+// Tiles [t0, t1) of the tile rows that meet flat positions [g_first, g_last] of the group (a
+// superset of the tiles the shard touches: the others get amax 0, as they should).
+__device__ int64_t first_tile_at(const GroupTable& table, int64_t g) {
+  const int64_t p = table.find(g, GroupTable::kOffset);
+  if (p < 0) return 0;
+  const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
+  const int64_t cols = table.at(p, GroupTable::kCols), base = table.at(p, GroupTable::kTileBase);
+  if (g >= off + numel) return base + numel / (kTile * kTile);  // padding: the next parameter's first tile
+  return base + (g - off) / (kTile * cols) * (cols / kTile);
+}
+__device__ int64_t end_tile_at(const GroupTable& table, int64_t g) {
+  const int64_t p = table.find(g, GroupTable::kOffset);
+  if (p < 0) return 0;
+  const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
+  const int64_t cols = table.at(p, GroupTable::kCols), base = table.at(p, GroupTable::kTileBase);
+  if (g >= off + numel) return base + numel / (kTile * kTile);
+  return base + ((g - off) / (kTile * cols) + 1) * (cols / kTile);
+}
+
+// A slot is kSlotTiles consecutive tiles of the packed tile vector; 4 lanes own a tile (4 columns
+// each, all 16 rows: 16 independent 16-byte loads in flight per lane, consecutive lanes on
+// consecutive vectors of a row). A tile lies in one slot, so its amax is a plain store: no atomics
+// per tile, no search per element (one table search per slot and thread, only at a new parameter).
+constexpr int kSlotTiles = kThreads / 4;
+
 __global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                        GroupTable table, int64_t num_tiles, float* __restrict__ tile_amax,
                                        float* __restrict__ amax, int32_t* __restrict__ counts) {
-  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
-  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
-  const int64_t first = blockIdx.x * per_block, last = groups < first + per_block ? groups : first + per_block;
-  int64_t amax_p = -1;  // parameter whose running amax amax_m holds
-  float amax_m = 0.0f;
-  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
-    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
-    float v[16];
-    load16(x, bf16, round_bf16, i0, n, v);
-    ParamCursor cur{table};
-    cur.seek(g0);
-    int64_t held = -1, row = 0, col = 0, cols = 1, tile_base = 0, tile = -1;
+  const int64_t a = int64_t(index[0]) * n;  // the shard's first flat position
+  const int64_t t0 = first_tile_at(table, a);
+  const int64_t t_end = end_tile_at(table, a + n - 1), t1 = t_end < num_tiles ? t_end : num_tiles;
+  const int lane4 = threadIdx.x % 4;
+  int64_t p = -1, tbeg = 0, tnext = 0;  // parameter of the thread's last tile, its tile range
+  int64_t held = -1;                    // parameter whose running amax held_m holds
+  float held_m = 0.0f;
+  for (int64_t s = t0 / kSlotTiles + blockIdx.x; s * kSlotTiles < t1; s += gridDim.x) {
+    const int64_t t = s * kSlotTiles + threadIdx.x / 4;
     float m = 0.0f;
+    int c = 0;
+    int64_t tp = -1;
+    if (t >= t0 && t < t1) {
+      if (p < 0 || t < tbeg || t >= tnext) {
+        p = table.find(t, GroupTable::kTileBase);
+        tbeg = table.at(p, GroupTable::kTileBase);
+        tnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kTileBase) : INT64_MAX;
+      }
+      tp = p;
+      const int64_t cols = table.at(p, GroupTable::kCols), tcn = cols / kTile, lt = t - tbeg;
+      const int64_t tr = lt / tcn, tc = lt - tr * tcn;
+      const int64_t i0 = table.at(p, GroupTable::kOffset) + tr * kTile * cols + tc * kTile + lane4 * 4 - a;
+      float v[kTile][4];
+      if (i0 >= 0 && i0 + (kTile - 1) * cols + 4 <= n) {  // the whole 16x4 strip is in the shard
+        const bool vec = aligned4(x, bf16, i0);  // cols % 16 == 0: every row has i0's alignment
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      if (i0 + k >= n || !cur.inside(g0 + k)) continue;
-      if (cur.p != held) {  // entering a parameter: one division, then rows and columns step along
-        held = cur.p;
-        cols = table.at(held, GroupTable::kCols);
-        tile_base = table.at(held, GroupTable::kTileBase);
-        const int64_t e = g0 + k - cur.begin;
-        row = e / cols;
-        col = e - row * cols;
+        for (int k = 0; k < kTile; ++k) load4(x, bf16, i0 + k * cols, vec, v[k]);
+        if (round_bf16) {
+#pragma unroll
+          for (int k = 0; k < kTile; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[k][j] = round_to_bf16(v[k][j]);
+        }
+      } else {  // a tile row cut by a shard boundary: elements of other shards count as 0
+#pragma unroll
+        for (int k = 0; k < kTile; ++k)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int64_t i = i0 + k * cols + j;
+            v[k][j] = i >= 0 && i < n ? load_compute(x, bf16, round_bf16, i) : 0.0f;
+          }
       }
-      const int64_t t = tile_base + (row / kTile) * (cols / kTile) + col / kTile;
-      if (t != tile) {  // amax >= 0: its bits order like the value, so an integer max is a float max
-        if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
-        tile = t;
-        m = 0.0f;
-      }
-      m = fmaxf(m, abs_ignoring_nan(v[k]));
-      if (held != amax_p) {  // a new parameter: publish the previous one's running amax
-        if (amax_p >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + amax_p), __float_as_uint(amax_m));
-        amax_p = held;
-        amax_m = 0.0f;
-      }
-      amax_m = fmaxf(amax_m, abs_ignoring_nan(v[k]));
-      if (!is_finite(v[k])) atomicAdd(counts + held, 1);  // rare: no need to batch
-      if (++col == cols) {
-        col = 0;
-        ++row;
-      }
+#pragma unroll
+      for (int k = 0; k < kTile; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          m = fmaxf(m, abs_ignoring_nan(v[k][j]));
+          c += !is_finite(v[k][j]);
+        }
     }
-    if (tile >= 0 && tile < num_tiles) atomicMax(reinterpret_cast<uint32_t*>(tile_amax + tile), __float_as_uint(m));
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // the tile's 4 lanes
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+    if (tp >= 0 && lane4 == 0) tile_amax[t] = m;
+    if (c) atomicAdd(counts + tp, c);  // rare: no need to batch
+    const bool change = tp >= 0 && tp != held;
+    if (__any_sync(0xFFFFFFFFu, change)) warp_publish_param_max(amax, change ? held : -1, held_m);
+    if (change) {
+      held = tp;
+      held_m = 0.0f;
+    }
+    if (tp >= 0) held_m = fmaxf(held_m, m);
   }
-  warp_publish_param_max(amax, amax_p, amax_m);
+  warp_publish_param_max(amax, held, held_m);
 }
 
 ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
@@ -614,7 +655,8 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
-    group_tile_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+    const int64_t slots = n / (kSlotTiles * kTile * kTile) + 2;  // about; the kernel grid-strides
+    group_tile_amax_kernel<<<resident_grid(group_tile_amax_kernel, slots), kThreads, 0, stream>>>(
         x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
         amax->typed_data(), counts->typed_data());
@@ -634,11 +676,21 @@ __global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, bool ro
     return;
   }
   const int64_t lo = chunk_lo[r], g0 = lo / 8, groups = (lo + size + 7) / 8 - g0;
-  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
+  // Each block one contiguous range (threads a block-stride apart): a thread meets few parameters
+  // and searches the table only when it enters one.
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
+  const int64_t last = groups < first + per_block ? groups : first + per_block;
+  int64_t p = -1, pbeg = 0, pnext = 0;  // parameter of the last byte group, its byte range start, next's
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t y0 = (g0 + grp) * 8;
     uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    const int64_t p = table.find(y0, GroupTable::kByteBase);
-    if (p >= 0 && y0 - table.at(p, GroupTable::kByteBase) < table.at(p, GroupTable::kNumel) / 2) {
+    if (p < 0 || y0 < pbeg || y0 >= pnext) {
+      p = table.find(y0, GroupTable::kByteBase);
+      pbeg = p >= 0 ? table.at(p, GroupTable::kByteBase) : 0;
+      pnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kByteBase) : INT64_MAX;
+      if (p < 0) pnext = table.at(0, GroupTable::kByteBase);
+    }
+    if (p >= 0 && y0 - pbeg < table.at(p, GroupTable::kNumel) / 2) {
       const int64_t e0 = 2 * (y0 - table.at(p, GroupTable::kByteBase));
       const int64_t t = table.tile_of(p, e0);
       const float m = t < num_tiles ? enc[t] : 0.0f;
@@ -720,12 +772,22 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, boo
   const int64_t first = blockIdx.x * per_block, last = groups < first + per_block ? groups : first + per_block;
   int64_t held = -1;
   float m = 0.0f;
+  ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
+  cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
     load16(x, bf16, round_bf16, i0, n, v);
-    ParamCursor cur{table};
-    cur.seek(g0);
+    if (i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end && cur.p == held) {  // all in the held parameter
+      int c = 0;
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        m = fmaxf(m, abs_ignoring_nan(v[k]));
+        c += !is_finite(v[k]);
+      }
+      if (c) atomicAdd(counts + held, c);
+      continue;
+    }
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
       if (i0 + k >= n || !cur.inside(g0 + k)) continue;
@@ -763,18 +825,29 @@ __global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, boo
                                       GroupTable table, const float* __restrict__ scale, bool e5m2,
                                       uint8_t* __restrict__ out) {
   const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
-  for (int64_t grp = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; grp < groups; grp += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i0 = grp * kGroupElems;
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
+  const int64_t last = groups < first + per_block ? groups : first + per_block;
+  ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
+  cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
+    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
     load16(x, bf16, round_bf16, i0, n, v);
-    ParamCursor cur{table};
-    cur.seek(r * n + i0);
     uint8_t q[16];
     bool inside[16];
+    if (i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end) {  // one parameter, one scale
+      const float sc = scale[cur.p];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      inside[k] = cur.inside(r * n + i0 + k);
-      v[k] *= inside[k] ? scale[cur.p] : 0.0f;
+      for (int k = 0; k < 16; ++k) {
+        inside[k] = true;
+        v[k] *= sc;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        inside[k] = cur.inside(g0 + k);
+        v[k] *= inside[k] ? scale[cur.p] : 0.0f;
+      }
     }
 #pragma unroll
     for (int k = 0; k < 16; k += 2) {  // hardware pair conversion; padding bytes are 0
@@ -858,26 +931,50 @@ __device__ void group_transpose_block(const uint8_t* __restrict__ data, uint8_t*
   if (m0 >= rows) return;
   const uint8_t* src = data + base;
   uint8_t* dst = out + base;
-  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {  // element (m0 + dm, k0 + dk)
-    const int dm = i / 64, dk = i % 64;
-    const int64_t m = m0 + dm, k = k0 + dk;
-    uint8_t v = 0;
-    if (m < rows && k < cols) v = kNibbles ? (src[m * (cols / 2) + k / 2] >> (4 * (k & 1))) & 0xFu : src[m * cols + k];
-    tile[dm][dk] = v;
+  // kThreads threads, 4 a row: each moves 16 elements of its row in (8 or 16 bytes, one vector
+  // load where aligned and whole) and 16 of its output row out, so memory sees full sectors.
+  static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
+  constexpr int kInBytes = kNibbles ? 8 : 16;  // source bytes holding 16 elements
+  const int row = threadIdx.x / 4, part = threadIdx.x % 4, c0 = part * 16;  // c0: first of 16 columns
+  {
+    const int64_t m = m0 + row, pitch = kNibbles ? cols / 2 : cols;
+    const uint8_t* s = src + m * pitch + (kNibbles ? (k0 + c0) / 2 : k0 + c0);
+    alignas(16) uint8_t in[kInBytes];
+    if (m < rows && k0 + c0 + 16 <= cols && reinterpret_cast<uintptr_t>(s) % kInBytes == 0) {
+      if (kNibbles) *reinterpret_cast<uint2*>(in) = *reinterpret_cast<const uint2*>(s);
+      else *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(s);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kInBytes; ++j) in[j] = m < rows && k0 + c0 + (kNibbles ? 2 * j : j) < cols ? s[j] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kInBytes; ++j) {
+      if (kNibbles) {
+        tile[row][c0 + 2 * j] = in[j] & 0xFu;
+        tile[row][c0 + 2 * j + 1] = in[j] >> 4;
+      } else {
+        tile[row][c0 + j] = in[j];
+      }
+    }
   }
   __syncthreads();
-  if (kNibbles) {
-    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {  // output byte (k, m/2) of [cols, rows/2]
-      const int dk = i / 32, db = i % 32;
-      const int64_t k = k0 + dk, mb = m0 / 2 + db;
-      if (k < cols && 2 * mb < rows) dst[k * (rows / 2) + mb] = tile[2 * db][dk] | (tile[2 * db + 1][dk] << 4);
-    }
+  // Output row k = k0 + row holds block rows m0.. as bytes (FP8) or nibble pairs (NVFP4).
+  const int64_t k = k0 + row;
+  if (k >= cols) return;
+  constexpr int kOutBytes = kNibbles ? 8 : 16;  // output bytes of 16 block rows
+  alignas(16) uint8_t o[kOutBytes];
+#pragma unroll
+  for (int j = 0; j < kOutBytes; ++j)
+    o[j] = kNibbles ? uint8_t(tile[c0 + 2 * j][row] | (tile[c0 + 2 * j + 1][row] << 4)) : tile[c0 + j][row];
+  const int64_t opitch = kNibbles ? rows / 2 : rows, first = kNibbles ? (m0 + c0) / 2 : m0 + c0;
+  uint8_t* d = dst + k * opitch + first;
+  if (m0 + c0 + 16 <= rows && reinterpret_cast<uintptr_t>(d) % kOutBytes == 0) {
+    if (kNibbles) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(o);
+    else *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
   } else {
-    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {  // output byte (k, m) of [cols, rows]
-      const int dk = i / 64, dm = i % 64;
-      const int64_t k = k0 + dk, m = m0 + dm;
-      if (k < cols && m < rows) dst[k * rows + m] = tile[dm][dk];
-    }
+#pragma unroll
+    for (int j = 0; j < kOutBytes; ++j)
+      if (m0 + c0 + (kNibbles ? 2 * j : j) < rows) d[j] = o[j];
   }
 }
 
@@ -924,6 +1021,59 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   fp8_group_transpose_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
       data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, data_t->typed_data());
   return last_error("fp8 group transpose kernel");
+}
+
+// ---- grouped split ---------------------------------------------------------------------------
+//
+// One launch per kSplitBatch results (instead of one XLA copy per result): the segments travel by
+// value in the kernel parameters, so the launch needs no host-to-device copy and graphs capture it.
+
+constexpr int kSplitBatch = 96;  // 96 x 24 bytes: well inside the 4 KiB kernel parameter space
+struct SplitBatch {
+  CopySegment seg[kSplitBatch];
+};
+
+// blockIdx.y: the segment; the blocks along x grid-stride over its bytes, 16-byte vectors (four in
+// flight) where source and destination agree modulo 16, single bytes for the rest.
+__global__ void split_kernel(SplitBatch batch) {
+  const CopySegment s = batch.seg[blockIdx.y];
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const uintptr_t sa = reinterpret_cast<uintptr_t>(s.src), da = reinterpret_cast<uintptr_t>(s.dst);
+  int64_t head = s.bytes, nvec = 0;
+  if (sa % 16 == da % 16) {
+    head = static_cast<int64_t>((16 - sa % 16) % 16);
+    if (head > s.bytes) head = s.bytes;
+    nvec = (s.bytes - head) / 16;
+  }
+  const uint4* __restrict__ src4 = reinterpret_cast<const uint4*>(s.src + head);
+  uint4* __restrict__ dst4 = reinterpret_cast<uint4*>(s.dst + head);
+  int64_t i = tid;
+  for (; i + 3 * stride < nvec; i += 4 * stride) {
+    const uint4 a = src4[i], b = src4[i + stride], c = src4[i + 2 * stride], d = src4[i + 3 * stride];
+    dst4[i] = a;
+    dst4[i + stride] = b;
+    dst4[i + 2 * stride] = c;
+    dst4[i + 3 * stride] = d;
+  }
+  for (; i < nvec; i += stride) dst4[i] = src4[i];
+  for (int64_t j = tid; j < head; j += stride) s.dst[j] = s.src[j];
+  for (int64_t j = head + 16 * nvec + tid; j < s.bytes; j += stride) s.dst[j] = s.src[j];
+}
+
+ffi::Error GroupSplitCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          ffi::Span<const int64_t> plan) {
+  std::vector<CopySegment> segments;
+  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, &segments));
+  // Largest first: each launch's grid fits its segments, small ones do not idle behind big ones.
+  std::sort(segments.begin(), segments.end(), [](const CopySegment& a, const CopySegment& b) { return a.bytes > b.bytes; });
+  for (size_t b0 = 0; b0 < segments.size(); b0 += kSplitBatch) {
+    const int count = static_cast<int>(std::min<size_t>(kSplitBatch, segments.size() - b0));
+    if (segments[b0].bytes == 0) break;
+    SplitBatch batch{};
+    for (int k = 0; k < count; ++k) batch.seg[k] = segments[b0 + k];
+    split_kernel<<<dim3(grid_for(segments[b0].bytes, kThreads * 64), count), kThreads, 0, stream>>>(batch);
+  }
+  return last_error("group split kernel");
 }
 
 }  // namespace

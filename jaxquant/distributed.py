@@ -17,11 +17,11 @@ layouts, the tensor-parallel axis ``tp_axis``):
 5. cast of the shard into a fixed-size byte chunk (``ops.nvfp4_group_cast`` / ``ops.fp8_group_cast``);
 6. ``lax.all_gather`` over ``axis`` only of that chunk (quantized bytes only); the chunks are laid out
    so that their concatenation is every parameter's bytes in order (NVFP4: one OR per odd shard
-   boundary), so assembling costs one slice per shard and one slice per output;
+   boundary); one ``group_split`` call writes every per-parameter output from them;
 7. with ``columnwise`` (and ``manual_post_all_gather_processing=False``), one grouped transpose for
    the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``).
 
-The number of custom calls does not depend on the number of parameters. The shard index is
+The number of custom calls (and of XLA kernels) does not depend on the number of parameters. The shard index is
 ``lax.axis_index(axis)``, a device value: every shard runs the same program with no branch on the
 shard. See docs/distributed.md for the byte layout of the gathered chunk.
 """
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import formats, ops
+from jaxquant import formats, group_split, ops
 from jaxquant import group_table as gtable
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
@@ -331,11 +331,15 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
     scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
     chunk = ops.nvfp4_group_cast(x, r, enc, table=table, num_shards=S, chunk_lo=plan.lo, chunk_size=plan.size,
                                  compute_dtype=compute_dtype, impl=impl)
-    data = _assemble_nvfp4(_gather(chunk, axes.axis), plan)
-    data_t = scale_inv_t = None
-    if build_columnwise:
-        data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
-    return _split_nvfp4(rows, data, scale_inv, amax, data_t, scale_inv_t), counts
+    gathered = _gather(chunk, axes.axis)
+    if build_columnwise or plan.fix_pos:   # the transpose (or an odd shard boundary) needs the space
+        data = _assemble_nvfp4(gathered, plan)
+        data_t = scale_inv_t = None
+        if build_columnwise:
+            data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
+        return _split_nvfp4(rows, data, scale_inv, amax, data_t, scale_inv_t, impl=impl), counts
+    # Each weight's bytes straight from the gathered chunks: no assembled copy of the space.
+    return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, impl=impl), counts
 
 
 def _assemble_nvfp4(gathered, plan: NVFP4Chunks):
@@ -349,21 +353,40 @@ def _assemble_nvfp4(gathered, plan: NVFP4Chunks):
     return data
 
 
-def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None):
-    """Per-parameter tensors: one slice per output of the group's packed vectors."""
-    out = []
+def _space_segments(src, first, count, plan):
+    """Segments of source ``src`` holding bytes [first, first + count) of the param-byte space: the
+    space itself (plan None) or, through ``plan``, the gathered chunks (no odd shard boundary)."""
+    if plan is None:
+        return ((src, first, count),)
+    segs = []
+    for r, (lo, n) in enumerate(zip(plan.lo, plan.length)):
+        a, b = max(first, lo), min(first + count, lo + n)
+        if a < b:
+            segs.append((src, r * plan.size + a - lo, b - a))
+    return tuple(segs)
+
+
+def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, impl="auto"):
+    """Per-parameter tensors from the group's packed vectors, one ``group_split`` call. ``data``: the
+    param-byte space, or with ``plan`` the gathered chunks that hold it."""
+    sources = [data, scale_inv, amax] + ([data_t, scale_inv_t] if data_t is not None else [])
+    pieces = []
     for p, row in enumerate(rows):
         m, k = row.rows, row.cols
         sr, sc = formats.nvfp4_scale_shape(m, k)
-        b = slice(row.byte_base, row.byte_base + m * k // 2)
-        t = None
+        pieces += [((m, k // 2), _space_segments(0, row.byte_base, m * k // 2, plan)),
+                   ((sr, sc), ((1, row.scale_base, sr * sc),)),
+                   ((1,), ((2, p, 1),))]
         if data_t is not None:
             tr, tc = formats.nvfp4_scale_shape(k, m)
-            t = (data_t[b].reshape(k, m // 2), scale_inv_t[row.scale_t_base:row.scale_t_base + tr * tc].reshape(tr, tc))
-        out.append(NVFP4Tensor(data=data[b].reshape(m, k // 2),
-                               scale_inv=scale_inv[row.scale_base:row.scale_base + sr * sc].reshape(sr, sc),
-                               amax=amax[p:p + 1], data_t=None if t is None else t[0],
-                               scale_inv_t=None if t is None else t[1], shape=(m, k)))
+            pieces += [((k, m // 2), ((3, row.byte_base, m * k // 2),)), ((tr, tc), ((4, row.scale_t_base, tr * tc),))]
+    arrays = group_split.split(sources, pieces, impl=impl)
+    per = 5 if data_t is not None else 3
+    out = []
+    for p, row in enumerate(rows):
+        a = arrays[per * p:per * (p + 1)]
+        out.append(NVFP4Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 5 else None,
+                               scale_inv_t=a[4] if per == 5 else None, shape=(row.rows, row.cols)))
     return out
 
 
@@ -381,11 +404,16 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
                                impl=impl)
     gathered = jax.lax.bitcast_convert_type(_gather(jax.lax.bitcast_convert_type(chunk, jnp.uint8), axes.axis), dtype)
     gathered_t = ops.fp8_group_transpose(gathered, table=table, impl=impl) if build_columnwise else None
-    weights = []
+    sources = [gathered, scale_inv, amax] + ([gathered_t] if gathered_t is not None else [])
+    pieces = []
     for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes)):
-        data_t = None if gathered_t is None else gathered_t[o:o + numel].reshape(shape[::-1])
-        weights.append(Float8Tensor(data=gathered[o:o + numel].reshape(shape), scale_inv=scale_inv[p],
-                                    amax=amax[p], data_t=data_t))
+        pieces += [(shape, ((0, o, numel),)), ((), ((1, p, 1),)), ((), ((2, p, 1),))]
+        if gathered_t is not None:
+            pieces.append((tuple(shape)[::-1], ((3, o, numel),)))
+    arrays = group_split.split(sources, pieces, impl=impl)
+    per = 4 if gathered_t is not None else 3
+    weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 4 else None)
+               for a in (arrays[per * p:per * (p + 1)] for p in range(layout.num_params))]
     return weights, counts
 
 
@@ -564,7 +592,7 @@ def _nvfp4_group_columnwise(ts, impl):
     scale_inv = jnp.concatenate([t.scale_inv.reshape(-1) for t in ts])
     data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
     amax = jnp.concatenate([t.amax.reshape(1) for t in ts])
-    return _split_nvfp4(gtable.rows_of(table), data, scale_inv, amax, data_t, scale_inv_t)
+    return _split_nvfp4(gtable.rows_of(table), data, scale_inv, amax, data_t, scale_inv_t, impl=impl)
 
 
 def _fp8_group_columnwise(ts, impl):
@@ -575,8 +603,7 @@ def _fp8_group_columnwise(ts, impl):
             raise ValueError(f"t.data: columnwise data needs rank 2, got shape {tuple(t.data.shape)}")
     table = _packed_table([t.data.shape for t in ts], False)
     data_t = ops.fp8_group_transpose(jnp.concatenate([t.data.reshape(-1) for t in ts]), table=table, impl=impl)
-    out = []
-    for t, row in zip(ts, gtable.rows_of(table)):
-        out.append(Float8Tensor(data=t.data, scale_inv=t.scale_inv, amax=t.amax,
-                                data_t=data_t[row.offset:row.offset + row.numel].reshape(row.cols, row.rows)))
+    rows = gtable.rows_of(table)
+    parts = group_split.split([data_t], [((row.cols, row.rows), ((0, row.offset, row.numel),)) for row in rows], impl=impl)
+    out = [Float8Tensor(data=t.data, scale_inv=t.scale_inv, amax=t.amax, data_t=d) for t, d in zip(ts, parts)]
     return out

@@ -297,3 +297,13 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype):
             q = to_fp8_saturating(full[row.offset:row.offset + row.numel] * scale[p], dtype)
             out = jax.lax.dynamic_update_slice(out, q, (row.offset,))
     return jax.lax.dynamic_slice(out, (shard_index * n,), (n,))
+
+
+def group_split(sources, pieces):
+    """Reference of ``group_split.split``: ``pieces`` as (shape, ((source, first, count), ...))."""
+    flats = [s.reshape(-1) for s in sources]
+    out = []
+    for shape, segments in pieces:
+        parts = [flats[src][first:first + count] for src, first, count in segments]
+        out.append((parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(shape))
+    return tuple(out)

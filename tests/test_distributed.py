@@ -569,10 +569,18 @@ def _jaxquant_custom_calls(lowered_text):
     return re.findall(r"stablehlo.custom_call @(jq_\w+)", lowered_text)
 
 
+def _entry_kernel_ops(compiled_text):
+    """Instructions of the compiled entry computation that run kernels (fusions, copies, slices,
+    concatenates, custom calls), by opcode."""
+    entry = compiled_text[compiled_text.index("ENTRY"):]
+    ops = re.findall(r"= \S+ (fusion|copy|slice|concatenate|custom-call|dynamic-slice)\(", entry)
+    return {op: ops.count(op) for op in sorted(set(ops))}
+
+
 @pytest.mark.skipif(IMPL == "reference", reason="counts the custom calls of the compiled extension")
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_custom_call_count_independent_of_parameter_count(recipe):
-    calls = {}
+    calls, kernels = {}, {}
     for n in (7, 300):
         shapes = [(16, 16 * (1 + p % 3)) for p in range(n)]
         layout = FlatLayout(shapes, 4, align=1 if n == 7 else 3)
@@ -581,7 +589,12 @@ def test_custom_call_count_independent_of_parameter_count(recipe):
         f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=True,
                                                         manual_post_all_gather_processing=False,
                                                         check_finite=True, impl="custom_call"))
-        calls[n] = sorted(_jaxquant_custom_calls(f.lower(flat).as_text()))
-    want = (["jq_nvfp4_group_cast", "jq_nvfp4_group_columnwise", "jq_nvfp4_group_scale", "jq_nvfp4_group_tile_amax"]
-            if recipe == "nvfp4" else ["jq_fp8_group_amax", "jq_fp8_group_cast", "jq_fp8_group_transpose"])
+        lowered = f.lower(flat)
+        calls[n] = sorted(_jaxquant_custom_calls(lowered.as_text()))
+        kernels[n] = _entry_kernel_ops(lowered.compile().as_text())
+    want = (["jq_group_split", "jq_nvfp4_group_cast", "jq_nvfp4_group_columnwise", "jq_nvfp4_group_scale",
+             "jq_nvfp4_group_tile_amax"]
+            if recipe == "nvfp4" else ["jq_fp8_group_amax", "jq_fp8_group_cast", "jq_fp8_group_transpose", "jq_group_split"])
     assert calls[7] == calls[300] == want, calls
+    # No per-parameter slice / copy kernels either: the weights come out of the one split call.
+    assert kernels[7] == kernels[300], kernels

@@ -219,3 +219,54 @@ def test_group_handler_rejects_out_of_range_shard_index_on_cpu():
         jax.block_until_ready(ops.nvfp4_group_cast(jnp.zeros((128,)), jnp.int32(5), jnp.zeros((1,)), table=table,
                                                    num_shards=2, chunk_lo=[0, 64], chunk_size=64,
                                                    impl="custom_call"))
+
+
+# ----------------------------------------------------------------------------------------------
+# group_split: every per-parameter output from the packed vectors in one call
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reference", "custom_call"])
+def test_group_split_equals_slices(impl):
+    if impl == "custom_call" and not _ffi.built_platforms():
+        pytest.skip("needs the compiled extension")
+    from jaxquant import group_split
+    rng = np.random.default_rng(7)
+    big = rng.integers(0, 256, 400_003).astype(np.uint8)
+    small = rng.integers(0, 256, 333).astype(np.uint8)
+    f32 = rng.standard_normal(37).astype(np.float32)
+    pieces = [((10, 7), ((0, 3, 70),)),                      # unaligned start: byte path
+              ((2,), ((1, 5, 2),)),                          # fp32 elements
+              ((), ((1, 36, 1),)),                           # a scalar
+              ((4, 50), ((0, 900, 100), (2, 0, 100))),       # two segments from two sources
+              ((300_000,), ((0, 64, 300_000),)),             # aligned: 16-byte vectors, four in flight
+              ((17,), ((2, 316, 17),))]                      # ends at the source's end
+    want = [big[3:73].reshape(10, 7), f32[5:7], f32[36], np.concatenate([big[900:1000], small[:100]]).reshape(4, 50),
+            big[64:300_064], small[316:333]]
+    got = jax.jit(lambda a, b, c: group_split.split([a, b, c], pieces, impl=impl))(
+        jnp.asarray(big), jnp.asarray(f32), jnp.asarray(small))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert_bytes_equal(np.asarray(g), w)
+
+
+def test_group_split_rejects_bad_pieces():
+    from jaxquant import group_split
+    a, b = jnp.zeros(10, jnp.uint8), jnp.zeros(4, jnp.float32)
+    with pytest.raises(ValueError, match=r"pieces\[0\].*one dtype"):
+        group_split.split([a, b], [((2,), ((0, 0, 1), (1, 0, 1)))])
+    with pytest.raises(ValueError, match=r"pieces\[0\].*needs 3"):
+        group_split.split([a], [((3,), ((0, 0, 2),))])
+    with pytest.raises(ValueError, match=r"pieces\[1\].*outside the sources"):
+        group_split.split([a], [((2,), ((0, 0, 2),)), ((4,), ((0, 8, 4),))])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or "cpu" not in _ffi.built_platforms(),
+                    reason="calls the CPU handler directly with a bad plan")
+def test_group_split_handler_rejects_bad_plan():
+    a = jnp.zeros(8, jnp.uint8)
+    out = [jax.ShapeDtypeStruct((4,), jnp.uint8)]
+    with pytest.raises(Exception, match="reads or writes outside"):
+        jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 6, 4], np.int64)))
+    with pytest.raises(Exception, match="result 0 gets 2 bytes"):
+        jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 0, 2], np.int64)))

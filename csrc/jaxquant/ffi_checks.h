@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "jaxquant/group_table.h"
 #include "jaxquant/numerics.h"
@@ -263,6 +264,56 @@ inline ffi::Error check_group_table_contents(const int64_t* t, int64_t num_param
     if (nvfp4 && (rows % kTile || cols % kTile || table.at(p, GroupTable::kTileBase) + numel / (kTile * kTile) > num_tiles))
       return invalid("table: row " + std::to_string(p) + " breaks the 16x16 grid or the tile vector");
     end = off + numel;
+  }
+  return ffi::Error::Success();
+}
+
+// ---- grouped split: byte ranges of a few packed buffers copied into many results ----------------
+
+// One copy of a grouped split: `bytes` bytes from src to dst.
+struct CopySegment {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t bytes;
+};
+
+// A split plan row: (result index, byte offset in the result, source argument, byte offset in the
+// source, byte count). Every result must be covered exactly by its rows (Python builds them so).
+constexpr int kSplitFields = 5;
+
+inline ffi::Error split_segments(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                 ffi::Span<const int64_t> plan, std::vector<CopySegment>* out) {
+  if (plan.size() % kSplitFields) return invalid("plan: must hold 5 int64 values per segment");
+  const int64_t nseg = static_cast<int64_t>(plan.size() / kSplitFields);
+  const int64_t nargs = static_cast<int64_t>(args.size()), nrets = static_cast<int64_t>(rets.size());
+  std::vector<int64_t> covered(nrets, 0);
+  out->clear();
+  out->reserve(nseg);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t res = plan[s * kSplitFields], dst_off = plan[s * kSplitFields + 1];
+    const int64_t src = plan[s * kSplitFields + 2], src_off = plan[s * kSplitFields + 3];
+    const int64_t bytes = plan[s * kSplitFields + 4];
+    const std::string where = "plan: segment " + std::to_string(s);
+    if (res < 0 || res >= nrets) return invalid(where + " names result " + std::to_string(res) + " of " + std::to_string(nrets));
+    if (src < 0 || src >= nargs) return invalid(where + " names source " + std::to_string(src) + " of " + std::to_string(nargs));
+    auto in = args.get<ffi::AnyBuffer>(src);
+    if (!in.has_value()) return in.error();
+    auto ret = rets.get<ffi::AnyBuffer>(res);
+    if (!ret.has_value()) return ret.error();
+    ffi::AnyBuffer& dst = *ret.value();
+    if (bytes < 0 || src_off < 0 || dst_off < 0 || src_off + bytes > static_cast<int64_t>(in->size_bytes()) ||
+        dst_off + bytes > static_cast<int64_t>(dst.size_bytes()))
+      return invalid(where + " reads or writes outside its buffers");
+    covered[res] += bytes;
+    out->push_back({static_cast<const uint8_t*>(in->untyped_data()) + src_off,
+                    static_cast<uint8_t*>(dst.untyped_data()) + dst_off, bytes});
+  }
+  for (int64_t r = 0; r < nrets; ++r) {
+    auto ret = rets.get<ffi::AnyBuffer>(r);
+    if (!ret.has_value()) return ret.error();
+    if (covered[r] != static_cast<int64_t>((*ret.value()).size_bytes()))
+      return invalid("plan: result " + std::to_string(r) + " gets " + std::to_string(covered[r]) + " bytes, has " +
+                     std::to_string((*ret.value()).size_bytes()));
   }
   return ffi::Error::Success();
 }

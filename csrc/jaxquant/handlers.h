@@ -26,7 +26,8 @@
   X("jq_fp8_group_cast", JqFp8GroupCast)             \
   X("jq_nvfp4_group_scale", JqNvfp4GroupScale)       \
   X("jq_nvfp4_group_columnwise", JqNvfp4GroupColumnwise) \
-  X("jq_fp8_group_transpose", JqFp8GroupTranspose)
+  X("jq_fp8_group_transpose", JqFp8GroupTranspose) \
+  X("jq_group_split", JqGroupSplit)
 
 #define JQ_NO_CTX
 // Handlers that only enqueue work on the stream (no host sync, no data-dependent host decisions)
@@ -173,4 +174,8 @@
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Attr<int64_t>("num_blocks")                                    \
-                                    .Ret<F::Buffer<F::U8>>());
+                                    .Ret<F::Buffer<F::U8>>());                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqGroupSplit##S, GroupSplit##S,                                     \
+                                F::Ffi::Bind() CTX.RemainingArgs()                                  \
+                                    .RemainingRets()                                                \
+                                    .Attr<F::Span<const int64_t>>("plan"), JQ_CMD_BUFFER);
