@@ -134,7 +134,7 @@
                                     .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::Buffer<F::S32>>());                                     \
+                                    .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupCast##S, GroupCast##S,                                  \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
@@ -142,39 +142,39 @@
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
                                     .Attr<bool>("round_bf16")                                       \
-                                    .Ret<F::Buffer<F::U8>>());                                      \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupAmax##S, Fp8GroupAmax##S,                                 \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Attr<bool>("round_bf16")                                       \
                                     .Ret<F::Buffer<F::F32>>()                                       \
-                                    .Ret<F::Buffer<F::S32>>());                                     \
+                                    .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupCast##S, Fp8GroupCast##S,                                 \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
                                     .Attr<bool>("round_bf16")                                       \
-                                    .Ret<F::AnyBuffer>());                                          \
+                                    .Ret<F::AnyBuffer>(), JQ_CMD_BUFFER);                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupScale##S, GroupScale##S,                                \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
                                     .Arg<F::Buffer<F::F32>>()                                       \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Ret<F::Buffer<F::U8>>()                                        \
-                                    .Ret<F::Buffer<F::F32>>());                                     \
+                                    .Ret<F::Buffer<F::F32>>(), JQ_CMD_BUFFER);                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupColumnwise##S, GroupColumnwise##S,                      \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
                                     .Arg<F::Buffer<F::U8>>()                                        \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Attr<int64_t>("num_blocks")                                    \
                                     .Ret<F::Buffer<F::U8>>()                                        \
-                                    .Ret<F::Buffer<F::U8>>());                                      \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupTranspose##S, Fp8GroupTranspose##S,                       \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Attr<int64_t>("num_blocks")                                    \
-                                    .Ret<F::Buffer<F::U8>>());                                      \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqGroupSplit##S, GroupSplit##S,                                     \
                                 F::Ffi::Bind() CTX.RemainingArgs()                                  \
                                     .RemainingRets()                                                \
