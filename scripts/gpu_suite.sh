@@ -2,7 +2,7 @@
 # One call on a GPU machine: build the CUDA extension there, run the GPU tests, compute-sanitizer
 # (memcheck, racecheck) over a small op-test selection, and the benchmarks; everything goes under
 # $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 6-8 minutes on one H200; each
-# phase has a time limit (TEST_TIMEOUT 240 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 160 s).
+# phase has a time limit (TEST_TIMEOUT 480 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 160 s).
 #   bash scripts/gpu_suite.sh [pytest selection...]      e.g. bash scripts/gpu_suite.sh tests/test_ops.py
 # Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
 # BENCH_ARGS adds arguments (e.g. --no-stages);
@@ -40,8 +40,9 @@ section "tests"
 sel=("$@")
 [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py
                              tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py
-                             tests/test_distributed_gpu.py)
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
+                             tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
+                             tests/test_train_gpu.py tests/test_sp_gpu.py)
+timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
   || status=1
 { echo '```'; tail -25 "$OUT/tests.log"; echo '```'; } | tee -a "$report"
 
