@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension there, run the GPU tests, compute-sanitizer
 # (memcheck, racecheck) over a small op-test selection, and the benchmarks; everything goes under
-# $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 6-8 minutes on one H200; each
+# $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 10 minutes on one H200; each
 # phase has a time limit (TEST_TIMEOUT 480 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 160 s).
 #   bash scripts/gpu_suite.sh [pytest selection...]      e.g. bash scripts/gpu_suite.sh tests/test_ops.py
 # Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
