@@ -422,7 +422,7 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
 # ----------------------------------------------------------------------------------------------
 
 
-def _weight_specs(layout, recipe, columnwise_in_step, tp_axis):
+def weight_partition_specs(layout, recipe, columnwise_in_step, tp_axis):
     """out_specs of each weight: sharded over ``tp_axis`` along its TP dim (the transposed dim for
     columnwise data), replicated otherwise."""
     specs = []
@@ -445,7 +445,7 @@ def _weight_specs(layout, recipe, columnwise_in_step, tp_axis):
 def _build(layout, mesh, axis, tp_axis, options):
     opts = dict(options)
     body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, tp_axis=tp_axis, **opts)
-    specs = _weight_specs(layout, opts["recipe"], opts["columnwise"] and not opts["manual_post_all_gather_processing"],
+    specs = weight_partition_specs(layout, opts["recipe"], opts["columnwise"] and not opts["manual_post_all_gather_processing"],
                           tp_axis)
     out_specs = (specs, NonFiniteReport(counts=P(), names=layout.names)) if opts["check_finite"] else specs
     in_spec = P(axis) if tp_axis is None else P(tp_axis, axis)

@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
 from jaxquant.dense import pcast_varying, straight_through
-from jaxquant.distributed import _weight_specs, quantize_master_weights
+from jaxquant.distributed import quantize_master_weights, weight_partition_specs
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
@@ -306,7 +306,7 @@ class TrainStep:
         if not plan.tp:
             return P()
         if cw != "bf16":
-            return _weight_specs(plan.matrices, cw, True, self.tp_axis)
+            return weight_partition_specs(plan.matrices, cw, True, self.tp_axis)
         return [P() if d is None else P(*((self.tp_axis, None) if d == 0 else (None, self.tp_axis)))
                 for d in plan.matrices.tp_dims]
 
