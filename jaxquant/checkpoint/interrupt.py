@@ -22,10 +22,9 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class Interrupted(KeyboardInterrupt):
     """A write was interrupted by ``signum``; ``exit_code`` is the shell convention 128 + signum."""
 
-    def __init__(self, signum: int, stderr_fd: int | None = None):
+    def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-        self.stderr_fd = stderr_fd  # a command's real stderr while fd 2 is silenced (see _raise_once_quiet)
 
     @property
     def signame(self) -> str:
@@ -40,21 +39,6 @@ def _raise_once(signum, _frame):
     for s in SIGNALS:  # the unwinding below removes staging directories: let nothing cut it short
         signal.signal(s, signal.SIG_IGN)
     raise Interrupted(signum)
-
-
-def _raise_once_quiet(signum, _frame):
-    """A command's handler: as _raise_once, and from here on fd 2 goes to /dev/null, so that what the
-    interrupted threads print on their way down (callbacks of Orbax's closed asyncio loop, TensorStore)
-    cannot join the one line the command ends with; :func:`report` writes that line to the real stderr.
-    fd 2 stays silenced for the rest of the process, which is about to exit."""
-    for s in SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    raise Interrupted(signum, stderr_fd=saved)
 
 
 def _in_main_thread() -> bool:
@@ -74,7 +58,7 @@ def cli_handlers():
         return
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
-        signal.signal(s, _raise_once_quiet)
+        signal.signal(s, _raise_once)
     try:
         if hasattr(signal, "pthread_sigmask"):  # POSIX
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
@@ -143,10 +127,7 @@ def report(message: str, e: Interrupted) -> int:
     if _in_main_thread():
         for s in SIGNALS:  # exiting: a second signal must not turn the line below into a traceback
             signal.signal(s, signal.SIG_IGN)
-    if e.stderr_fd is not None:
-        os.write(e.stderr_fd, (message + "\n").encode())
-    else:
-        print(message, file=sys.stderr, flush=True)
+    print(message, file=sys.stderr, flush=True)
     e.__traceback__ = e.__context__ = None  # lets the interrupted frames go now
     sys.unraisablehook = lambda _unraisable: None
     warnings.simplefilter("ignore")
