@@ -166,6 +166,7 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
         sink = DcpSink(dst, staging) if to == "dcp" else OrbaxSink(dst, staging)
         with Progress(total, f"convert -> {to}", enabled=progress) as bar:
             for key in source.keys():
+                interrupt.check()  # between keys and between chunks: nothing is in flight there
                 parts = source.parts(key)
                 if dq is not None and (key == QUANT_INFO_KEY or (key in comp_keys and comp_keys[key] != key)):
                     continue  # components folded into the dequantized tensor
@@ -193,6 +194,7 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
                     sink.write_chunk(key, off, arr)
                     bar.update(arr.nbytes)
                     del arr
+                    interrupt.check()
         tmap.finish()
         sink.commit()
     except BaseException:

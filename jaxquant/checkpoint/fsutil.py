@@ -90,6 +90,7 @@ def commit(staging: str, dst: str, *, sync: bool = True) -> None:
         fsync_tree(staging)
     marker = os.path.join(staging, INCOMPLETE_MARKER)
     with interrupt.deferred():  # unmarked but not yet renamed: no signal may land in between
+        interrupt.check()  # the last moment a signal still cancels the write
         if os.path.exists(marker):
             os.unlink(marker)
         try:

@@ -1,9 +1,18 @@
-"""SIGINT / SIGTERM during a checkpoint write: an exception, raised once, so the staging directory is removed.
+"""SIGINT / SIGTERM during a checkpoint write: taken at check points, so the staging directory is removed.
 
-The first SIGINT or SIGTERM raises :class:`Interrupted` (a ``KeyboardInterrupt``) in the main thread; later
-ones are ignored while the exception unwinds and the staging directory is deleted, so the cleanup itself is
-never cut short. A SIGKILL cannot be handled: it leaves a marked staging directory that the next write to
-the same destination removes (``fsutil.remove_stale_staging``).
+A signal handler that raises can fire anywhere the interpreter runs Python code: between starting a TensorStore
+commit and waiting for it (the commit then re-creates the staging directory after the cleanup removed it), or
+inside a garbage-collection callback or ``__del__``, where Python prints the exception and drops it (the write
+then finishes as if no signal had come; CI saw both). So inside a *write section* (``save_dcp``, ``convert``) and inside
+``deferred`` blocks the handler only records the first signal; :func:`check` raises it as :class:`Interrupted`
+(a ``KeyboardInterrupt``) at points the write chooses (between chunks, before the commit's rename), and leaving
+the outermost section raises one that came after the last check point. Once raised, later signals are ignored
+while the exception unwinds, so the cleanup is never cut short. Outside those sections (the demo's training
+loop, ``inspect``) a command's handler raises at once, as Python's own SIGINT handling does; one that Python
+drops there stays pending, unprinted, for the next check point or signal.
+
+A SIGKILL cannot be handled: it leaves a marked staging directory that the next write to the same destination
+removes (``fsutil.remove_stale_staging``).
 """
 
 from __future__ import annotations
@@ -35,19 +44,81 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
-def _raise_once(signum, _frame):
-    for s in SIGNALS:  # the unwinding below removes staging directories: let nothing cut it short
-        signal.signal(s, signal.SIG_IGN)
-    raise Interrupted(signum)
+class _Signals:
+    """What :func:`_on_signal` has seen. Signal dispositions belong to the process, so this is one per process;
+    it is reset whenever our handler is installed where it was not."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.pending = None  # the first signal recorded inside a section, not yet raised
+        self.raised = False  # an Interrupted was raised from a check point: ignore the rest
+        self.depth = 0  # nesting of write sections / deferred blocks (0: a signal raises at once)
+
+
+_STATE = _Signals()
+
+
+def _on_signal(signum, _frame):
+    st = _STATE
+    if st.raised:
+        return  # unwinding after an interrupt: let the cleanup finish
+    if st.pending is None:
+        st.pending = signum
+    if st.depth == 0:  # no write in progress: nothing to clean up, stop now
+        st.raised = True
+        raise Interrupted(st.pending)
+
+
+def _keep_lost_interrupt(previous_hook):
+    """An ``unraisablehook`` for commands: an :class:`Interrupted` that Python could not raise (the handler ran
+    inside a GC callback or ``__del__``) stays pending for the next check point or signal, unprinted."""
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, Interrupted):
+            _STATE.raised = False
+            return
+        previous_hook(unraisable)
+
+    return hook
+
+
+def _ours() -> bool:
+    return all(signal.getsignal(s) is _on_signal for s in SIGNALS)
 
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def check() -> None:
+    """Raise :class:`Interrupted` for a signal recorded since the write began (once); otherwise nothing.
+
+    Call it where stopping leaves nothing in flight: every file and TensorStore operation started so far is done.
+    """
+    st = _STATE
+    if st.pending is not None and not st.raised:
+        st.raised = True
+        raise Interrupted(st.pending)
+
+
+@contextlib.contextmanager
+def _section():
+    """Signals are recorded, not raised, inside; leaving the outermost section raises one still pending."""
+    _STATE.depth += 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+    if _STATE.depth == 0:
+        check()
+
+
 @contextlib.contextmanager
 def cli_handlers():
-    """For a command: SIGINT/SIGTERM raise :class:`Interrupted` (once) until the block ends.
+    """For a command: SIGINT/SIGTERM raise :class:`Interrupted` until the block ends (at check points inside
+    write sections).
 
     Signals that were blocked while the process started (a supervisor may start us with them blocked so that
     none is lost before the handlers exist) are unblocked once the handlers are in place, so one may be raised
@@ -57,8 +128,11 @@ def cli_handlers():
         yield
         return
     previous = {s: signal.getsignal(s) for s in SIGNALS}
+    previous_hook = sys.unraisablehook
+    _STATE.reset()
+    sys.unraisablehook = _keep_lost_interrupt(previous_hook)
     for s in SIGNALS:
-        signal.signal(s, _raise_once)
+        signal.signal(s, _on_signal)
     try:
         if hasattr(signal, "pthread_sigmask"):  # POSIX
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
@@ -66,46 +140,60 @@ def cli_handlers():
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if sys.unraisablehook.__qualname__.startswith("_keep_lost_interrupt"):
+            sys.unraisablehook = previous_hook  # (report() may have replaced it: the process is exiting)
 
 
 @contextlib.contextmanager
 def default_signals_clean_up():
-    """Around a write called from library code (``save_dcp``, ``convert``).
+    """Around a write (``save_dcp``, ``convert``): a write section (see the module docstring).
 
-    Signals still at their default disposition (SIGINT: ``KeyboardInterrupt``; SIGTERM: terminate) become
-    a one-shot :class:`Interrupted`, so the write's own ``except`` removes its staging directory without being
-    interrupted again; a SIGTERM then terminates the process as the default disposition would have. Handlers
-    the program installed itself are left alone.
+    Signals still at their default disposition (SIGINT: ``KeyboardInterrupt``; SIGTERM: terminate) are taken
+    for the duration, so the write's own ``except`` removes its staging directory; a SIGTERM then terminates the
+    process as the default disposition would have. A signal that comes after the last check point is raised (or
+    terminates) once the write is complete. Handlers the program installed itself are left alone (they may
+    raise anywhere; ``deferred`` still guards the critical steps against them).
     """
     if not _in_main_thread():
         yield
         return
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     taken = {s: h for s, h in defaults.items() if signal.getsignal(s) is h}
+    if taken and not any(signal.getsignal(s) is _on_signal for s in SIGNALS):
+        _STATE.reset()
     for s in taken:
-        signal.signal(s, _raise_once)
+        signal.signal(s, _on_signal)
     try:
-        yield
+        with _section():
+            yield
     except Interrupted as e:
         if e.signum in taken:
             for s, h in taken.items():
                 signal.signal(s, h)
             taken = {}
+            _STATE.reset()
             if e.signum == signal.SIGTERM:
                 os.kill(os.getpid(), signal.SIGTERM)  # cleaned up: now terminate as SIGTERM would have
         raise
     finally:
         for s, h in taken.items():
             signal.signal(s, h)
+        if taken:
+            _STATE.reset()
 
 
 @contextlib.contextmanager
 def deferred():
-    """Hold SIGINT/SIGTERM for a short critical section (marker removal + rename); deliver them after."""
+    """Hold SIGINT/SIGTERM for a critical section (a TensorStore operation from start to result, an Orbax restore,
+    marker removal + rename); a signal that came meanwhile is raised after it."""
     if not _in_main_thread():
         yield
         return
-    caught = []
+    if _ours():
+        with _section():
+            yield
+        return
+    caught = []  # a program's own handlers: swap in a recorder for the section, deliver to them after
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, lambda signum, _frame: caught.append(signum))

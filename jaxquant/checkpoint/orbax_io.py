@@ -42,7 +42,8 @@ class OrbaxSource:
         ocp = _ocp()
         self._ck = ocp.PyTreeCheckpointer()
         try:
-            tree = self._ck.metadata(self.path).item_metadata.tree
+            with interrupt.deferred():  # Orbax runs an asyncio loop here too: see _restore
+                tree = self._ck.metadata(self.path).item_metadata.tree
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: not a readable Orbax PyTree checkpoint ({e})") from e
         self._meta = {}
@@ -192,12 +193,14 @@ def zarr_chunk_shape(shape, boxes, itemsize) -> tuple[tuple, bool]:
     return grid, True
 
 
-def _wait(future):
-    """The result of a TensorStore future, with SIGINT/SIGTERM held until it is done: a wait cut short would leave
-    TensorStore threads writing into (and, through the file driver, re-creating) the staging directory while it
-    is removed. The hold lasts one commit (about FLUSH_BYTES or one chunk)."""
+def _wait(start):
+    """``start()`` (which begins a TensorStore operation and returns its future) and the future's result, with
+    SIGINT/SIGTERM held from before the start until it is done. A signal between the start and the wait, or a
+    wait cut short, would leave TensorStore threads writing into (and, through the file driver, re-creating)
+    the staging directory while it is removed: CI once found a lone ``manifest.ocdbt`` written after the cleanup
+    by a commit begun just before a SIGTERM. The hold lasts one commit (about FLUSH_BYTES or one chunk)."""
     with interrupt.deferred():
-        return future.result()
+        return start().result()
 
 
 class OrbaxSink:
@@ -224,7 +227,7 @@ class OrbaxSink:
 
     def _flush(self):
         """Commit the staged writes (new zarr arrays and chunks) to the OCDBT store; start a new transaction."""
-        _wait(self._txn.commit_async())
+        _wait(self._txn.commit_async)
         self._txn, self._pending = self._ts.Transaction(), 0
         _release_free_memory()
         if self._cur is not None:
@@ -252,7 +255,8 @@ class OrbaxSink:
         chunks, aligned = zarr_chunk_shape(shape, boxes, dtype.itemsize)
         try:
             spec = orbax_layout.array_spec(self._kv, key, shape, chunks, self._ts.dtype(dtype).name)
-            t = _wait(self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx, transaction=self._txn))
+            t = _wait(lambda: self._ts.open(self._ts.Spec(spec), create=True, context=self._ctx,
+                                            transaction=self._txn))
         except Exception as e:
             raise CheckpointError(f"key {key!r}: cannot create its Orbax/TensorStore array ({e})") from e
         self._cur = (key, t, aligned)
@@ -267,7 +271,8 @@ class OrbaxSink:
         hi = tuple(o + s for o, s in zip(offsets, arr.shape))
         region = rel_slices(offsets, hi, (0,) * len(offsets))
         # the transaction keeps a reference to ``arr`` (not a copy) until it is committed
-        _wait(t[region].write(np.require(arr, requirements="C"), can_reference_source_data_indefinitely=True))
+        _wait(lambda: t[region].write(np.require(arr, requirements="C"),
+                                      can_reference_source_data_indefinitely=True))
         self._pending += arr.nbytes
         if aligned and self._pending >= FLUSH_BYTES:
             self._flush()

@@ -157,6 +157,7 @@ def _host(x) -> np.ndarray:
 
 def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
     for key, parts, kind, payload in plan:
+        interrupt.check()  # between entries and between chunks: nothing is in flight there
         if kind == "value":
             if rank == 0:
                 w.write_value(key, payload, parts)
@@ -168,6 +169,7 @@ def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
             if tr:  # JAX [in, out] -> stored [out, in]
                 arr, offsets = np.ascontiguousarray(arr.T), offsets[::-1]
             progress.update(w.write_chunk(key, offsets, arr))
+            interrupt.check()
 
 
 def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize=None,

@@ -1,0 +1,117 @@
+"""The signal rules of jaxquant.checkpoint.interrupt, made deterministic with signal.raise_signal (the random-kill
+tests in test_checkpoint_interrupt.py find the same failures only now and then).
+
+- Inside a write section a signal never raises where it lands: it is raised by ``check()`` or when the section
+  ends, also when it lands inside a garbage-collection callback (where a raised exception is printed and lost:
+  CI saw a SIGTERM swallowed that way and the conversion finish with exit status 0).
+- Outside write sections (a command's own code) a signal raises at once, and one lost in a GC callback does
+  not disarm the next.
+"""
+
+import gc
+import signal
+
+import pytest
+
+from jaxquant.checkpoint import interrupt
+from jaxquant.checkpoint.interrupt import Interrupted
+
+
+@pytest.fixture
+def in_gc_callback():
+    """Runs ``fn`` from inside a gc callback (as JAX's own ``_xla_gc_callback`` runs) during one collection."""
+    todo = []
+
+    def callback(phase, _info):
+        if phase == "start" and todo:
+            todo.pop()()
+
+    gc.callbacks.append(callback)
+
+    def run(fn):
+        todo.append(fn)
+        gc.collect()
+
+    yield run
+    gc.callbacks.remove(callback)
+
+
+def test_signal_in_a_gc_callback_inside_a_write_is_raised_at_the_next_check(in_gc_callback, capsys):
+    with interrupt.cli_handlers():
+        with pytest.raises(Interrupted) as e:
+            with interrupt.default_signals_clean_up():
+                in_gc_callback(lambda: signal.raise_signal(signal.SIGINT))
+                reached = "after the collection"  # nothing was raised inside the callback
+                interrupt.check()
+                reached = "after check"
+        assert e.value.signum == signal.SIGINT and e.value.exit_code == 130
+    assert reached == "after the collection"
+    assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_signal_after_the_last_check_is_raised_when_the_write_ends():
+    done = []
+    with interrupt.cli_handlers():
+        with pytest.raises(Interrupted):
+            with interrupt.default_signals_clean_up():
+                signal.raise_signal(signal.SIGTERM)
+                done.append("write finished")
+    assert done == ["write finished"]
+
+
+def test_deferred_block_holds_a_signal_until_it_ends():
+    order = []
+    with interrupt.cli_handlers():
+        with pytest.raises(Interrupted):
+            with interrupt.deferred():
+                signal.raise_signal(signal.SIGINT)
+                order.append("operation waited for")
+            order.append("not reached")
+    assert order == ["operation waited for"]
+
+
+def test_signals_during_cleanup_are_ignored():
+    cleaned = []
+    with interrupt.cli_handlers():
+        with pytest.raises(Interrupted):
+            with interrupt.default_signals_clean_up():
+                signal.raise_signal(signal.SIGINT)
+                try:
+                    interrupt.check()
+                finally:
+                    signal.raise_signal(signal.SIGTERM)  # a second signal while the staging directory goes
+                    interrupt.check()  # raises nothing more
+                    cleaned.append(True)
+    assert cleaned == [True]
+
+
+def test_outside_writes_a_signal_raises_at_once():
+    with interrupt.cli_handlers():
+        with pytest.raises(Interrupted):
+            signal.raise_signal(signal.SIGINT)
+            pytest.fail("the handler did not raise")
+
+
+def test_a_signal_python_drops_in_a_gc_callback_stays_pending_unprinted(in_gc_callback, capsys):
+    with interrupt.cli_handlers():
+        in_gc_callback(lambda: signal.raise_signal(signal.SIGTERM))  # raised inside the callback: Python drops it
+        with pytest.raises(Interrupted) as e:
+            interrupt.check()  # the next check point (here: the first of a write) raises it
+        assert e.value.signum == signal.SIGTERM
+    assert "Exception ignored" not in capsys.readouterr().err
+    with interrupt.cli_handlers():  # and a dropped one does not disarm the next signal
+        in_gc_callback(lambda: signal.raise_signal(signal.SIGINT))
+        with pytest.raises(Interrupted):
+            signal.raise_signal(signal.SIGINT)
+            pytest.fail("the handler did not raise")
+
+
+def test_library_write_restores_default_keyboard_interrupt():
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt.default_signals_clean_up():
+            signal.raise_signal(signal.SIGINT)
+            interrupt.check()
+    assert signal.getsignal(signal.SIGINT) is before
+    with interrupt.default_signals_clean_up():  # a fresh write starts with nothing pending
+        interrupt.check()
