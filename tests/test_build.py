@@ -1,4 +1,4 @@
-"""build.py: one line per extension before its (long) compile; JAXQUANT_CUDA=off removes a stale CUDA module.
+"""build.py: one line per extension before its (long) compile (on the terminal too when pip captures it); JAXQUANT_CUDA=off removes a stale CUDA module.
 No compiler runs here (the commands are recorded)."""
 
 import importlib.util
@@ -28,6 +28,40 @@ def test_each_extension_is_announced_before_its_compile(build, tmp_path, monkeyp
     said, cmd = build.ran[1]  # announced before nvcc starts, not after the link
     assert cmd[0] == "/opt/fake-cuda/bin/nvcc" and "CUDA handlers with /opt/fake-cuda/bin/nvcc" in said
     assert len(said.strip().splitlines()) == 1
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child only dup2s and execs
+def test_line_reaches_the_terminal_when_pip_captures_the_build():
+    """pip (without -v) runs the build with stdout/stderr on a pipe; the line must still reach the user's terminal."""
+    import os
+    import pty
+    import sys
+
+    code = ("import importlib.util; s = importlib.util.spec_from_file_location('b', %r); m = "
+            "importlib.util.module_from_spec(s); s.loader.exec_module(m); m._announce('x.so: CUDA handlers')"
+            % str(ROOT / "build.py"))
+    captured, w = os.pipe()  # as pip: the build's stdout and stderr go to a pipe that pip reads
+    pid, term = pty.fork()  # the child's controlling terminal is this pty
+    if pid == 0:
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.execv(sys.executable, [sys.executable, "-c", code])
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(term, 1024)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(w)
+    with os.fdopen(captured, "rb") as f:
+        piped = f.read()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"jaxquant build: x.so: CUDA handlers" in seen  # what the user sees
+    assert piped.strip() == b"jaxquant build: x.so: CUDA handlers"  # what pip -v shows
 
 
 def test_cuda_off_removes_a_stale_cuda_extension(build, tmp_path, monkeypatch, capsys):
