@@ -2,8 +2,8 @@
 """Builds jaxquant's XLA FFI extension modules.
 
   _jaxquant_cpu   always: csrc/cpu_ops.cc + csrc/module.cc with the system C++ compiler.
-  _jaxquant_cuda  when nvcc is found (or --cuda on): csrc/cuda_ops.cu for sm_90 (software E2M1
-                  rounding) and sm_100a (hardware FP4 conversion), plus PTX for newer chips.
+  _jaxquant_cuda  when nvcc is found (or --cuda on): csrc/cuda_ops.cu + csrc/cuda_group_ops.cu for sm_90
+                  (software E2M1 rounding) and sm_100a (hardware FP4 conversion), plus PTX for newer chips.
 
 Both compile against the XLA FFI headers of the *installed* jaxlib (jax.ffi.include_dir()) and
 record its version, which jaxquant checks at import. Used by setup.py during `pip install`, or
@@ -29,6 +29,7 @@ CUDA_ARCH_FLAGS = [
     "-gencode=arch=compute_90,code=compute_90",
 ]
 CUDA_ARCHS = "sm_90,sm_100a,compute_90"
+CUDA_SOURCES = [CSRC / "cuda_ops.cu", CSRC / "cuda_group_ops.cu"]  # single-tensor ops; grouped ops
 
 
 def find_nvcc() -> str | None:
@@ -116,12 +117,14 @@ def build_cuda(output: Path, verbose: bool = False) -> Path:
               f"JAXQUANT_CUDA=off skips it)")
     flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
     with tempfile.TemporaryDirectory() as tmp:
-        obj = Path(tmp) / "cuda_ops.o"
-        _run([nvcc, *[f for f in flags if f != "-fPIC"], "-Xcompiler=-fPIC", "-fmad=false",
-              "--threads=0", *CUDA_ARCH_FLAGS, "-c", str(CSRC / "cuda_ops.cu"), "-o", str(obj)], verbose)
+        objs = []
+        for source in CUDA_SOURCES:
+            objs.append(str(Path(tmp) / (source.stem + ".o")))
+            _run([nvcc, *[f for f in flags if f != "-fPIC"], "-Xcompiler=-fPIC", "-fmad=false",
+                  "--threads=0", *CUDA_ARCH_FLAGS, "-c", str(source), "-o", objs[-1]], verbose)
         cxx = os.environ.get("CXX", "c++")
         libdirs = [home / "lib64", home / "targets" / "x86_64-linux" / "lib"]
-        _run([cxx, *flags, "-shared", str(CSRC / "module.cc"), str(obj), "-o", str(output),
+        _run([cxx, *flags, "-shared", str(CSRC / "module.cc"), *objs, "-o", str(output),
               *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart_static", "-lpthread", "-ldl", "-lrt"],
              verbose)
     return output

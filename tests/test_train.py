@@ -56,9 +56,9 @@ def compute_weight(w, cw):
     return fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
 
 
-def _make_microbatch_grad(cw):
-    """jitted (params, microbatch) -> (loss, grads) of the same math as one rank's microbatch: bf16
-    gradients of the compute weights (straight-through for quantized ones), fp32 for the bias."""
+def same_math_grad(loss, cw, bias):
+    """jitted (params, batch) -> (loss, grads) of the math one rank runs on one microbatch: bf16 gradients of
+    the compute weights of w1 and w2 (straight-through for quantized ones), fp32 for the bias ``bias``."""
 
     @jax.jit
     def grad(params, mb):
@@ -66,10 +66,10 @@ def _make_microbatch_grad(cw):
 
         def f(diff):
             w = {n: (jq.straight_through(mats[n], diff[n]) if cw != "bf16" else diff[n]) for n in mats}
-            return loss_fn({**w, "b1": diff["b1"]}, mb)
+            return loss({**w, bias: diff[bias]}, mb)
 
         diff = {n: (jnp.zeros(params[n].shape, jnp.bfloat16) if cw != "bf16" else mats[n]) for n in mats}
-        return jax.value_and_grad(f)({**diff, "b1": params["b1"]})
+        return jax.value_and_grad(f)({**diff, bias: params[bias]})
 
     return grad
 
@@ -77,7 +77,7 @@ def _make_microbatch_grad(cw):
 def reference_sgd(params, batch, *, cw, num_shards, microbatches, lr, steps, comm_dtype=jnp.float32):
     """Single-device SGD with the step's math: rank r's rows, microbatch j's rows, gradients accumulated
     in fp32 from zero, scaled by 1/(S*k), cast to the comm dtype, summed over ranks in rank order."""
-    grad = _make_microbatch_grad(cw)
+    grad = same_math_grad(loss_fn, cw, "b1")
     n = jax.tree.leaves(batch)[0].shape[0]
     rows = n // (num_shards * microbatches)
     scale = np.float32(1.0 / (num_shards * microbatches))

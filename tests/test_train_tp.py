@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
+from test_train import same_math_grad
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
@@ -56,28 +57,10 @@ def mlp_loss(w, batch, tp_axis=None):
     return jnp.mean((y + w["b2"] - batch["y"]) ** 2)
 
 
-def compute_weight(w, cw):
-    if cw == "bf16":
-        return w.astype(jnp.bfloat16)
-    fn = jq.quantize_fp8 if cw == "fp8" else jq.quantize_nvfp4
-    return fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
-
-
 @functools.lru_cache(maxsize=None)
 def reference(cw, num_shards, microbatches=1):
     """Single-device SGD of the same math (see the module docstring)."""
-
-    @jax.jit
-    def grad(params, rows):
-        mats = {n: compute_weight(params[n], cw) for n in ("w1", "w2")}
-
-        def f(diff):
-            w = {n: (jq.straight_through(mats[n], diff[n]) if cw != "bf16" else diff[n]) for n in mats}
-            return mlp_loss({**w, "b2": diff["b2"]}, rows)
-
-        diff = {n: (jnp.zeros(params[n].shape, jnp.bfloat16) if cw != "bf16" else mats[n]) for n in mats}
-        return jax.value_and_grad(f)({**diff, "b2": params["b2"]})
-
+    grad = same_math_grad(mlp_loss, cw, "b2")
     params, batch, losses = init_params(), make_batch(), []
     k = microbatches
     n = BATCH // (num_shards * k)

@@ -35,7 +35,8 @@
 #define JQ_CMD_BUFFER {::xla::ffi::Traits::kCmdBufferCompatible}
 #define JQ_CUDA_CTX .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
 
-#define JQ_DEFINE_HANDLERS(S, CTX)                                                                  \
+// Single-tensor ops (cuda_ops.cu), grouped ops (cuda_group_ops.cu); the CPU file defines both.
+#define JQ_DEFINE_TENSOR_HANDLERS(S, CTX)                                                                  \
   namespace F = ::xla::ffi;                                                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqAmax##S, Amax##S,                                                 \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
@@ -126,7 +127,10 @@
                                     .Ret<F::Buffer<F::U8>>()                                        \
                                     .Ret<F::Buffer<F::U8>>()                                        \
                                     .Ret<F::Buffer<F::U8>>()                                        \
-                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);
+
+#define JQ_DEFINE_GROUP_HANDLERS(S, CTX)                                                            \
+  namespace F = ::xla::ffi;                                                                        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupTileAmax##S, GroupTileAmax##S,                          \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::S32>>()                                       \
@@ -179,3 +183,7 @@
                                 F::Ffi::Bind() CTX.RemainingArgs()                                  \
                                     .RemainingRets()                                                \
                                     .Attr<F::Span<const int64_t>>("plan"), JQ_CMD_BUFFER);
+
+#define JQ_DEFINE_HANDLERS(S, CTX) \
+  JQ_DEFINE_TENSOR_HANDLERS(S, CTX)  \
+  JQ_DEFINE_GROUP_HANDLERS(S, CTX)

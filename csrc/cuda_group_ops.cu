@@ -1,0 +1,566 @@
+// CUDA FFI handlers of the grouped ops: one launch per stage for every parameter of a ZeRO flat shard.
+// Element math as the CPU handlers (elementwise.h / numerics.h); see cuda_ops.cu for single tensors.
+#include "jaxquant/cuda_common.cuh"
+
+namespace jaxquant {
+namespace {
+
+// ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
+//
+// The shard index and the parameter table live in device memory (the index is lax.axis_index,
+// known only on the device), so one launch serves every shard: each thread finds its parameter
+// by binary search in the table. Threads own 16 local elements (or 8 chunk bytes).
+
+constexpr int kGroupElems = 16;
+
+__host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
+
+// Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
+// With round_bf16 each value is rounded to bfloat16 as it is loaded (load_compute).
+__device__ __forceinline__ void load16(const void* x, bool bf16, bool round_bf16, int64_t i0, int64_t n, float v[16]) {
+  if (i0 + 16 <= n) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+    if (round_bf16) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = i0 + k < n ? load_compute(x, bf16, round_bf16, i0 + k) : 0.0f;
+  }
+}
+
+__device__ void warp_publish_param_max(float* amax, int64_t held, float m);
+
+// Tiles [t0, t1) of the tile rows that meet flat positions [g_first, g_last] of the group (a
+// superset of the tiles the shard touches: the others get amax 0, as they should).
+__device__ int64_t first_tile_at(const GroupTable& table, int64_t g) {
+  const int64_t p = table.find(g, GroupTable::kOffset);
+  if (p < 0) return 0;
+  const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
+  const int64_t cols = table.at(p, GroupTable::kCols), base = table.at(p, GroupTable::kTileBase);
+  if (g >= off + numel) return base + numel / (kTile * kTile);  // padding: the next parameter's first tile
+  return base + (g - off) / (kTile * cols) * (cols / kTile);
+}
+__device__ int64_t end_tile_at(const GroupTable& table, int64_t g) {
+  const int64_t p = table.find(g, GroupTable::kOffset);
+  if (p < 0) return 0;
+  const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
+  const int64_t cols = table.at(p, GroupTable::kCols), base = table.at(p, GroupTable::kTileBase);
+  if (g >= off + numel) return base + numel / (kTile * kTile);
+  return base + ((g - off) / (kTile * cols) + 1) * (cols / kTile);
+}
+
+// A slot is kSlotTiles consecutive tiles of the packed tile vector; 4 lanes own a tile (4 columns
+// each, all 16 rows: 16 independent 16-byte loads in flight per lane, consecutive lanes on
+// consecutive vectors of a row). A tile lies in one slot, so its amax is a plain store: no atomics
+// per tile, no search per element (one table search per slot and thread, only at a new parameter).
+constexpr int kSlotTiles = kThreads / 4;
+
+__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+                                       GroupTable table, int64_t num_tiles, float* __restrict__ tile_amax,
+                                       float* __restrict__ amax, int32_t* __restrict__ counts) {
+  const int64_t a = int64_t(index[0]) * n;  // the shard's first flat position
+  const int64_t t0 = first_tile_at(table, a);
+  const int64_t t_end = end_tile_at(table, a + n - 1), t1 = t_end < num_tiles ? t_end : num_tiles;
+  const int lane4 = threadIdx.x % 4;
+  int64_t p = -1, tbeg = 0, tnext = 0;  // parameter of the thread's last tile, its tile range
+  int64_t held = -1;                    // parameter whose running amax held_m holds
+  float held_m = 0.0f;
+  for (int64_t s = t0 / kSlotTiles + blockIdx.x; s * kSlotTiles < t1; s += gridDim.x) {
+    const int64_t t = s * kSlotTiles + threadIdx.x / 4;
+    float m = 0.0f;
+    int c = 0;
+    int64_t tp = -1;
+    if (t >= t0 && t < t1) {
+      if (p < 0 || t < tbeg || t >= tnext) {
+        p = table.find(t, GroupTable::kTileBase);
+        tbeg = table.at(p, GroupTable::kTileBase);
+        tnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kTileBase) : INT64_MAX;
+      }
+      tp = p;
+      const int64_t cols = table.at(p, GroupTable::kCols), tcn = cols / kTile, lt = t - tbeg;
+      const int64_t tr = lt / tcn, tc = lt - tr * tcn;
+      const int64_t i0 = table.at(p, GroupTable::kOffset) + tr * kTile * cols + tc * kTile + lane4 * 4 - a;
+      float v[kTile][4];
+      if (i0 >= 0 && i0 + (kTile - 1) * cols + 4 <= n) {  // the whole 16x4 strip is in the shard
+        const bool vec = aligned4(x, bf16, i0);  // cols % 16 == 0: every row has i0's alignment
+#pragma unroll
+        for (int k = 0; k < kTile; ++k) load4(x, bf16, i0 + k * cols, vec, v[k]);
+        if (round_bf16) {
+#pragma unroll
+          for (int k = 0; k < kTile; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[k][j] = round_to_bf16(v[k][j]);
+        }
+      } else {  // a tile row cut by a shard boundary: elements of other shards count as 0
+#pragma unroll
+        for (int k = 0; k < kTile; ++k)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int64_t i = i0 + k * cols + j;
+            v[k][j] = i >= 0 && i < n ? load_compute(x, bf16, round_bf16, i) : 0.0f;
+          }
+      }
+#pragma unroll
+      for (int k = 0; k < kTile; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          m = fmaxf(m, abs_ignoring_nan(v[k][j]));
+          c += !is_finite(v[k][j]);
+        }
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // the tile's 4 lanes
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+    if (tp >= 0 && lane4 == 0) tile_amax[t] = m;
+    if (c) atomicAdd(counts + tp, c);  // rare: no need to batch
+    const bool change = tp >= 0 && tp != held;
+    if (__any_sync(0xFFFFFFFFu, change)) warp_publish_param_max(amax, change ? held : -1, held_m);
+    if (change) {
+      held = tp;
+      held_m = 0.0f;
+    }
+    if (tp >= 0) held_m = fmaxf(held_m, m);
+  }
+  warp_publish_param_max(amax, held, held_m);
+}
+
+ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                             ffi::Buffer<ffi::U32> table_words, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> tile_amax,
+                             ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*amax, num_params, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
+  const int64_t n = static_cast<int64_t>(x.element_count()), num_tiles = static_cast<int64_t>(tile_amax->element_count());
+  cudaMemsetAsync(tile_amax->untyped_data(), 0, tile_amax->size_bytes(), stream);
+  cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
+  cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
+  if (n > 0 && num_params > 0) {
+    const int64_t slots = n / (kSlotTiles * kTile * kTile) + 2;  // about; the kernel grid-strides
+    group_tile_amax_kernel<<<resident_grid(group_tile_amax_kernel, slots), kThreads, 0, stream>>>(
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
+        GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
+        amax->typed_data(), counts->typed_data());
+  }
+  return last_error("group tile amax kernel");
+}
+
+// Threads own 8 consecutive bytes of the group's param-byte space (8-aligned, so 16 elements of
+// one parameter, one row and one tile: byte bases are multiples of 128).
+__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+                                  GroupTable table, const int64_t* chunk_lo, int64_t num_shards,
+                                  const float* __restrict__ enc, int64_t num_tiles, uint8_t* __restrict__ out,
+                                  int64_t size) {
+  const int64_t r = index[0];
+  if (r < 0 || r >= num_shards) {  // no such shard: it owns nothing
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < size; j += int64_t(gridDim.x) * blockDim.x) out[j] = 0;
+    return;
+  }
+  const int64_t lo = chunk_lo[r], g0 = lo / 8, groups = (lo + size + 7) / 8 - g0;
+  // Each block one contiguous range (threads a block-stride apart): a thread meets few parameters
+  // and searches the table only when it enters one.
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
+  const int64_t last = groups < first + per_block ? groups : first + per_block;
+  int64_t p = -1, pbeg = 0, pnext = 0;  // parameter of the last byte group, its byte range start, next's
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
+    const int64_t y0 = (g0 + grp) * 8;
+    uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (p < 0 || y0 < pbeg || y0 >= pnext) {
+      p = table.find(y0, GroupTable::kByteBase);
+      pbeg = p >= 0 ? table.at(p, GroupTable::kByteBase) : 0;
+      pnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kByteBase) : INT64_MAX;
+      if (p < 0) pnext = table.at(0, GroupTable::kByteBase);
+    }
+    if (p >= 0 && y0 - pbeg < table.at(p, GroupTable::kNumel) / 2) {
+      const int64_t e0 = 2 * (y0 - table.at(p, GroupTable::kByteBase));
+      const int64_t t = table.tile_of(p, e0);
+      const float m = t < num_tiles ? enc[t] : 0.0f;
+      const int64_t i0 = table.at(p, GroupTable::kOffset) + e0 - r * n;  // local index of element e0
+      float v[16];
+      if (i0 >= 0 && i0 + 16 <= n) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+        if (round_bf16) {
+#pragma unroll
+          for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * m, v[2 * k + 1] * m);
+      } else {  // the shard owns part of these 16 elements (or none)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const int64_t i = i0 + k;
+          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_compute(x, bf16, round_bf16, i) * m) << (4 * (k % 2));
+        }
+      }
+    }
+    const int64_t j0 = y0 - lo;
+    uint8_t* dst = out + j0;
+    if (j0 >= 0 && j0 + 8 <= size && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+      uint2 w;
+      w.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (uint32_t(bytes[3]) << 24);
+      w.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (uint32_t(bytes[7]) << 24);
+      *reinterpret_cast<uint2*>(dst) = w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (j0 + k >= 0 && j0 + k < size) out[j0 + k] = bytes[k];
+    }
+  }
+}
+
+ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                         ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::U32> chunk_lo_words,
+                         ffi::Buffer<ffi::F32> enc, bool round_bf16, ffi::Result<ffi::Buffer<ffi::U8>> chunk) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  if (chunk_lo_words.element_count() % 2) return invalid("chunk_lo: must be int64 values as uint32 words");
+  const int64_t num_shards = static_cast<int64_t>(chunk_lo_words.element_count() / 2);
+  const int64_t size = static_cast<int64_t>(chunk->element_count());
+  if (size == 0) return ffi::Error::Success();
+  if (num_params == 0) {
+    cudaMemsetAsync(chunk->untyped_data(), 0, size, stream);
+    return last_error("group cast memset");
+  }
+  group_cast_kernel<<<grid_for(size / 8 + 2), kThreads, 0, stream>>>(
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, static_cast<int64_t>(x.element_count()),
+      index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
+      i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
+      static_cast<int64_t>(enc.element_count()), chunk->typed_data(), size);
+  return last_error("group cast kernel");
+}
+
+// One atomic per distinct parameter per warp: lanes holding the same parameter are combined first.
+// Called by all 32 lanes (full warps); held < 0 means nothing to publish.
+__device__ void warp_publish_param_max(float* amax, int64_t held, float m) {
+  const int lane = threadIdx.x % 32;
+  unsigned pending = __ballot_sync(0xFFFFFFFFu, held >= 0);
+  while (pending) {
+    const int leader = __ffs(pending) - 1;
+    const int64_t p = __shfl_sync(0xFFFFFFFFu, held, leader);
+    const float v = warp_max(held == p ? m : 0.0f);
+    if (lane == leader) atomicMax(reinterpret_cast<uint32_t*>(amax + p), __float_as_uint(v));
+    pending &= ~__ballot_sync(0xFFFFFFFFu, held == p);
+  }
+}
+
+// Each block reduces one contiguous range of the shard (coalesced within the block), so a thread
+// meets few parameters and the per-parameter atomics (few addresses, all blocks) stay rare.
+__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+                                      GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
+  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
+  const int64_t first = blockIdx.x * per_block, last = groups < first + per_block ? groups : first + per_block;
+  int64_t held = -1;
+  float m = 0.0f;
+  ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
+  cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
+    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
+    float v[16];
+    load16(x, bf16, round_bf16, i0, n, v);
+    if (i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end && cur.p == held) {  // all in the held parameter
+      int c = 0;
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        m = fmaxf(m, abs_ignoring_nan(v[k]));
+        c += !is_finite(v[k]);
+      }
+      if (c) atomicAdd(counts + held, c);
+      continue;
+    }
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      if (i0 + k >= n || !cur.inside(g0 + k)) continue;
+      if (cur.p != held) {
+        if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
+        held = cur.p;
+        m = 0.0f;
+      }
+      m = fmaxf(m, abs_ignoring_nan(v[k]));
+      if (!is_finite(v[k])) atomicAdd(counts + held, 1);
+    }
+  }
+  warp_publish_param_max(amax, held, m);
+}
+
+ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                            ffi::Buffer<ffi::U32> table_words, bool round_bf16, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Result<ffi::Buffer<ffi::S32>> counts) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group(x, index, table_words, &num_params));
+  JQ_RETURN_IF_ERROR(check_count(*amax, num_params, "amax"));
+  JQ_RETURN_IF_ERROR(check_count(*counts, num_params, "counts"));
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
+  cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
+  if (n > 0 && num_params > 0) {
+    fp8_group_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
+        GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
+  }
+  return last_error("fp8 group amax kernel");
+}
+
+__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+                                      GroupTable table, const float* __restrict__ scale, bool e5m2,
+                                      uint8_t* __restrict__ out) {
+  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
+  const int64_t last = groups < first + per_block ? groups : first + per_block;
+  ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
+  cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
+    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
+    float v[16];
+    load16(x, bf16, round_bf16, i0, n, v);
+    uint8_t q[16];
+    bool inside[16];
+    if (i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end) {  // one parameter, one scale
+      const float sc = scale[cur.p];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        inside[k] = true;
+        v[k] *= sc;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        inside[k] = cur.inside(g0 + k);
+        v[k] *= inside[k] ? scale[cur.p] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 16; k += 2) {  // hardware pair conversion; padding bytes are 0
+      const uint32_t pair = fp8_pair(v[k], v[k + 1], e5m2);
+      q[k] = inside[k] ? uint8_t(pair) : 0;
+      q[k + 1] = inside[k + 1] ? uint8_t(pair >> 8) : 0;
+    }
+    if (i0 + 16 <= n && reinterpret_cast<uintptr_t>(out + i0) % 16 == 0) {
+      uint4 w;
+      uint32_t* wp = &w.x;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        wp[k] = q[4 * k] | (q[4 * k + 1] << 8) | (q[4 * k + 2] << 16) | (uint32_t(q[4 * k + 3]) << 24);
+      *reinterpret_cast<uint4*>(out + i0) = w;
+    } else {
+      for (int k = 0; k < 16 && i0 + k < n; ++k) out[i0 + k] = q[k];
+    }
+  }
+}
+
+ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                            ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale, bool round_bf16,
+                            ffi::Result<ffi::AnyBuffer> data) {
+  int64_t num_params;
+  bool e5m2;
+  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, *data, &num_params, &e5m2));
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (num_params == 0) {
+    cudaMemsetAsync(data->untyped_data(), 0, n, stream);
+    return last_error("fp8 group cast memset");
+  }
+  fp8_group_cast_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
+      GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
+      static_cast<uint8_t*>(data->untyped_data()));
+  return last_error("fp8 group cast kernel");
+}
+
+
+// ---- grouped scales and columnwise data ------------------------------------------------------
+//
+// Scales: one thread per output unit (a scale byte or a tile's encode multiplier), the parameter
+// found by binary search in the table; the tile amaxes are already reduced over the mesh.
+
+__global__ void group_scale_kernel(const float* __restrict__ tiles, const float* __restrict__ amax, GroupTable table,
+                                   int64_t num_tiles, uint8_t* __restrict__ scale_inv, int64_t scale_bytes,
+                                   float* __restrict__ enc) {
+  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < scale_bytes + num_tiles;
+       u += int64_t(gridDim.x) * blockDim.x) {
+    if (u < scale_bytes) scale_inv[u] = group_scale_byte(table, tiles, amax, u);
+    else enc[u - scale_bytes] = group_tile_encode(table, tiles, amax, u - scale_bytes);
+  }
+}
+
+ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi::Buffer<ffi::F32> amax,
+                          ffi::Buffer<ffi::U32> table_words, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv,
+                          ffi::Result<ffi::Buffer<ffi::F32>> enc) {
+  int64_t num_params, num_tiles, scale_bytes;
+  JQ_RETURN_IF_ERROR(check_group_scale(tiles, amax, table_words, *scale_inv, *enc, &num_params, &num_tiles, &scale_bytes));
+  if (scale_bytes + num_tiles == 0) return ffi::Error::Success();
+  group_scale_kernel<<<grid_for(scale_bytes + num_tiles), kThreads, 0, stream>>>(
+      tiles.typed_data(), amax.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles,
+      scale_inv->typed_data(), scale_bytes, enc->typed_data());
+  return last_error("group scale kernel");
+}
+
+// Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
+// block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks); it
+// stages the block in shared memory so that reads and writes are both row-contiguous. Blocks past
+// num_blocks grid-stride over the columnwise scales (NVFP4).
+template <bool kNibbles>
+__device__ void group_transpose_block(const uint8_t* __restrict__ data, uint8_t* __restrict__ out,
+                                      const GroupTable& table, int64_t b, int64_t base_field) {
+  __shared__ uint8_t tile[64][64 + 4];
+  const int64_t p = table.find(b, GroupTable::kBlockBase);
+  if (p < 0) return;
+  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
+  const int64_t m0 = (local / nbx) * 64, k0 = (local % nbx) * 64, base = table.at(p, base_field);
+  if (m0 >= rows) return;
+  const uint8_t* src = data + base;
+  uint8_t* dst = out + base;
+  // kThreads threads, 4 a row: each moves 16 elements of its row in (8 or 16 bytes, one vector
+  // load where aligned and whole) and 16 of its output row out, so memory sees full sectors.
+  static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
+  constexpr int kInBytes = kNibbles ? 8 : 16;  // source bytes holding 16 elements
+  const int row = threadIdx.x / 4, part = threadIdx.x % 4, c0 = part * 16;  // c0: first of 16 columns
+  {
+    const int64_t m = m0 + row, pitch = kNibbles ? cols / 2 : cols;
+    const uint8_t* s = src + m * pitch + (kNibbles ? (k0 + c0) / 2 : k0 + c0);
+    alignas(16) uint8_t in[kInBytes];
+    if (m < rows && k0 + c0 + 16 <= cols && reinterpret_cast<uintptr_t>(s) % kInBytes == 0) {
+      if (kNibbles) *reinterpret_cast<uint2*>(in) = *reinterpret_cast<const uint2*>(s);
+      else *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(s);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kInBytes; ++j) in[j] = m < rows && k0 + c0 + (kNibbles ? 2 * j : j) < cols ? s[j] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kInBytes; ++j) {
+      if (kNibbles) {
+        tile[row][c0 + 2 * j] = in[j] & 0xFu;
+        tile[row][c0 + 2 * j + 1] = in[j] >> 4;
+      } else {
+        tile[row][c0 + j] = in[j];
+      }
+    }
+  }
+  __syncthreads();
+  // Output row k = k0 + row holds block rows m0.. as bytes (FP8) or nibble pairs (NVFP4).
+  const int64_t k = k0 + row;
+  if (k >= cols) return;
+  constexpr int kOutBytes = kNibbles ? 8 : 16;  // output bytes of 16 block rows
+  alignas(16) uint8_t o[kOutBytes];
+#pragma unroll
+  for (int j = 0; j < kOutBytes; ++j)
+    o[j] = kNibbles ? uint8_t(tile[c0 + 2 * j][row] | (tile[c0 + 2 * j + 1][row] << 4)) : tile[c0 + j][row];
+  const int64_t opitch = kNibbles ? rows / 2 : rows, first = kNibbles ? (m0 + c0) / 2 : m0 + c0;
+  uint8_t* d = dst + k * opitch + first;
+  if (m0 + c0 + 16 <= rows && reinterpret_cast<uintptr_t>(d) % kOutBytes == 0) {
+    if (kNibbles) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(o);
+    else *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kOutBytes; ++j)
+      if (m0 + c0 + (kNibbles ? 2 * j : j) < rows) d[j] = o[j];
+  }
+}
+
+__global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale_inv,
+                                        GroupTable table, int64_t num_blocks, uint8_t* __restrict__ data_t,
+                                        uint8_t* __restrict__ scale_inv_t, int64_t scale_t_bytes) {
+  if (blockIdx.x < num_blocks) {
+    group_transpose_block<true>(data, data_t, table, blockIdx.x, GroupTable::kByteBase);
+    return;
+  }
+  const int64_t stride = (int64_t(gridDim.x) - num_blocks) * blockDim.x;
+  for (int64_t y = (blockIdx.x - num_blocks) * int64_t(blockDim.x) + threadIdx.x; y < scale_t_bytes; y += stride)
+    scale_inv_t[y] = group_scale_t_byte(table, scale_inv, y);
+}
+
+__global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table,
+                                           uint8_t* __restrict__ data_t) {
+  group_transpose_block<false>(data, data_t, table, blockIdx.x, GroupTable::kOffset);
+}
+
+ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
+                               ffi::Buffer<ffi::U32> table_words, int64_t num_blocks,
+                               ffi::Result<ffi::Buffer<ffi::U8>> data_t, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
+  if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
+  const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
+  const int64_t grid = num_blocks + std::min<int64_t>(grid_for(scale_t_bytes), 264);
+  if (num_params == 0) return ffi::Error::Success();
+  group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      data.typed_data(), scale_inv.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
+      num_blocks, data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
+  return last_error("group columnwise kernel");
+}
+
+ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32> table_words,
+                                 int64_t num_blocks, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  int64_t num_params;
+  JQ_RETURN_IF_ERROR(check_fp8_group_transpose(data, table_words, *data_t, &num_params));
+  if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
+  // Alignment padding between parameters is not written by the blocks: zero it first.
+  cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
+  if (num_params == 0 || num_blocks == 0) return last_error("fp8 group transpose memset");
+  fp8_group_transpose_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
+      data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, data_t->typed_data());
+  return last_error("fp8 group transpose kernel");
+}
+
+// ---- grouped split ---------------------------------------------------------------------------
+//
+// One launch per kSplitBatch results (instead of one XLA copy per result): the segments travel by
+// value in the kernel parameters, so the launch needs no host-to-device copy and graphs capture it.
+
+constexpr int kSplitBatch = 96;  // 96 x 24 bytes: well inside the 4 KiB kernel parameter space
+struct SplitBatch {
+  CopySegment seg[kSplitBatch];
+};
+
+// blockIdx.y: the segment; the blocks along x grid-stride over its bytes, 16-byte vectors (four in
+// flight) where source and destination agree modulo 16, single bytes for the rest.
+__global__ void split_kernel(SplitBatch batch) {
+  const CopySegment s = batch.seg[blockIdx.y];
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const uintptr_t sa = reinterpret_cast<uintptr_t>(s.src), da = reinterpret_cast<uintptr_t>(s.dst);
+  int64_t head = s.bytes, nvec = 0;
+  if (sa % 16 == da % 16) {
+    head = static_cast<int64_t>((16 - sa % 16) % 16);
+    if (head > s.bytes) head = s.bytes;
+    nvec = (s.bytes - head) / 16;
+  }
+  const uint4* __restrict__ src4 = reinterpret_cast<const uint4*>(s.src + head);
+  uint4* __restrict__ dst4 = reinterpret_cast<uint4*>(s.dst + head);
+  int64_t i = tid;
+  for (; i + 3 * stride < nvec; i += 4 * stride) {
+    const uint4 a = src4[i], b = src4[i + stride], c = src4[i + 2 * stride], d = src4[i + 3 * stride];
+    dst4[i] = a;
+    dst4[i + stride] = b;
+    dst4[i + 2 * stride] = c;
+    dst4[i + 3 * stride] = d;
+  }
+  for (; i < nvec; i += stride) dst4[i] = src4[i];
+  for (int64_t j = tid; j < head; j += stride) s.dst[j] = s.src[j];
+  for (int64_t j = head + 16 * nvec + tid; j < s.bytes; j += stride) s.dst[j] = s.src[j];
+}
+
+ffi::Error GroupSplitCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          ffi::Span<const int64_t> plan) {
+  std::vector<CopySegment> segments;
+  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, &segments));
+  // Largest first: each launch's grid fits its segments, small ones do not idle behind big ones.
+  std::sort(segments.begin(), segments.end(), [](const CopySegment& a, const CopySegment& b) { return a.bytes > b.bytes; });
+  for (size_t b0 = 0; b0 < segments.size(); b0 += kSplitBatch) {
+    const int count = static_cast<int>(std::min<size_t>(kSplitBatch, segments.size() - b0));
+    if (segments[b0].bytes == 0) break;
+    SplitBatch batch{};
+    for (int k = 0; k < count; ++k) batch.seg[k] = segments[b0 + k];
+    split_kernel<<<dim3(grid_for(segments[b0].bytes, kThreads * 64), count), kThreads, 0, stream>>>(batch);
+  }
+  return last_error("group split kernel");
+}
+
+}  // namespace
+
+JQ_DEFINE_GROUP_HANDLERS(Cuda, JQ_CUDA_CTX)
+
+}  // namespace jaxquant

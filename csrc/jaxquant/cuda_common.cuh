@@ -1,0 +1,171 @@
+// Helpers shared by the CUDA handler files (cuda_ops.cu: single tensors; cuda_group_ops.cu: groups):
+// launch shapes, block reductions, vector loads and the FP8 / E2M1 pair conversions. Each file gets its
+// own copy (anonymous namespace): nothing here is called across files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "jaxquant/elementwise.h"
+#include "jaxquant/ffi_checks.h"
+#include "jaxquant/handlers.h"
+#include "jaxquant/numerics.h"
+
+namespace jaxquant {
+namespace {
+
+constexpr int kThreads = 256;
+
+ffi::Error last_error(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Blocks for a grid-stride loop over `work` items. The cap keeps per-thread setup (scales derived
+// from the device-resident amax, lookup tables) amortized over many items.
+constexpr int64_t kMaxBlocks = 1024;
+int grid_for(int64_t work, int per_block = kThreads) {
+  const int64_t blocks = (work + per_block - 1) / per_block;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), kMaxBlocks));
+}
+
+// Grid for a grid-stride kernel: as many blocks as the GPU holds at once (capped by the work), so
+// that every block is resident from the start and there is no partial last wave.
+template <typename Kernel>
+int resident_grid(Kernel kernel, int64_t work_blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  const int64_t resident = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// Block-wide max/sum, then one atomic each. amax values are >= 0, so their bit patterns order
+// like the floats (inf included) and atomicMax on the bits is a float max.
+__device__ void block_publish(float m, int c, uint32_t* amax_bits, int32_t* count) {
+  __shared__ float sm[kThreads / 32];
+  __shared__ int sc[kThreads / 32];
+  m = warp_max(m);
+  c = warp_sum(c);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) { sm[warp] = m; sc[warp] = c; }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kThreads / 32 ? sm[lane] : 0.0f;
+    c = lane < kThreads / 32 ? sc[lane] : 0;
+    m = warp_max(m);
+    c = warp_sum(c);
+    if (lane == 0) {
+      atomicMax(amax_bits, __float_as_uint(m));
+      if (c) atomicAdd(count, c);
+    }
+  }
+}
+
+// ---- loads of 4 consecutive elements ---------------------------------------------------------
+
+// Elements i..i+3 of x as fp32; one 16-byte (fp32) or 8-byte (bf16) load when `vector`.
+__device__ __forceinline__ void load4(const void* x, bool bf16, int64_t i, bool vector, float v[4]) {
+  if (vector && !bf16) {
+    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(x) + i);
+    v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+  } else if (vector) {
+    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(x) + i);
+    v[0] = __uint_as_float(u.x << 16); v[1] = __uint_as_float(u.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(u.y << 16); v[3] = __uint_as_float(u.y & 0xFFFF0000u);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = load_as_float(x, bf16, i + k);
+  }
+}
+
+// True when element i of x starts a naturally aligned 4-element vector.
+__device__ __forceinline__ bool aligned4(const void* x, bool bf16, int64_t i) {
+  return (reinterpret_cast<uintptr_t>(x) + uint64_t(i) * (bf16 ? 2 : 4)) % (bf16 ? 8 : 16) == 0;
+}
+
+// ---- FP8 cast -------------------------------------------------------------------------------
+
+// fp32 pair -> two FP8 bytes (lo in bits 0-7). The hardware conversion (sm_89+) is RNE with
+// saturation, as numerics.h; NaN is re-encoded so its sign is kept as the software path does.
+__device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
+#if __CUDA_ARCH__ >= 890
+  uint16_t r;
+  if (e5m2)
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r) : "f"(lo), "f"(hi));
+  else
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r) : "f"(lo), "f"(hi));
+  uint32_t out = r;
+  if (is_nan(lo)) out = (out & 0xFF00u) | fp8_encode(lo, e5m2);
+  if (is_nan(hi)) out = (out & 0x00FFu) | (uint32_t(fp8_encode(hi, e5m2)) << 8);
+  return out;
+#else
+  return fp8_encode(lo, e5m2) | (uint32_t(fp8_encode(hi, e5m2)) << 8);
+#endif
+}
+
+__device__ __forceinline__ uint32_t fp8_quad(const float v[4], float scale, bool e5m2) {
+  return fp8_pair(v[0] * scale, v[1] * scale, e5m2) | (fp8_pair(v[2] * scale, v[3] * scale, e5m2) << 16);
+}
+
+// Every thread derives the scale from the device-resident amax (a few flops, no extra launch);
+// the first thread of the grid also stores scale_inv.
+struct Fp8Params {
+  const float* amax;
+  float fp8_max, eps;
+  bool pow2, e5m2;
+  float* scale_inv;
+
+  __device__ float scale() const {
+    const Fp8Scale s = fp8_scale_from_amax(amax[0], fp8_max, eps, pow2);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) scale_inv[0] = s.scale_inv;
+    return s.scale;
+  }
+};
+
+// E2M1 code of f with the FPU doing the rounding (the cast is ALU-bound on Hopper): the same code
+// as float_to_e2m1 for every fp32 input (checked exhaustively on the host; min.f32 maps NaN to 6,
+// code 7, as float_to_e2m1 does). After saturating |f| to 6, adding 2^(e+22) (e the exponent of
+// |f|, at least 0) leaves one ulp equal to the E2M1 spacing of that binade (0.5 below 2, 1 in
+// [2, 4), 2 in [4, 6]), so the sum is RNE on the grid (the ulp parity is the E2M1 mantissa
+// parity); k = its distance from 2^(e+22) in ulps, and the magnitude code is k + 2e.
+__device__ __forceinline__ uint32_t e2m1_code_fpu(float f) {
+  const float a = fminf(fabsf(f), 6.0f);
+  const uint32_t magic = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u) + (22u << 23);
+  // k + 2e: magic >> 22 is 2e + 298 exactly (magic is a multiple of 2^23).
+  const uint32_t code = __float_as_uint(__fadd_rn(a, __uint_as_float(magic))) - magic + (magic >> 22) - 298u;
+  return ((__float_as_uint(f) >> 28) & 0x8u) | code;
+}
+
+// E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else e2m1_code_fpu;
+// both are RNE with saturation to ±6 and keep the sign of zero (as float_to_e2m1).
+__device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+  uint16_t out;
+  asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}" : "=h"(out) : "f"(lo), "f"(hi));
+  return static_cast<uint8_t>(out);
+#else
+  return static_cast<uint8_t>(e2m1_code_fpu(lo) | (e2m1_code_fpu(hi) << 4));
+#endif
+}
+
+}  // namespace
+}  // namespace jaxquant
