@@ -115,3 +115,14 @@ def test_library_write_restores_default_keyboard_interrupt():
     assert signal.getsignal(signal.SIGINT) is before
     with interrupt.default_signals_clean_up():  # a fresh write starts with nothing pending
         interrupt.check()
+
+
+def test_an_interrupt_caught_outside_a_write_does_not_silence_the_next():
+    with interrupt.cli_handlers():
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except Interrupted:
+            pass  # e.g. code that catches KeyboardInterrupt and goes on
+        with pytest.raises(Interrupted):
+            signal.raise_signal(signal.SIGTERM)
+            pytest.fail("the second signal was ignored")

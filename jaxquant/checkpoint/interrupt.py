@@ -53,7 +53,7 @@ class _Signals:
 
     def reset(self):
         self.pending = None  # the first signal recorded inside a section, not yet raised
-        self.raised = False  # an Interrupted was raised from a check point: ignore the rest
+        self.raised = False  # check() raised the pending signal: ignore the rest while the write cleans up
         self.depth = 0  # nesting of write sections / deferred blocks (0: a signal raises at once)
 
 
@@ -66,9 +66,8 @@ def _on_signal(signum, _frame):
         return  # unwinding after an interrupt: let the cleanup finish
     if st.pending is None:
         st.pending = signum
-    if st.depth == 0:  # no write in progress: nothing to clean up, stop now
-        st.raised = True
-        raise Interrupted(st.pending)
+    if st.depth == 0:  # no write in progress: nothing to clean up, stop now (every signal raises here, so one
+        raise Interrupted(signum)  # that something caught or dropped does not silence the next)
 
 
 def _keep_lost_interrupt(previous_hook):
@@ -76,10 +75,8 @@ def _keep_lost_interrupt(previous_hook):
     inside a GC callback or ``__del__``) stays pending for the next check point or signal, unprinted."""
 
     def hook(unraisable):
-        if isinstance(unraisable.exc_value, Interrupted):
-            _STATE.raised = False
-            return
-        previous_hook(unraisable)
+        if not isinstance(unraisable.exc_value, Interrupted):  # (it is still _STATE.pending)
+            previous_hook(unraisable)
 
     return hook
 
