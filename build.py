@@ -82,19 +82,19 @@ def _run(cmd: list[str], verbose: bool) -> None:
         raise SystemExit(f"jaxquant build failed: {' '.join(cmd[:2])} ... exited {proc.returncode}")
 
 
-def _announce(line: str, tty: str = "/dev/tty") -> None:
+def _announce(line: str) -> None:
     """One line per extension, before its compile starts (nvcc takes a minute or more).
 
     On stderr (``python build.py``, ``pip install -v``). pip without ``-v`` captures that and shows only
     "still running...", so when stderr is not a terminal the line also goes to the controlling terminal, if
-    there is one (none in CI or under nohup: then stderr alone).
+    there is one (none in CI: then stderr alone).
     """
     text = f"jaxquant build: {line}"
     print(text, file=sys.stderr, flush=True)
     if sys.stderr.isatty():
         return
     try:
-        with open(tty, "w") as term:
+        with open("/dev/tty", "w") as term:
             term.write(text + "\n")
     except OSError:
         pass

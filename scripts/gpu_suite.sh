@@ -7,7 +7,8 @@
 # Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
 # BENCH_ARGS adds arguments (e.g. --no-stages);
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
-# sanitizer; SANITIZE_K overrides its pytest -k selection of tests/test_fused_ops.py; DIST=1 runs the multi-GPU distributed
+# sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
+# runs under it; DIST=1 runs the multi-GPU distributed
 # benchmark when 2+ GPUs are visible; TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size).
 set -uo pipefail
@@ -56,7 +57,8 @@ if [ "${SANITIZE:-1}" = 1 ]; then
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" \
       timeout "${SANITIZE_TIMEOUT:-110}" compute-sanitizer --tool "$tool" --error-exitcode 7 --print-limit 50 \
-      python3 -m pytest tests/test_fused_ops.py -k "$san_k" -q -p no:cacheprovider > "$OUT/sanitizer_$tool.log" 2>&1
+      python3 -m pytest ${SANITIZE_TESTS:-tests/test_fused_ops.py} -k "$san_k" -q -p no:cacheprovider \
+      > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && status=1
     { echo "exit code $rc (0: clean, 7: errors found, 124: timed out)"; echo '```'
@@ -79,7 +81,7 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 # Issue 9's GPU figures: the demo (nvfp4 / fp8 / bf16 weights; fsdp=N and, with 2+ GPUs, tp=2 meshes) and
-# bench_train (step time, tokens/s and the report_nan cost at a GEMM-bound size).
+# bench_train (step time, tokens/s and the report_nan cost of a larger model than the demo's).
 if [ "${TRAIN:-0}" = 1 ]; then
   section "jaxquant demo ($ngpu GPUs)"
   meshes="${ngpu}x1"; [ "$ngpu" -ge 2 ] && meshes="$meshes 1x$ngpu"

@@ -6,8 +6,8 @@ inside a garbage-collection callback or ``__del__``, where Python prints the exc
 then finishes as if no signal had come; CI saw both). So inside a *write section* (``save_dcp``, ``convert``) and inside
 ``deferred`` blocks the handler only records the first signal; :func:`check` raises it as :class:`Interrupted`
 (a ``KeyboardInterrupt``) at points the write chooses (between chunks, before the commit's rename), and leaving
-the outermost section raises one that came after the last check point. Once raised, later signals are ignored
-while the exception unwinds, so the cleanup is never cut short. Outside those sections (the demo's training
+the outermost section raises one that came after the last check point. Once :func:`check` has raised it, later
+signals are ignored while the exception unwinds, so the write's cleanup is never cut short. Outside those sections (the demo's training
 loop, ``inspect``) a command's handler raises at once, as Python's own SIGINT handling does; one that Python
 drops there stays pending, unprinted, for the next check point or signal.
 
@@ -127,7 +127,7 @@ def cli_handlers():
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     previous_hook = sys.unraisablehook
     _STATE.reset()
-    sys.unraisablehook = _keep_lost_interrupt(previous_hook)
+    sys.unraisablehook = ours = _keep_lost_interrupt(previous_hook)
     for s in SIGNALS:
         signal.signal(s, _on_signal)
     try:
@@ -137,8 +137,8 @@ def cli_handlers():
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        if sys.unraisablehook.__qualname__.startswith("_keep_lost_interrupt"):
-            sys.unraisablehook = previous_hook  # (report() may have replaced it: the process is exiting)
+        if sys.unraisablehook is ours:  # (report() may have replaced it: the process is exiting)
+            sys.unraisablehook = previous_hook
 
 
 @contextlib.contextmanager
@@ -155,9 +155,10 @@ def default_signals_clean_up():
         yield
         return
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    # a signal still at its default is taken by the outermost write only (an inner one finds _on_signal there)
     taken = {s: h for s, h in defaults.items() if signal.getsignal(s) is h}
-    if taken and not any(signal.getsignal(s) is _on_signal for s in SIGNALS):
-        _STATE.reset()
+    if taken:
+        _STATE.reset()  # the outermost write starts with nothing pending
     for s in taken:
         signal.signal(s, _on_signal)
     try:
@@ -165,24 +166,28 @@ def default_signals_clean_up():
             yield
     except Interrupted as e:
         if e.signum in taken:
-            for s, h in taken.items():
-                signal.signal(s, h)
+            _give_back(taken)
             taken = {}
-            _STATE.reset()
             if e.signum == signal.SIGTERM:
                 os.kill(os.getpid(), signal.SIGTERM)  # cleaned up: now terminate as SIGTERM would have
         raise
     finally:
-        for s, h in taken.items():
-            signal.signal(s, h)
-        if taken:
-            _STATE.reset()
+        _give_back(taken)
+
+
+def _give_back(taken: dict) -> None:
+    """Restore the dispositions a write took (if any) and forget what its handler saw."""
+    for s, h in taken.items():
+        signal.signal(s, h)
+    if taken:
+        _STATE.reset()
 
 
 @contextlib.contextmanager
 def deferred():
     """Hold SIGINT/SIGTERM for a critical section (a TensorStore operation from start to result, an Orbax restore,
-    marker removal + rename); a signal that came meanwhile is raised after it."""
+    marker removal + rename). A signal that came meanwhile is raised after it, or, inside a write, at the
+    write's next check point."""
     if not _in_main_thread():
         yield
         return
