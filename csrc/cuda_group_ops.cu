@@ -13,6 +13,16 @@ namespace {
 
 constexpr int kGroupElems = 16;
 
+// This block's share [first, last) of `items` when each block takes one contiguous range (threads a
+// block-stride apart inside it): a thread then meets few parameters and searches the table rarely.
+struct BlockRange {
+  int64_t first, last;
+};
+__device__ __forceinline__ BlockRange block_range(int64_t items) {
+  const int64_t per_block = (items + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
+  return {first, items < first + per_block ? items : first + per_block};
+}
+
 __host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
 
 // Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
@@ -159,10 +169,7 @@ __global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, bool ro
     return;
   }
   const int64_t lo = chunk_lo[r], g0 = lo / 8, groups = (lo + size + 7) / 8 - g0;
-  // Each block one contiguous range (threads a block-stride apart): a thread meets few parameters
-  // and searches the table only when it enters one.
-  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
-  const int64_t last = groups < first + per_block ? groups : first + per_block;
+  const auto [first, last] = block_range(groups);
   int64_t p = -1, pbeg = 0, pnext = 0;  // parameter of the last byte group, its byte range start, next's
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t y0 = (g0 + grp) * 8;
@@ -250,9 +257,8 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m) {
 // meets few parameters and the per-parameter atomics (few addresses, all blocks) stay rare.
 __global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                       GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
-  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
-  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
-  const int64_t first = blockIdx.x * per_block, last = groups < first + per_block ? groups : first + per_block;
+  const int64_t r = index[0];
+  const auto [first, last] = block_range((n + kGroupElems - 1) / kGroupElems);
   int64_t held = -1;
   float m = 0.0f;
   ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
@@ -307,9 +313,8 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 __global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
                                       GroupTable table, const float* __restrict__ scale, bool e5m2,
                                       uint8_t* __restrict__ out) {
-  const int64_t r = index[0], groups = (n + kGroupElems - 1) / kGroupElems;
-  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x, first = blockIdx.x * per_block;
-  const int64_t last = groups < first + per_block ? groups : first + per_block;
+  const int64_t r = index[0];
+  const auto [first, last] = block_range((n + kGroupElems - 1) / kGroupElems);
   ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
   cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
