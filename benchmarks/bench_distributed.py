@@ -18,7 +18,10 @@ Runs on any number of devices, one included (fsdp = 1):
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import statistics
+import tempfile
 import time
 
 import jax
@@ -62,6 +65,38 @@ def time_fn(fn, arg, iters, warmup=2):
     return statistics.median(times)
 
 
+def profile(label, fn, arg, iters=5, top=12):
+    """Per-kernel breakdown of ``fn(arg)`` on the first GPU from a ``jax.profiler`` trace: for each
+    line of the device plane ("XLA Ops": HLO ops; "Stream ...": kernels and copies), the events with
+    the most time, in µs per call. Prints nothing on a backend without a device plane (CPU)."""
+    jax.block_until_ready(fn(arg))
+    folder = tempfile.mkdtemp(prefix="jq-profile-")
+    with jax.profiler.trace(folder):
+        for _ in range(iters):
+            jax.block_until_ready(fn(arg))
+    files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    if not files:
+        return
+    data = jax.profiler.ProfileData.from_file(files[0])
+    planes = [pl for pl in data.planes if pl.name.startswith("/device:GPU:0")]
+    if not planes:
+        return
+    print(f"\nprofile: {label} ({iters} calls, device 0; µs per call)")
+    for line in planes[0].lines:
+        if line.name != "XLA Ops" and not line.name.startswith("Stream"):
+            continue
+        per_name, count = collections.defaultdict(float), collections.Counter()
+        for ev in line.events:
+            per_name[ev.name] += ev.duration_ns / 1e3 / iters
+            count[ev.name] += 1
+        if not per_name:
+            continue
+        total = sum(per_name.values())
+        print(f"  [{line.name}] busy {total:.1f} µs")
+        for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"    {us:9.1f}  x{count[name] / iters:<5g} {name[:90]}")
+
+
 def master_for(layout, mesh):
     return jax.jit(lambda k: jax.random.normal(k, (layout.total_size,), jnp.float32) * 0.02,
                    out_shardings=master_sharding(mesh, "fsdp"))(jax.random.key(0))
@@ -93,6 +128,8 @@ def main():
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--devices", type=int, default=None, help="fsdp size (default: all)")
     ap.add_argument("--skip-group", action="store_true", help="skip the 300-tensor comparison")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a per-kernel breakdown of each step (jax.profiler trace, GPU only)")
     args = ap.parse_args()
 
     div = 32 if args.small else 1
@@ -115,6 +152,12 @@ def main():
             t = time_fn(step(layout, mesh, recipe, columnwise, args.impl), master, args.iters)
             label = recipe + (" + columnwise" if columnwise else "")
             print(f"{label:<26} {t * 1e6:10.1f} {t / base:14.3f} {gathered_bytes(layout, recipe) / 2**20:12.2f}")
+    if args.profile:
+        profile("bf16 cast + all_gather", bf16_gather(mesh), master)
+        for recipe in ("nvfp4", "fp8"):
+            for columnwise in (False, True):
+                profile(recipe + (" + columnwise" if columnwise else ""),
+                        step(layout, mesh, recipe, columnwise, args.impl, consume=True), master)
 
     if args.skip_group:
         return
@@ -131,6 +174,9 @@ def main():
             tc = time_fn(step(lay, mesh, recipe, False, args.impl, consume=True), master_g, args.iters)
             first, first_consumed = first or t, first_consumed or tc
             print(f"{label:<26} {recipe:<7} {t * 1e6:10.1f} {t / first:13.3f} {tc * 1e6:12.1f} {tc / first_consumed:13.3f}")
+            if args.profile:
+                profile(f"{label}, {recipe}, consumed", step(lay, mesh, recipe, False, args.impl, consume=True),
+                        master_g, top=8)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
 # runs under it; DIST=1 runs the multi-GPU distributed
-# benchmark when 2+ GPUs are visible; TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
+# benchmark when 2+ GPUs are visible (DIST_ARGS, default --profile: per-kernel breakdown); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +80,11 @@ if [ "${BENCH:-1}" = 1 ]; then
   fi
 fi
 ngpu=$(nvidia-smi -L | wc -l)
+if [ "${DIST:-0}" = 1 ] && [ "$ngpu" -ge 2 ]; then
+  section "bench_distributed ($ngpu GPUs)"
+  { echo '```'; timeout "${DIST_TIMEOUT:-240}" python3 benchmarks/bench_distributed.py ${DIST_ARGS:---profile} 2>&1 \
+      | tee "$OUT/bench_distributed.txt"; echo '```'; } | tee -a "$report"
+fi
 # Issue 9's GPU figures: the demo (nvfp4 / fp8 / bf16 weights; fsdp=N and, with 2+ GPUs, tp=2 meshes) and
 # bench_train (step time, tokens/s and the report_nan cost of a larger model than the demo's).
 if [ "${TRAIN:-0}" = 1 ]; then
@@ -88,16 +93,12 @@ if [ "${TRAIN:-0}" = 1 ]; then
   { echo '```'
     for mesh in $meshes; do for recipe in nvfp4 fp8 bf16; do
       echo "-- demo --mesh $mesh --recipe $recipe"
-      timeout 120 python3 -m jaxquant demo --mesh "$mesh" --recipe "$recipe" --steps 60 --no-progress \
-        --ckpt-dir "$OUT/demo-ckpt" 2>&1 | grep -v "^\s*$" | tail -6
+      timeout 90 python3 -m jaxquant demo --mesh "$mesh" --recipe "$recipe" --steps 40 --no-progress \
+        --ckpt-dir "/tmp/jq-demo-$mesh-$recipe" 2>&1 | grep -v "^\s*$" | tail -6
     done; done
     echo '```'; } | tee -a "$report"
   section "bench_train ($ngpu GPUs)"
   { echo '```'; timeout 240 python3 benchmarks/bench_train.py ${TRAIN_ARGS:---d-model 2048 --d-ff 8192 --layers 4 --seq 1024} \
       --json "$OUT/bench_train.json" 2>&1 | tail -12; echo '```'; } | tee -a "$report"
-fi
-if [ "${DIST:-0}" = 1 ] && [ "$ngpu" -ge 2 ] && [ -f benchmarks/bench_distributed.py ]; then
-  section "bench_distributed ($ngpu GPUs)"
-  python3 benchmarks/bench_distributed.py 2>&1 | tee "$OUT/bench_distributed.txt" | tee -a "$report"
 fi
 exit $status
