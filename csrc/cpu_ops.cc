@@ -400,10 +400,9 @@ ffi::Error GroupScaleCpu(ffi::Buffer<ffi::F32> tiles, ffi::Buffer<ffi::F32> amax
   JQ_RETURN_IF_ERROR(check_group_scale(tiles, amax, table_words, *scale_inv, *enc, &num_params, &num_tiles, &scale_bytes));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, num_tiles, true));
   const GroupTable table{as_i64(table_words), num_params};
-  for (int64_t y = 0; y < scale_bytes; ++y)
-    scale_inv->typed_data()[y] = group_scale_byte(table, tiles.typed_data(), amax.typed_data(), y);
-  for (int64_t t = 0; t < num_tiles; ++t)
-    enc->typed_data()[t] = group_tile_encode(table, tiles.typed_data(), amax.typed_data(), t);
+  for (int64_t u = 0; u < group_scale_strips(scale_bytes); ++u)
+    group_scale_strip(table, tiles.typed_data(), num_tiles, amax.typed_data(), u, scale_inv->typed_data(), scale_bytes,
+                      enc->typed_data());
   return ffi::Error::Success();
 }
 

@@ -378,17 +378,16 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 
 // ---- grouped scales and columnwise data ------------------------------------------------------
 //
-// Scales: one thread per output unit (a scale byte or a tile's encode multiplier), the parameter
-// found by binary search in the table; the tile amaxes are already reduced over the mesh.
+// Scales: one thread per 16-row strip of one scale column (group_scale_strip), the parameter found
+// by binary search in the table; the tile amaxes are already reduced over the mesh.
 
 __global__ void group_scale_kernel(const float* __restrict__ tiles, const float* __restrict__ amax, GroupTable table,
                                    int64_t num_tiles, uint8_t* __restrict__ scale_inv, int64_t scale_bytes,
                                    float* __restrict__ enc) {
-  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < scale_bytes + num_tiles;
-       u += int64_t(gridDim.x) * blockDim.x) {
-    if (u < scale_bytes) scale_inv[u] = group_scale_byte(table, tiles, amax, u);
-    else enc[u - scale_bytes] = group_tile_encode(table, tiles, amax, u - scale_bytes);
-  }
+  // Neighbouring threads take neighbouring scale columns: each of the 16 row stores is coalesced.
+  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < group_scale_strips(scale_bytes);
+       u += int64_t(gridDim.x) * blockDim.x)
+    group_scale_strip(table, tiles, num_tiles, amax, u, scale_inv, scale_bytes, enc);
 }
 
 ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi::Buffer<ffi::F32> amax,
@@ -396,8 +395,8 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
                           ffi::Result<ffi::Buffer<ffi::F32>> enc) {
   int64_t num_params, num_tiles, scale_bytes;
   JQ_RETURN_IF_ERROR(check_group_scale(tiles, amax, table_words, *scale_inv, *enc, &num_params, &num_tiles, &scale_bytes));
-  if (scale_bytes + num_tiles == 0) return ffi::Error::Success();
-  group_scale_kernel<<<grid_for(scale_bytes + num_tiles), kThreads, 0, stream>>>(
+  if (group_scale_strips(scale_bytes) == 0) return ffi::Error::Success();
+  group_scale_kernel<<<grid_for(group_scale_strips(scale_bytes)), kThreads, 0, stream>>>(
       tiles.typed_data(), amax.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles,
       scale_inv->typed_data(), scale_bytes, enc->typed_data());
   return last_error("group scale kernel");

@@ -86,25 +86,36 @@ struct ParamCursor {
 
 // ---- per-output-unit pieces of the grouped ops, shared by the CPU loops and the CUDA kernels ----
 
-// Byte y of the group's packed rowwise scales (parameter p's padded scale_inv at kScaleBase) from
-// the parameter's tile amaxes (packed vector `tiles`) and its global amax.
-JQ_HD uint8_t group_scale_byte(const GroupTable& table, const float* tiles, const float* amax, int64_t y) {
-  const int64_t p = table.find(y, GroupTable::kScaleBase);
-  if (p < 0) return 0;
+// Strip u of the group's packed rowwise scales: the 16 scale rows of one tile row (ti) in one scale
+// column (j) of parameter p (p's strips are numbered from kScaleBase / 16, row-major over
+// [nvfp4_scale_rows(rows) / 16, nvfp4_scale_cols(cols)]; every scale base is a multiple of 128 rows).
+// All 16 bytes store tile (ti, j)'s E4M3 scale (docs/numerics.md §2.4), computed once; rows and
+// columns past the weight hold 0 (§2.7). The strip also writes that tile's encode multiplier
+// (§2.5) to enc. Every tile of the group lies in exactly one strip.
+JQ_HD void group_scale_strip(const GroupTable& table, const float* tiles, int64_t num_tiles, const float* amax,
+                             int64_t u, uint8_t* scale_inv, int64_t scale_bytes, float* enc) {
+  const int64_t p = table.find(u * kTile, GroupTable::kScaleBase);
+  if (p < 0) return;
   const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
-  const int64_t pc = nvfp4_scale_cols(cols), b = y - table.at(p, GroupTable::kScaleBase);
-  if (b >= nvfp4_scale_rows(rows) * pc) return 0;
-  return scale_entry(tiles + table.at(p, GroupTable::kTileBase), rows, cols,
-                     nvfp4_global_encode_scale(amax[p]), b / pc, b % pc);
+  const int64_t pc = nvfp4_scale_cols(cols), base = table.at(p, GroupTable::kScaleBase);
+  const int64_t w = u - base / kTile, ti = w / pc, j = w - ti * pc;
+  uint8_t byte = 0;
+  if (ti * kTile < rows && j < cols / kTile) {
+    const int64_t t = table.at(p, GroupTable::kTileBase) + ti * (cols / kTile) + j;
+    if (t < num_tiles) {
+      const float s_enc = nvfp4_global_encode_scale(amax[p]);
+      byte = nvfp4_tile_scale_bits(tiles[t], s_enc);
+      enc[t] = nvfp4_tile_encode(byte, 1.0f / s_enc);
+    }
+  }
+  for (int r = 0; r < kTile; ++r) {
+    const int64_t y = base + (ti * kTile + r) * pc + j;
+    if (y < scale_bytes) scale_inv[y] = ti * kTile + r < rows ? byte : 0;
+  }
 }
 
-// Encode multiplier of packed tile t (docs/numerics.md §2.5), from the E4M3 scale it stores.
-JQ_HD float group_tile_encode(const GroupTable& table, const float* tiles, const float* amax, int64_t t) {
-  const int64_t p = table.find(t, GroupTable::kTileBase);
-  if (p < 0) return 0.0f;
-  const float s_enc = nvfp4_global_encode_scale(amax[p]);
-  return nvfp4_tile_encode(nvfp4_tile_scale_bits(tiles[t], s_enc), 1.0f / s_enc);
-}
+// Strips of a group whose packed rowwise scales are scale_bytes long.
+JQ_HD int64_t group_scale_strips(int64_t scale_bytes) { return (scale_bytes + kTile - 1) / kTile; }
 
 // Byte y of the group's packed columnwise data: parameter p's [cols, rows/2] transpose at kByteBase.
 JQ_HD uint8_t group_data_t_byte(const GroupTable& table, const uint8_t* data, int64_t y) {
