@@ -5,7 +5,9 @@ and the cost of ``report_nan`` (step time with and without), on all visible devi
                                    [--batch-per-device 8] [--strategy optim_grads_params] [--json out.json]
 
 Defaults are the ``jaxquant demo`` model; pass larger sizes for GEMM-bound timings on GPUs. Times are the
-median of ``--steps`` steps after two warm-up (compile) steps; the batch is a fixed synthetic batch.
+median of ``--steps`` steps after two warm-up (compile) steps (nvfp4 with and without ``report_nan``
+timed interleaved); the batch is a fixed synthetic batch. On GPUs it also counts the FP8 step's GEMMs
+by kind (cuBLASLt FP8, Triton, other cuBLAS).
 """
 
 from __future__ import annotations
@@ -25,18 +27,32 @@ import jaxquant as jq
 from jaxquant import demo
 
 
-def time_steps(step, state, batch, steps: int):
-    """(median seconds per step, final state); the first two steps (compile, warm-up) are not timed."""
-    for _ in range(2):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics["loss"])
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
+def time_steps(steps_and_states, batch, steps: int):
+    """Median seconds per step of each (step, state) pair, timed interleaved (one step of each in turn,
+    so that clock and thermal drift fall on all alike); the first two steps (compile, warm-up) are not
+    timed. Returns (medians, final states)."""
+    runs = [list(pair) for pair in steps_and_states]
+    for run in runs:
+        for _ in range(2):
+            run[1], metrics = run[0](run[1], batch)
         jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), state
+    times = [[] for _ in runs]
+    for _ in range(steps):
+        for run, ts in zip(runs, times):
+            t0 = time.perf_counter()
+            run[1], metrics = run[0](run[1], batch)
+            jax.block_until_ready(metrics["loss"])
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times], [run[1] for run in runs]
+
+
+def fp8_gemm_kinds(step, state, batch) -> dict:
+    """How many GEMMs of the compiled step are cuBLASLt FP8 GEMMs, Triton GEMM fusions, other cuBLAS calls."""
+    hlo = step.lower(state, batch).compile().as_text()
+    return {"cublaslt_f8": hlo.count('custom_call_target="__cublas$lt$matmul$f8"'),
+            "triton_gemm": sum(1 for ln in hlo.splitlines() if " fusion(" in ln and "triton_gemm" in ln),
+            "cublas_other": sum(1 for ln in hlo.splitlines() if 'custom_call_target="__cublas' in ln
+                                and "$f8" not in ln)}
 
 
 def main():
@@ -62,17 +78,30 @@ def main():
     batch = demo.SyntheticData(cfg, batch_size).next()
     params = demo.init_params(jax.random.key(0), cfg)
     tokens = batch_size * cfg.seq
-    rows = []
-    runs = [(r, False) for r in ("nvfp4", "fp8", "bf16")] + [("nvfp4", True)]
-    for recipe, report_nan in runs:
+    rows, gemms = [], None
+
+    def make(recipe, report_nan):
         step = jq.make_train_step(demo.loss_fn(cfg), optax.adam(1e-3), mesh=mesh, strategy=args.strategy,
                                   tp_axis="tp", report_nan=report_nan,
                                   policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
-        state = step.init(params)
+        return step, step.init(params)
+
+    def row(recipe, report_nan, state, t):
         sent, sent_bf16 = (demo.bytes_gathered(state.plan, recipe) if args.strategy != "no_shard" else (0, 0))
-        t, state = time_steps(step, state, batch, args.steps)
-        rows.append({"recipe": recipe, "report_nan": report_nan, "step_ms": t * 1e3, "tokens_per_s": tokens / t,
-                     "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16})
+        return {"recipe": recipe, "report_nan": report_nan, "step_ms": t * 1e3, "tokens_per_s": tokens / t,
+                "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16}
+
+    # nvfp4 with and without report_nan, timed interleaved (their ratio is the report_nan cost)
+    pairs = [make("nvfp4", False), make("nvfp4", True)]
+    (t_plain, t_nan), states = time_steps(pairs, batch, args.steps)
+    rows += [row("nvfp4", False, states[0], t_plain), row("nvfp4", True, states[1], t_nan)]
+    del pairs, states
+    for recipe in ("fp8", "bf16"):
+        step, state = make(recipe, False)
+        (t,), (state,) = time_steps([(step, state)], batch, args.steps)
+        rows.append(row(recipe, False, state, t))
+        if recipe == "fp8" and devices[0].platform == "gpu":
+            gemms = fp8_gemm_kinds(step, state, batch)
         del state
     n_params = sum(int(np.prod(p.shape)) for p in params.values())
     print(f"{len(devices)} x {devices[0].device_kind}, strategy {args.strategy}, {cfg}, {n_params:,} parameters, "
@@ -84,12 +113,14 @@ def main():
     plain = next(r for r in rows if r["recipe"] == "nvfp4" and not r["report_nan"])
     nan = next(r for r in rows if r["report_nan"])
     cost = nan["step_ms"] / plain["step_ms"] - 1
-    print(f"report_nan cost (nvfp4): {cost * 100:+.2f}% of step time")
+    print(f"report_nan cost (nvfp4, timed interleaved): {cost * 100:+.2f}% of step time")
+    if gemms is not None:
+        print(f"fp8 step GEMMs: {gemms}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": devices[0].device_kind, "num_devices": len(devices), "strategy": args.strategy,
                        "config": dataclasses.asdict(cfg), "rows": rows,
-                       "report_nan_cost": cost}, f, indent=1)
+                       "report_nan_cost": cost, "fp8_gemms": gemms}, f, indent=1)
 
 
 if __name__ == "__main__":

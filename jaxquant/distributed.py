@@ -114,7 +114,7 @@ class NVFP4Chunks:
 
 @functools.lru_cache(maxsize=128)
 def nvfp4_chunks(layout: FlatLayout) -> NVFP4Chunks:
-    table = _group_table(layout, True)
+    table = layout_group_table(layout, True)
     rows = gtable.rows_of(table)
     end = 2 * gtable.sizes(table).data_bytes
     starts = []
@@ -153,7 +153,8 @@ def gathered_bytes(layout: FlatLayout, recipe: str = "nvfp4") -> int:
 
 
 @functools.lru_cache(maxsize=128)
-def _group_table(layout: FlatLayout, nvfp4: bool) -> np.ndarray:
+def layout_group_table(layout: FlatLayout, nvfp4: bool) -> np.ndarray:
+    """The grouped ops' parameter table of ``layout`` (TP-local shapes), built once per layout."""
     return ops.group_table(layout.param_offsets, layout.local_shapes, num_shards=layout.num_shards,
                            shard_size=layout.shard_size, nvfp4=nvfp4)
 
@@ -315,7 +316,7 @@ def _gather(chunk, axis):
 
 def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, impl):
     S = layout.num_shards
-    table = _group_table(layout, True)
+    table = layout_group_table(layout, True)
     rows = gtable.rows_of(table)
     plan = nvfp4_chunks(layout)
     r = jax.lax.axis_index(axes.axis)
@@ -394,7 +395,7 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
                force_pow_2_scales, impl):
     S = layout.num_shards
     fmax = formats.fp8_max(dtype)
-    table = _group_table(layout, False)
+    table = layout_group_table(layout, False)
     r = jax.lax.axis_index(axes.axis)
     amax, counts = ops.fp8_group_amax(x, r, table=table, num_shards=S, return_nonfinite=True,
                                       compute_dtype=compute_dtype, impl=impl)

@@ -18,8 +18,10 @@ One step, with ``S`` data-parallel ranks on ``fsdp_axis`` and ``k`` microbatches
    ``1/(S*k)`` (so the update uses the gradient of the full-batch mean loss), converted to
    ``grad_comm_dtype`` and all-reduced (``no_shard``, ``optim``) or reduce-scattered (``optim_grads``,
    ``optim_grads_params``), then converted back to ``main_grads_dtype``;
-3. the optimizer updates the master shards (replicated for ``no_shard``); with ``report_nan`` a step with
-   a non-finite gradient leaves master and optimizer state unchanged.
+3. the optimizer updates the master shards (replicated for ``no_shard``); with ``report_nan`` each rank
+   counts the non-finite elements per parameter in its shard of the reduced gradient (one pass over
+   1/S of it; a NaN or inf in any rank's gradient reaches the sum), the flags travel in the loss's
+   all-reduce, and a step with a non-finite gradient leaves master and optimizer state unchanged.
 
 FSDP x TP (``tp_axis`` of size T > 1): ``param_specs`` (a pytree like ``params``) says, per 2-D leaf, how
 it is split over ``tp_axis``: ``"col"`` (column-parallel: ``out`` of ``[out, in]`` split, each TP rank holds
@@ -52,9 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import formats
+from jaxquant import formats, ops
 from jaxquant.dense import pcast_varying, straight_through
-from jaxquant.distributed import quantize_master_weights, weight_partition_specs
+from jaxquant.distributed import layout_group_table, quantize_master_weights, weight_partition_specs
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
@@ -412,20 +414,12 @@ class TrainStep:
                                  is_leaf=lambda a: isinstance(a, tuple))
             (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
             loss = loss / k
-        # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce; with
-        # TP the loss is the same on every TP rank (loss_fn's contract) and TP rank 0's copy is the one summed
-        if plan.tp:
-            loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
-        stats = [jnp.reshape(loss, (1,))]
-        if self.report_nan:
-            stats += [jnp.reshape(jnp.logical_not(jnp.all(jnp.isfinite(g))), (1,)).astype(jnp.float32)
-                      for g in grads["m"] + grads["o"]]
-        stats = jax.lax.psum(jnp.concatenate(stats), self._axes)
-        out = [stats[0] / S]
+        out, flags = [], []
         scale = np.float32(1.0 / (S * k))
         for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
+                flags.append(jnp.zeros((layout.num_params,), jnp.float32))
                 continue
             flat = layout.flatten(grads[group], pol.main_grads_dtype) * scale.astype(pol.main_grads_dtype)
             flat = flat.astype(pol.comm_dtype)
@@ -433,12 +427,31 @@ class TrainStep:
                 flat = jax.lax.psum(flat, axes)
             else:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
-            if group == "m" and plan.tp:        # this TP rank's row of the [tp, ...] gradient
-                flat = flat.reshape(1, -1)
-            out.append(flat.astype(pol.main_grads_dtype))
+            flat = flat.astype(pol.main_grads_dtype)
+            if self.report_nan:
+                flags.append(self._nonfinite_flags(flat, layout))
+            out.append(flat.reshape(1, -1) if group == "m" and plan.tp else flat)   # TP: this rank's row
+        # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce; with
+        # TP the loss is the same on every TP rank (loss_fn's contract) and TP rank 0's copy is the one summed
+        if plan.tp:
+            loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
+        stats = jax.lax.psum(jnp.concatenate([jnp.reshape(loss, (1,))] + (flags if self.report_nan else [])),
+                             self._axes)
+        out.insert(0, stats[0] / S)
         if self.report_nan:
             out.append(stats[1:] > 0)       # per parameter, in the order matrices then others
         return tuple(out)
+
+    def _nonfinite_flags(self, flat, layout):
+        """1.0 per parameter of ``layout`` with a non-finite element in this rank's shard of the *reduced*
+        gradient (what the optimizer reads; a NaN or inf of any rank's gradient reaches the sum), else
+        0.0. One pass over the shard (the grouped count op): each rank reads 1/S of the gradient."""
+        r = jax.lax.axis_index(self.fsdp_axis)
+        if flat.shape[0] != layout.shard_size:   # all-reduced: each rank checks its own shard's range
+            flat = jax.lax.dynamic_slice_in_dim(flat, r * layout.shard_size, layout.shard_size)
+        _, counts = ops.fp8_group_amax(flat, r, table=layout_group_table(layout, False), num_shards=layout.num_shards,
+                                       return_nonfinite=True)
+        return (counts > 0).astype(jnp.float32)
 
     def _grads(self, plan, weights, others, batch):
         scattered = self.strategy in ("optim_grads", "optim_grads_params")

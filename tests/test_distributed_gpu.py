@@ -66,7 +66,8 @@ def test_check_finite_on_gpus_names_parameter_and_shard():
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_fsdp_tp_on_gpus_equal_single_tensor(recipe):
     """tp = 2 (fsdp = the other devices): aligned TP splits of both kinds and a TP-replicated weight
-    equal whole-tensor quantization; one all-reduce over both axes, one all-gather over fsdp."""
+    equal whole-tensor quantization; one all-reduce over both axes, one all-gather over fsdp (none
+    when fsdp = 1)."""
     tp = 2
     fsdp = len(jax.devices()) // tp
     mesh = Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
@@ -78,7 +79,8 @@ def test_fsdp_tp_on_gpus_equal_single_tensor(recipe):
                                                      columnwise=True, manual_post_all_gather_processing=False))
     hlo = f.lower(master).compile().as_text()
     assert hlo.count(" all-reduce-start(") + hlo.count(" all-reduce(") == 1
-    assert hlo.count(" all-gather-start(") + hlo.count(" all-gather(") == 1
+    # (on 2 GPUs fsdp = 1: nothing to gather)
+    assert hlo.count(" all-gather-start(") + hlo.count(" all-gather(") == (1 if fsdp > 1 else 0)
     out = f(master)
     single = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
     for p, (q, w, d) in enumerate(zip(out, ws, tp_dims)):

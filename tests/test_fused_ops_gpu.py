@@ -37,9 +37,10 @@ for fn in (nvfp4, nvfp4_t, fp8, fp8_t):
     n_calls = len(re.findall(r'custom_call_target="jq_', compiled.as_text()))
     # XLA forms command buffers on the thunk sequence (JAX 0.11): the dump after the thunk passes
     # lists a kCommandBuffer thunk with the captured thunks indented under it.
-    [seq] = glob.glob(os.path.join(dump, f"*jit_{name}.thunk_sequence_after_thunk_passes.txt"))
-    inside, in_cb = 0, False
-    for line in open(seq):
+    # (with command buffers off XLA may skip the thunk passes and write no such dump: nothing captured)
+    seqs = glob.glob(os.path.join(dump, f"*jit_{name}.thunk_sequence_after_thunk_passes.txt"))
+    inside, in_cb = (0 if seqs else None), False
+    for line in open(seqs[0]) if seqs else ():
         if not line.startswith(" "):
             in_cb = "kCommandBuffer" in line
         elif in_cb and "kCustomCall" in line:
@@ -56,7 +57,9 @@ print("CAPTURED " + json.dumps(captured))
 def _run(flags: str, out: Path) -> dict:
     dump = out.with_suffix(".dump")
     flags = f"{flags} --xla_dump_to={dump}"
-    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # the pytest process already holds most of the GPU's memory: the child allocates as it goes
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out), str(dump)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -76,7 +79,7 @@ def test_command_buffer_capture_gives_identical_bytes(tmp_path):
     # [jq_ custom calls in the compiled module, custom-call thunks inside command buffers]
     assert all(calls == 2 and inside == 2 for calls, inside in captured.values()), \
         f"custom calls inside command buffers: {captured}"
-    assert all(inside == 0 for _, inside in plain.values()), f"command buffers off, yet captured: {plain}"
+    assert all(inside in (0, None) for _, inside in plain.values()), f"command buffers off, yet captured: {plain}"
     a, b = np.load(tmp_path / "graph.npz"), np.load(tmp_path / "plain.npz")
     assert sorted(a.files) == sorted(b.files) and len(a.files) >= 14
     for k in a.files:
