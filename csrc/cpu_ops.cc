@@ -417,8 +417,9 @@ ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> sc
   const GroupTable table{as_i64(table_words), num_params};
   for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
     data_t->typed_data()[y] = group_data_t_byte(table, data.typed_data(), y);
-  for (int64_t y = 0; y < static_cast<int64_t>(scale_inv_t->element_count()); ++y)
-    scale_inv_t->typed_data()[y] = group_scale_t_byte(table, scale_inv.typed_data(), y);
+  const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
+  for (int64_t u = 0; u < group_scale_strips(scale_t_bytes); ++u)
+    group_scale_t_strip(table, scale_inv.typed_data(), u, scale_inv_t->typed_data(), scale_t_bytes);
   return ffi::Error::Success();
 }
 

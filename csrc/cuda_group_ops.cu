@@ -403,37 +403,64 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
 }
 
 // Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
-// block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks); it
-// stages the block in shared memory so that reads and writes are both row-contiguous. Blocks past
-// num_blocks grid-stride over the columnwise scales (NVFP4).
+// block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks); it is
+// staged in shared memory so that reads and writes are both row-contiguous. A CTA takes
+// kTransposeRun consecutive blocks: it loads all of them into registers first (several loads in
+// flight per thread) and searches the table only when a block leaves the last one's parameter.
+constexpr int kTransposeRun = 4;
+
+struct TransposeBlock {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t rows, cols, m0, k0;
+};
+
+// Parameter of block b, cached across calls (blocks of a CTA ascend).
+struct BlockParam {
+  int64_t p = -1, first = 0, next = 0;
+  __device__ bool locate(const GroupTable& table, int64_t b) {
+    if (p < 0 || b < first || b >= next) {
+      p = table.find(b, GroupTable::kBlockBase);
+      if (p < 0) return false;
+      first = table.at(p, GroupTable::kBlockBase);
+      next = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kBlockBase) : INT64_MAX;
+    }
+    return true;
+  }
+};
+
+// Block b of the group; false where it holds nothing (past the parameter's rows, or no parameter).
+__device__ bool transpose_block_at(const GroupTable& table, BlockParam& bp, int64_t b, int64_t base_field,
+                                   const uint8_t* data, uint8_t* out, TransposeBlock* blk) {
+  if (!bp.locate(table, b)) return false;
+  const int64_t p = bp.p, rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  const int64_t nbx = (cols + 63) / 64, local = b - bp.first, base = table.at(p, base_field);
+  *blk = {data + base, out + base, rows, cols, (local / nbx) * 64, (local % nbx) * 64};
+  return blk->m0 < rows;
+}
+
+// kThreads threads, 4 a row: each moves 16 elements of its row in (8 or 16 bytes, one vector load
+// where aligned and whole) and 16 of its output row out, so memory sees full sectors.
 template <bool kNibbles>
-__device__ void group_transpose_block(const uint8_t* __restrict__ data, uint8_t* __restrict__ out,
-                                      const GroupTable& table, int64_t b, int64_t base_field) {
-  __shared__ uint8_t tile[64][64 + 4];
-  const int64_t p = table.find(b, GroupTable::kBlockBase);
-  if (p < 0) return;
-  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
-  const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
-  const int64_t m0 = (local / nbx) * 64, k0 = (local % nbx) * 64, base = table.at(p, base_field);
-  if (m0 >= rows) return;
-  const uint8_t* src = data + base;
-  uint8_t* dst = out + base;
-  // kThreads threads, 4 a row: each moves 16 elements of its row in (8 or 16 bytes, one vector
-  // load where aligned and whole) and 16 of its output row out, so memory sees full sectors.
-  static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
-  constexpr int kInBytes = kNibbles ? 8 : 16;  // source bytes holding 16 elements
-  const int row = threadIdx.x / 4, part = threadIdx.x % 4, c0 = part * 16;  // c0: first of 16 columns
-  {
-    const int64_t m = m0 + row, pitch = kNibbles ? cols / 2 : cols;
-    const uint8_t* s = src + m * pitch + (kNibbles ? (k0 + c0) / 2 : k0 + c0);
-    alignas(16) uint8_t in[kInBytes];
-    if (m < rows && k0 + c0 + 16 <= cols && reinterpret_cast<uintptr_t>(s) % kInBytes == 0) {
+struct TransposeLanes {
+  static constexpr int kInBytes = kNibbles ? 8 : 16;   // source bytes holding 16 elements
+  static constexpr int kOutBytes = kNibbles ? 8 : 16;  // output bytes of 16 block rows
+  int row = threadIdx.x / 4, c0 = (threadIdx.x % 4) * 16;  // c0: first of the thread's 16 columns
+
+  __device__ void load(const TransposeBlock& blk, uint8_t* in) const {
+    const int64_t m = blk.m0 + row, pitch = kNibbles ? blk.cols / 2 : blk.cols;
+    const uint8_t* s = blk.src + m * pitch + (kNibbles ? (blk.k0 + c0) / 2 : blk.k0 + c0);
+    if (m < blk.rows && blk.k0 + c0 + 16 <= blk.cols && reinterpret_cast<uintptr_t>(s) % kInBytes == 0) {
       if (kNibbles) *reinterpret_cast<uint2*>(in) = *reinterpret_cast<const uint2*>(s);
       else *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(s);
     } else {
 #pragma unroll
-      for (int j = 0; j < kInBytes; ++j) in[j] = m < rows && k0 + c0 + (kNibbles ? 2 * j : j) < cols ? s[j] : 0;
+      for (int j = 0; j < kInBytes; ++j)
+        in[j] = m < blk.rows && blk.k0 + c0 + (kNibbles ? 2 * j : j) < blk.cols ? s[j] : 0;
     }
+  }
+
+  __device__ void stage(const uint8_t* in, uint8_t (*tile)[64 + 4]) const {
 #pragma unroll
     for (int j = 0; j < kInBytes; ++j) {
       if (kNibbles) {
@@ -444,42 +471,78 @@ __device__ void group_transpose_block(const uint8_t* __restrict__ data, uint8_t*
       }
     }
   }
-  __syncthreads();
+
   // Output row k = k0 + row holds block rows m0.. as bytes (FP8) or nibble pairs (NVFP4).
-  const int64_t k = k0 + row;
-  if (k >= cols) return;
-  constexpr int kOutBytes = kNibbles ? 8 : 16;  // output bytes of 16 block rows
-  alignas(16) uint8_t o[kOutBytes];
-#pragma unroll
-  for (int j = 0; j < kOutBytes; ++j)
-    o[j] = kNibbles ? uint8_t(tile[c0 + 2 * j][row] | (tile[c0 + 2 * j + 1][row] << 4)) : tile[c0 + j][row];
-  const int64_t opitch = kNibbles ? rows / 2 : rows, first = kNibbles ? (m0 + c0) / 2 : m0 + c0;
-  uint8_t* d = dst + k * opitch + first;
-  if (m0 + c0 + 16 <= rows && reinterpret_cast<uintptr_t>(d) % kOutBytes == 0) {
-    if (kNibbles) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(o);
-    else *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
-  } else {
+  __device__ void store(const TransposeBlock& blk, const uint8_t (*tile)[64 + 4]) const {
+    const int64_t k = blk.k0 + row;
+    if (k >= blk.cols) return;
+    alignas(16) uint8_t o[kOutBytes];
 #pragma unroll
     for (int j = 0; j < kOutBytes; ++j)
-      if (m0 + c0 + (kNibbles ? 2 * j : j) < rows) d[j] = o[j];
+      o[j] = kNibbles ? uint8_t(tile[c0 + 2 * j][row] | (tile[c0 + 2 * j + 1][row] << 4)) : tile[c0 + j][row];
+    const int64_t opitch = kNibbles ? blk.rows / 2 : blk.rows, first = kNibbles ? (blk.m0 + c0) / 2 : blk.m0 + c0;
+    uint8_t* d = blk.dst + k * opitch + first;
+    if (blk.m0 + c0 + 16 <= blk.rows && reinterpret_cast<uintptr_t>(d) % kOutBytes == 0) {
+      if (kNibbles) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(o);
+      else *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kOutBytes; ++j)
+        if (blk.m0 + c0 + (kNibbles ? 2 * j : j) < blk.rows) d[j] = o[j];
+    }
+  }
+};
+
+// Blocks [b0, b0 + kTransposeRun) ∩ [0, num_blocks) of the group. Whether a block holds anything
+// depends on b only, so the whole CTA takes the same branches around __syncthreads.
+template <bool kNibbles>
+__device__ void group_transpose_run(const uint8_t* __restrict__ data, uint8_t* __restrict__ out, const GroupTable& table,
+                                    int64_t b0, int64_t num_blocks, int64_t base_field) {
+  static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
+  using Lanes = TransposeLanes<kNibbles>;
+  __shared__ uint8_t tile[64][64 + 4];
+  const Lanes lanes;
+  BlockParam bp;
+  TransposeBlock blk[kTransposeRun];
+  bool live[kTransposeRun];
+  alignas(16) uint8_t in[kTransposeRun][Lanes::kInBytes];
+#pragma unroll
+  for (int i = 0; i < kTransposeRun; ++i) {
+    live[i] = b0 + i < num_blocks && transpose_block_at(table, bp, b0 + i, base_field, data, out, &blk[i]);
+    if (live[i]) lanes.load(blk[i], in[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kTransposeRun; ++i) {
+    if (!live[i]) continue;
+    lanes.stage(in[i], tile);
+    __syncthreads();
+    lanes.store(blk[i], tile);
+    __syncthreads();
   }
 }
 
+int64_t transpose_ctas(int64_t num_blocks) { return (num_blocks + kTransposeRun - 1) / kTransposeRun; }
+
+// CTAs [0, data_ctas): the packed data transpose; the rest grid-stride over the columnwise scale
+// strips (group_scale_t_strip).
 __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale_inv,
-                                        GroupTable table, int64_t num_blocks, uint8_t* __restrict__ data_t,
-                                        uint8_t* __restrict__ scale_inv_t, int64_t scale_t_bytes) {
-  if (blockIdx.x < num_blocks) {
-    group_transpose_block<true>(data, data_t, table, blockIdx.x, GroupTable::kByteBase);
+                                        GroupTable table, int64_t num_blocks, int64_t data_ctas,
+                                        uint8_t* __restrict__ data_t, uint8_t* __restrict__ scale_inv_t,
+                                        int64_t scale_t_bytes) {
+  if (blockIdx.x < data_ctas) {
+    group_transpose_run<true>(data, data_t, table, blockIdx.x * int64_t(kTransposeRun), num_blocks,
+                              GroupTable::kByteBase);
     return;
   }
-  const int64_t stride = (int64_t(gridDim.x) - num_blocks) * blockDim.x;
-  for (int64_t y = (blockIdx.x - num_blocks) * int64_t(blockDim.x) + threadIdx.x; y < scale_t_bytes; y += stride)
-    scale_inv_t[y] = group_scale_t_byte(table, scale_inv, y);
+  const int64_t stride = (int64_t(gridDim.x) - data_ctas) * blockDim.x;
+  for (int64_t u = (blockIdx.x - data_ctas) * int64_t(blockDim.x) + threadIdx.x; u < group_scale_strips(scale_t_bytes);
+       u += stride)
+    group_scale_t_strip(table, scale_inv, u, scale_inv_t, scale_t_bytes);
 }
 
-__global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table,
+__global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table, int64_t num_blocks,
                                            uint8_t* __restrict__ data_t) {
-  group_transpose_block<false>(data, data_t, table, blockIdx.x, GroupTable::kOffset);
+  group_transpose_run<false>(data, data_t, table, blockIdx.x * int64_t(kTransposeRun), num_blocks, GroupTable::kOffset);
 }
 
 ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
@@ -489,11 +552,12 @@ ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, f
   JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
   if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
   const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
-  const int64_t grid = num_blocks + std::min<int64_t>(grid_for(scale_t_bytes), 264);
+  const int64_t data_ctas = transpose_ctas(num_blocks);
+  const int64_t grid = data_ctas + grid_for(group_scale_strips(scale_t_bytes));
   if (num_params == 0) return ffi::Error::Success();
   group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       data.typed_data(), scale_inv.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
-      num_blocks, data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
+      num_blocks, data_ctas, data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
   return last_error("group columnwise kernel");
 }
 
@@ -505,8 +569,9 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   // Alignment padding between parameters is not written by the blocks: zero it first.
   cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
   if (num_params == 0 || num_blocks == 0) return last_error("fp8 group transpose memset");
-  fp8_group_transpose_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
-      data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, data_t->typed_data());
+  fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(num_blocks)), kThreads, 0, stream>>>(
+      data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_blocks,
+      data_t->typed_data());
   return last_error("fp8 group transpose kernel");
 }
 

@@ -114,7 +114,7 @@ JQ_HD void group_scale_strip(const GroupTable& table, const float* tiles, int64_
   }
 }
 
-// Strips of a group whose packed rowwise scales are scale_bytes long.
+// Strips of a group whose packed rowwise (or columnwise) scales are scale_bytes long.
 JQ_HD int64_t group_scale_strips(int64_t scale_bytes) { return (scale_bytes + kTile - 1) / kTile; }
 
 // Byte y of the group's packed columnwise data: parameter p's [cols, rows/2] transpose at kByteBase.
@@ -127,14 +127,24 @@ JQ_HD uint8_t group_data_t_byte(const GroupTable& table, const uint8_t* data, in
   return transpose_byte(data + base, cols, b / (rows / 2), b % (rows / 2));
 }
 
-// Byte y of the group's packed columnwise scales: parameter p's scale_inv_t at kScaleTBase.
-JQ_HD uint8_t group_scale_t_byte(const GroupTable& table, const uint8_t* scale_inv, int64_t y) {
-  const int64_t p = table.find(y, GroupTable::kScaleTBase);
-  if (p < 0) return 0;
+// Strip u of the group's packed columnwise scales (scale_inv_t, §2.7): the 16 rows k = 16 kt.. of one
+// column i of parameter p's [ru(cols,128), ru(rows/16,4)] block, numbered from kScaleTBase / 16
+// row-major over [ru(cols,128) / 16, ru(rows/16,4)]. All 16 hold s8[i, kt], read once from the
+// rowwise scale_inv (its row 16 i, column kt); rows and columns past the weight hold 0.
+JQ_HD void group_scale_t_strip(const GroupTable& table, const uint8_t* scale_inv, int64_t u, uint8_t* scale_inv_t,
+                               int64_t scale_t_bytes) {
+  const int64_t p = table.find(u * kTile, GroupTable::kScaleTBase);
+  if (p < 0) return;
   const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
-  const int64_t pc = nvfp4_scale_cols(rows), b = y - table.at(p, GroupTable::kScaleTBase);
-  if (b >= nvfp4_scale_rows(cols) * pc) return 0;
-  return scale_t_entry(scale_inv + table.at(p, GroupTable::kScaleBase), rows, cols, b / pc, b % pc);
+  const int64_t pct = nvfp4_scale_cols(rows), base = table.at(p, GroupTable::kScaleTBase);
+  const int64_t w = u - base / kTile, kt = w / pct, i = w - kt * pct;
+  const uint8_t byte = kt * kTile < cols && i < rows / kTile
+                           ? scale_inv[table.at(p, GroupTable::kScaleBase) + (i * kTile) * nvfp4_scale_cols(cols) + kt]
+                           : 0;
+  for (int r = 0; r < kTile; ++r) {
+    const int64_t y = base + (kt * kTile + r) * pct + i;
+    if (y < scale_t_bytes) scale_inv_t[y] = kt * kTile + r < cols ? byte : 0;
+  }
 }
 
 // Byte y of the FP8 group's columnwise buffer: parameter p's [cols, rows] byte transpose at its
