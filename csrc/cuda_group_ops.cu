@@ -15,6 +15,8 @@ constexpr int kGroupElems = 16;
 
 // This block's share [first, last) of `items` when each block takes one contiguous range (threads a
 // block-stride apart inside it): a thread then meets few parameters and searches the table rarely.
+// Kernels that use it launch resident_grid blocks: equal ranges in one wave (with more blocks than
+// fit at once, a partly filled last wave leaves SMs idle for a whole range's time).
 struct BlockRange {
   int64_t first, last;
 };
@@ -231,7 +233,7 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     cudaMemsetAsync(chunk->untyped_data(), 0, size, stream);
     return last_error("group cast memset");
   }
-  group_cast_kernel<<<grid_for(size / 8 + 2), kThreads, 0, stream>>>(
+  group_cast_kernel<<<resident_grid(group_cast_kernel, (size / 8 + 2 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, static_cast<int64_t>(x.element_count()),
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
       i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
@@ -303,16 +305,38 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
-    fp8_group_amax_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+    fp8_group_amax_kernel<<<resident_grid(fp8_group_amax_kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)),
+                            kThreads, 0, stream>>>(
         x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
   }
   return last_error("fp8 group amax kernel");
 }
 
-__global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
-                                      GroupTable table, const float* __restrict__ scale, bool e5m2,
-                                      uint8_t* __restrict__ out) {
+// 16 elements that are not all of one parameter (or run past the shard's end): each times its own
+// parameter's scale, padding bytes 0. Out of line, so that the common path keeps few registers.
+// It loads the elements again (rare: parameter boundaries and the shard's end) and takes and
+// returns the cursor by value, so that the caller's values need not live in memory.
+__device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x, bool bf16, bool round_bf16, ParamCursor cur,
+                                              int64_t g0, int64_t i0, int64_t n, const float* __restrict__ scale,
+                                              bool e5m2, uint8_t* __restrict__ out) {
+  float v[16];
+  load16(x, bf16, round_bf16, i0, n, v);
+  for (int k = 0; k < 16; k += 2) {  // hardware pair conversion
+    const bool in0 = cur.inside(g0 + k);
+    const float s0 = in0 ? scale[cur.p] : 0.0f;
+    const bool in1 = cur.inside(g0 + k + 1);
+    const float s1 = in1 ? scale[cur.p] : 0.0f;
+    const uint32_t pair = fp8_pair(v[k] * s0, v[k + 1] * s1, e5m2);
+    if (i0 + k < n) out[i0 + k] = in0 ? uint8_t(pair) : 0;
+    if (i0 + k + 1 < n) out[i0 + k + 1] = in1 ? uint8_t(pair >> 8) : 0;
+  }
+  return cur;
+}
+
+__global__ void __launch_bounds__(kThreads, 4)
+    fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+                          GroupTable table, const float* __restrict__ scale, bool e5m2, uint8_t* __restrict__ out) {
   const int64_t r = index[0];
   const auto [first, last] = block_range((n + kGroupElems - 1) / kGroupElems);
   ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
@@ -321,37 +345,19 @@ __global__ void fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, boo
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
     load16(x, bf16, round_bf16, i0, n, v);
-    uint8_t q[16];
-    bool inside[16];
-    if (i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end) {  // one parameter, one scale
-      const float sc = scale[cur.p];
+    if (!(i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end)) {
+      cur = fp8_cast_mixed16(x, bf16, round_bf16, cur, g0, i0, n, scale, e5m2, out);
+      continue;
+    }
+    const float sc = scale[cur.p];  // one parameter, one scale
+    uint32_t w[4];
 #pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        inside[k] = true;
-        v[k] *= sc;
-      }
+    for (int k = 0; k < 4; ++k) w[k] = fp8_quad(v + 4 * k, sc, e5m2);  // hardware pair conversions
+    if (reinterpret_cast<uintptr_t>(out + i0) % 16 == 0) {
+      *reinterpret_cast<uint4*>(out + i0) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
 #pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        inside[k] = cur.inside(g0 + k);
-        v[k] *= inside[k] ? scale[cur.p] : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < 16; k += 2) {  // hardware pair conversion; padding bytes are 0
-      const uint32_t pair = fp8_pair(v[k], v[k + 1], e5m2);
-      q[k] = inside[k] ? uint8_t(pair) : 0;
-      q[k + 1] = inside[k + 1] ? uint8_t(pair >> 8) : 0;
-    }
-    if (i0 + 16 <= n && reinterpret_cast<uintptr_t>(out + i0) % 16 == 0) {
-      uint4 w;
-      uint32_t* wp = &w.x;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        wp[k] = q[4 * k] | (q[4 * k + 1] << 8) | (q[4 * k + 2] << 16) | (uint32_t(q[4 * k + 3]) << 24);
-      *reinterpret_cast<uint4*>(out + i0) = w;
-    } else {
-      for (int k = 0; k < 16 && i0 + k < n; ++k) out[i0 + k] = q[k];
+      for (int k = 0; k < 16; ++k) out[i0 + k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
     }
   }
 }
@@ -368,7 +374,8 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     cudaMemsetAsync(data->untyped_data(), 0, n, stream);
     return last_error("fp8 group cast memset");
   }
-  fp8_group_cast_kernel<<<grid_for((n + kGroupElems - 1) / kGroupElems), kThreads, 0, stream>>>(
+  fp8_group_cast_kernel<<<resident_grid(fp8_group_cast_kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)),
+                        kThreads, 0, stream>>>(
       x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
       GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
