@@ -231,16 +231,18 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
                                   recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
                                   manual_post_all_gather_processing: bool = True, check_finite: bool = False,
                                   fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
-                                  force_pow_2_scales: bool = False, impl: str = "auto"):
+                                  force_pow_2_scales: bool = False, gather_pieces=None, impl: str = "auto"):
     """The per-device body of :func:`quantize_master_weights`, for use inside your own ``shard_map``.
 
     ``shard``: this device's ``[layout.shard_size]`` slice of its (TP rank's) flat master buffer
     (shard index = ``lax.axis_index(axis)``; ``[1, shard_size]`` is accepted too). Returns this TP
     rank's weights (identical on every rank of ``axis``; TP-local shapes), and with ``check_finite``
     also a :class:`NonFiniteReport`. Collectives: one ``pmax`` over ``axis`` and ``tp_axis`` (int32,
-    all statistics of the group) and one ``all_gather`` over ``axis`` (uint8, quantized bytes only).
+    all statistics of the group) and ``all_gather`` over ``axis`` (uint8, quantized bytes only: one,
+    or for NVFP4 one per gather piece).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
+    pieces = _check_gather_pieces(gather_pieces)
     if hasattr(shard, "shape") and tuple(shard.shape) == (1, layout.shard_size):
         shard = shard.reshape(-1)
     _check_flat("shard", shard, (layout.shard_size,), "layout.shard_size")
@@ -255,7 +257,7 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     if layout.num_params == 0:
         weights, counts = [], jnp.zeros(_counts_shape(layout, tp_axis), jnp.int32)
     elif recipe == "nvfp4":
-        weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, impl)
+        weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, pieces, impl)
     else:
         weights, counts = _fp8_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, jnp.dtype(fp8_dtype),
                                      float(amax_epsilon), bool(force_pow_2_scales), impl)
@@ -314,7 +316,7 @@ def _gather(chunk, axis):
     return jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")
 
 
-def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, impl):
+def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, pieces, impl):
     S = layout.num_shards
     table = layout_group_table(layout, True)
     rows = gtable.rows_of(table)
@@ -330,57 +332,106 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
                                               check_finite)
         tiles = jax.lax.dynamic_index_in_dim(block, j, keepdims=False)
     scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
-    chunk = ops.nvfp4_group_cast(x, r, enc, table=table, num_shards=S, chunk_lo=plan.lo, chunk_size=plan.size,
-                                 compute_dtype=compute_dtype, impl=impl)
-    gathered = _gather(chunk, axes.axis)
+    # The chunk is cast and gathered in pieces: XLA runs each piece's all-gather (its own stream)
+    # while the next piece is cast.
+    bounds = gather_piece_bounds(plan.size, pieces)
+    gathered = [_gather(ops.nvfp4_group_cast(x, r, enc, table=table, num_shards=S,
+                                             chunk_lo=[lo + start for lo in plan.lo], chunk_size=size,
+                                             compute_dtype=compute_dtype, impl=impl), axes.axis)
+                for start, size in bounds]
     if build_columnwise or plan.fix_pos:   # the transpose (or an odd shard boundary) needs the space
-        data = _assemble_nvfp4(gathered, plan)
+        data = _assemble_nvfp4(gathered, bounds, plan)
         data_t = scale_inv_t = None
         if build_columnwise:
             data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
-        return _split_nvfp4(rows, data, scale_inv, amax, data_t, scale_inv_t, impl=impl), counts
-    # Each weight's bytes straight from the gathered chunks: no assembled copy of the space.
-    return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, impl=impl), counts
+        return _split_nvfp4(rows, [data], scale_inv, amax, data_t, scale_inv_t, impl=impl), counts
+    # Each weight's bytes straight from the gathered pieces: no assembled copy of the space.
+    return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, bounds=bounds, impl=impl), counts
 
 
-def _assemble_nvfp4(gathered, plan: NVFP4Chunks):
-    """The group's param-byte space from the gathered chunks: one slice per shard, one OR per odd
-    shard boundary (a static gather and scatter of at most num_shards bytes)."""
-    parts = [gathered[r * plan.size:r * plan.size + n] for r, n in enumerate(plan.length) if n]
+# Below this chunk size (bytes per shard) the pieces' launches cost more than the overlap saves.
+_MIN_PIECE_BYTES = 4 << 20
+_AUTO_PIECES = 4
+
+
+def _check_gather_pieces(pieces):
+    if pieces is None:
+        return None
+    if isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer)) or pieces < 1:
+        raise ValueError(f"gather_pieces: must be None (automatic) or an int >= 1, got {pieces!r}")
+    return int(pieces)
+
+
+def gather_piece_bounds(size: int, pieces=None) -> tuple:
+    """``(start, length)`` of each gather piece of a ``size``-byte NVFP4 chunk: ``pieces`` equal parts
+    (starts multiples of 128 bytes, so the cast keeps its vector stores), or with None 4 parts when
+    each would hold at least 4 MiB, else 1."""
+    if pieces is None:
+        pieces = _AUTO_PIECES if size >= _AUTO_PIECES * _MIN_PIECE_BYTES else 1
+    per_piece = -(-size // pieces)
+    step = max(128, -(-per_piece // 128) * 128)
+    return tuple((start, min(step, size - start)) for start in range(0, size, step)) or ((0, size),)
+
+
+def _chunk_segments(src0, r, first, count, bounds):
+    """Segments (source, offset, count) of chunk offsets [first, first + count) of shard ``r``: source
+    ``src0 + j`` is gather piece j (``[S * length_j]``, shard r's part at ``r * length_j``)."""
+    segs = []
+    for j, (start, length) in enumerate(bounds):
+        a, b = max(first, start), min(first + count, start + length)
+        if a < b:
+            segs.append((src0 + j, r * length + a - start, b - a))
+    return segs
+
+
+def _assemble_nvfp4(gathered, bounds, plan: NVFP4Chunks):
+    """The group's param-byte space from the gathered pieces: shard r's first ``length[r]`` chunk bytes
+    in shard order (one concatenate of static slices), one OR per odd shard boundary."""
+    parts = [gathered[j][pos:pos + n] for r, length in enumerate(plan.length) if length
+             for j, pos, n in _chunk_segments(0, r, 0, length, bounds)]
     data = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
     if plan.fix_pos:
-        pos, src = np.asarray(plan.fix_pos), np.asarray(plan.fix_src)
-        data = data.at[pos].set(data[pos] | gathered[src])
+        pos = np.asarray(plan.fix_pos)
+        held = []   # the low nibble shard r holds at chunk offset length[r]
+        for src in plan.fix_src:
+            r, offset = divmod(src, plan.size)
+            [(j, at, _)] = _chunk_segments(0, r, offset, 1, bounds)
+            held.append(gathered[j][at])
+        data = data.at[pos].set(data[pos] | jnp.stack(held))
     return data
 
 
-def _space_segments(src, first, count, plan):
-    """Segments of source ``src`` holding bytes [first, first + count) of the param-byte space: the
-    space itself (plan None) or, through ``plan``, the gathered chunks (no odd shard boundary)."""
+def _space_segments(src0, first, count, plan, bounds):
+    """Segments of bytes [first, first + count) of the param-byte space: in the space itself (source
+    ``src0``, plan None) or, through ``plan``, in the gathered pieces (sources ``src0 + j``; no odd
+    shard boundary)."""
     if plan is None:
-        return ((src, first, count),)
+        return ((src0, first, count),)
     segs = []
     for r, (lo, n) in enumerate(zip(plan.lo, plan.length)):
         a, b = max(first, lo), min(first + count, lo + n)
         if a < b:
-            segs.append((src, r * plan.size + a - lo, b - a))
+            segs += _chunk_segments(src0, r, a - lo, b - a, bounds)
     return tuple(segs)
 
 
-def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, impl="auto"):
-    """Per-parameter tensors from the group's packed vectors, one ``group_split`` call. ``data``: the
-    param-byte space, or with ``plan`` the gathered chunks that hold it."""
-    sources = [data, scale_inv, amax] + ([data_t, scale_inv_t] if data_t is not None else [])
+def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
+                 impl="auto"):
+    """Per-parameter tensors from the group's packed vectors, one ``group_split`` call. ``data``: a
+    list holding the param-byte space, or with ``plan`` the gathered pieces (``bounds``) that hold it."""
+    k = len(data)
+    sources = list(data) + [scale_inv, amax] + ([data_t, scale_inv_t] if data_t is not None else [])
     pieces = []
     for p, row in enumerate(rows):
-        m, k = row.rows, row.cols
-        sr, sc = formats.nvfp4_scale_shape(m, k)
-        pieces += [((m, k // 2), _space_segments(0, row.byte_base, m * k // 2, plan)),
-                   ((sr, sc), ((1, row.scale_base, sr * sc),)),
-                   ((1,), ((2, p, 1),))]
+        m, c = row.rows, row.cols
+        sr, sc = formats.nvfp4_scale_shape(m, c)
+        pieces += [((m, c // 2), _space_segments(0, row.byte_base, m * c // 2, plan, bounds)),
+                   ((sr, sc), ((k, row.scale_base, sr * sc),)),
+                   ((1,), ((k + 1, p, 1),))]
         if data_t is not None:
-            tr, tc = formats.nvfp4_scale_shape(k, m)
-            pieces += [((k, m // 2), ((3, row.byte_base, m * k // 2),)), ((tr, tc), ((4, row.scale_t_base, tr * tc),))]
+            tr, tc = formats.nvfp4_scale_shape(c, m)
+            pieces += [((c, m // 2), ((k + 2, row.byte_base, m * c // 2),)),
+                       ((tr, tc), ((k + 3, row.scale_t_base, tr * tc),))]
     arrays = group_split.split(sources, pieces, impl=impl)
     per = 5 if data_t is not None else 3
     out = []
@@ -474,7 +525,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                             recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
                             manual_post_all_gather_processing: bool = True, check_finite: bool = False,
                             fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
-                            force_pow_2_scales: bool = False, impl: str = "auto"):
+                            force_pow_2_scales: bool = False, gather_pieces=None, impl: str = "auto"):
     """Quantize a ZeRO-sharded flat fp32 master buffer into full (gathered) FP8 / NVFP4 weights.
 
     ``master_flat``: global ``[layout.total_size]`` array sharded ``P(axis)`` on ``mesh`` (replicated
@@ -495,10 +546,14 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ``manual_post_all_gather_processing=True`` (default) it is left to the caller, who runs
     :func:`post_all_gather_processing` when it suits (e.g. overlapped with the next layer's compute).
     ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (docs/numerics.md §1).
+    ``gather_pieces`` (NVFP4): cast and all-gather each shard's bytes in this many pieces, so that the
+    gather of one overlaps the cast of the next (None: 4 when each piece holds at least 4 MiB, else
+    1); the bytes do not depend on it.
     Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
     ops._check_impl(impl)
+    _check_gather_pieces(gather_pieces)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     for name, a in (("axis", axis), ("tp_axis", tp_axis)):
@@ -523,7 +578,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                ("manual_post_all_gather_processing", bool(manual_post_all_gather_processing)),
                ("check_finite", bool(check_finite)), ("fp8_dtype", jnp.dtype(fp8_dtype)),
                ("amax_epsilon", float(amax_epsilon)), ("force_pow_2_scales", bool(force_pow_2_scales)),
-               ("impl", impl))
+               ("gather_pieces", _check_gather_pieces(gather_pieces)), ("impl", impl))
     return _build(layout, mesh, axis, tp_axis, options)(master_flat)
 
 
@@ -593,7 +648,7 @@ def _nvfp4_group_columnwise(ts, impl):
     scale_inv = jnp.concatenate([t.scale_inv.reshape(-1) for t in ts])
     data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
     amax = jnp.concatenate([t.amax.reshape(1) for t in ts])
-    return _split_nvfp4(gtable.rows_of(table), data, scale_inv, amax, data_t, scale_inv_t, impl=impl)
+    return _split_nvfp4(gtable.rows_of(table), [data], scale_inv, amax, data_t, scale_inv_t, impl=impl)
 
 
 def _fp8_group_columnwise(ts, impl):
