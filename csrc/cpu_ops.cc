@@ -373,21 +373,22 @@ ffi::Error Fp8GroupAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::B
 }
 
 ffi::Error Fp8GroupCastCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,
-                           ffi::Buffer<ffi::F32> scale, bool round_bf16, ffi::Result<ffi::AnyBuffer> data) {
+                           ffi::Buffer<ffi::F32> scale, bool round_bf16, int64_t first, ffi::Result<ffi::AnyBuffer> data) {
   const IeeeSubnormals ieee;
   int64_t num_params;
   bool e5m2;
-  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, *data, &num_params, &e5m2));
+  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, first, *data, &num_params, &e5m2));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, 0, false));
   const GroupTable table{as_i64(table_words), num_params};
   const int64_t n = static_cast<int64_t>(x.element_count()), r = index.typed_data()[0];
   if (r < 0) return invalid("shard_index: must be >= 0");
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   auto* out = static_cast<uint8_t*>(data->untyped_data());
-  for (int64_t i = 0; i < n; ++i) {
+  const int64_t end = first + static_cast<int64_t>(data->element_count());
+  for (int64_t i = first; i < end; ++i) {
     const int64_t g = r * n + i, p = table.find(g, GroupTable::kOffset);
     const bool inside = p >= 0 && g - table.at(p, GroupTable::kOffset) < table.at(p, GroupTable::kNumel);
-    out[i] = inside ? fp8_encode(load_compute(x.untyped_data(), bf16, round_bf16, i) * scale.typed_data()[p], e5m2) : 0;
+    out[i - first] = inside ? fp8_encode(load_compute(x.untyped_data(), bf16, round_bf16, i) * scale.typed_data()[p], e5m2) : 0;
   }
   return ffi::Error::Success();
 }

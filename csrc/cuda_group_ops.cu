@@ -313,71 +313,74 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   return last_error("fp8 group amax kernel");
 }
 
-// 16 elements that are not all of one parameter (or run past the shard's end): each times its own
-// parameter's scale, padding bytes 0. Out of line, so that the common path keeps few registers.
-// It loads the elements again (rare: parameter boundaries and the shard's end) and takes and
-// returns the cursor by value, so that the caller's values need not live in memory.
+// 16 elements that are not all of one parameter (or run past the end of the range): each times
+// its own parameter's scale, padding bytes 0. Out of line, so that the common path keeps few
+// registers. It loads the elements again (rare: parameter boundaries and the range's end) and takes
+// and returns the cursor by value, so that the caller's values need not live in memory.
 __device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x, bool bf16, bool round_bf16, ParamCursor cur,
-                                              int64_t g0, int64_t i0, int64_t n, const float* __restrict__ scale,
-                                              bool e5m2, uint8_t* __restrict__ out) {
+                                                     int64_t g0, int64_t i0, int64_t first, int64_t end,
+                                                     const float* __restrict__ scale, bool e5m2, uint8_t* __restrict__ out) {
   float v[16];
-  load16(x, bf16, round_bf16, i0, n, v);
+  load16(x, bf16, round_bf16, i0, end, v);
   for (int k = 0; k < 16; k += 2) {  // hardware pair conversion
     const bool in0 = cur.inside(g0 + k);
     const float s0 = in0 ? scale[cur.p] : 0.0f;
     const bool in1 = cur.inside(g0 + k + 1);
     const float s1 = in1 ? scale[cur.p] : 0.0f;
     const uint32_t pair = fp8_pair(v[k] * s0, v[k + 1] * s1, e5m2);
-    if (i0 + k < n) out[i0 + k] = in0 ? uint8_t(pair) : 0;
-    if (i0 + k + 1 < n) out[i0 + k + 1] = in1 ? uint8_t(pair >> 8) : 0;
+    if (i0 + k < end) out[i0 + k - first] = in0 ? uint8_t(pair) : 0;
+    if (i0 + k + 1 < end) out[i0 + k + 1 - first] = in1 ? uint8_t(pair >> 8) : 0;
   }
   return cur;
 }
 
+// Shard elements [first, end) (first % 16 == 0 keeps the vector path) to out[0, end - first).
 __global__ void __launch_bounds__(kThreads, 4)
-    fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
-                          GroupTable table, const float* __restrict__ scale, bool e5m2, uint8_t* __restrict__ out) {
+    fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, int64_t first, int64_t end,
+                          const int32_t* index, GroupTable table, const float* __restrict__ scale, bool e5m2,
+                          uint8_t* __restrict__ out) {
   const int64_t r = index[0];
-  const auto [first, last] = block_range((n + kGroupElems - 1) / kGroupElems);
+  const auto [gfirst, glast] = block_range((end - first + kGroupElems - 1) / kGroupElems);
   ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
-  cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
-  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
-    const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
+  cur.seek(r * n + first + (gfirst + threadIdx.x) * kGroupElems);
+  for (int64_t grp = gfirst + threadIdx.x; grp < glast; grp += blockDim.x) {
+    const int64_t i0 = first + grp * kGroupElems, g0 = r * n + i0;
     float v[16];
-    load16(x, bf16, round_bf16, i0, n, v);
-    if (!(i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end)) {
-      cur = fp8_cast_mixed16(x, bf16, round_bf16, cur, g0, i0, n, scale, e5m2, out);
+    load16(x, bf16, round_bf16, i0, end, v);
+    if (!(i0 + 16 <= end && cur.inside(g0) && g0 + 16 <= cur.end)) {
+      cur = fp8_cast_mixed16(x, bf16, round_bf16, cur, g0, i0, first, end, scale, e5m2, out);
       continue;
     }
     const float sc = scale[cur.p];  // one parameter, one scale
     uint32_t w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = fp8_quad(v + 4 * k, sc, e5m2);  // hardware pair conversions
-    if (reinterpret_cast<uintptr_t>(out + i0) % 16 == 0) {
-      *reinterpret_cast<uint4*>(out + i0) = make_uint4(w[0], w[1], w[2], w[3]);
+    uint8_t* dst = out + (i0 - first);
+    if (reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
 #pragma unroll
-      for (int k = 0; k < 16; ++k) out[i0 + k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
+      for (int k = 0; k < 16; ++k) dst[k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
     }
   }
 }
 
 ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
                             ffi::Buffer<ffi::U32> table_words, ffi::Buffer<ffi::F32> scale, bool round_bf16,
-                            ffi::Result<ffi::AnyBuffer> data) {
+                            int64_t first, ffi::Result<ffi::AnyBuffer> data) {
   int64_t num_params;
   bool e5m2;
-  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, *data, &num_params, &e5m2));
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  if (n == 0) return ffi::Error::Success();
+  JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, first, *data, &num_params, &e5m2));
+  const int64_t n = static_cast<int64_t>(x.element_count()), count = static_cast<int64_t>(data->element_count());
+  if (count == 0) return ffi::Error::Success();
   if (num_params == 0) {
-    cudaMemsetAsync(data->untyped_data(), 0, n, stream);
+    cudaMemsetAsync(data->untyped_data(), 0, count, stream);
     return last_error("fp8 group cast memset");
   }
-  fp8_group_cast_kernel<<<resident_grid(fp8_group_cast_kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)),
-                        kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
-      GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
+  fp8_group_cast_kernel<<<resident_grid(fp8_group_cast_kernel, (count + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)),
+                          kThreads, 0, stream>>>(
+      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, first, first + count,
+      index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
   return last_error("fp8 group cast kernel");
 }

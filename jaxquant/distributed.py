@@ -238,8 +238,8 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     (shard index = ``lax.axis_index(axis)``; ``[1, shard_size]`` is accepted too). Returns this TP
     rank's weights (identical on every rank of ``axis``; TP-local shapes), and with ``check_finite``
     also a :class:`NonFiniteReport`. Collectives: one ``pmax`` over ``axis`` and ``tp_axis`` (int32,
-    all statistics of the group) and ``all_gather`` over ``axis`` (uint8, quantized bytes only: one,
-    or for NVFP4 one per gather piece).
+    all statistics of the group) and ``all_gather`` over ``axis`` (uint8, quantized bytes only: one
+    per gather piece).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
     pieces = _check_gather_pieces(gather_pieces)
@@ -260,7 +260,7 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
         weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, pieces, impl)
     else:
         weights, counts = _fp8_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, jnp.dtype(fp8_dtype),
-                                     float(amax_epsilon), bool(force_pow_2_scales), impl)
+                                     float(amax_epsilon), bool(force_pow_2_scales), pieces, impl)
     if not check_finite:
         return weights
     return weights, NonFiniteReport(counts=counts, names=layout.names)
@@ -349,7 +349,7 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
     return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, bounds=bounds, impl=impl), counts
 
 
-# Below this chunk size (bytes per shard) the pieces' launches cost more than the overlap saves.
+# Below this piece size (bytes per shard) the pieces' launches cost more than the overlap saves.
 _MIN_PIECE_BYTES = 4 << 20
 _AUTO_PIECES = 4
 
@@ -363,9 +363,9 @@ def _check_gather_pieces(pieces):
 
 
 def gather_piece_bounds(size: int, pieces=None) -> tuple:
-    """``(start, length)`` of each gather piece of a ``size``-byte NVFP4 chunk: ``pieces`` equal parts
-    (starts multiples of 128 bytes, so the cast keeps its vector stores), or with None 4 parts when
-    each would hold at least 4 MiB, else 1."""
+    """``(start, length)`` of each gather piece of a shard's ``size``-byte chunk (NVFP4 packed bytes,
+    FP8 elements): ``pieces`` equal parts (starts multiples of 128, so the casts keep their vector
+    stores), or with None 4 parts when each would hold at least 4 MiB, else 1."""
     if pieces is None:
         pieces = _AUTO_PIECES if size >= _AUTO_PIECES * _MIN_PIECE_BYTES else 1
     per_piece = -(-size // pieces)
@@ -443,8 +443,8 @@ def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, 
 
 
 def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, dtype, amax_epsilon,
-               force_pow_2_scales, impl):
-    S = layout.num_shards
+               force_pow_2_scales, pieces, impl):
+    S, n = layout.num_shards, layout.shard_size
     fmax = formats.fp8_max(dtype)
     table = layout_group_table(layout, False)
     r = jax.lax.axis_index(axes.axis)
@@ -452,21 +452,40 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
                                       compute_dtype=compute_dtype, impl=impl)
     (amax,), counts = _reduce_stats([amax], counts, layout, axes, check_finite)
     scale, scale_inv = formats.fp8_scale_from_amax(amax, fmax, amax_epsilon, force_pow_2_scales)
-    chunk = ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype, compute_dtype=compute_dtype,
-                               impl=impl)
-    gathered = jax.lax.bitcast_convert_type(_gather(jax.lax.bitcast_convert_type(chunk, jnp.uint8), axes.axis), dtype)
-    gathered_t = ops.fp8_group_transpose(gathered, table=table, impl=impl) if build_columnwise else None
-    sources = [gathered, scale_inv, amax] + ([gathered_t] if gathered_t is not None else [])
-    pieces = []
+    # Cast and gathered in pieces (each gather overlaps the next cast), except with the columnwise
+    # transpose, which reads the whole gathered buffer (assembling pieces would cost a copy).
+    bounds = gather_piece_bounds(n, 1 if build_columnwise else pieces)
+    as_u8 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
+    gathered = [jax.lax.bitcast_convert_type(_gather(as_u8(ops.fp8_group_cast(
+                    x, r, scale, table=table, num_shards=S, dtype=dtype, compute_dtype=compute_dtype, first=start,
+                    count=size, impl=impl)), axes.axis), dtype)
+                for start, size in bounds]
+    gathered_t = ops.fp8_group_transpose(gathered[0], table=table, impl=impl) if build_columnwise else None
+    k = len(gathered)
+    sources = gathered + [scale_inv, amax] + ([gathered_t] if gathered_t is not None else [])
+    split_pieces = []
     for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes)):
-        pieces += [(shape, ((0, o, numel),)), ((), ((1, p, 1),)), ((), ((2, p, 1),))]
+        split_pieces += [(shape, _flat_segments(0, o, numel, n, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
         if gathered_t is not None:
-            pieces.append((tuple(shape)[::-1], ((3, o, numel),)))
-    arrays = group_split.split(sources, pieces, impl=impl)
+            split_pieces.append((tuple(shape)[::-1], ((k + 2, o, numel),)))
+    arrays = group_split.split(sources, split_pieces, impl=impl)
     per = 4 if gathered_t is not None else 3
     weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 4 else None)
                for a in (arrays[per * p:per * (p + 1)] for p in range(layout.num_params))]
     return weights, counts
+
+
+def _flat_segments(src0, first, count, shard_size, bounds):
+    """Segments of flat elements [first, first + count) of the gathered FP8 buffer: one slice of the
+    whole buffer (source ``src0``) or, with several gather pieces, per shard and piece."""
+    if len(bounds) == 1:
+        return ((src0, first, count),)
+    segs = []
+    for r in range(first // shard_size, -(-(first + count) // shard_size)):
+        a, b = max(first, r * shard_size), min(first + count, (r + 1) * shard_size)
+        if a < b:
+            segs += _chunk_segments(src0, r, a - r * shard_size, b - a, bounds)
+    return tuple(segs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -546,9 +565,9 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ``manual_post_all_gather_processing=True`` (default) it is left to the caller, who runs
     :func:`post_all_gather_processing` when it suits (e.g. overlapped with the next layer's compute).
     ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (docs/numerics.md §1).
-    ``gather_pieces`` (NVFP4): cast and all-gather each shard's bytes in this many pieces, so that the
-    gather of one overlaps the cast of the next (None: 4 when each piece holds at least 4 MiB, else
-    1); the bytes do not depend on it.
+    ``gather_pieces``: cast and all-gather each shard's bytes in this many pieces, so that the gather
+    of one overlaps the cast of the next (None: 4 when each piece holds at least 4 MiB, else 1; FP8
+    with the columnwise transpose in the step: 1); the bytes do not depend on it.
     Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)

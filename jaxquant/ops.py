@@ -691,22 +691,30 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfini
 
 
 def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=jnp.float8_e4m3fn,
-                   compute_dtype=None, impl: str = "auto") -> jax.Array:
-    """fp8 [n]: each element of the shard times its parameter's ``scale`` (fp32 [P]), RNE,
-    saturating; elements outside every parameter (alignment padding) are 0. ``compute_dtype`` as in
-    ``nvfp4_group_tile_amax``."""
+                   compute_dtype=None, first: int = 0, count=None, impl: str = "auto") -> jax.Array:
+    """fp8 [count]: shard elements ``[first, first + count)`` (default: the whole shard), each times its
+    parameter's ``scale`` (fp32 [P]), RNE, saturating; elements outside every parameter (alignment
+    padding) are 0. ``compute_dtype`` as in ``nvfp4_group_tile_amax``."""
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
     round_bf16, convert = _group_compute(shard, compute_dtype)
     formats.fp8_max(dtype)
     dtype = jnp.dtype(dtype)
     _check_array("scale", scale, jnp.float32, (table.shape[0],))
-    out = jax.ShapeDtypeStruct(shard.shape, dtype)
+    n = shard.shape[0]
+    count = n - first if count is None else count
+    for name, v in (("first", first), ("count", count)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name}: must be an int >= 0, got {v!r}")
+    if first + count > n:
+        raise ValueError(f"first, count: elements [{first}, {first + count}) leave the shard of {n}")
+    out = jax.ShapeDtypeStruct((int(count),), dtype)
 
     def custom(v, r, s):
-        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s, round_bf16=round_bf16)[0]
+        return _ffi.call("jq_fp8_group_cast", [out], v, r, _i64_operand(table), s, round_bf16=round_bf16,
+                         first=np.int64(first))[0]
 
     def ref(v, r, s):
-        return reference.fp8_group_cast(convert(v), r, s, table=rows,
-                                        num_shards=num_shards, dtype=dtype)
+        whole = reference.fp8_group_cast(convert(v), r, s, table=rows, num_shards=num_shards, dtype=dtype)
+        return whole[first:first + count]
 
     return _dispatch(impl, custom, ref, shard, index, scale)

@@ -334,28 +334,30 @@ def test_hlo_odd_layout_gather_size():
     assert len(reduces) == 1
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("kind,S", [("align1", 4), ("odd", 3), ("te", 8)])
-def test_nvfp4_gather_pieces_same_bytes(kind, S):
-    """NVFP4 chunks cast and gathered in 3 pieces (and in 1) give the single-tensor bytes, rowwise
-    (each weight read from the pieces) and columnwise (the assembled space); one all-gather per piece
-    and still one all-reduce."""
+def test_gather_pieces_same_bytes(kind, S, recipe):
+    """Chunks cast and gathered in 3 pieces (and in 1) give the single-tensor bytes, rowwise (each
+    weight read from the pieces) and columnwise (NVFP4: the assembled space; FP8: one piece); one
+    all-gather per piece and still one all-reduce."""
     rng = np.random.default_rng(20 + S)
     shapes = [(64, 96), (32, 80), (48, 64), (16, 160)]
     layout = _layout(kind, shapes, S, rng)
-    size = D.nvfp4_chunks(layout).size
+    size = D.nvfp4_chunks(layout).size if recipe == "nvfp4" else layout.shard_size
     assert len(D.gather_piece_bounds(size, 3)) == 3, size    # big enough for 3 pieces of >= 128 bytes
     ws = _weights(rng, shapes)
     mesh = _mesh(S)
     flat = _put(layout, ws, mesh)
     for pieces in (1, 3):
         for columnwise in (False, True):
-            f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, columnwise=columnwise,
+            f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=columnwise,
                                                             manual_post_all_gather_processing=False,
                                                             gather_pieces=pieces, impl=IMPL))
             gathers, reduces = _collectives(f.lower(flat).compile().as_text())
-            assert len(gathers) == (pieces if S > 1 else 0) and len(reduces) == (1 if S > 1 else 0), (gathers, reduces)
+            want = 1 if recipe == "fp8" and columnwise else pieces
+            assert len(gathers) == want and len(reduces) == 1, (gathers, reduces)
             for q, w in zip(f(flat), ws):
-                _assert_same(q, _reference(w, "nvfp4", columnwise=columnwise))
+                _assert_same(q, _reference(w, recipe, columnwise=columnwise))
 
 
 def test_gather_piece_bounds():

@@ -87,6 +87,11 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
         for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
             a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **ckw) for i in impl_pair)
             assert_bytes_equal(b, a, f"fp8 data shard {r} compute_dtype {cd}")
+        # element ranges of the shard (the master-weight step's gather pieces): on and off the 16-grid
+        for first, count in ((0, n // 3), (16 * (n // 48), n - 16 * (n // 48)), (5, n - 12), (n, 0)):
+            a, b = (ops.fp8_group_cast(shard, index, scale, first=first, count=count, impl=i, **ckw) for i in impl_pair)
+            assert b.shape == (count,)
+            assert_bytes_equal(b, a, f"fp8 data shard {r} elements [{first}, {first + count})")
     # Whole-group stages: scales (tile amaxes over decades, zero tiles, a NaN-free amax per parameter)
     # and the grouped transposes.
     tile_amax = rng.uniform(0, 1, tiles).astype(np.float32) * 10.0 ** rng.uniform(-6, 4, tiles).astype(np.float32)
@@ -180,6 +185,18 @@ def test_group_table_rejects_bad_layouts():
         ops.group_table([0], [(20, 16)], num_shards=1, shard_size=512, nvfp4=True)
     with pytest.raises(ValueError, match="num_shards"):
         ops.group_table([0], [(16, 16)], num_shards=0, shard_size=512, nvfp4=True)
+
+
+def test_fp8_group_cast_range_equals_slice_of_whole():
+    table = ops.group_table([0, 300], [(16, 16), (16, 32)], num_shards=2, shard_size=500, nvfp4=False)
+    shard = jnp.asarray(np.random.default_rng(0).standard_normal(500).astype(np.float32))
+    scale = jnp.asarray([2.0, 0.5], jnp.float32)
+    whole = ops.fp8_group_cast(shard, jnp.int32(1), scale, table=table, num_shards=2)
+    part = ops.fp8_group_cast(shard, jnp.int32(1), scale, table=table, num_shards=2, first=128, count=200)
+    assert_bytes_equal(part, whole[128:328], "range")
+    for bad in (dict(first=-1), dict(first=400, count=200), dict(count=True)):
+        with pytest.raises(ValueError, match="first|count"):
+            ops.fp8_group_cast(shard, jnp.int32(1), scale, table=table, num_shards=2, **bad)
 
 
 def test_group_ops_reject_bad_arguments():

@@ -187,14 +187,16 @@ inline ffi::Error check_group(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S3
   return ffi::Error::Success();
 }
 
+// data holds shard elements [first, first + data.element_count()).
 inline ffi::Error check_fp8_group_cast(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,
                                        const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::F32>& scale,
-                                       const ffi::AnyBuffer& data, int64_t* num_params, bool* e5m2) {
+                                       int64_t first, const ffi::AnyBuffer& data, int64_t* num_params, bool* e5m2) {
   if (auto e = check_group(x, index, table, num_params); e.failure()) return e;
   if (auto e = check_count(scale, *num_params, "scale"); e.failure()) return e;
   const ffi::DataType t = data.element_type();
   if (t != ffi::DataType::F8E4M3FN && t != ffi::DataType::F8E5M2) return invalid("data: dtype must be F8E4M3FN or F8E5M2");
-  if (data.element_count() != x.element_count()) return invalid("data: must have as many elements as shard");
+  if (first < 0 || first + static_cast<int64_t>(data.element_count()) > static_cast<int64_t>(x.element_count()))
+    return invalid("first: data must hold shard elements [first, first + len(data)) inside the shard");
   *e5m2 = t == ffi::DataType::F8E5M2;
   return ffi::Error::Success();
 }

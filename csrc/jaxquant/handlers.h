@@ -160,6 +160,7 @@
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
                                     .Attr<bool>("round_bf16")                                       \
+                                    .Attr<int64_t>("first")                                         \
                                     .Ret<F::AnyBuffer>(), JQ_CMD_BUFFER);                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupScale##S, GroupScale##S,                                \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::F32>>()                         \
