@@ -10,7 +10,8 @@
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
 # runs under it; DIST=1 runs the multi-GPU distributed
 # benchmark when 2+ GPUs are visible (DIST_ARGS, default --profile: per-kernel breakdown); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
-# (TRAIN_ARGS overrides its model size).
+# (TRAIN_ARGS overrides its model size; TRAIN_DEMO=0 skips the demo runs). SKIP_BUILD=1 reuses the
+# extension a previous call built on this (still warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -30,7 +31,9 @@ section() { printf '\n## %s\n' "$1" | tee -a "$report"; }
 } > "$report" 2>&1
 
 section "build"
-if ! python3 build.py --cuda on -v > "$OUT/build.log" 2>&1; then
+if [ "${SKIP_BUILD:-0}" = 1 ] && ls jaxquant/_jaxquant_cuda*.so > /dev/null 2>&1; then
+  echo "SKIP_BUILD=1: using the extension built by the previous call on this machine" | tee -a "$report"
+elif ! python3 build.py --cuda on -v > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log" | tee -a "$report"; exit 1
 fi
 python3 - <<'PY' 2>&1 | tee -a "$report"
@@ -87,7 +90,7 @@ if [ "${DIST:-0}" = 1 ] && [ "$ngpu" -ge 2 ]; then
 fi
 # Issue 9's GPU figures: the demo (nvfp4 / fp8 / bf16 weights; fsdp=N and, with 2+ GPUs, tp=2 meshes) and
 # bench_train (step time, tokens/s and the report_nan cost of a larger model than the demo's).
-if [ "${TRAIN:-0}" = 1 ]; then
+if [ "${TRAIN:-0}" = 1 ] && [ "${TRAIN_DEMO:-1}" = 1 ]; then
   section "jaxquant demo ($ngpu GPUs)"
   meshes="${ngpu}x1"; [ "$ngpu" -ge 2 ] && meshes="$meshes 1x$ngpu"
   { echo '```'
@@ -97,6 +100,8 @@ if [ "${TRAIN:-0}" = 1 ]; then
         --ckpt-dir "/tmp/jq-demo-$mesh-$recipe" 2>&1 | grep -v "^\s*$" | tail -6
     done; done
     echo '```'; } | tee -a "$report"
+fi
+if [ "${TRAIN:-0}" = 1 ]; then
   section "bench_train ($ngpu GPUs)"
   { echo '```'; timeout 240 python3 benchmarks/bench_train.py ${TRAIN_ARGS:---d-model 2048 --d-ff 8192 --layers 4 --seq 1024} \
       --json "$OUT/bench_train.json" 2>&1 | tail -12; echo '```'; } | tee -a "$report"
