@@ -9,7 +9,7 @@
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
 # runs under it; DIST=1 runs the multi-GPU distributed
-# benchmark when 2+ GPUs are visible (DIST_ARGS, default --profile: per-kernel breakdown); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
+# benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default --profile: per-kernel breakdown); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size; TRAIN_DEMO=0 skips the demo runs). SKIP_BUILD=1 reuses the
 # extension a previous call built on this (still warm) machine.
 set -uo pipefail
@@ -83,7 +83,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   fi
 fi
 ngpu=$(nvidia-smi -L | wc -l)
-if [ "${DIST:-0}" = 1 ] && [ "$ngpu" -ge 2 ]; then
+if [ "${DIST:-0}" = 1 ]; then
   section "bench_distributed ($ngpu GPUs)"
   { echo '```'; timeout "${DIST_TIMEOUT:-240}" python3 benchmarks/bench_distributed.py ${DIST_ARGS:---profile} 2>&1 \
       | tee "$OUT/bench_distributed.txt"; echo '```'; } | tee -a "$report"
