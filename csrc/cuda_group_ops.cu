@@ -25,6 +25,20 @@ __device__ __forceinline__ BlockRange block_range(int64_t items) {
   return {first, items < first + per_block ? items : first + per_block};
 }
 
+// The input's element type and the compute-dtype rounding as compile-time constants: the stats
+// and cast kernels are templates on both, so that their per-element loads do not branch.
+template <bool kBf16, bool kRound>
+struct InputKind {
+  static constexpr bool bf16 = kBf16, round = kRound;
+};
+template <typename Launch>
+void with_input_kind(const ffi::AnyBuffer& x, bool round_bf16, Launch&& launch) {
+  if (x.element_type() == ffi::DataType::BF16)
+    round_bf16 ? launch(InputKind<true, true>{}) : launch(InputKind<true, false>{});
+  else
+    round_bf16 ? launch(InputKind<false, true>{}) : launch(InputKind<false, false>{});
+}
+
 __host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
 
 // Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
@@ -70,7 +84,8 @@ __device__ int64_t end_tile_at(const GroupTable& table, int64_t g) {
 // per tile, no search per element (one table search per slot and thread, only at a new parameter).
 constexpr int kSlotTiles = kThreads / 4;
 
-__global__ void group_tile_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+template <bool bf16, bool round_bf16>
+__global__ void __launch_bounds__(kThreads, 2) group_tile_amax_kernel(const void* __restrict__ x, int64_t n, const int32_t* index,
                                        GroupTable table, int64_t num_tiles, float* __restrict__ tile_amax,
                                        float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t a = int64_t(index[0]) * n;  // the shard's first flat position
@@ -151,17 +166,20 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     const int64_t slots = n / (kSlotTiles * kTile * kTile) + 2;  // about; the kernel grid-strides
-    group_tile_amax_kernel<<<resident_grid(group_tile_amax_kernel, slots), kThreads, 0, stream>>>(
-        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
+    with_input_kind(x, round_bf16, [&](auto kind) {
+      const auto kernel = group_tile_amax_kernel<kind.bf16, kind.round>;
+      kernel<<<resident_grid(kernel, slots), kThreads, 0, stream>>>(x.untyped_data(), n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
         amax->typed_data(), counts->typed_data());
+    });
   }
   return last_error("group tile amax kernel");
 }
 
 // Threads own 8 consecutive bytes of the group's param-byte space (8-aligned, so 16 elements of
 // one parameter, one row and one tile: byte bases are multiples of 128).
-__global__ void group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+template <bool bf16, bool round_bf16>
+__global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const int32_t* index,
                                   GroupTable table, const int64_t* chunk_lo, int64_t num_shards,
                                   const float* __restrict__ enc, int64_t num_tiles, uint8_t* __restrict__ out,
                                   int64_t size) {
@@ -233,11 +251,14 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     cudaMemsetAsync(chunk->untyped_data(), 0, size, stream);
     return last_error("group cast memset");
   }
-  group_cast_kernel<<<resident_grid(group_cast_kernel, (size / 8 + 2 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, static_cast<int64_t>(x.element_count()),
+  with_input_kind(x, round_bf16, [&](auto kind) {
+    const auto kernel = group_cast_kernel<kind.bf16, kind.round>;
+    kernel<<<resident_grid(kernel, (size / 8 + 2 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      x.untyped_data(), static_cast<int64_t>(x.element_count()),
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
       i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
       static_cast<int64_t>(enc.element_count()), chunk->typed_data(), size);
+  });
   return last_error("group cast kernel");
 }
 
@@ -257,7 +278,8 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m) {
 
 // Each block reduces one contiguous range of the shard (coalesced within the block), so a thread
 // meets few parameters and the per-parameter atomics (few addresses, all blocks) stay rare.
-__global__ void fp8_group_amax_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, const int32_t* index,
+template <bool bf16, bool round_bf16>
+__global__ void fp8_group_amax_kernel(const void* __restrict__ x, int64_t n, const int32_t* index,
                                       GroupTable table, float* __restrict__ amax, int32_t* __restrict__ counts) {
   const int64_t r = index[0];
   const auto [first, last] = block_range((n + kGroupElems - 1) / kGroupElems);
@@ -305,10 +327,12 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
-    fp8_group_amax_kernel<<<resident_grid(fp8_group_amax_kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)),
-                            kThreads, 0, stream>>>(
-        x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, index.typed_data(),
+    with_input_kind(x, round_bf16, [&](auto kind) {
+      const auto kernel = fp8_group_amax_kernel<kind.bf16, kind.round>;
+      kernel<<<resident_grid(kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)), kThreads, 0, stream>>>(
+          x.untyped_data(), n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
+    });
   }
   return last_error("fp8 group amax kernel");
 }
@@ -317,7 +341,8 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 // its own parameter's scale, padding bytes 0. Out of line, so that the common path keeps few
 // registers. It loads the elements again (rare: parameter boundaries and the range's end) and takes
 // and returns the cursor by value, so that the caller's values need not live in memory.
-__device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x, bool bf16, bool round_bf16, ParamCursor cur,
+template <bool bf16, bool round_bf16>
+__device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x, ParamCursor cur,
                                                      int64_t g0, int64_t i0, int64_t first, int64_t end,
                                                      const float* __restrict__ scale, bool e5m2, uint8_t* __restrict__ out) {
   float v[16];
@@ -335,8 +360,9 @@ __device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x,
 }
 
 // Shard elements [first, end) (first % 16 == 0 keeps the vector path) to out[0, end - first).
+template <bool bf16, bool round_bf16>
 __global__ void __launch_bounds__(kThreads, 4)
-    fp8_group_cast_kernel(const void* __restrict__ x, bool bf16, bool round_bf16, int64_t n, int64_t first, int64_t end,
+    fp8_group_cast_kernel(const void* __restrict__ x, int64_t n, int64_t first, int64_t end,
                           const int32_t* index, GroupTable table, const float* __restrict__ scale, bool e5m2,
                           uint8_t* __restrict__ out) {
   const int64_t r = index[0];
@@ -348,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     float v[16];
     load16(x, bf16, round_bf16, i0, end, v);
     if (!(i0 + 16 <= end && cur.inside(g0) && g0 + 16 <= cur.end)) {
-      cur = fp8_cast_mixed16(x, bf16, round_bf16, cur, g0, i0, first, end, scale, e5m2, out);
+      cur = fp8_cast_mixed16<bf16, round_bf16>(x, cur, g0, i0, first, end, scale, e5m2, out);
       continue;
     }
     const float sc = scale[cur.p];  // one parameter, one scale
@@ -377,11 +403,13 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     cudaMemsetAsync(data->untyped_data(), 0, count, stream);
     return last_error("fp8 group cast memset");
   }
-  fp8_group_cast_kernel<<<resident_grid(fp8_group_cast_kernel, (count + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)),
-                          kThreads, 0, stream>>>(
-      x.untyped_data(), x.element_type() == ffi::DataType::BF16, round_bf16, n, first, first + count,
+  with_input_kind(x, round_bf16, [&](auto kind) {
+    const auto kernel = fp8_group_cast_kernel<kind.bf16, kind.round>;
+    kernel<<<resident_grid(kernel, (count + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)), kThreads, 0, stream>>>(
+      x.untyped_data(), n, first, first + count,
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
+  });
   return last_error("fp8 group cast kernel");
 }
 
@@ -414,10 +442,12 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
 
 // Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
 // block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks); it is
-// staged in shared memory so that reads and writes are both row-contiguous. A CTA takes
-// kTransposeRun consecutive blocks: it loads all of them into registers first (several loads in
-// flight per thread) and searches the table only when a block leaves the last one's parameter.
-constexpr int kTransposeRun = 4;
+// staged in shared memory so that reads and writes are both row-contiguous. A CTA takes kRun
+// consecutive blocks: it loads all of them into registers first (several loads in flight per
+// thread) and searches the table only when a block leaves the last one's parameter. Measured on
+// H200 (2026-11-24): the FP8 byte transpose is fastest with kRun = 1 (189 us for 218 MB vs 246 us
+// with 4); the NVFP4 nibble transpose (half the bytes per block) uses 4.
+constexpr int kNibbleRun = 4, kByteRun = 1;
 
 struct TransposeBlock {
   const uint8_t* src;
@@ -503,9 +533,9 @@ struct TransposeLanes {
   }
 };
 
-// Blocks [b0, b0 + kTransposeRun) ∩ [0, num_blocks) of the group. Whether a block holds anything
-// depends on b only, so the whole CTA takes the same branches around __syncthreads.
-template <bool kNibbles>
+// Blocks [b0, b0 + kRun) ∩ [0, num_blocks) of the group. Whether a block holds anything depends on
+// b only, so the whole CTA takes the same branches around __syncthreads.
+template <bool kNibbles, int kRun>
 __device__ void group_transpose_run(const uint8_t* __restrict__ data, uint8_t* __restrict__ out, const GroupTable& table,
                                     int64_t b0, int64_t num_blocks, int64_t base_field) {
   static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
@@ -513,16 +543,16 @@ __device__ void group_transpose_run(const uint8_t* __restrict__ data, uint8_t* _
   __shared__ uint8_t tile[64][64 + 4];
   const Lanes lanes;
   BlockParam bp;
-  TransposeBlock blk[kTransposeRun];
-  bool live[kTransposeRun];
-  alignas(16) uint8_t in[kTransposeRun][Lanes::kInBytes];
+  TransposeBlock blk[kRun];
+  bool live[kRun];
+  alignas(16) uint8_t in[kRun][Lanes::kInBytes];
 #pragma unroll
-  for (int i = 0; i < kTransposeRun; ++i) {
+  for (int i = 0; i < kRun; ++i) {
     live[i] = b0 + i < num_blocks && transpose_block_at(table, bp, b0 + i, base_field, data, out, &blk[i]);
     if (live[i]) lanes.load(blk[i], in[i]);
   }
 #pragma unroll
-  for (int i = 0; i < kTransposeRun; ++i) {
+  for (int i = 0; i < kRun; ++i) {
     if (!live[i]) continue;
     lanes.stage(in[i], tile);
     __syncthreads();
@@ -531,7 +561,7 @@ __device__ void group_transpose_run(const uint8_t* __restrict__ data, uint8_t* _
   }
 }
 
-int64_t transpose_ctas(int64_t num_blocks) { return (num_blocks + kTransposeRun - 1) / kTransposeRun; }
+int64_t transpose_ctas(int64_t num_blocks, int run) { return (num_blocks + run - 1) / run; }
 
 // CTAs [0, data_ctas): the packed data transpose; the rest grid-stride over the columnwise scale
 // strips (group_scale_t_strip).
@@ -540,8 +570,8 @@ __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const 
                                         uint8_t* __restrict__ data_t, uint8_t* __restrict__ scale_inv_t,
                                         int64_t scale_t_bytes) {
   if (blockIdx.x < data_ctas) {
-    group_transpose_run<true>(data, data_t, table, blockIdx.x * int64_t(kTransposeRun), num_blocks,
-                              GroupTable::kByteBase);
+    group_transpose_run<true, kNibbleRun>(data, data_t, table, blockIdx.x * int64_t(kNibbleRun), num_blocks,
+                                          GroupTable::kByteBase);
     return;
   }
   const int64_t stride = (int64_t(gridDim.x) - data_ctas) * blockDim.x;
@@ -552,7 +582,8 @@ __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const 
 
 __global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table, int64_t num_blocks,
                                            uint8_t* __restrict__ data_t) {
-  group_transpose_run<false>(data, data_t, table, blockIdx.x * int64_t(kTransposeRun), num_blocks, GroupTable::kOffset);
+  group_transpose_run<false, kByteRun>(data, data_t, table, blockIdx.x * int64_t(kByteRun), num_blocks,
+                                       GroupTable::kOffset);
 }
 
 ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
@@ -562,7 +593,7 @@ ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, f
   JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
   if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
   const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
-  const int64_t data_ctas = transpose_ctas(num_blocks);
+  const int64_t data_ctas = transpose_ctas(num_blocks, kNibbleRun);
   const int64_t grid = data_ctas + grid_for(group_scale_strips(scale_t_bytes));
   if (num_params == 0) return ffi::Error::Success();
   group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
@@ -579,7 +610,7 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   // Alignment padding between parameters is not written by the blocks: zero it first.
   cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
   if (num_params == 0 || num_blocks == 0) return last_error("fp8 group transpose memset");
-  fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(num_blocks)), kThreads, 0, stream>>>(
+  fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(num_blocks, kByteRun)), kThreads, 0, stream>>>(
       data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_blocks,
       data_t->typed_data());
   return last_error("fp8 group transpose kernel");
