@@ -177,90 +177,9 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
 }
 
 // Threads own 8 consecutive bytes of the group's param-byte space (8-aligned, so 16 elements of
-// one parameter, one row and one tile: byte bases are multiples of 128), two such groups a
-// blockDim apart per step, both loaded before either is converted (more loads in flight).
-struct CastGroup {
-  int64_t y0 = 0, i0 = 0;  // first byte in the space; local index of its first element
-  float m = 0.0f;          // the tile's encode multiplier
-  bool owned = false;      // the bytes belong to a parameter (else they are 0)
-  bool whole = false;      // ... and all 16 elements are in this shard (vector loads)
-};
-
-// The parameter of byte y0, cached across a thread's ascending groups.
-struct ByteParam {
-  int64_t p = -1, pbeg = 0, pnext = 0;
-};
-
-__device__ __forceinline__ CastGroup locate_cast_group(const GroupTable& table, ByteParam& bp, int64_t y0, int64_t r,
-                                                       int64_t n, const float* __restrict__ enc, int64_t num_tiles) {
-  if (bp.p < 0 || y0 < bp.pbeg || y0 >= bp.pnext) {
-    bp.p = table.find(y0, GroupTable::kByteBase);
-    bp.pbeg = bp.p >= 0 ? table.at(bp.p, GroupTable::kByteBase) : 0;
-    bp.pnext = bp.p + 1 < table.num_params ? table.at(bp.p + 1, GroupTable::kByteBase) : INT64_MAX;
-    if (bp.p < 0) bp.pnext = table.at(0, GroupTable::kByteBase);
-  }
-  CastGroup g;
-  g.y0 = y0;
-  const int64_t p = bp.p;
-  if (p < 0 || y0 - bp.pbeg >= table.at(p, GroupTable::kNumel) / 2) return g;
-  const int64_t e0 = 2 * (y0 - bp.pbeg), cols = table.at(p, GroupTable::kCols);
-  int64_t row, col;
-  if (e0 <= UINT32_MAX && cols <= UINT32_MAX) {  // 32-bit division where it is exact (always, in practice)
-    row = uint32_t(e0) / uint32_t(cols);
-    col = uint32_t(e0) - uint32_t(row) * uint32_t(cols);
-  } else {
-    row = e0 / cols;
-    col = e0 - row * cols;
-  }
-  const int64_t t = table.at(p, GroupTable::kTileBase) + (row / kTile) * (cols / kTile) + col / kTile;
-  g.m = t < num_tiles ? enc[t] : 0.0f;
-  g.i0 = table.at(p, GroupTable::kOffset) + e0 - r * n;
-  g.owned = true;
-  g.whole = g.i0 >= 0 && g.i0 + 16 <= n;
-  return g;
-}
-
+// one parameter, one row and one tile: byte bases are multiples of 128).
 template <bool bf16, bool round_bf16>
-__device__ __forceinline__ void load_cast_group(const void* __restrict__ x, const CastGroup& g, float v[16]) {
-  if (!g.whole) return;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) load4(x, bf16, g.i0 + 4 * q, aligned4(x, bf16, g.i0 + 4 * q), v + 4 * q);
-}
-
-template <bool bf16, bool round_bf16>
-__device__ __forceinline__ void emit_cast_group(const void* __restrict__ x, int64_t n, const CastGroup& g, float v[16],
-                                                int64_t lo, int64_t size, uint8_t* __restrict__ out) {
-  uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  if (g.whole) {
-    if (round_bf16) {
-#pragma unroll
-      for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * g.m, v[2 * k + 1] * g.m);
-  } else if (g.owned) {  // the shard owns part of these 16 elements (or none)
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const int64_t i = g.i0 + k;
-      if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_compute(x, bf16, round_bf16, i) * g.m) << (4 * (k % 2));
-    }
-  }
-  const int64_t j0 = g.y0 - lo;
-  uint8_t* dst = out + j0;
-  if (j0 >= 0 && j0 + 8 <= size && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
-    uint2 w;
-    w.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (uint32_t(bytes[3]) << 24);
-    w.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (uint32_t(bytes[7]) << 24);
-    *reinterpret_cast<uint2*>(dst) = w;
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (j0 + k >= 0 && j0 + k < size) out[j0 + k] = bytes[k];
-  }
-}
-
-template <bool bf16, bool round_bf16>
-__global__ void __launch_bounds__(kThreads, 3) group_cast_kernel(const void* __restrict__ x, int64_t n, const int32_t* index,
+__global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const int32_t* index,
                                   GroupTable table, const int64_t* chunk_lo, int64_t num_shards,
                                   const float* __restrict__ enc, int64_t num_tiles, uint8_t* __restrict__ out,
                                   int64_t size) {
@@ -271,17 +190,51 @@ __global__ void __launch_bounds__(kThreads, 3) group_cast_kernel(const void* __r
   }
   const int64_t lo = chunk_lo[r], g0 = lo / 8, groups = (lo + size + 7) / 8 - g0;
   const auto [first, last] = block_range(groups);
-  ByteParam bp;
-  for (int64_t grp = first + threadIdx.x; grp < last; grp += 2 * int64_t(blockDim.x)) {
-    const bool second = grp + blockDim.x < last;
-    const CastGroup a = locate_cast_group(table, bp, (g0 + grp) * 8, r, n, enc, num_tiles);
-    const CastGroup b = second ? locate_cast_group(table, bp, (g0 + grp + blockDim.x) * 8, r, n, enc, num_tiles)
-                               : CastGroup{};
-    float va[16], vb[16];
-    load_cast_group<bf16, round_bf16>(x, a, va);
-    load_cast_group<bf16, round_bf16>(x, b, vb);
-    emit_cast_group<bf16, round_bf16>(x, n, a, va, lo, size, out);
-    if (second) emit_cast_group<bf16, round_bf16>(x, n, b, vb, lo, size, out);
+  int64_t p = -1, pbeg = 0, pnext = 0;  // parameter of the last byte group, its byte range start, next's
+  for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
+    const int64_t y0 = (g0 + grp) * 8;
+    uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (p < 0 || y0 < pbeg || y0 >= pnext) {
+      p = table.find(y0, GroupTable::kByteBase);
+      pbeg = p >= 0 ? table.at(p, GroupTable::kByteBase) : 0;
+      pnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kByteBase) : INT64_MAX;
+      if (p < 0) pnext = table.at(0, GroupTable::kByteBase);
+    }
+    if (p >= 0 && y0 - pbeg < table.at(p, GroupTable::kNumel) / 2) {
+      const int64_t e0 = 2 * (y0 - table.at(p, GroupTable::kByteBase));
+      const int64_t t = table.tile_of(p, e0);
+      const float m = t < num_tiles ? enc[t] : 0.0f;
+      const int64_t i0 = table.at(p, GroupTable::kOffset) + e0 - r * n;  // local index of element e0
+      float v[16];
+      if (i0 >= 0 && i0 + 16 <= n) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
+        if (round_bf16) {
+#pragma unroll
+          for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * m, v[2 * k + 1] * m);
+      } else {  // the shard owns part of these 16 elements (or none)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const int64_t i = i0 + k;
+          if (i >= 0 && i < n) bytes[k / 2] |= float_to_e2m1(load_compute(x, bf16, round_bf16, i) * m) << (4 * (k % 2));
+        }
+      }
+    }
+    const int64_t j0 = y0 - lo;
+    uint8_t* dst = out + j0;
+    if (j0 >= 0 && j0 + 8 <= size && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+      uint2 w;
+      w.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (uint32_t(bytes[3]) << 24);
+      w.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (uint32_t(bytes[7]) << 24);
+      *reinterpret_cast<uint2*>(dst) = w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (j0 + k >= 0 && j0 + k < size) out[j0 + k] = bytes[k];
+    }
   }
 }
 
