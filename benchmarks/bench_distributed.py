@@ -24,10 +24,7 @@ Runs on any number of devices, one included (fsdp = 1):
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import statistics
-import tempfile
 import time
 
 import jax
@@ -35,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxquant.bench import print_kernel_profile
 from jaxquant.distributed import gathered_bytes, master_sharding, quantize_master_weights
 from jaxquant.layout import FlatLayout
 
@@ -79,38 +77,6 @@ def time_fn(fn, arg, iters, warmup=2):
         batches.append((time.perf_counter() - t0) / iters)
         del outs
     return statistics.median(times), statistics.median(batches)
-
-
-def profile(label, fn, arg, iters=5, top=12):
-    """Per-kernel breakdown of ``fn(arg)`` on the first GPU from a ``jax.profiler`` trace: for each
-    line of the device plane ("XLA Ops": HLO ops; "Stream ...": kernels and copies), the events with
-    the most time, in µs per call. Prints nothing on a backend without a device plane (CPU)."""
-    jax.block_until_ready(fn(arg))
-    folder = tempfile.mkdtemp(prefix="jq-profile-")
-    with jax.profiler.trace(folder):
-        for _ in range(iters):
-            jax.block_until_ready(fn(arg))
-    files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-    if not files:
-        return
-    data = jax.profiler.ProfileData.from_file(files[0])
-    planes = [pl for pl in data.planes if pl.name.startswith("/device:GPU:0")]
-    if not planes:
-        return
-    print(f"\nprofile: {label} ({iters} calls, device 0; µs per call)")
-    for line in planes[0].lines:
-        if line.name != "XLA Ops" and not line.name.startswith("Stream"):
-            continue
-        per_name, count = collections.defaultdict(float), collections.Counter()
-        for ev in line.events:
-            per_name[ev.name] += ev.duration_ns / 1e3 / iters
-            count[ev.name] += 1
-        if not per_name:
-            continue
-        total = sum(per_name.values())
-        print(f"  [{line.name}] busy {total:.1f} µs")
-        for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]:
-            print(f"    {us:9.1f}  x{count[name] / iters:<5g} {name[:90]}")
 
 
 def master_for(layout, mesh):
@@ -171,10 +137,10 @@ def main():
             print(f"{label:<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} {tp / base_p:7.3f} "
                   f"{gathered_bytes(layout, recipe) / 2**20:12.2f}")
     if args.profile:
-        profile("bf16 cast + all_gather", bf16_gather(mesh), master)
+        print_kernel_profile("bf16 cast + all_gather", bf16_gather(mesh), master)
         for recipe in ("nvfp4", "fp8"):
             for columnwise in (False, True):
-                profile(recipe + (" + columnwise" if columnwise else ""),
+                print_kernel_profile(recipe + (" + columnwise" if columnwise else ""),
                         step(layout, mesh, recipe, columnwise, args.impl, consume=True), master)
 
     if args.skip_group:
@@ -194,7 +160,7 @@ def main():
             print(f"{label:<26} {recipe:<7} {t * 1e6:11.1f} {t / first[0]:6.3f} {tc * 1e6:11.1f} {tc / first[1]:6.3f} "
                   f"{tcp * 1e6:12.1f} {tcp / first[2]:6.3f}")
             if args.profile:
-                profile(f"{label}, {recipe}, consumed", step(lay, mesh, recipe, False, args.impl, consume=True),
+                print_kernel_profile(f"{label}, {recipe}, consumed", step(lay, mesh, recipe, False, args.impl, consume=True),
                         master_g, top=8)
 
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 from jaxquant import demo
+from jaxquant.bench import kernel_profile
 
 
 def time_steps(steps_and_states, batch, steps: int):
@@ -44,6 +45,30 @@ def time_steps(steps_and_states, batch, steps: int):
             jax.block_until_ready(metrics["loss"])
             ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times], [run[1] for run in runs]
+
+
+def profile_steps(step, state, batch) -> dict:
+    """kernel_profile of the step, run on a carried state (the step donates it)."""
+    box = [state]
+
+    def run(_):
+        box[0], metrics = step(box[0], batch)
+        return metrics["loss"]
+
+    return kernel_profile(run, None)
+
+
+def print_report_nan_difference(plain: dict, nan: dict, top: int = 12):
+    """The events whose device time differs most between the step without and with report_nan."""
+    if not plain or not nan:
+        return
+    for line in sorted(set(plain) & set(nan)):
+        a, b = plain[line], nan[line]
+        busy_a, busy_b = (sum(us for us, _ in d.values()) for d in (a, b))
+        print(f"\nreport_nan, [{line}]: busy {busy_a:.1f} -> {busy_b:.1f} µs per step")
+        diff = {k: b.get(k, (0.0, 0))[0] - a.get(k, (0.0, 0))[0] for k in set(a) | set(b)}
+        for name, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]:
+            print(f"    {d:+9.1f}  {name[:100]}")
 
 
 def fp8_gemm_kinds(step, state, batch) -> dict:
@@ -69,6 +94,8 @@ def main():
     ap.add_argument("--strategy", default="optim_grads_params",
                     choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: the kernels whose device time report_nan changes most (jax.profiler traces)")
     args = ap.parse_args()
     cfg = demo.ModelConfig(vocab=args.vocab, d_model=args.d_model, heads=args.heads, d_ff=args.d_ff,
                            layers=args.layers, seq=args.seq)
@@ -95,6 +122,9 @@ def main():
     pairs = [make("nvfp4", False), make("nvfp4", True)]
     (t_plain, t_nan), states = time_steps(pairs, batch, args.steps)
     rows += [row("nvfp4", False, states[0], t_plain), row("nvfp4", True, states[1], t_nan)]
+    if args.profile:
+        profiles = [profile_steps(step, state, batch) for (step, _), state in zip(pairs, states)]
+        print_report_nan_difference(*profiles)
     del pairs, states
     for recipe in ("fp8", "bf16"):
         step, state = make(recipe, False)

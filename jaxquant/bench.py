@@ -14,11 +14,14 @@ checks that everything runs and the JSON has its fields.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import glob
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,6 +93,46 @@ def cases(x, stages: bool):
              n * itemsize + fp4_out + fp4_out_t),
         ]
     return out
+
+
+def kernel_profile(fn, arg, iters: int = 5) -> dict:
+    """Per-kernel device time of ``fn(arg)`` on the first GPU from a ``jax.profiler`` trace:
+    ``{line: {event name: (µs per call, launches per call)}}`` for the device plane's "XLA Ops" line
+    (HLO ops) and "Stream ..." lines (kernels and copies); ``{}`` where there is no device plane (CPU).
+    ``fn`` runs once untraced first (compilation)."""
+    import jax
+
+    jax.block_until_ready(fn(arg))
+    folder = tempfile.mkdtemp(prefix="jq-profile-")
+    with jax.profiler.trace(folder):
+        for _ in range(iters):
+            jax.block_until_ready(fn(arg))
+    files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    planes = [pl for pl in jax.profiler.ProfileData.from_file(files[0]).planes
+              if pl.name.startswith("/device:GPU:0")] if files else []
+    out = {}
+    for line in planes[0].lines if planes else ():
+        if line.name != "XLA Ops" and not line.name.startswith("Stream"):
+            continue
+        total, count = collections.defaultdict(float), collections.Counter()
+        for ev in line.events:
+            total[ev.name] += ev.duration_ns / 1e3 / iters
+            count[ev.name] += 1
+        if total:
+            out[line.name] = {name: (us, count[name] / iters) for name, us in total.items()}
+    return out
+
+
+def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12) -> dict:
+    """Prints :func:`kernel_profile`'s busiest events per line (nothing on the CPU); returns it."""
+    prof = kernel_profile(fn, arg, iters)
+    if prof:
+        print(f"\nprofile: {label} ({iters} calls, device 0; µs per call)")
+    for line, events in prof.items():
+        print(f"  [{line}] busy {sum(us for us, _ in events.values()):.1f} µs")
+        for name, (us, n) in sorted(events.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"    {us:9.1f}  x{n:<5g} {name[:90]}")
+    return prof
 
 
 def _git_commit() -> str | None:

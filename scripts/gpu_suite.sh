@@ -103,7 +103,7 @@ if [ "${TRAIN:-0}" = 1 ] && [ "${TRAIN_DEMO:-1}" = 1 ]; then
 fi
 if [ "${TRAIN:-0}" = 1 ]; then
   section "bench_train ($ngpu GPUs)"
-  { echo '```'; timeout 240 python3 benchmarks/bench_train.py ${TRAIN_ARGS:---d-model 2048 --d-ff 8192 --layers 4 --seq 1024} \
-      --json "$OUT/bench_train.json" 2>&1 | tail -12; echo '```'; } | tee -a "$report"
+  { echo '```'; timeout 240 python3 benchmarks/bench_train.py ${TRAIN_ARGS:---d-model 2048 --d-ff 8192 --layers 4 --seq 1024 --profile} \
+      --json "$OUT/bench_train.json" 2>&1 | tail -45; echo '```'; } | tee -a "$report"
 fi
 exit $status
