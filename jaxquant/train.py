@@ -474,21 +474,16 @@ class TrainStep:
         grads = {"matrices": g_mat, "others": g_oth}
         if self._sharded:
             grads = jax.lax.with_sharding_constraint(grads, self._master_sharding(plan))
-
-        def update(master, opt_state, grads):
-            updates, opt_state = self.optimizer.update(grads, opt_state, master)
-            return jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates), opt_state
-
-        if self.report_nan:   # a branch, not a select over the whole state (which costs a full extra pass)
-            ok = jnp.logical_not(jnp.any(flags[0]))
-            new_master, opt_state = jax.lax.cond(ok, update, lambda m, o, g: (m, o), master, state.opt_state, grads)
-        else:
-            new_master, opt_state = update(master, state.opt_state, grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
+        new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
         # outputs sharded as the inputs, so the donated buffers are reused
         new_master = jax.lax.with_sharding_constraint(new_master, self._master_sharding(plan))
         opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
         metrics = {"loss": loss}
         if self.report_nan:
+            ok = jnp.logical_not(jnp.any(flags[0]))
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
             per_leaf = [None] * len(plan.names)
             for i, flag in zip(plan.matrix_leaves + plan.other_leaves, flags[0]):
                 per_leaf[i] = flag
