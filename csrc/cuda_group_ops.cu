@@ -25,20 +25,6 @@ __device__ __forceinline__ BlockRange block_range(int64_t items) {
   return {first, items < first + per_block ? items : first + per_block};
 }
 
-// The input's element type and the compute-dtype rounding as compile-time constants: the stats
-// and cast kernels are templates on both, so that their per-element loads do not branch.
-template <bool kBf16, bool kRound>
-struct InputKind {
-  static constexpr bool bf16 = kBf16, round = kRound;
-};
-template <typename Launch>
-void with_input_kind(const ffi::AnyBuffer& x, bool round_bf16, Launch&& launch) {
-  if (x.element_type() == ffi::DataType::BF16)
-    round_bf16 ? launch(InputKind<true, true>{}) : launch(InputKind<true, false>{});
-  else
-    round_bf16 ? launch(InputKind<false, true>{}) : launch(InputKind<false, false>{});
-}
-
 __host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
 
 // Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
@@ -166,8 +152,8 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     const int64_t slots = n / (kSlotTiles * kTile * kTile) + 2;  // about; the kernel grid-strides
-    with_input_kind(x, round_bf16, [&](auto kind) {
-      const auto kernel = group_tile_amax_kernel<kind.bf16, kind.round>;
+    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+      const auto kernel = group_tile_amax_kernel<decltype(b)::value, decltype(r)::value>;
       kernel<<<resident_grid(kernel, slots), kThreads, 0, stream>>>(x.untyped_data(), n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
         amax->typed_data(), counts->typed_data());
@@ -251,8 +237,8 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
     cudaMemsetAsync(chunk->untyped_data(), 0, size, stream);
     return last_error("group cast memset");
   }
-  with_input_kind(x, round_bf16, [&](auto kind) {
-    const auto kernel = group_cast_kernel<kind.bf16, kind.round>;
+  with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+    const auto kernel = group_cast_kernel<decltype(b)::value, decltype(r)::value>;
     kernel<<<resident_grid(kernel, (size / 8 + 2 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       x.untyped_data(), static_cast<int64_t>(x.element_count()),
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
@@ -327,8 +313,8 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
-    with_input_kind(x, round_bf16, [&](auto kind) {
-      const auto kernel = fp8_group_amax_kernel<kind.bf16, kind.round>;
+    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+      const auto kernel = fp8_group_amax_kernel<decltype(b)::value, decltype(r)::value>;
       kernel<<<resident_grid(kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)), kThreads, 0, stream>>>(
           x.untyped_data(), n, index.typed_data(),
         GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
@@ -403,8 +389,8 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
     cudaMemsetAsync(data->untyped_data(), 0, count, stream);
     return last_error("fp8 group cast memset");
   }
-  with_input_kind(x, round_bf16, [&](auto kind) {
-    const auto kernel = fp8_group_cast_kernel<kind.bf16, kind.round>;
+  with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+    const auto kernel = fp8_group_cast_kernel<decltype(b)::value, decltype(r)::value>;
     kernel<<<resident_grid(kernel, (count + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)), kThreads, 0, stream>>>(
       x.untyped_data(), n, first, first + count,
       index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,

@@ -47,6 +47,18 @@ int resident_grid(Kernel kernel, int64_t work_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
 }
 
+// Calls f(bool_constant<kBf16>, bool_constant<kRound>) for an input dtype and rounding flag, so that
+// kernels take both as template parameters (no per-element branches). bf16 input needs no rounding.
+template <typename F>
+void with_input_kind(bool bf16, bool round_bf16, F&& f) {
+  if (bf16)
+    f(std::true_type{}, std::false_type{});
+  else if (round_bf16)
+    f(std::false_type{}, std::true_type{});
+  else
+    f(std::false_type{}, std::false_type{});
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_max(float v) {
