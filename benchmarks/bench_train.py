@@ -28,38 +28,25 @@ from jaxquant import demo
 from jaxquant.bench import kernel_profile
 
 
-def time_steps(steps_and_states, batch, steps: int):
-    """Median seconds per step of each (step, state) pair, timed interleaved (one step of each in turn,
-    so that clock and thermal drift fall on all alike); the first two steps (compile, warm-up) are not
-    timed. Returns (medians, final states)."""
+def time_steps(steps_and_states, batch, rounds: int, per_round: int = 1, warmup: int = 2):
+    """Median seconds per step of each (step, state) pair over ``rounds`` rounds, each dispatching
+    ``per_round`` steps back to back and waiting for the last: ``per_round=1`` waits for every step;
+    more overlaps host dispatch with the device, as a loop does that does not read the loss every step.
+    Pairs are interleaved round by round, so that clock and thermal drift fall on all alike; each
+    pair's ``warmup`` first steps (compile) are not timed. Returns (medians, final states)."""
     runs = [list(pair) for pair in steps_and_states]
     for run in runs:
-        for _ in range(2):
-            run[1], metrics = run[0](run[1], batch)
-        jax.block_until_ready(metrics["loss"])
-    times = [[] for _ in runs]
-    for _ in range(steps):
-        for run, ts in zip(runs, times):
-            t0 = time.perf_counter()
+        for _ in range(warmup):
             run[1], metrics = run[0](run[1], batch)
             jax.block_until_ready(metrics["loss"])
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times], [run[1] for run in runs]
-
-
-def time_pipelined(steps_and_states, batch, steps: int, rounds: int = 3):
-    """Seconds per step of each (step, state) pair with ``steps`` steps dispatched back to back and
-    waited for once (host dispatch overlapped with the device, as in a loop that does not read the
-    loss every step); median of ``rounds``, pairs interleaved round by round. Returns (times, states)."""
-    runs = [list(pair) for pair in steps_and_states]
     times = [[] for _ in runs]
     for _ in range(rounds):
         for run, ts in zip(runs, times):
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(per_round):
                 run[1], metrics = run[0](run[1], batch)
             jax.block_until_ready(metrics["loss"])
-            ts.append((time.perf_counter() - t0) / steps)
+            ts.append((time.perf_counter() - t0) / per_round)
     return [statistics.median(ts) for ts in times], [run[1] for run in runs]
 
 
@@ -137,7 +124,8 @@ def main():
     # nvfp4 with and without report_nan, timed interleaved (their ratio is the report_nan cost)
     pairs = [make("nvfp4", False), make("nvfp4", True)]
     (t_plain, t_nan), states = time_steps(pairs, batch, args.steps)
-    (p_plain, p_nan), states = time_pipelined([(s, st) for (s, _), st in zip(pairs, states)], batch, args.steps)
+    (p_plain, p_nan), states = time_steps([(s, st) for (s, _), st in zip(pairs, states)], batch, 3,
+                                          per_round=args.steps, warmup=0)
     rows += [row("nvfp4", False, states[0], t_plain), row("nvfp4", True, states[1], t_nan)]
     if args.profile:
         profiles = [profile_steps(step, state, batch) for (step, _), state in zip(pairs, states)]

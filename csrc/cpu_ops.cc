@@ -277,7 +277,6 @@ ffi::Error Nvfp4QuantizeTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax, 
 
 // ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
 
-const int64_t* as_i64(const ffi::Buffer<ffi::U32>& words) { return reinterpret_cast<const int64_t*>(words.typed_data()); }
 constexpr int64_t kNoBound = INT64_MAX / 4;
 
 ffi::Error GroupTileAmaxCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::U32> table_words,

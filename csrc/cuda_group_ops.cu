@@ -1,5 +1,7 @@
 // CUDA FFI handlers of the grouped ops: one launch per stage for every parameter of a ZeRO flat shard.
 // Element math as the CPU handlers (elementwise.h / numerics.h); see cuda_ops.cu for single tensors.
+#include <optional>
+
 #include "jaxquant/cuda_common.cuh"
 
 namespace jaxquant {
@@ -13,6 +15,18 @@ namespace {
 
 constexpr int kGroupElems = 16;
 
+// Blocks of kThreads threads for `elements` elements, kGroupElems a thread (resident_grid caps them).
+int64_t group_blocks(int64_t elements) { return (elements + kGroupElems * kThreads - 1) / (kGroupElems * kThreads); }
+
+// A grouped cast with nothing to convert: no output bytes, or no parameter (the output is all
+// padding, 0). Returns the handler's result then, nothing when the kernel has work.
+std::optional<ffi::Error> trivial_group_cast(void* out, int64_t bytes, int64_t num_params, cudaStream_t stream) {
+  if (bytes == 0) return ffi::Error::Success();
+  if (num_params > 0) return std::nullopt;
+  cudaMemsetAsync(out, 0, bytes, stream);
+  return last_error("group cast memset");
+}
+
 // This block's share [first, last) of `items` when each block takes one contiguous range (threads a
 // block-stride apart inside it): a thread then meets few parameters and searches the table rarely.
 // Kernels that use it launch resident_grid blocks: equal ranges in one wave (with more blocks than
@@ -25,7 +39,6 @@ __device__ __forceinline__ BlockRange block_range(int64_t items) {
   return {first, items < first + per_block ? items : first + per_block};
 }
 
-__host__ __device__ __forceinline__ const int64_t* i64_words(const uint32_t* w) { return reinterpret_cast<const int64_t*>(w); }
 
 // Loads elements i0..i0+15 of the shard (i0 % 16 == 0), vectorized when the whole group is inside.
 // With round_bf16 each value is rounded to bfloat16 as it is loaded (load_compute).
@@ -152,10 +165,10 @@ ffi::Error GroupTileAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
     const int64_t slots = n / (kSlotTiles * kTile * kTile) + 2;  // about; the kernel grid-strides
-    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+    with_input_kind(x, round_bf16, [&](auto b, auto r) {
       const auto kernel = group_tile_amax_kernel<decltype(b)::value, decltype(r)::value>;
       kernel<<<resident_grid(kernel, slots), kThreads, 0, stream>>>(x.untyped_data(), n, index.typed_data(),
-        GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles, tile_amax->typed_data(),
+        GroupTable{as_i64(table_words), num_params}, num_tiles, tile_amax->typed_data(),
         amax->typed_data(), counts->typed_data());
     });
   }
@@ -232,17 +245,13 @@ ffi::Error GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (chunk_lo_words.element_count() % 2) return invalid("chunk_lo: must be int64 values as uint32 words");
   const int64_t num_shards = static_cast<int64_t>(chunk_lo_words.element_count() / 2);
   const int64_t size = static_cast<int64_t>(chunk->element_count());
-  if (size == 0) return ffi::Error::Success();
-  if (num_params == 0) {
-    cudaMemsetAsync(chunk->untyped_data(), 0, size, stream);
-    return last_error("group cast memset");
-  }
-  with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+  if (auto done = trivial_group_cast(chunk->untyped_data(), size, num_params, stream)) return *std::move(done);
+  with_input_kind(x, round_bf16, [&](auto b, auto r) {
     const auto kernel = group_cast_kernel<decltype(b)::value, decltype(r)::value>;
     kernel<<<resident_grid(kernel, (size / 8 + 2 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       x.untyped_data(), static_cast<int64_t>(x.element_count()),
-      index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
-      i64_words(chunk_lo_words.typed_data()), num_shards, enc.typed_data(),
+      index.typed_data(), GroupTable{as_i64(table_words), num_params},
+      as_i64(chunk_lo_words), num_shards, enc.typed_data(),
       static_cast<int64_t>(enc.element_count()), chunk->typed_data(), size);
   });
   return last_error("group cast kernel");
@@ -313,11 +322,11 @@ ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   cudaMemsetAsync(amax->untyped_data(), 0, amax->size_bytes(), stream);
   cudaMemsetAsync(counts->untyped_data(), 0, counts->size_bytes(), stream);
   if (n > 0 && num_params > 0) {
-    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+    with_input_kind(x, round_bf16, [&](auto b, auto r) {
       const auto kernel = fp8_group_amax_kernel<decltype(b)::value, decltype(r)::value>;
-      kernel<<<resident_grid(kernel, (n + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)), kThreads, 0, stream>>>(
+      kernel<<<resident_grid(kernel, group_blocks(n)), kThreads, 0, stream>>>(
           x.untyped_data(), n, index.typed_data(),
-        GroupTable{i64_words(table_words.typed_data()), num_params}, amax->typed_data(), counts->typed_data());
+        GroupTable{as_i64(table_words), num_params}, amax->typed_data(), counts->typed_data());
     });
   }
   return last_error("fp8 group amax kernel");
@@ -384,16 +393,12 @@ ffi::Error Fp8GroupCastCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
   bool e5m2;
   JQ_RETURN_IF_ERROR(check_fp8_group_cast(x, index, table_words, scale, first, *data, &num_params, &e5m2));
   const int64_t n = static_cast<int64_t>(x.element_count()), count = static_cast<int64_t>(data->element_count());
-  if (count == 0) return ffi::Error::Success();
-  if (num_params == 0) {
-    cudaMemsetAsync(data->untyped_data(), 0, count, stream);
-    return last_error("fp8 group cast memset");
-  }
-  with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+  if (auto done = trivial_group_cast(data->untyped_data(), count, num_params, stream)) return *std::move(done);
+  with_input_kind(x, round_bf16, [&](auto b, auto r) {
     const auto kernel = fp8_group_cast_kernel<decltype(b)::value, decltype(r)::value>;
-    kernel<<<resident_grid(kernel, (count + kGroupElems * kThreads - 1) / (kGroupElems * kThreads)), kThreads, 0, stream>>>(
+    kernel<<<resident_grid(kernel, group_blocks(count)), kThreads, 0, stream>>>(
       x.untyped_data(), n, first, first + count,
-      index.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, scale.typed_data(), e5m2,
+      index.typed_data(), GroupTable{as_i64(table_words), num_params}, scale.typed_data(), e5m2,
       static_cast<uint8_t*>(data->untyped_data()));
   });
   return last_error("fp8 group cast kernel");
@@ -421,7 +426,7 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
   JQ_RETURN_IF_ERROR(check_group_scale(tiles, amax, table_words, *scale_inv, *enc, &num_params, &num_tiles, &scale_bytes));
   if (group_scale_strips(scale_bytes) == 0) return ffi::Error::Success();
   group_scale_kernel<<<grid_for(group_scale_strips(scale_bytes)), kThreads, 0, stream>>>(
-      tiles.typed_data(), amax.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_tiles,
+      tiles.typed_data(), amax.typed_data(), GroupTable{as_i64(table_words), num_params}, num_tiles,
       scale_inv->typed_data(), scale_bytes, enc->typed_data());
   return last_error("group scale kernel");
 }
@@ -583,7 +588,7 @@ ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, f
   const int64_t grid = data_ctas + grid_for(group_scale_strips(scale_t_bytes));
   if (num_params == 0) return ffi::Error::Success();
   group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      data.typed_data(), scale_inv.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params},
+      data.typed_data(), scale_inv.typed_data(), GroupTable{as_i64(table_words), num_params},
       num_blocks, data_ctas, data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
   return last_error("group columnwise kernel");
 }
@@ -597,7 +602,7 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
   if (num_params == 0 || num_blocks == 0) return last_error("fp8 group transpose memset");
   fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(num_blocks, kByteRun)), kThreads, 0, stream>>>(
-      data.typed_data(), GroupTable{i64_words(table_words.typed_data()), num_params}, num_blocks,
+      data.typed_data(), GroupTable{as_i64(table_words), num_params}, num_blocks,
       data_t->typed_data());
   return last_error("fp8 group transpose kernel");
 }

@@ -102,7 +102,7 @@ ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
   cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
   if (n > 0) {
     auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
-    with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, [&](auto b, auto r) {
+    with_input_kind(x, round_bf16, [&](auto b, auto r) {
       auto kernel = amax_kernel<decltype(b)::value, decltype(r)::value>;
       kernel<<<resident_grid(kernel, (n + 4 * kThreads - 1) / (4 * kThreads)), kThreads, 0, stream>>>(
           x.untyped_data(), n, bits, count->typed_data());

@@ -103,13 +103,13 @@ def kernel_profile(fn, arg, iters: int = 5) -> dict:
     import jax
 
     jax.block_until_ready(fn(arg))
-    folder = tempfile.mkdtemp(prefix="jq-profile-")
-    with jax.profiler.trace(folder):
-        for _ in range(iters):
-            jax.block_until_ready(fn(arg))
-    files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-    planes = [pl for pl in jax.profiler.ProfileData.from_file(files[0]).planes
-              if pl.name.startswith("/device:GPU:0")] if files else []
+    with tempfile.TemporaryDirectory(prefix="jq-profile-") as folder:   # the trace is read, then removed
+        with jax.profiler.trace(folder):
+            for _ in range(iters):
+                jax.block_until_ready(fn(arg))
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        planes = [pl for pl in jax.profiler.ProfileData.from_file(files[0]).planes
+                  if pl.name.startswith("/device:GPU:0")] if files else []
     out = {}
     for line in planes[0].lines if planes else ():
         if line.name != "XLA Ops" and not line.name.startswith("Stream"):

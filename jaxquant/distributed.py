@@ -368,9 +368,10 @@ def gather_piece_bounds(size: int, pieces=None) -> tuple:
     stores), or with None 4 parts when each would hold at least 4 MiB, else 1."""
     if pieces is None:
         pieces = _AUTO_PIECES if size >= _AUTO_PIECES * _MIN_PIECE_BYTES else 1
-    per_piece = -(-size // pieces)
-    step = max(128, -(-per_piece // 128) * 128)
-    return tuple((start, min(step, size - start)) for start in range(0, size, step)) or ((0, size),)
+    if size == 0:
+        return ((0, 0),)
+    step = max(128, -(-size // (pieces * 128)) * 128)   # ceil(size / pieces), rounded up to 128
+    return tuple((start, min(step, size - start)) for start in range(0, size, step))
 
 
 def _chunk_segments(src0, r, first, count, bounds):
@@ -401,14 +402,15 @@ def _assemble_nvfp4(gathered, bounds, plan: NVFP4Chunks):
     return data
 
 
-def _space_segments(src0, first, count, plan, bounds):
-    """Segments of bytes [first, first + count) of the param-byte space: in the space itself (source
-    ``src0``, plan None) or, through ``plan``, in the gathered pieces (sources ``src0 + j``; no odd
-    shard boundary)."""
-    if plan is None:
+def _space_segments(src0, first, count, shards, bounds):
+    """Segments (source, offset, count) of positions [first, first + count) of a gathered space: the
+    space itself (source ``src0``; ``shards`` None), or spread over the gather pieces (sources
+    ``src0 + j``), where ``shards`` lists each shard's ``(lo, length)`` part of the space, held from
+    offset 0 of its chunk (NVFP4: the param-byte space without odd boundaries; FP8: the flat buffer)."""
+    if shards is None:
         return ((src0, first, count),)
     segs = []
-    for r, (lo, n) in enumerate(zip(plan.lo, plan.length)):
+    for r, (lo, n) in enumerate(shards):
         a, b = max(first, lo), min(first + count, lo + n)
         if a < b:
             segs += _chunk_segments(src0, r, a - lo, b - a, bounds)
@@ -420,12 +422,13 @@ def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, 
     """Per-parameter tensors from the group's packed vectors, one ``group_split`` call. ``data``: a
     list holding the param-byte space, or with ``plan`` the gathered pieces (``bounds``) that hold it."""
     k = len(data)
+    shards = None if plan is None else tuple(zip(plan.lo, plan.length))
     sources = list(data) + [scale_inv, amax] + ([data_t, scale_inv_t] if data_t is not None else [])
     pieces = []
     for p, row in enumerate(rows):
         m, c = row.rows, row.cols
         sr, sc = formats.nvfp4_scale_shape(m, c)
-        pieces += [((m, c // 2), _space_segments(0, row.byte_base, m * c // 2, plan, bounds)),
+        pieces += [((m, c // 2), _space_segments(0, row.byte_base, m * c // 2, shards, bounds)),
                    ((sr, sc), ((k, row.scale_base, sr * sc),)),
                    ((1,), ((k + 1, p, 1),))]
         if data_t is not None:
@@ -463,9 +466,10 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
     gathered_t = ops.fp8_group_transpose(gathered[0], table=table, impl=impl) if build_columnwise else None
     k = len(gathered)
     sources = gathered + [scale_inv, amax] + ([gathered_t] if gathered_t is not None else [])
+    shards = None if k == 1 else tuple((r * n, n) for r in range(S))   # one piece: the flat buffer itself
     split_pieces = []
     for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes)):
-        split_pieces += [(shape, _flat_segments(0, o, numel, n, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
+        split_pieces += [(shape, _space_segments(0, o, numel, shards, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
         if gathered_t is not None:
             split_pieces.append((tuple(shape)[::-1], ((k + 2, o, numel),)))
     arrays = group_split.split(sources, split_pieces, impl=impl)
@@ -473,19 +477,6 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
     weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 4 else None)
                for a in (arrays[per * p:per * (p + 1)] for p in range(layout.num_params))]
     return weights, counts
-
-
-def _flat_segments(src0, first, count, shard_size, bounds):
-    """Segments of flat elements [first, first + count) of the gathered FP8 buffer: one slice of the
-    whole buffer (source ``src0``) or, with several gather pieces, per shard and piece."""
-    if len(bounds) == 1:
-        return ((src0, first, count),)
-    segs = []
-    for r in range(first // shard_size, -(-(first + count) // shard_size)):
-        a, b = max(first, r * shard_size), min(first + count, (r + 1) * shard_size)
-        if a < b:
-            segs += _chunk_segments(src0, r, a - r * shard_size, b - a, bounds)
-    return tuple(segs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,7 +563,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
     ops._check_impl(impl)
-    _check_gather_pieces(gather_pieces)
+    pieces = _check_gather_pieces(gather_pieces)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     for name, a in (("axis", axis), ("tp_axis", tp_axis)):
@@ -597,7 +588,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                ("manual_post_all_gather_processing", bool(manual_post_all_gather_processing)),
                ("check_finite", bool(check_finite)), ("fp8_dtype", jnp.dtype(fp8_dtype)),
                ("amax_epsilon", float(amax_epsilon)), ("force_pow_2_scales", bool(force_pow_2_scales)),
-               ("gather_pieces", _check_gather_pieces(gather_pieces)), ("impl", impl))
+               ("gather_pieces", pieces), ("impl", impl))
     return _build(layout, mesh, axis, tp_axis, options)(master_flat)
 
 

@@ -414,12 +414,13 @@ class TrainStep:
                                  is_leaf=lambda a: isinstance(a, tuple))
             (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
             loss = loss / k
-        out, flags = [], []
+        out, flags = [], []   # flags: with report_nan, one per parameter
         scale = np.float32(1.0 / (S * k))
         for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
-                flags.append(jnp.zeros((layout.num_params,), jnp.float32))
+                if self.report_nan:
+                    flags.append(jnp.zeros((layout.num_params,), jnp.float32))
                 continue
             flat = layout.flatten(grads[group], pol.main_grads_dtype) * scale.astype(pol.main_grads_dtype)
             flat = flat.astype(pol.comm_dtype)
@@ -435,8 +436,7 @@ class TrainStep:
         # TP the loss is the same on every TP rank (loss_fn's contract) and TP rank 0's copy is the one summed
         if plan.tp:
             loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
-        stats = jax.lax.psum(jnp.concatenate([jnp.reshape(loss, (1,))] + (flags if self.report_nan else [])),
-                             self._axes)
+        stats = jax.lax.psum(jnp.concatenate([jnp.reshape(loss, (1,))] + flags), self._axes)
         out.insert(0, stats[0] / S)
         if self.report_nan:
             out.append(stats[1:] > 0)       # per parameter, in the order matrices then others

@@ -243,10 +243,9 @@ def test_group_handler_rejects_out_of_range_shard_index_on_cpu():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["reference", "custom_call"])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("custom_call", marks=pytest.mark.skipif(
+    not _ffi.built_platforms(), reason="needs the compiled extension"))])
 def test_group_split_equals_slices(impl):
-    if impl == "custom_call" and not _ffi.built_platforms():
-        pytest.skip("needs the compiled extension")
     from jaxquant import group_split
     rng = np.random.default_rng(7)
     big = rng.integers(0, 256, 400_003).astype(np.uint8)

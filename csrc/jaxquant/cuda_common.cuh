@@ -58,6 +58,10 @@ void with_input_kind(bool bf16, bool round_bf16, F&& f) {
   else
     f(std::false_type{}, std::false_type{});
 }
+template <typename F>
+void with_input_kind(const ffi::AnyBuffer& x, bool round_bf16, F&& f) {
+  with_input_kind(x.element_type() == ffi::DataType::BF16, round_bf16, std::forward<F>(f));
+}
 
 // ---- reductions -----------------------------------------------------------------------------
 

@@ -172,6 +172,11 @@ inline ffi::Error check_nvfp4_quantize(const ffi::AnyBuffer& x, const ffi::Buffe
   return ffi::Error::Success();
 }
 
+// int64 operands (the group table, chunk_lo) travel as uint32 word pairs; their values as int64.
+inline const int64_t* as_i64(const ffi::Buffer<ffi::U32>& words) {
+  return reinterpret_cast<const int64_t*>(words.typed_data());
+}
+
 // Shapes of the grouped ops' operands; the table contents are checked where the host can read
 // them (CPU: check_group_table_contents), the GPU kernels bound every index they derive from it.
 inline ffi::Error check_group(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,
