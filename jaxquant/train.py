@@ -415,21 +415,28 @@ class TrainStep:
             (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
             loss = loss / k
         out, flags = [], []   # flags: with report_nan, one per parameter
-        scale = np.float32(1.0 / (S * k))
+        scale = np.float32(1.0 / (S * k)).astype(pol.main_grads_dtype)
+        # what the optimizer reads, element by element: scaled, in the comm dtype, back in the main dtype
+        as_sent = lambda g: (g.astype(pol.main_grads_dtype) * scale).astype(pol.comm_dtype)
         for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
                 if self.report_nan:
                     flags.append(jnp.zeros((layout.num_params,), jnp.float32))
                 continue
-            flat = layout.flatten(grads[group], pol.main_grads_dtype) * scale.astype(pol.main_grads_dtype)
-            flat = flat.astype(pol.comm_dtype)
+            flat = (layout.flatten(grads[group], pol.main_grads_dtype) * scale).astype(pol.comm_dtype)
             if self.strategy in ("no_shard", "optim"):
                 flat = jax.lax.psum(flat, axes)
             else:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
             flat = flat.astype(pol.main_grads_dtype)
-            if self.report_nan:
+            if self.report_nan and S == 1:
+                # no reduction: the gradient is checked leaf by leaf, where XLA can fuse the count into
+                # the leaf's producer and the flatten into the optimizer update (a custom call over the
+                # flat buffer would make XLA materialize it: +0.4 ms per step measured on one H200)
+                flags.append(jnp.stack([jnp.any(~jnp.isfinite(as_sent(g))) for g in grads[group]])
+                             .astype(jnp.float32))
+            elif self.report_nan:
                 flags.append(self._nonfinite_flags(flat, layout))
             out.append(flat.reshape(1, -1) if group == "m" and plan.tp else flat)   # TP: this rank's row
         # the loss and, with report_nan, one non-finite flag per parameter share one small all-reduce; with

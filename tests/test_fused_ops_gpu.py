@@ -150,3 +150,32 @@ def test_nvfp4_quantize_e2m1_every_fp32_in_decision_range():
     cus = ops.nvfp4_quantize(xj, tiles, amax, compute_dtype=None, impl="custom_call")
     assert_bytes_equal(cus[0], ref[0], "data")
     assert_bytes_equal(cus[1], ref[1], "scale_inv")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_nvfp4_bf16_grid_stride_custom_equals_reference():
+    """bf16 input with more 64-row block items than the GPU holds at once, so every block of the
+    NVFP4 stats and quantize kernels walks several items (rows not a multiple of 64, K = 1040 not a
+    multiple of the 512-column block span): stats, rowwise and columnwise bytes equal the reference."""
+    import jax.numpy as jnp
+    from jaxquant import ops
+
+    rng = np.random.default_rng(5)
+    rows, cols = 70_048, 1040      # 1,095 items x 3 column blocks
+    tile_scale = np.exp2(rng.integers(-8, 8, (rows // 16, 1, cols // 16, 1))).astype(np.float32)
+    x = (rng.standard_normal((rows // 16, 16, cols // 16, 16), np.float32) * tile_scale).reshape(rows, cols)
+    x[rows - 1, cols - 16:] = -0.0                 # a signed-zero row segment in the last item
+    v = jnp.asarray(x).astype(jnp.bfloat16)
+    ref_stats = ops.nvfp4_stats(v, impl="reference")
+    cus_stats = ops.nvfp4_stats(v, impl="custom_call")
+    for field, a, b in zip(("tile_amax", "amax", "count"), cus_stats, ref_stats):
+        assert_bytes_equal(a, b, field)
+    tiles, amax, _ = ref_stats
+    ref = ops.nvfp4_quantize(v, tiles, amax, columnwise=True, impl="reference")
+    cus = ops.nvfp4_quantize(v, tiles, amax, columnwise=True, impl="custom_call")
+    for field, a, b in zip(("data", "scale_inv", "data_t", "scale_inv_t"), cus, ref):
+        assert_bytes_equal(a, b, field)
+    rows_only = ops.nvfp4_quantize(v, tiles, amax, impl="custom_call")
+    assert_bytes_equal(rows_only[0], ref[0], "data (rowwise only)")
+    assert_bytes_equal(rows_only[1], ref[1], "scale_inv (rowwise only)")

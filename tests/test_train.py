@@ -213,9 +213,10 @@ def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
     np.testing.assert_array_equal(np.asarray(la, np.float32), np.asarray(lb, np.float32))
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])   # reduce-scattered / all-reduced
+# reduce-scattered / all-reduced over 8 ranks; one rank (no reduction: the leaves are checked directly)
+@pytest.mark.parametrize("strategy,ranks", [("optim_grads_params", 8), ("no_shard", 8), ("optim_grads_params", 1)])
 @pytest.mark.parametrize("bad", ["b1", "w2"])
-def test_nan_gradient_names_parameter_and_skips_update(bad, strategy):
+def test_nan_gradient_names_parameter_and_skips_update(bad, strategy, ranks):
     """The NaN enters through one rank's batch row; each rank checks only its shard of the reduced
     gradient, so the flag comes from the rank that owns the poisoned elements."""
     def poisoned(w, b):   # the extra term is 0 normally, NaN in the gradient of `bad` when b["p"] is NaN
@@ -223,7 +224,7 @@ def test_nan_gradient_names_parameter_and_skips_update(bad, strategy):
                  jnp.sum(jq.dense(b["p"][:, :D_HID], w["w2"], out_dtype=jnp.float32)))
         return loss_fn(w, b) + 0.0 * extra
 
-    step = jq.make_train_step(poisoned, optax.adam(1e-2), mesh=mesh_of(8), strategy=strategy,
+    step = jq.make_train_step(poisoned, optax.adam(1e-2), mesh=mesh_of(ranks), strategy=strategy,
                               policy=jq.MixedPrecisionPolicy(compute_weights="fp8"), report_nan=True)
     params = init_params()
     clean = {**make_batch(), "p": jnp.zeros((BATCH, D_HID), jnp.float32)}
