@@ -154,15 +154,16 @@ def test_nvfp4_quantize_e2m1_every_fp32_in_decision_range():
 
 @pytest.mark.gpu
 @requires_gpu
-def test_nvfp4_bf16_grid_stride_custom_equals_reference():
+@pytest.mark.parametrize("rows,cols", [(70_048, 1040), (140_000, 16)], ids=["70048x1040", "140000x16"])
+def test_nvfp4_bf16_grid_stride_custom_equals_reference(rows, cols):
     """bf16 input with more 64-row block items than the GPU holds at once, so every block of the
-    NVFP4 stats and quantize kernels walks several items (rows not a multiple of 64, K = 1040 not a
-    multiple of the 512-column block span): stats, rowwise and columnwise bytes equal the reference."""
+    NVFP4 stats and quantize kernels walks several items (rows not a multiple of 64; K = 1040 not a
+    multiple of the 512-column block span, 1,095 items x 3 column blocks; K = 16, 2,188 items in one
+    column block, small enough for the sanitizer): stats, rowwise and columnwise bytes equal the reference."""
     import jax.numpy as jnp
     from jaxquant import ops
 
     rng = np.random.default_rng(5)
-    rows, cols = 70_048, 1040      # 1,095 items x 3 column blocks
     tile_scale = np.exp2(rng.integers(-8, 8, (rows // 16, 1, cols // 16, 1))).astype(np.float32)
     x = (rng.standard_normal((rows // 16, 16, cols // 16, 16), np.float32) * tile_scale).reshape(rows, cols)
     x[rows - 1, cols - 16:] = -0.0                 # a signed-zero row segment in the last item
