@@ -13,6 +13,7 @@ by kind (cuBLASLt FP8, Triton, other cuBLAS).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
@@ -65,7 +66,16 @@ def print_report_nan_difference(plain: dict, nan: dict, top: int = 12):
     """The events whose device time differs most between the step without and with report_nan."""
     if not plain or not nan:
         return
-    for line in sorted(set(plain) & set(nan)):
+    # stream ids differ between two executables: compare HLO ops, and kernels over all streams
+    def merged(prof):
+        kernels = collections.defaultdict(lambda: (0.0, 0))
+        for line, events in prof.items():
+            for name, (us, n) in events.items() if line.startswith("Stream") else ():
+                kernels[name] = (kernels[name][0] + us, kernels[name][1] + n)
+        return {"XLA Ops": prof.get("XLA Ops", {}), "kernels, all streams": dict(kernels)}
+
+    plain, nan = merged(plain), merged(nan)
+    for line in plain:
         a, b = plain[line], nan[line]
         busy_a, busy_b = (sum(us for us, _ in d.values()) for d in (a, b))
         print(f"\nreport_nan, [{line}]: busy {busy_a:.1f} -> {busy_b:.1f} µs per step")

@@ -5,7 +5,10 @@ XLA-fused pure-JAX reference (``impl="reference"``), both jitted, with the defau
 dtype. The floor is the fewest bytes the op must move -- two reads of x (the statistics pass and
 the cast pass) plus every output written once -- divided by the copy bandwidth of a jitted ``x + 1``
 over an fp32 array of the same element count, measured in the same run. Each time is the median
-of ``--repeats`` batches of ``--iters`` asynchronous dispatches after a warm-up.
+of ``--repeats`` batches of ``--iters`` asynchronous dispatches after a warm-up. Rows whose time is
+near the printed host cost of one dispatch are dispatch-bound, so on a GPU the table also gives
+each op's kernel time per call from a profiler trace, against the floor at the copy kernel's
+bandwidth (``--device-time``).
 
 On a GPU the default sizes are 8192² and 16384²; on the CPU a small smoke run (a few seconds)
 checks that everything runs and the JSON has its fields.
@@ -29,6 +32,9 @@ GPU_SIZES = "8192x8192,16384x16384"
 CPU_SIZES = "128x256"
 # JSON fields of every row (checked by the CPU smoke test).
 ROW_FIELDS = ("op", "shape", "dtype", "us", "floor_us", "x_floor", "xla_us", "x_xla", "bytes")
+# with --device-time (default on a GPU) also: kernel time of the custom calls and of the XLA reference
+# per call, and their ratios to the floor at the copy kernel's bandwidth (None on the CPU)
+DEVICE_FIELDS = ("dev_us", "dev_floor_us", "dev_x_floor", "xla_dev_us", "dev_x_xla")
 
 
 def median_seconds(fn, *args, iters: int, repeats: int) -> float:
@@ -47,13 +53,25 @@ def median_seconds(fn, *args, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(numel: int, *, iters: int, repeats: int) -> float:
-    """Bytes/s of a jitted ``x + 1`` over fp32[numel] (one read and one write of each element)."""
+def copy_bandwidth(numel: int, *, iters: int, repeats: int, device_time: bool = False):
+    """Bytes/s of a jitted ``x + 1`` over fp32[numel] (one read and one write of each element):
+    wall clock, and (``device_time``, on a GPU) from its kernel time, else None."""
     import jax
     import jax.numpy as jnp
 
     y = jnp.zeros((numel,), jnp.float32)
-    return 2 * numel * 4 / median_seconds(jax.jit(lambda v: v + 1), y, iters=iters, repeats=repeats)
+    fn = jax.jit(lambda v: v + 1)
+    dev = device_seconds(fn, y) if device_time else None
+    return 2 * numel * 4 / median_seconds(fn, y, iters=iters, repeats=repeats), (2 * numel * 4 / dev if dev else None)
+
+
+def device_seconds(fn, arg, iters: int = 5):
+    """Seconds of GPU kernel time per call of ``fn(arg)`` (every kernel and memset of its streams,
+    from a ``jax.profiler`` trace: no host dispatch in it); None without a GPU."""
+    prof = kernel_profile(fn, arg, iters)
+    busy = [us for line, events in prof.items() if line.startswith("Stream") and "Memcpy" not in line
+            for us, _ in events.values()]
+    return sum(busy) * 1e-6 if busy else None
 
 
 def _nvfp4_scale_bytes(rows: int, cols: int) -> int:
@@ -155,8 +173,12 @@ def run(args) -> int:
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
           f"compute dtype bfloat16; times: median of {repeats} x {iters} dispatches")
+    dev_time = gpu if args.device_time is None else args.device_time
     header = (f"{'op':18s} {'shape':>12s} {'dtype':>9s} {'us':>9s} {'x floor':>8s} {'xla us':>9s} "
-              f"{'x xla':>7s}")
+              f"{'x xla':>7s}" + (f" | {'dev us':>8s} {'x floor':>8s} {'xla dev':>8s} {'x xla':>6s}" if dev_time else ""))
+    if dev_time:
+        print("left: wall clock per call (back-to-back dispatches); right of |: GPU kernel time per call "
+              "(profiler), floor at the copy kernel's bandwidth")
     print(header)
     print("-" * len(header))
     rows_out, copies = [], []
@@ -167,23 +189,32 @@ def run(args) -> int:
     print(f"{'(dispatch, 4 elts)':18s} {'':>12s} {'':>9s} {dispatch_us:9.1f}")
     for size in sizes.split(","):
         rows, cols = (int(v) for v in size.lower().split("x"))
-        bw = copy_bandwidth(rows * cols, iters=iters, repeats=repeats)
-        copies.append(dict(shape=f"{rows}x{cols}", copy_gbps=bw / 1e9))
+        bw, bw_dev = copy_bandwidth(rows * cols, iters=iters, repeats=repeats, device_time=dev_time)
+        copies.append(dict(shape=f"{rows}x{cols}", copy_gbps=bw / 1e9, copy_dev_gbps=bw_dev and bw_dev / 1e9))
         for dname in dtypes.split(","):
             dtype = jnp.dtype(dname)
             x = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32).astype(dtype)
             for name, fn, nbytes in cases(x, args.stages if args.stages is not None else gpu):
-                custom = median_seconds(jax.jit(lambda v, f=fn: f(v, "custom_call")), x, iters=iters,
-                                        repeats=repeats)
-                xla = median_seconds(jax.jit(lambda v, f=fn: f(v, "reference")), x, iters=iters, repeats=repeats)
+                custom_fn = jax.jit(lambda v, f=fn: f(v, "custom_call"))
+                xla_fn = jax.jit(lambda v, f=fn: f(v, "reference"))
+                custom = median_seconds(custom_fn, x, iters=iters, repeats=repeats)
+                xla = median_seconds(xla_fn, x, iters=iters, repeats=repeats)
                 floor = nbytes / bw
                 row = dict(op=name, shape=f"{rows}x{cols}", dtype=dname, us=custom * 1e6, floor_us=floor * 1e6,
-                           x_floor=custom / floor, xla_us=xla * 1e6, x_xla=custom / xla, bytes=nbytes)
+                           x_floor=custom / floor, xla_us=xla * 1e6, x_xla=custom / xla, bytes=nbytes,
+                           **dict.fromkeys(DEVICE_FIELDS))
+                line = (f"{name:18s} {row['shape']:>12s} {dname:>9s} {row['us']:9.1f} {row['x_floor']:8.2f} "
+                        f"{row['xla_us']:9.1f} {row['x_xla']:7.2f}")
+                kern, xla_kern = (device_seconds(custom_fn, x), device_seconds(xla_fn, x)) if bw_dev else (None, None)
+                if kern and xla_kern:
+                    dev_floor = nbytes / bw_dev
+                    row.update(dev_us=kern * 1e6, dev_floor_us=dev_floor * 1e6, dev_x_floor=kern / dev_floor,
+                               xla_dev_us=xla_kern * 1e6, dev_x_xla=kern / xla_kern)
+                    line += f" | {kern * 1e6:8.1f} {kern / dev_floor:8.2f} {xla_kern * 1e6:8.1f} {kern / xla_kern:6.2f}"
                 rows_out.append(row)
-                print(f"{name:18s} {row['shape']:>12s} {dname:>9s} {row['us']:9.1f} {row['x_floor']:8.2f} "
-                      f"{row['xla_us']:9.1f} {row['x_xla']:7.2f}", flush=True)
+                print(line, flush=True)
         print(f"{'(copy x+1 fp32)':18s} {size:>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
-              f"{bw / 1e9:.0f} GB/s")
+              f"{bw / 1e9:.0f} GB/s" + (f", kernel {bw_dev / 1e9:.0f} GB/s" if bw_dev else ""))
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=_git_commit(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
@@ -206,6 +237,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed batches; the median is reported (default 5)")
     parser.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,
                         help="also time each pass (stats, quantize) on its own (default: on a GPU)")
+    parser.add_argument("--device-time", action=argparse.BooleanOptionalAction, default=None,
+                        help="also report GPU kernel time per call from a jax.profiler trace, which leaves out "
+                             "host dispatch (default: on a GPU)")
     parser.add_argument("--json", default="jaxquant_bench.json", help="where to write the JSON (default "
                         "jaxquant_bench.json; empty string: none)")
     parser.set_defaults(func=run)

@@ -320,8 +320,7 @@ __device__ void zero_scale_padding_rows(uint8_t* scale, int64_t rows, int64_t pc
 // One read of x writes data, scale_inv and (kColumnwise) data_t, scale_inv_t. Tile scales come
 // from tile_amax and amax in the kernel (nvfp4_tile_scale_bits / nvfp4_tile_encode). The tile
 // scales of the block item and the column-packed codes go through shared memory so that the
-// scale rows and the transpose are written in whole 32-byte sectors. Grid-strides over 64-row
-// block items like nvfp4_stats_kernel (the launcher caps gridDim.y for bf16 input).
+// scale rows and the transpose are written in whole 32-byte sectors.
 template <bool kBf16, bool kRound, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __restrict__ x, int64_t rows,
                                                                   int64_t cols, bool aligned,
@@ -338,77 +337,74 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   zero_scale_padding_rows(scale_inv, rows, pc);
   if (kColumnwise) zero_scale_padding_rows(scale_inv_t, cols, nvfp4_scale_cols(rows));
   const float s_enc = nvfp4_global_encode_scale(amax[0]), s_dec = 1.0f / s_enc;
-  for (int64_t item = blockIdx.y; item < (rows + 63) / 64; item += gridDim.y) {
-    const B blk(rows, cols, item);
-    uint32_t rw[kTile];  // row r's kVec codes, 4 bits each
-    if (blk.valid) {
-      uint4 raw[kTile];
-      blk.load(x, cols, aligned, raw);
-      const uint8_t s8 = nvfp4_tile_scale_bits(tile_amax[blk.tile_row * tcols + blk.col / kTile], s_enc);
-      const float enc = nvfp4_tile_encode(s8, s_dec);
-      if (blk.lane % B::kLanesPerTile == 0) s8_tile[blk.warp % 4][blk.block_col() / kTile] = s8;
-      uint8_t* dst = data + (blk.tile_row * kTile * cols + blk.col) / 2;
+  const B blk(rows, cols, blockIdx.y);
+  uint32_t rw[kTile];  // row r's kVec codes, 4 bits each
+  if (blk.valid) {
+    uint4 raw[kTile];
+    blk.load(x, cols, aligned, raw);
+    const uint8_t s8 = nvfp4_tile_scale_bits(tile_amax[blk.tile_row * tcols + blk.col / kTile], s_enc);
+    const float enc = nvfp4_tile_encode(s8, s_dec);
+    if (blk.lane % B::kLanesPerTile == 0) s8_tile[blk.warp % 4][blk.block_col() / kTile] = s8;
+    uint8_t* dst = data + (blk.tile_row * kTile * cols + blk.col) / 2;
 #pragma unroll
-      for (int r = 0; r < kTile; ++r) {
-        float v[kVec];
-        to_compute<kBf16, kRound, true>(raw[r], v);
-        rw[r] = 0;
+    for (int r = 0; r < kTile; ++r) {
+      float v[kVec];
+      to_compute<kBf16, kRound, true>(raw[r], v);
+      rw[r] = 0;
 #pragma unroll
-        for (int k = 0; k < kVec; k += 2) rw[r] |= uint32_t(e2m1_pair(v[k] * enc, v[k + 1] * enc)) << (4 * k);
-        if (kBf16)
-          *reinterpret_cast<uint32_t*>(dst + r * cols / 2) = rw[r];
-        else
-          *reinterpret_cast<uint16_t*>(dst + r * cols / 2) = static_cast<uint16_t>(rw[r]);
-      }
-      if (kColumnwise) {
-        // Lane l starts at column (q + l / kLanesPerTile) % kVec of its own, so that the warp's
-        // 8-byte shared stores of one step land in distinct bank pairs.
-        const int rot = blk.lane / B::kLanesPerTile;
-        uint2 cb[kVec];
-#pragma unroll
-        for (int q = 0; q < kVec; ++q) cb[q] = column_bytes<kVec>(rw, q);
-#pragma unroll
-        for (int s = 0; s < kVec; ++s) {
-          const int q = (s + rot) % kVec;
-          uint2 w = cb[0];
-#pragma unroll
-          for (int k = 1; k < kVec; ++k) w = q == k ? cb[k] : w;  // select, no dynamic register index
-          codes_t[blk.warp % 4][blk.block_col() + q] = w;
-        }
-      }
-    }
-    __syncthreads();
-    // Rowwise scales: 64 rows x kTileCols entries, 4-byte words (padding columns as zeros).
-    const int64_t row0 = item * 64, j0 = int64_t(blockIdx.x) * B::kTileCols;
-    for (int i = threadIdx.x; i < 64 * B::kTileCols / 4; i += blockDim.x) {
-      const int dr = i / (B::kTileCols / 4), dj = (i % (B::kTileCols / 4)) * 4;
-      const int64_t r = row0 + dr, j = j0 + dj;
-      if (r >= rows || j >= pc) continue;
-      uint32_t w = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) w |= (j + k < tcols ? uint32_t(s8_tile[dr / kTile][dj + k]) : 0u) << (8 * k);
-      *reinterpret_cast<uint32_t*>(scale_inv + r * pc + j) = w;
+      for (int k = 0; k < kVec; k += 2) rw[r] |= uint32_t(e2m1_pair(v[k] * enc, v[k + 1] * enc)) << (4 * k);
+      if (kBf16)
+        *reinterpret_cast<uint32_t*>(dst + r * cols / 2) = rw[r];
+      else
+        *reinterpret_cast<uint16_t*>(dst + r * cols / 2) = static_cast<uint16_t>(rw[r]);
     }
     if (kColumnwise) {
-      // Transposed codes: per column, 8 bytes per tile row (4 lanes write a column's 32 bytes).
-      const int64_t c0 = int64_t(blockIdx.x) * B::kSpan, half = rows / 2;
-      for (int i = threadIdx.x; i < 4 * B::kSpan; i += blockDim.x) {
-        const int dc = i / 4, tr = i % 4;
-        const int64_t k = c0 + dc, ti = item * 4 + tr;
-        if (k < cols && ti < trows) *reinterpret_cast<uint2*>(data_t + k * half + ti * 8) = codes_t[tr][dc];
-      }
-      // Transposed scales: scale_inv_t[k, i] = s8[i, k / 16]; one word covers this item's 4 tile rows.
-      const int64_t pct = nvfp4_scale_cols(rows);
-      for (int dc = threadIdx.x; dc < B::kSpan; dc += blockDim.x) {
-        const int64_t k = c0 + dc;
-        if (k >= cols) continue;
-        uint32_t w = 0;
+      // Lane l starts at column (q + l / kLanesPerTile) % kVec of its own, so that the warp's
+      // 8-byte shared stores of one step land in distinct bank pairs.
+      const int rot = blk.lane / B::kLanesPerTile;
+      uint2 cb[kVec];
 #pragma unroll
-        for (int tr = 0; tr < 4; ++tr) w |= (item * 4 + tr < trows ? uint32_t(s8_tile[tr][dc / kTile]) : 0u) << (8 * tr);
-        *reinterpret_cast<uint32_t*>(scale_inv_t + k * pct + item * 4) = w;
+      for (int q = 0; q < kVec; ++q) cb[q] = column_bytes<kVec>(rw, q);
+#pragma unroll
+      for (int s = 0; s < kVec; ++s) {
+        const int q = (s + rot) % kVec;
+        uint2 w = cb[0];
+#pragma unroll
+        for (int k = 1; k < kVec; ++k) w = q == k ? cb[k] : w;  // select, no dynamic register index
+        codes_t[blk.warp % 4][blk.block_col() + q] = w;
       }
     }
-    __syncthreads();  // the next item reuses s8_tile and codes_t
+  }
+  __syncthreads();
+  // Rowwise scales: 64 rows x kTileCols entries, 4-byte words (padding columns as zeros).
+  const int64_t row0 = int64_t(blockIdx.y) * 64, j0 = int64_t(blockIdx.x) * B::kTileCols;
+  for (int i = threadIdx.x; i < 64 * B::kTileCols / 4; i += blockDim.x) {
+    const int dr = i / (B::kTileCols / 4), dj = (i % (B::kTileCols / 4)) * 4;
+    const int64_t r = row0 + dr, j = j0 + dj;
+    if (r >= rows || j >= pc) continue;
+    uint32_t w = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w |= (j + k < tcols ? uint32_t(s8_tile[dr / kTile][dj + k]) : 0u) << (8 * k);
+    *reinterpret_cast<uint32_t*>(scale_inv + r * pc + j) = w;
+  }
+  if (!kColumnwise) return;
+  // Transposed codes: per column, 8 bytes per tile row (4 lanes write a column's 32 bytes).
+  const int64_t c0 = int64_t(blockIdx.x) * B::kSpan, half = rows / 2;
+  for (int i = threadIdx.x; i < 4 * B::kSpan; i += blockDim.x) {
+    const int dc = i / 4, tr = i % 4;
+    const int64_t k = c0 + dc, ti = int64_t(blockIdx.y) * 4 + tr;
+    if (k < cols && ti < trows) *reinterpret_cast<uint2*>(data_t + k * half + ti * 8) = codes_t[tr][dc];
+  }
+  // Transposed scales: scale_inv_t[k, i] = s8[i, k / 16]; one word covers this block's 4 tile rows.
+  const int64_t pct = nvfp4_scale_cols(rows);
+  for (int dc = threadIdx.x; dc < B::kSpan; dc += blockDim.x) {
+    const int64_t k = c0 + dc;
+    if (k >= cols) continue;
+    uint32_t w = 0;
+#pragma unroll
+    for (int tr = 0; tr < 4; ++tr)
+      w |= (int64_t(blockIdx.y) * 4 + tr < trows ? uint32_t(s8_tile[tr][dc / kTile]) : 0u) << (8 * tr);
+    *reinterpret_cast<uint32_t*>(scale_inv_t + k * pct + int64_t(blockIdx.y) * 4) = w;
   }
 }
 
@@ -419,15 +415,6 @@ bool nvfp4_grid(int64_t rows, int64_t cols, dim3* grid) {
   if (gy > 65535 || gx > 0x7FFFFFFF) return false;
   *grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   return true;
-}
-
-// bf16 input: as many 64-row block items at a time as the GPU holds (the kernels grid-stride over
-// the rest). fp32 keeps one item per block: its waves are long enough, and the stats kernel
-// measured 3-6% faster so.
-template <typename Kernel>
-void cap_items_to_resident(Kernel kernel, dim3* grid) {
-  const int64_t fit = resident_grid(kernel, int64_t(grid->y) * grid->x) / grid->x;
-  grid->y = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(grid->y, fit)));
 }
 
 // ---- NVFP4 stage handlers ---------------------------------------------------------------------
@@ -446,8 +433,12 @@ ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16
     constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
     dim3 grid;
     if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
+    // bf16: as many block items at a time as the GPU holds (the kernel grid-strides over the rest).
+    // fp32 keeps one item per block: its waves are long enough, and it measured 3-6% faster so.
     const auto kernel = nvfp4_stats_kernel<kBf16, kRound>;
-    if (kBf16) cap_items_to_resident(kernel, &grid);
+    if (kBf16)
+      grid.y = static_cast<unsigned>(
+          std::max<int64_t>(1, std::min<int64_t>(grid.y, resident_grid(kernel, int64_t(grid.y) * grid.x) / grid.x)));
     kernel<<<grid, kThreads, 0, stream>>>(
         x.untyped_data(), rows, cols, aligned, tile_amax->typed_data(),
         reinterpret_cast<uint32_t*>(amax->untyped_data()), count->typed_data());
@@ -472,7 +463,6 @@ ffi::Error Nvfp4QuantizeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const
     dim3 grid;
     if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
     auto kernel = dt ? nvfp4_quantize_kernel<kBf16, kRound, true> : nvfp4_quantize_kernel<kBf16, kRound, false>;
-    if (kBf16) cap_items_to_resident(kernel, &grid);
     kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), rows, cols, aligned, tile_amax.typed_data(),
                                           amax.typed_data(), data.typed_data(), scale_inv.typed_data(), dt, st);
   });
