@@ -66,11 +66,12 @@ def copy_bandwidth(numel: int, *, iters: int, repeats: int, device_time: bool = 
 
 
 def device_seconds(fn, arg, iters: int = 5):
-    """Seconds of GPU kernel time per call of ``fn(arg)`` (every kernel and memset of its streams,
-    from a ``jax.profiler`` trace: no host dispatch in it); None without a GPU."""
+    """Seconds of GPU time per call of ``fn(arg)``: every kernel, memset and device-to-device copy of
+    its streams, from a ``jax.profiler`` trace (no host dispatch, no host transfers); None without a GPU."""
     prof = kernel_profile(fn, arg, iters)
-    busy = [us for line, events in prof.items() if line.startswith("Stream") and "Memcpy" not in line
-            for us, _ in events.values()]
+    host = ("MemcpyH2D", "MemcpyD2H")   # a stream line's name lists its event kinds, so filter events
+    busy = [us for line, events in prof.items() if line.startswith("Stream")
+            for name, (us, _) in events.items() if not name.startswith(host)]
     return sum(busy) * 1e-6 if busy else None
 
 
