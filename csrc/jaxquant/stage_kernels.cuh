@@ -296,17 +296,39 @@ __global__ void __launch_bounds__(kThreads) nvfp4_stats_kernel(const void* __res
   block_publish(m, c, amax_bits, count);
 }
 
-// Bytes of column q of a lane's 16 x kVec codes, packed along the rows: rw[r] holds row r's
-// kVec codes (4 bits each, column q at bit 4q); byte b = rows 2b (low nibble) and 2b+1.
+// 4x4 byte transpose: t[i] byte k = a[k] byte i (two rounds of byte permutes).
+__device__ __forceinline__ void transpose_bytes4(const uint32_t a[4], uint32_t t[4]) {
+  const uint32_t b0 = __byte_perm(a[0], a[1], 0x5140), b1 = __byte_perm(a[0], a[1], 0x7362);
+  const uint32_t b2 = __byte_perm(a[2], a[3], 0x5140), b3 = __byte_perm(a[2], a[3], 0x7362);
+  t[0] = __byte_perm(b0, b2, 0x5410);
+  t[1] = __byte_perm(b0, b2, 0x7632);
+  t[2] = __byte_perm(b1, b3, 0x5410);
+  t[3] = __byte_perm(b1, b3, 0x7632);
+}
+
+// Columns of a lane's 16 x kVec codes, packed along the rows: rw[r] holds row r's kVec codes
+// (4 bits each, column q at bit 4q); cb[q] byte b = rows 2b (low nibble) and 2b+1 of column q.
+// Rows 2b and 2b+1 merge into one word of the even columns' bytes and one of the odd columns'
+// (byte i: column 2i or 2i+1), then 4x4 byte transposes gather each column's 8 bytes.
 template <int kVec>
-__device__ __forceinline__ uint2 column_bytes(const uint32_t rw[kTile], int q) {
-  uint32_t w[2] = {0, 0};
+__device__ __forceinline__ void column_bytes(const uint32_t rw[kTile], uint2 cb[kVec]) {
+  uint32_t even[8], odd[8];
 #pragma unroll
   for (int b = 0; b < 8; ++b) {
-    const uint32_t byte = ((rw[2 * b] >> (4 * q)) & 0xFu) | (((rw[2 * b + 1] >> (4 * q)) & 0xFu) << 4);
-    w[b / 4] |= byte << (8 * (b % 4));
+    const uint32_t lo = rw[2 * b], hi = rw[2 * b + 1];
+    even[b] = (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+    odd[b] = ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
   }
-  return make_uint2(w[0], w[1]);
+  uint32_t e0[4], e1[4], o0[4], o1[4];  // [byte i]: rows 0-7 / 8-15 of column 2i (e) or 2i+1 (o)
+  transpose_bytes4(even, e0);
+  transpose_bytes4(even + 4, e1);
+  transpose_bytes4(odd, o0);
+  transpose_bytes4(odd + 4, o1);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    cb[2 * i] = make_uint2(e0[i], e1[i]);
+    cb[2 * i + 1] = make_uint2(o0[i], o1[i]);
+  }
 }
 
 // Zeroes the padding rows [rows, ru(rows, 128)) of a padded scale array [*, pc] (grid-stride).
@@ -332,7 +354,12 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   using B = Nvfp4Block<kBf16>;
   constexpr int kVec = B::kVec;
   __shared__ uint8_t s8_tile[4][B::kTileCols];
-  __shared__ uint2 codes_t[kColumnwise ? 4 : 1][kColumnwise ? B::kSpan : 1];  // [tile row][column]
+  // [tile row][padded column]: one spare entry after every kVec columns makes a warp's stores of one
+  // q (lanes kVec columns apart) conflict-free, and 4 more a row put the 4 tile rows that the
+  // transposed-code reads mix 8 banks apart
+  constexpr int kRowEntries = B::kSpan + B::kSpan / kVec + 4;
+  __shared__ uint2 codes_t[kColumnwise ? 4 : 1][kColumnwise ? kRowEntries : 1];
+  const auto padded_col = [](int c) { return c + c / kVec; };
   const int64_t trows = rows / kTile, tcols = cols / kTile, pc = nvfp4_scale_cols(cols);
   zero_scale_padding_rows(scale_inv, rows, pc);
   if (kColumnwise) zero_scale_padding_rows(scale_inv_t, cols, nvfp4_scale_cols(rows));
@@ -359,20 +386,11 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
         *reinterpret_cast<uint16_t*>(dst + r * cols / 2) = static_cast<uint16_t>(rw[r]);
     }
     if (kColumnwise) {
-      // Lane l starts at column (q + l / kLanesPerTile) % kVec of its own, so that the warp's
-      // 8-byte shared stores of one step land in distinct bank pairs.
-      const int rot = blk.lane / B::kLanesPerTile;
       uint2 cb[kVec];
+      column_bytes<kVec>(rw, cb);
+      const int c0 = padded_col(blk.block_col());
 #pragma unroll
-      for (int q = 0; q < kVec; ++q) cb[q] = column_bytes<kVec>(rw, q);
-#pragma unroll
-      for (int s = 0; s < kVec; ++s) {
-        const int q = (s + rot) % kVec;
-        uint2 w = cb[0];
-#pragma unroll
-        for (int k = 1; k < kVec; ++k) w = q == k ? cb[k] : w;  // select, no dynamic register index
-        codes_t[blk.warp % 4][blk.block_col() + q] = w;
-      }
+      for (int q = 0; q < kVec; ++q) codes_t[blk.warp % 4][c0 + q] = cb[q];
     }
   }
   __syncthreads();
@@ -393,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   for (int i = threadIdx.x; i < 4 * B::kSpan; i += blockDim.x) {
     const int dc = i / 4, tr = i % 4;
     const int64_t k = c0 + dc, ti = int64_t(blockIdx.y) * 4 + tr;
-    if (k < cols && ti < trows) *reinterpret_cast<uint2*>(data_t + k * half + ti * 8) = codes_t[tr][dc];
+    if (k < cols && ti < trows) *reinterpret_cast<uint2*>(data_t + k * half + ti * 8) = codes_t[tr][padded_col(dc)];
   }
   // Transposed scales: scale_inv_t[k, i] = s8[i, k / 16]; one word covers this block's 4 tile rows.
   const int64_t pct = nvfp4_scale_cols(rows);
