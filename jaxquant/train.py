@@ -431,9 +431,10 @@ class TrainStep:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
             flat = flat.astype(pol.main_grads_dtype)
             if self.report_nan and S == 1:
-                # no reduction: the gradient is checked leaf by leaf, so that the flatten stays fused
-                # into the optimizer update (a count over the flat buffer makes XLA materialize it:
-                # +0.4 ms per step measured on one H200)
+                # no reduction: the leaves are checked with XLA reductions. On one H200 the grouped
+                # count over the flat buffer added 0.63 ms a step (201.6M parameters), leaf checks
+                # 0.25-0.33 ms (benchmarks/RESULTS.md: XLA still writes the flat gradient once the
+                # update is selected)
                 flags.append(jnp.stack([jnp.any(~jnp.isfinite(as_sent(g))) for g in grads[group]])
                              .astype(jnp.float32))
             elif self.report_nan:
