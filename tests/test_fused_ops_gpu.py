@@ -157,9 +157,10 @@ def test_nvfp4_quantize_e2m1_every_fp32_in_decision_range():
 @pytest.mark.parametrize("rows,cols", [(70_048, 1040), (140_000, 16)], ids=["70048x1040", "140000x16"])
 def test_nvfp4_bf16_grid_stride_custom_equals_reference(rows, cols):
     """bf16 input with more 64-row block items than the GPU holds at once, so every block of the
-    NVFP4 stats and quantize kernels walks several items (rows not a multiple of 64; K = 1040 not a
-    multiple of the 512-column block span, 1,095 items x 3 column blocks; K = 16, 2,188 items in one
-    column block, small enough for the sanitizer): stats, rowwise and columnwise bytes equal the reference."""
+    NVFP4 stats kernel walks several items (rows not a multiple of 64; K = 1040 not a multiple of the
+    512-column block span, 1,095 items x 3 column blocks; K = 16, 2,188 items in one column block,
+    small enough for the sanitizer): stats, and the quantize's rowwise and columnwise bytes (one
+    item per block) from them, equal the reference."""
     import jax.numpy as jnp
     from jaxquant import ops
 
