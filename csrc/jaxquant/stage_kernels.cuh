@@ -98,23 +98,22 @@ __global__ void __launch_bounds__(kThreads) fp8_rows_kernel(const void* __restri
 
 // ---- FP8 rowwise + transposed cast, one pass -------------------------------------------------
 
-// Block: a 128-row x 64-column tile. Loads first (8 fp32 or 4 bf16 16-byte vectors a thread, all in
-// flight together), rowwise bytes stored straight from registers and kept in shared memory; then
-// each thread gathers two 16-row runs of one column into 16-byte stores of the transpose (each
-// store instruction of 4 lanes writes 64 contiguous bytes of a transposed row). Full interior tiles
-// take the vector path; edge tiles (or unaligned shapes) go element by element.
-constexpr int kFp8TR = 128, kFp8TC = 64;
+// Block: a 64x64 tile. Loads first (4 fp32 or 2 bf16 16-byte vectors a thread), rowwise bytes
+// stored straight from registers and kept in shared memory; then each thread gathers 16 rows of
+// one column into a 16-byte store of the transpose (4 lanes write 64 contiguous bytes).
+// Full interior tiles take the vector path; edge tiles (or unaligned shapes) go element by element.
+constexpr int kFp8T = 64;
 template <bool kBf16, bool kRound>
 __global__ void __launch_bounds__(kThreads) fp8_rows_cols_kernel(const void* __restrict__ x, int64_t rows,
                                                                  int64_t cols, Fp8Params p, bool aligned,
                                                                  uint8_t* __restrict__ out,
                                                                  uint8_t* __restrict__ out_t) {
-  constexpr int kVec = kBf16 ? 8 : 4, kPerRow = kFp8TC / kVec, kLoads = kFp8TR * kPerRow / kThreads;
-  constexpr int kWords = kFp8TC / 4 + 1;  // one padding word a row
-  __shared__ uint32_t tile[kFp8TR][kWords];
+  constexpr int kVec = kBf16 ? 8 : 4, kPerRow = kFp8T / kVec, kLoads = kFp8T * kPerRow / kThreads;
+  constexpr int kWords = kFp8T / 4 + 1;  // one padding word a row
+  __shared__ uint32_t tile[kFp8T][kWords];
   const float scale = p.scale();
-  const int64_t r0 = int64_t(blockIdx.y) * kFp8TR, c0 = int64_t(blockIdx.x) * kFp8TC;
-  const bool full = aligned && r0 + kFp8TR <= rows && c0 + kFp8TC <= cols;
+  const int64_t r0 = int64_t(blockIdx.y) * kFp8T, c0 = int64_t(blockIdx.x) * kFp8T;
+  const bool full = aligned && r0 + kFp8T <= rows && c0 + kFp8T <= cols;
   if (full) {
     const auto* in = static_cast<const uint8_t*>(x);
     uint4 raw[kLoads];
@@ -140,24 +139,20 @@ __global__ void __launch_bounds__(kThreads) fp8_rows_cols_kernel(const void* __r
       }
     }
     __syncthreads();
-    const int c = threadIdx.x / 4;
+    const int c = threadIdx.x / 4, dr0 = (threadIdx.x % 4) * 16;
+    uint32_t w[4];
 #pragma unroll
-    for (int half = 0; half < kFp8TR / 64; ++half) {
-      const int dr0 = half * 64 + (threadIdx.x % 4) * 16;
-      uint32_t w[4];
+    for (int k = 0; k < 4; ++k) {
+      w[k] = 0;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        w[k] = 0;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) w[k] |= ((tile[dr0 + 4 * k + b][c / 4] >> (8 * (c % 4))) & 0xFFu) << (8 * b);
-      }
-      *reinterpret_cast<uint4*>(out_t + (c0 + c) * rows + r0 + dr0) = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int b = 0; b < 4; ++b) w[k] |= ((tile[dr0 + 4 * k + b][c / 4] >> (8 * (c % 4))) & 0xFFu) << (8 * b);
     }
+    *reinterpret_cast<uint4*>(out_t + (c0 + c) * rows + r0 + dr0) = make_uint4(w[0], w[1], w[2], w[3]);
     return;
   }
-  auto* bytes = reinterpret_cast<uint8_t*>(tile);  // [kFp8TR][kWords * 4]
-  for (int i = threadIdx.x; i < kFp8TR * kFp8TC; i += blockDim.x) {
-    const int dr = i / kFp8TC, dc = i % kFp8TC;
+  auto* bytes = reinterpret_cast<uint8_t*>(tile);  // [kFp8T][kWords * 4]
+  for (int i = threadIdx.x; i < kFp8T * kFp8T; i += blockDim.x) {
+    const int dr = i / kFp8T, dc = i % kFp8T;
     const int64_t r = r0 + dr, c = c0 + dc;
     if (r < rows && c < cols) {
       const uint8_t q = fp8_encode(load_compute(x, kBf16, kRound, r * cols + c) * scale, p.e5m2);
@@ -166,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) fp8_rows_cols_kernel(const void* __r
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kFp8TR * kFp8TC; i += blockDim.x) {
-    const int dc = i / kFp8TR, dr = i % kFp8TR;
+  for (int i = threadIdx.x; i < kFp8T * kFp8T; i += blockDim.x) {
+    const int dc = i / kFp8T, dr = i % kFp8T;
     const int64_t r = r0 + dr, c = c0 + dc;
     if (r < rows && c < cols) out_t[c * rows + r] = bytes[dr * kWords * 4 + dc];
   }
@@ -188,8 +183,8 @@ void launch_fp8_cast(cudaStream_t stream, const void* x, bool bf16, bool round_b
     } else {
       const bool aligned = in_addr % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(out_t) % 16 == 0 && rows % 16 == 0 && cols % 16 == 0;
-      dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + kFp8TC - 1) / kFp8TC, 1)),
-                static_cast<unsigned>(std::max<int64_t>((rows + kFp8TR - 1) / kFp8TR, 1)));
+      dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + kFp8T - 1) / kFp8T, 1)),
+                static_cast<unsigned>(std::max<int64_t>((rows + kFp8T - 1) / kFp8T, 1)));
       fp8_rows_cols_kernel<kBf16, kRound><<<grid, kThreads, 0, stream>>>(x, rows, cols, p, aligned, out, out_t);
     }
   });
