@@ -78,7 +78,8 @@ def print_report_nan_difference(plain: dict, nan: dict, top: int = 12):
     for line in plain:
         a, b = plain[line], nan[line]
         busy_a, busy_b = (sum(us for us, _ in d.values()) for d in (a, b))
-        print(f"\nreport_nan, [{line}]: busy {busy_a:.1f} -> {busy_b:.1f} µs per step")
+        print(f"\nreport_nan, [{line}]: busy {busy_a:.1f} -> {busy_b:.1f} µs per step "
+              f"({busy_b - busy_a:+.1f} µs, {busy_b / max(busy_a, 1e-9) - 1:+.2%})")
         diff = {k: b.get(k, (0.0, 0))[0] - a.get(k, (0.0, 0))[0] for k in set(a) | set(b)}
         for name, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]:
             print(f"    {d:+9.1f}  {name[:100]}")
@@ -134,7 +135,7 @@ def main():
     # nvfp4 with and without report_nan, timed interleaved (their ratio is the report_nan cost)
     pairs = [make("nvfp4", False), make("nvfp4", True)]
     (t_plain, t_nan), states = time_steps(pairs, batch, args.steps)
-    (p_plain, p_nan), states = time_steps([(s, st) for (s, _), st in zip(pairs, states)], batch, 3,
+    (p_plain, p_nan), states = time_steps([(s, st) for (s, _), st in zip(pairs, states)], batch, 5,
                                           per_round=args.steps, warmup=0)
     rows += [row("nvfp4", False, states[0], t_plain), row("nvfp4", True, states[1], t_nan)]
     if args.profile:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import fnmatch
 import glob
 import json
 import statistics
@@ -196,6 +197,8 @@ def run(args) -> int:
             dtype = jnp.dtype(dname)
             x = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32).astype(dtype)
             for name, fn, nbytes in cases(x, args.stages if args.stages is not None else gpu):
+                if args.ops and not any(fnmatch.fnmatchcase(name, pat) for pat in args.ops.split(",")):
+                    continue
                 custom_fn = jax.jit(lambda v, f=fn: f(v, "custom_call"))
                 xla_fn = jax.jit(lambda v, f=fn: f(v, "reference"))
                 custom = median_seconds(custom_fn, x, iters=iters, repeats=repeats)
@@ -234,6 +237,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated RxC (default {GPU_SIZES} on a GPU, {CPU_SIZES} elsewhere)")
     parser.add_argument("--dtypes", default=None,
                         help="input dtypes (default float32,bfloat16 on a GPU, float32 elsewhere)")
+    parser.add_argument("--ops", default=None,
+                        help="comma-separated op names or shell patterns to time (default: all), "
+                             "e.g. 'quantize_fp8*,fp8_*'")
     parser.add_argument("--iters", type=int, default=20, help="dispatches per timed batch (default 20)")
     parser.add_argument("--repeats", type=int, default=5, help="timed batches; the median is reported (default 5)")
     parser.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,

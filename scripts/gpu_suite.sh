@@ -10,7 +10,8 @@
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
 # runs under it; DIST=1 runs the multi-GPU distributed
 # benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default --profile: per-kernel breakdown); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
-# (TRAIN_ARGS overrides its model size; TRAIN_DEMO=0 skips the demo runs). SKIP_BUILD=1 reuses the
+# (TRAIN_ARGS overrides its model size, TRAIN_BATCH its sequences per GPU, default "2 8"; TRAIN_DEMO=0
+# skips the demo runs) and benchmarks/bench_dense.py. SKIP_BUILD=1 reuses the
 # extension a previous call built on this (still warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,8 +103,14 @@ if [ "${TRAIN:-0}" = 1 ] && [ "${TRAIN_DEMO:-1}" = 1 ]; then
     echo '```'; } | tee -a "$report"
 fi
 if [ "${TRAIN:-0}" = 1 ]; then
-  section "bench_train ($ngpu GPUs)"
-  { echo '```'; timeout 240 python3 benchmarks/bench_train.py ${TRAIN_ARGS:---d-model 2048 --d-ff 8192 --layers 4 --seq 1024 --profile} \
-      --json "$OUT/bench_train.json" 2>&1 | tail -45; echo '```'; } | tee -a "$report"
+  for b in ${TRAIN_BATCH:-2 8}; do
+    section "bench_train ($ngpu GPUs, $b sequences per GPU)"
+    { echo '```'; timeout 240 python3 benchmarks/bench_train.py --batch-per-device "$b" \
+        ${TRAIN_ARGS:---d-model 2048 --d-ff 8192 --layers 4 --seq 1024 --profile} \
+        --json "$OUT/bench_train-b$b.json" 2>&1 | tail -45; echo '```'; } | tee -a "$report"
+  done
+  section "bench_dense (FP8 vs bf16 dense, forward + backward)"
+  { echo '```'; timeout 120 python3 benchmarks/bench_dense.py --json "$OUT/bench_dense.json" 2>&1 | tail -8
+    echo '```'; } | tee -a "$report"
 fi
 exit $status

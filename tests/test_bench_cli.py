@@ -31,3 +31,11 @@ def test_bench_cli_writes_table_and_json(tmp_path, capsys):
         assert f"{row['op']:18s}" in printed
     n = 32 * 64  # floor bytes: two fp32 reads of x plus the outputs
     assert rows[0]["bytes"] == 2 * n * 4 + n and rows[1]["bytes"] == 2 * n * 4 + 2 * n
+
+
+def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--sizes", "32x64", "--iters", "1", "--repeats", "1", "--stages", "--dtypes", "float32",
+                     "--no-device-time", "--ops", "quantize_nvfp4,fp8_*", "--json", str(out)]) == 0
+    ops = [r["op"] for r in json.loads(out.read_text())["rows"]]
+    assert ops == ["quantize_nvfp4", "fp8_stats", "fp8_quantize", "fp8_quantize+T"]
