@@ -116,6 +116,74 @@ ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buff
   return Fp8StatsCuda(stream, x, false, amax, count);
 }
 
+// ---- non-finite flags of many arrays ---------------------------------------------------------
+//
+// One launch per kNonfiniteBatch arrays (XLA would run one reduction per array): the arrays travel
+// by value in the kernel parameters, so graphs capture the launch and no host-to-device copy runs.
+
+struct NonfiniteArray {
+  const void* data;
+  int64_t n;
+  int32_t index;  // its flag
+  int32_t bf16;
+};
+constexpr int kNonfiniteBatch = 96;  // 96 x 24 bytes: inside the 4 KiB kernel parameter space
+struct NonfiniteBatch {
+  NonfiniteArray a[kNonfiniteBatch];
+};
+
+// blockIdx.y: the array; blocks along x grid-stride over it in 16-byte vectors (scalar head and
+// tail where the array does not start on 16 bytes). A block stores 1 if any thread found one.
+__global__ void nonfinite_any_kernel(NonfiniteBatch batch, float scale, bool main_bf16, bool comm_bf16,
+                                     int32_t* __restrict__ flags) {
+  const NonfiniteArray a = batch.a[blockIdx.y];
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const int per_vec = a.bf16 ? 8 : 4, size = a.bf16 ? 2 : 4;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(a.data);
+  const int64_t align = static_cast<int64_t>((16 - addr % 16) % 16) / size, head = align < a.n ? align : a.n;
+  const int64_t nvec = (a.n - head) / per_vec;
+  const auto ok = [&](float v) { return sent_is_finite(v, scale, main_bf16, comm_bf16); };
+  bool bad = false;
+  const uint4* vecs = reinterpret_cast<const uint4*>(static_cast<const char*>(a.data) + head * size);
+  for (int64_t i = tid; i < nvec; i += stride) {
+    const uint4 u = vecs[i];
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (a.bf16)
+        bad |= !ok(__uint_as_float(w[k] << 16)) | !ok(__uint_as_float(w[k] & 0xFFFF0000u));
+      else
+        bad |= !ok(__uint_as_float(w[k]));
+    }
+  }
+  for (int64_t j = tid; j < head; j += stride) bad |= !ok(load_as_float(a.data, a.bf16, j));
+  for (int64_t j = head + nvec * per_vec + tid; j < a.n; j += stride) bad |= !ok(load_as_float(a.data, a.bf16, j));
+  if (__syncthreads_or(bad) && threadIdx.x == 0) flags[a.index] = 1;
+}
+
+ffi::Error NonfiniteAnyCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::S32>> flags,
+                            float scale, bool main_bf16, bool comm_bf16) {
+  JQ_RETURN_IF_ERROR(check_nonfinite_any(args, *flags, scale));
+  cudaMemsetAsync(flags->untyped_data(), 0, flags->size_bytes(), stream);
+  std::vector<NonfiniteArray> arrays;
+  for (size_t k = 0; k < args.size(); ++k) {
+    const ffi::AnyBuffer a = args.get<ffi::AnyBuffer>(k).value();
+    if (a.element_count() > 0)
+      arrays.push_back({a.untyped_data(), static_cast<int64_t>(a.element_count()), static_cast<int32_t>(k),
+                        a.element_type() == ffi::DataType::BF16});
+  }
+  // Largest first: each launch's grid fits its arrays, small ones do not idle behind big ones.
+  std::sort(arrays.begin(), arrays.end(), [](const NonfiniteArray& x, const NonfiniteArray& y) { return x.n > y.n; });
+  for (size_t b0 = 0; b0 < arrays.size(); b0 += kNonfiniteBatch) {
+    const int count = static_cast<int>(std::min<size_t>(kNonfiniteBatch, arrays.size() - b0));
+    NonfiniteBatch batch{};
+    for (int k = 0; k < count; ++k) batch.a[k] = arrays[b0 + k];
+    nonfinite_any_kernel<<<dim3(grid_for(arrays[b0].n, kThreads * 16), count), kThreads, 0, stream>>>(
+        batch, scale, main_bf16, comm_bf16, flags->typed_data());
+  }
+  return last_error("nonfinite_any kernel");
+}
+
 // ---- NVFP4 tile amax of a partial shard -----------------------------------------------------
 
 // Elements i..i+7 of a bf16 array as fp32 from one 16-byte load.
