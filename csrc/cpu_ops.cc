@@ -73,22 +73,6 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax,
   return Fp8StatsCpu(x, false, amax, count);
 }
 
-ffi::Error NonfiniteAnyCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::S32>> flags, float scale,
-                          bool main_bf16, bool comm_bf16) {
-  const IeeeSubnormals ieee;
-  JQ_RETURN_IF_ERROR(check_nonfinite_any(args, *flags, scale));
-  for (size_t k = 0; k < args.size(); ++k) {
-    const ffi::AnyBuffer a = args.get<ffi::AnyBuffer>(k).value();
-    const bool bf16 = a.element_type() == ffi::DataType::BF16;
-    const int64_t n = static_cast<int64_t>(a.element_count());
-    int32_t found = 0;
-    for (int64_t i = 0; i < n && !found; ++i)
-      found = !sent_is_finite(load_as_float(a.untyped_data(), bf16, i), scale, main_bf16, comm_bf16);
-    flags->typed_data()[k] = found;
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error Fp8CastImpl(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax, float amax_epsilon,
                        bool pow2, bool round_bf16, ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::Buffer<ffi::F32>>& scale_inv,
                        ffi::Result<ffi::AnyBuffer>* data_t) {

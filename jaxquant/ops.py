@@ -204,44 +204,6 @@ def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
     return result if return_nonfinite else result[0]
 
 
-def nonfinite_any(arrays, *, scale: float = 1.0, main_dtype=jnp.float32, comm_dtype=None,
-                  impl: str = "auto") -> jax.Array:
-    """bool[len(arrays)]: True for each array holding a NaN or ±inf among the values
-    ``(a.astype(main_dtype) * scale).astype(comm_dtype)`` -- a gradient as a ZeRO optimizer reads it,
-    scaled by 1/(ranks x microbatches) and sent in the comm dtype (``None``: the main dtype).
-
-    All arrays in one pass over memory: on GPU one launch per 96 arrays (XLA runs one reduction
-    kernel per array). Arrays of any shape, float32 or bfloat16; ``main_dtype`` and ``comm_dtype``
-    float32 or bfloat16; ``scale`` positive (exact in ``main_dtype``). Runs on whole local arrays: call
-    it inside ``shard_map`` (or on unsharded arrays).
-    """
-    _check_impl(impl)
-    arrays = list(arrays)
-    main = jnp.dtype(main_dtype)
-    comm = main if comm_dtype is None else jnp.dtype(comm_dtype)
-    for name, d in (("main_dtype", main), ("comm_dtype", comm)):
-        if d not in INPUT_DTYPES:
-            raise ValueError(f"{name}: must be float32 or bfloat16, got {d}")
-    for i, a in enumerate(arrays):
-        _check_input(f"arrays[{i}]", a)
-    scale_main = np.float32(np.asarray(scale, np.float32).astype(main))
-    if not (np.isfinite(scale_main) and scale_main > 0) or scale_main != np.float32(scale):
-        raise ValueError(f"scale: must be positive, finite and exact in {main}, got {scale}")
-    if not arrays:
-        return jnp.zeros((0,), jnp.bool_)
-
-    def custom(*xs):
-        flags, = _ffi.call("jq_nonfinite_any", [jax.ShapeDtypeStruct((len(xs),), jnp.int32)], *xs,
-                           scale=scale_main, main_bf16=main == jnp.bfloat16, comm_bf16=comm == jnp.bfloat16)
-        return flags > 0
-
-    def ref(*xs):
-        sent = lambda a: (a.astype(main) * scale_main.astype(main)).astype(comm)
-        return jnp.stack([jnp.any(~jnp.isfinite(sent(a))) for a in xs])
-
-    return _dispatch(impl, custom, ref, *arrays)
-
-
 @sharded(Rule("fp8_cast", ("*", "-"), _FP8_OUT, fold=_fold_elementwise))
 def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
              force_pow_2_scales: bool = False, columnwise: bool = False, impl: str = "auto"):

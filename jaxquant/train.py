@@ -152,6 +152,13 @@ class TrainState:
     plan: _Plan = dataclasses.field(metadata=dict(static=True))
 
 
+def _leaf_has_nonfinite(g):
+    """True where ``g`` holds a NaN or an inf (one read of ``g``). Reduced in its own shape: on one H200
+    the flattened form (``g.reshape(-1)``) measured +93 µs of kernel time a step against +38 µs
+    (benchmarks/RESULTS.md, fourth session)."""
+    return jnp.any(~jnp.isfinite(g))
+
+
 def _explain_tp_errors(fn, tp_axis):
     """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
     if tp_axis is None:
@@ -416,6 +423,8 @@ class TrainStep:
             loss = loss / k
         out, flags = [], []   # flags: with report_nan, one per parameter
         scale = np.float32(1.0 / (S * k)).astype(pol.main_grads_dtype)
+        # what the optimizer reads, element by element: scaled, in the comm dtype, back in the main dtype
+        as_sent = lambda g: (g.astype(pol.main_grads_dtype) * scale).astype(pol.comm_dtype)
         for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
@@ -429,13 +438,12 @@ class TrainStep:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
             flat = flat.astype(pol.main_grads_dtype)
             if self.report_nan and S == 1:
-                # no reduction: the leaves are checked as the optimizer reads them (scaled, through the
-                # comm dtype), all in one call where they are (the
-                # grouped count over the flat buffer made XLA write it, +0.63 ms a step on one H200 at
-                # 201.6M parameters; one XLA reduction per leaf cost a kernel launch each;
-                # benchmarks/RESULTS.md)
-                flags.append(ops.nonfinite_any(grads[group], scale=float(scale), main_dtype=pol.main_grads_dtype,
-                                               comm_dtype=pol.comm_dtype).astype(jnp.float32))
+                # no reduction: the leaves are checked with XLA reductions. On one H200 the grouped
+                # count over the flat buffer added 0.63 ms a step (201.6M parameters), leaf checks
+                # 0.25-0.33 ms (benchmarks/RESULTS.md: XLA still writes the flat gradient once the
+                # update is selected)
+                flags.append(jnp.stack([_leaf_has_nonfinite(as_sent(g)) for g in grads[group]])
+                             .astype(jnp.float32))
             elif self.report_nan:
                 flags.append(self._nonfinite_flags(flat, layout))
             out.append(flat.reshape(1, -1) if group == "m" and plan.tp else flat)   # TP: this rank's row

@@ -22,16 +22,6 @@ JQ_HD float load_compute(const void* x, bool is_bf16, bool round_bf16, int64_t i
   return round_bf16 ? round_to_bf16(v) : v;
 }
 
-// A gradient element as a ZeRO optimizer reads it (train.py's report_nan): in the main-grads dtype,
-// times the 1/(ranks x microbatches) scale, in the comm dtype. False where that value is NaN or inf.
-// bf16 steps round to nearest even as XLA's converts and bf16 multiply do.
-JQ_HD bool sent_is_finite(float v, float scale, bool main_bf16, bool comm_bf16) {
-  if (main_bf16) v = round_to_bf16(v);
-  float p = v * scale;
-  if (main_bf16 || comm_bf16) p = round_to_bf16(p);
-  return is_finite(p);
-}
-
 JQ_HD uint8_t fp8_encode(float v, bool e5m2) { return e5m2 ? float_to_e5m2(v) : float_to_e4m3(v); }
 
 // NVFP4 partial cast, one byte. `byte` is the global byte index into the packed [rows, cols/2]

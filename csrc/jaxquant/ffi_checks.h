@@ -278,20 +278,6 @@ inline ffi::Error check_group_table_contents(const int64_t* t, int64_t num_param
 // ---- grouped split: byte ranges of a few packed buffers copied into many results ----------------
 
 // One copy of a grouped split: `bytes` bytes from src to dst.
-// nonfinite_any: one S32 flag per argument, every argument F32 or BF16, a positive finite scale.
-inline ffi::Error check_nonfinite_any(const ffi::RemainingArgs& args, const ffi::Buffer<ffi::S32>& flags,
-                                      float scale) {
-  if (auto e = check_count(flags, static_cast<int64_t>(args.size()), "flags"); e.failure()) return e;
-  if (!(scale > 0.0f) || !is_finite(scale)) return invalid("scale: must be positive and finite");
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto a = args.get<ffi::AnyBuffer>(i);
-    if (a.has_error()) return invalid("arrays[" + std::to_string(i) + "]: not a buffer");
-    if (!is_input_type(a.value().element_type()))
-      return invalid("arrays[" + std::to_string(i) + "]: dtype must be F32 or BF16");
-  }
-  return ffi::Error::Success();
-}
-
 struct CopySegment {
   const uint8_t* src;
   uint8_t* dst;

@@ -7,7 +7,6 @@
 // Target names as Python calls them -> handler symbol stem.
 #define JQ_FOR_EACH_TARGET(X)                      \
   X("jq_amax", JqAmax)                             \
-  X("jq_nonfinite_any", JqNonfiniteAny)            \
   X("jq_fp8_cast", JqFp8Cast)                      \
   X("jq_fp8_cast_t", JqFp8CastT)                   \
   X("jq_nvfp4_tile_amax", JqNvfp4TileAmax)         \
@@ -43,12 +42,6 @@
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Ret<F::Buffer<F::F32>>()                                       \
                                     .Ret<F::Buffer<F::S32>>(), JQ_CMD_BUFFER);                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNonfiniteAny##S, NonfiniteAny##S,                                 \
-                                F::Ffi::Bind() CTX.RemainingArgs()                                  \
-                                    .Ret<F::Buffer<F::S32>>()                                       \
-                                    .Attr<float>("scale")                                           \
-                                    .Attr<bool>("main_bf16")                                        \
-                                    .Attr<bool>("comm_bf16"), JQ_CMD_BUFFER);                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Cast##S, Fp8Cast##S,                                           \
                                 F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
                                     .Arg<F::Buffer<F::F32>>()                                       \
