@@ -152,13 +152,6 @@ class TrainState:
     plan: _Plan = dataclasses.field(metadata=dict(static=True))
 
 
-def _leaf_has_nonfinite(g):
-    """True where ``g`` holds a NaN or an inf (one read of ``g``). Reduced in its own shape: on one H200
-    the flattened form (``g.reshape(-1)``) measured +93 µs of kernel time a step against +38 µs
-    (benchmarks/RESULTS.md, fourth session)."""
-    return jnp.any(~jnp.isfinite(g))
-
-
 def _explain_tp_errors(fn, tp_axis):
     """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
     if tp_axis is None:
@@ -438,11 +431,10 @@ class TrainStep:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
             flat = flat.astype(pol.main_grads_dtype)
             if self.report_nan and S == 1:
-                # no reduction: the leaves are checked with XLA reductions. On one H200 the grouped
-                # count over the flat buffer added 0.63 ms a step (201.6M parameters), leaf checks
-                # 0.25-0.33 ms (benchmarks/RESULTS.md: XLA still writes the flat gradient once the
-                # update is selected)
-                flags.append(jnp.stack([_leaf_has_nonfinite(as_sent(g)) for g in grads[group]])
+                # no reduction: one XLA reduction per gradient leaf, in its own shape (docs/decisions.md
+                # #16: a count over the flat buffer, one custom call over all leaves, grouped or
+                # flattened leaves all measured slower on one H200)
+                flags.append(jnp.stack([jnp.any(~jnp.isfinite(as_sent(g))) for g in grads[group]])
                              .astype(jnp.float32))
             elif self.report_nan:
                 flags.append(self._nonfinite_flags(flat, layout))
