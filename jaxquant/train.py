@@ -152,6 +152,17 @@ class TrainState:
     plan: _Plan = dataclasses.field(metadata=dict(static=True))
 
 
+def _round_to(x, dtype):
+    """``x.astype(dtype)`` with the rounding kept. XLA's excess precision (on by default on GPU) may
+    drop an fp32 -> bf16 convert whose result is widened again (a gradient "sent" in bf16 on one rank,
+    a bf16 main-grads cast), so bf16 rounding and overflow to inf would differ between backends and
+    rank counts; ``reduce_precision`` is never dropped and rounds the same way (nearest even)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return x.astype(dtype)
+
+
 def _explain_tp_errors(fn, tp_axis):
     """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
     if tp_axis is None:
@@ -398,7 +409,7 @@ class TrainStep:
             return loss.astype(jnp.float32)
 
         grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis if plan.tp else None)
-        to_main = lambda g: jax.tree.map(lambda a: a.astype(pol.main_grads_dtype), g)
+        to_main = lambda g: jax.tree.map(lambda a: _round_to(a, pol.main_grads_dtype), g)
         if k == 1:
             loss, grads = grad_fn(diff, batch)
             grads = to_main(grads)
@@ -416,20 +427,22 @@ class TrainStep:
             loss = loss / k
         out, flags = [], []   # flags: with report_nan, one per parameter
         scale = np.float32(1.0 / (S * k)).astype(pol.main_grads_dtype)
+        # x * scale in the main dtype, rounded once (the product of a bf16 and the scale is exact in fp32)
+        scaled = lambda x: _round_to(x.astype(jnp.float32) * np.float32(scale), pol.main_grads_dtype)
         # what the optimizer reads, element by element: scaled, in the comm dtype, back in the main dtype
-        as_sent = lambda g: (g.astype(pol.main_grads_dtype) * scale).astype(pol.comm_dtype)
+        as_sent = lambda g: _round_to(scaled(_round_to(g, pol.main_grads_dtype)), pol.comm_dtype)
         for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
                 if self.report_nan:
                     flags.append(jnp.zeros((layout.num_params,), jnp.float32))
                 continue
-            flat = (layout.flatten(grads[group], pol.main_grads_dtype) * scale).astype(pol.comm_dtype)
+            flat = _round_to(scaled(layout.flatten(grads[group], pol.main_grads_dtype)), pol.comm_dtype)
             if self.strategy in ("no_shard", "optim"):
                 flat = jax.lax.psum(flat, axes)
             else:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
-            flat = flat.astype(pol.main_grads_dtype)
+            flat = _round_to(flat, pol.main_grads_dtype)
             if self.report_nan and S == 1:
                 # no reduction: one XLA reduction per gradient leaf, in its own shape (docs/decisions.md
                 # #16: a count over the flat buffer, one custom call over all leaves, grouped or

@@ -47,7 +47,8 @@ sel=("$@")
 [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py
                              tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py
                              tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
-                             tests/test_train_gpu.py tests/test_sp_gpu.py)
+                             tests/test_train_gpu.py tests/test_sp_gpu.py
+                             tests/test_train_rounding.py)
 timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
   || status=1
 { echo '```'; tail -25 "$OUT/tests.log"; echo '```'; } | tee -a "$report"

@@ -243,24 +243,6 @@ def test_nan_gradient_names_parameter_and_skips_update(bad, strategy, ranks):
     assert not bool(metrics["update_skipped"])
 
 
-def test_finite_gradient_overflowing_in_bf16_comm_dtype_is_reported():
-    """One rank (no reduction, the leaves are checked directly): a finite fp32 gradient of 3.4e38 is
-    inf once cast to grad_comm_dtype=bf16, which is what the optimizer would read: reported, skipped."""
-    def big(w, b):
-        return loss_fn(w, b) + jnp.sum(w["b1"] * b["p"])
-
-    step = jq.make_train_step(big, optax.sgd(1e-2), mesh=mesh_of(1), report_nan=True,
-                              policy=jq.MixedPrecisionPolicy(compute_weights="bf16", grad_comm_dtype=jnp.bfloat16))
-    clean = {**make_batch(), "p": jnp.zeros((BATCH, D_HID), jnp.float32)}
-    state, metrics = step(step.init(init_params()), clean)
-    jq.raise_if_nonfinite(metrics)
-    before = step.params(state)
-    state, metrics = step(state, {**clean, "p": clean["p"].at[5, 3].set(3.4e38)})
-    assert {k: bool(v) for k, v in metrics["nonfinite"].items()} == {"b1": True, "w1": False, "w2": False}
-    assert bool(metrics["update_skipped"])
-    assert_tree_close(step.params(state), before, rtol=0, atol=0)
-
-
 def test_state_is_donated_and_params_round_trip():
     params = init_params()
     step = jq.make_train_step(loss_fn, optax.sgd(0.0), mesh=mesh_of(8),
