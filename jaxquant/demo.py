@@ -191,12 +191,19 @@ def _fresh_dir(path: str) -> str:
     return candidate
 
 
+_NEEDS_OPTAX = ('the demo trains with optax, which is not installed: pip install "jaxquant[train]" '
+                '(from a checkout: pip install --no-build-isolation -e ".[train]")')
+
+
 def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
         strategy: str = "optim_grads_params", batch_per_device: int = 2, lr: float = 3e-3,
         ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True, cfg: ModelConfig = ModelConfig()):
     """Train and checkpoint; returns a dict with the losses, the checkpoint path and the throughput."""
     import jax
-    import optax
+    try:
+        import optax
+    except ImportError as e:  # the "train" extra, not a core dependency
+        raise ImportError(_NEEDS_OPTAX) from e
     from jax.sharding import Mesh
     from tqdm.auto import tqdm
 
@@ -275,6 +282,11 @@ def main(args) -> int:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, strategy=args.strategy,
                   batch_per_device=args.batch_per_device, lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed,
                   progress=not args.no_progress)
+    except ImportError as e:
+        if str(e) != _NEEDS_OPTAX:
+            raise
+        print(f"jaxquant demo: error: {e}")
+        return 2
     except ValueError as e:
         if str(e).startswith("--"):
             print(f"jaxquant demo: error: {e}")

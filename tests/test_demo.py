@@ -49,3 +49,13 @@ def test_demo_refuses_tp_split_the_model_cannot_take(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tp=8 must divide the 4 heads" in out
     assert not os.listdir(tmp_path)
+
+
+def test_demo_without_optax_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    """optax is the "train" extra: without it the demo stops with the install command, not a traceback."""
+    monkeypatch.setitem(__import__("sys").modules, "optax", None)  # `import optax` now raises ImportError
+    rc = cli.main(["demo", "--steps", "1", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    assert rc == 2
+    out = capsys.readouterr().out
+    assert 'pip install "jaxquant[train]"' in out and "optax" in out
+    assert not os.listdir(tmp_path)
