@@ -191,8 +191,12 @@ def _fresh_dir(path: str) -> str:
     return candidate
 
 
-_NEEDS_OPTAX = ('the demo trains with optax, which is not installed: pip install "jaxquant[train]" '
-                '(from a checkout: pip install --no-build-isolation -e ".[train]")')
+class MissingOptaxError(ImportError):
+    """optax (the "train" extra, not a core dependency) is not installed; the message says how to get it."""
+
+    def __init__(self):
+        super().__init__('the demo trains with optax, which is not installed: pip install "jaxquant[train]" '
+                         '(from a checkout: pip install --no-build-isolation -e ".[train]")')
 
 
 def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
@@ -202,8 +206,8 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None,
     import jax
     try:
         import optax
-    except ImportError as e:  # the "train" extra, not a core dependency
-        raise ImportError(_NEEDS_OPTAX) from e
+    except ImportError as e:
+        raise MissingOptaxError() from e
     from jax.sharding import Mesh
     from tqdm.auto import tqdm
 
@@ -282,9 +286,7 @@ def main(args) -> int:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, strategy=args.strategy,
                   batch_per_device=args.batch_per_device, lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed,
                   progress=not args.no_progress)
-    except ImportError as e:
-        if str(e) != _NEEDS_OPTAX:
-            raise
+    except MissingOptaxError as e:
         print(f"jaxquant demo: error: {e}")
         return 2
     except ValueError as e:

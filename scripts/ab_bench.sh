@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 ROOT=$PWD BASE=${BASE:-ab/base} OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT" /tmp/jq_base
+rm -rf /tmp/jq_base && mkdir -p "$OUT" /tmp/jq_base  # a fresh copy: no files left from an earlier call
 cp -r build.py pyproject.toml jaxquant csrc /tmp/jq_base/ && rm -f /tmp/jq_base/jaxquant/*.so
 for f in "$BASE"/*; do
   target=$(cd csrc && find . -name "$(basename "$f")" | head -1)

@@ -3,6 +3,7 @@
 and `jaxquant ckpt inspect` reads it; a TP split the model cannot take is refused with a clear message."""
 
 import os
+import sys
 
 import jax
 import pytest
@@ -53,7 +54,7 @@ def test_demo_refuses_tp_split_the_model_cannot_take(tmp_path, capsys):
 
 def test_demo_without_optax_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     """optax is the "train" extra: without it the demo stops with the install command, not a traceback."""
-    monkeypatch.setitem(__import__("sys").modules, "optax", None)  # `import optax` now raises ImportError
+    monkeypatch.setitem(sys.modules, "optax", None)  # `import optax` now raises ImportError
     rc = cli.main(["demo", "--steps", "1", "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2
     out = capsys.readouterr().out

@@ -62,7 +62,7 @@ __device__ __forceinline__ void to_compute(const uint4 raw, float* v) {
 
 // kLastFirst: the cast kernels read their input last part first. The statistics pass before them
 // (amax_kernel, nvfp4_stats_kernel) reads it first part first, so the tail it read last is still in
-// L2 (50 MB on an H100/H200) when the cast starts; the second read of that part costs no HBM traffic.
+// L2 when the cast starts there, and the second read of that part is served from L2 instead of HBM.
 // Only the order of the blocks' work changes, never a byte of the output.
 
 // ---- FP8 rowwise cast ------------------------------------------------------------------------
