@@ -1,33 +1,48 @@
 #!/usr/bin/env bash
-# A/B of CUDA kernel sources in one device call: builds this tree ("new") and a copy of it whose
-# csrc files are replaced by those in $BASE ("base", default ab/base: files named as in csrc, e.g.
-# ab/base/stage_kernels.cuh for csrc/jaxquant/stage_kernels.cuh), runs $TESTS on "new", then
-# `jaxquant bench --no-stages --ops $OPS` alternating base, new for two rounds, so both are
-# measured on the same machine in one run. JSON per run under $OUT.
-#   OPS='quantize_nvfp4*' BENCH_EXTRA='--stages' bash scripts/ab_bench.sh
+# A/B of CUDA kernel sources in one device call: builds this tree ("new") and, for each directory of
+# $VARIANTS (default ab/base), a copy of the tree whose csrc files are replaced by the files in that
+# directory (named as in csrc, e.g. ab/base/stage_kernels.cuh for csrc/jaxquant/stage_kernels.cuh);
+# runs $TESTS on "new" (TEST_ALL=1: on every build), writes each build's SASS under $OUT, then `jaxquant bench
+# --no-stages --ops $OPS` over all builds in turn for $ROUNDS rounds (default 2), so that all are
+# measured on the same machine in one run. JSON per build and round under $OUT.
+#   OPS='quantize_nvfp4*' BENCH_EXTRA='--stages' VARIANTS='ab/base ab/try1' bash scripts/ab_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-ROOT=$PWD BASE=${BASE:-ab/base} OUT=${OUT:-$PWD/gpu_out}
-rm -rf /tmp/jq_base && mkdir -p "$OUT" /tmp/jq_base  # a fresh copy: no files left from an earlier call
-cp -r build.py pyproject.toml jaxquant csrc /tmp/jq_base/ && rm -f /tmp/jq_base/jaxquant/*.so
-for f in "$BASE"/*; do
-  target=$(cd csrc && find . -name "$(basename "$f")" | head -1)
-  [ -n "$target" ] || { echo "$f: no file of that name under csrc" >&2; exit 2; }
-  cp "$f" "/tmp/jq_base/csrc/$target"
+ROOT=$PWD OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+names=(new) dirs=("$ROOT")
+for v in ${VARIANTS:-${BASE:-ab/base}}; do
+  name=$(basename "$v") dir=/tmp/jq_ab_$(basename "$v")
+  rm -rf "$dir" && mkdir -p "$dir"  # a fresh copy: no files left from an earlier call
+  cp -r build.py pyproject.toml jaxquant csrc "$dir"/ && rm -f "$dir"/jaxquant/*.so
+  for f in "$v"/*; do
+    target=$(cd csrc && find . -name "$(basename "$f")" | head -1)
+    [ -n "$target" ] || { echo "$f: no file of that name under csrc" >&2; exit 2; }
+    cp "$f" "$dir/csrc/$target"
+  done
+  names+=("$name") dirs+=("$dir")
 done
-(python3 build.py --cuda on > "$OUT/build_new.log" 2>&1; echo "new build rc $?") &
-(cd /tmp/jq_base && python3 build.py --cuda on > "$OUT/build_base.log" 2>&1; echo "base build rc $?") &
+for i in "${!names[@]}"; do
+  (cd "${dirs[$i]}" && python3 build.py --cuda on > "$OUT/build_${names[$i]}.log" 2>&1; echo "${names[$i]} build rc $?") &
+done
 wait
 nvidia-smi --query-gpu=name --format=csv,noheader
-PYTHONPATH=$ROOT:$ROOT/tests timeout "${TEST_T:-200}" python3 -m pytest \
-  ${TESTS:-tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_ops.py} -q -x -p no:cacheprovider 2>&1 | tail -5
-for round in 1 2; do
-  for v in base new; do
-    dir=$ROOT; [ $v = base ] && dir=/tmp/jq_base
-    echo "=== $v round $round"
-    (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m jaxquant bench --no-stages \
-      --ops "${OPS:-quantize_fp8*,quantize_nvfp4*}" ${BENCH_EXTRA:-} --json "$OUT/bench_${v}_$round.json" 2>&1 \
+for i in "${!names[@]}"; do
+  cuobjdump --dump-sass "${dirs[$i]}"/jaxquant/_jaxquant_cuda*.so 2> /dev/null | gzip > "$OUT/sass_${names[$i]}.txt.gz"
+done
+for i in "${!names[@]}"; do
+  [ "${TEST_ALL:-0}" = 1 ] || [ "${names[$i]}" = new ] || continue
+  echo "=== tests: ${names[$i]}"
+  (cd "${dirs[$i]}" && PYTHONPATH=${dirs[$i]}:$ROOT/tests timeout "${TEST_T:-200}" python3 -m pytest \
+    ${TESTS:-$ROOT/tests/test_fused_ops.py $ROOT/tests/test_fused_ops_gpu.py $ROOT/tests/test_ops.py} -q -x \
+    -p no:cacheprovider --rootdir="${dirs[$i]}" > "$OUT/tests_${names[$i]}.log" 2>&1; tail -2 "$OUT/tests_${names[$i]}.log")
+done
+for round in $(seq "${ROUNDS:-2}"); do
+  for i in "${!names[@]}"; do
+    echo "=== ${names[$i]} round $round"
+    (cd "${dirs[$i]}" && PYTHONPATH=${dirs[$i]} timeout 200 python3 -m jaxquant bench --no-stages \
+      --ops "${OPS:-quantize_fp8*,quantize_nvfp4*}" ${BENCH_EXTRA:-} --json "$OUT/bench_${names[$i]}_$round.json" 2>&1 \
       | grep -v "^WARNING\|^I0000\|^E0000")
   done
 done

@@ -157,18 +157,9 @@ struct Fp8Params {
   }
 };
 
-// E2M1 code of f with the FPU doing the rounding (the cast is ALU-bound on Hopper): the same code
-// as float_to_e2m1 for every fp32 input (checked exhaustively on the host; min.f32 maps NaN to 6,
-// code 7, as float_to_e2m1 does). After saturating |f| to 6, adding 2^(e+22) (e the exponent of
-// |f|, at least 0) leaves one ulp equal to the E2M1 spacing of that binade (0.5 below 2, 1 in
-// [2, 4), 2 in [4, 6]), so the sum is RNE on the grid (the ulp parity is the E2M1 mantissa
-// parity); k = its distance from 2^(e+22) in ulps, and the magnitude code is k + 2e.
+// E2M1 code of f with the FPU doing the rounding (e2m1_magnitude_bits; the cast is ALU-bound on Hopper).
 __device__ __forceinline__ uint32_t e2m1_code_fpu(float f) {
-  const float a = fminf(fabsf(f), 6.0f);
-  const uint32_t magic = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u) + (22u << 23);
-  // k + 2e: magic >> 22 is 2e + 298 exactly (magic is a multiple of 2^23).
-  const uint32_t code = __float_as_uint(__fadd_rn(a, __uint_as_float(magic))) - magic + (magic >> 22) - 298u;
-  return ((__float_as_uint(f) >> 28) & 0x8u) | code;
+  return ((__float_as_uint(f) >> 28) & 0x8u) | (e2m1_magnitude_bits(f) & 0x7u);
 }
 
 // E2M1 pair: hardware conversion where the chip has it (sm_100a and later), else e2m1_code_fpu;
@@ -180,6 +171,42 @@ __device__ __forceinline__ uint8_t e2m1_pair(float lo, float hi) {
   return static_cast<uint8_t>(out);
 #else
   return static_cast<uint8_t>(e2m1_code_fpu(lo) | (e2m1_code_fpu(hi) << 4));
+#endif
+}
+
+// prmt.b32 in its generic form: a selector nibble with bit 3 set gives 0xFF or 0x00 by the sign bit
+// of the byte it picks (CUDA's __byte_perm ignores that bit).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+// kVec E2M1 codes of v[k] * enc, element k in bits 4k..4k+3, where v holds the compute-dtype values of the
+// 16 input bytes raw (4 fp32 or 8 bf16; enc > 0). Without the hardware conversion the magnitudes come from
+// e2m1_magnitude_bits, and the sign bits straight from raw (x * enc keeps the sign of x, -0 included) with
+// byte permutes: 6 ALU instructions for a bf16 row instead of 2 an element (the cast is ALU-bound on Hopper).
+template <int kVec>
+__device__ __forceinline__ uint32_t e2m1_row(const uint4 raw, const float* v, float enc) {
+  uint32_t row = 0;
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+#pragma unroll
+  for (int k = 0; k < kVec; k += 2) row |= uint32_t(e2m1_pair(v[k] * enc, v[k + 1] * enc)) << (4 * k);
+  return row;
+#else
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) row |= (e2m1_magnitude_bits(v[k] * enc) << (4 * k)) & (7u << (4 * k));
+  // Per byte j, 0xFF where the sign of element 2j (lo) or 2j+1 (hi) is set.
+  uint32_t lo, hi;
+  if constexpr (kVec == 8) {  // bf16: element 2i in bits 0-15 of word i, 2i+1 in bits 16-31
+    const uint32_t l = prmt(raw.x, raw.y, 0xFBD9), m = prmt(raw.z, raw.w, 0xFBD9);  // signs of 0 2 1 3, 4 6 5 7
+    lo = prmt(l, m, 0x5410);
+    hi = prmt(l, m, 0x7632);
+  } else {  // fp32: element i is word i
+    lo = prmt(raw.x, raw.z, 0xFB) & 0xFFFFu;
+    hi = prmt(raw.y, raw.w, 0xFB) & 0xFFFFu;
+  }
+  return row | (lo & 0x08080808u) | (hi & 0x80808080u);
 #endif
 }
 

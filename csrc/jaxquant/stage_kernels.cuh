@@ -385,9 +385,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
     for (int r = 0; r < kTile; ++r) {
       float v[kVec];
       to_compute<kBf16, kRound, true>(raw[r], v);
-      rw[r] = 0;
-#pragma unroll
-      for (int k = 0; k < kVec; k += 2) rw[r] |= uint32_t(e2m1_pair(v[k] * enc, v[k + 1] * enc)) << (4 * k);
+      rw[r] = e2m1_row<kVec>(raw[r], v, enc);
       if (kBf16)
         *reinterpret_cast<uint32_t*>(dst + r * cols / 2) = rw[r];
       else
