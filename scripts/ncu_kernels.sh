@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Nsight Compute view of the single-tensor quantize kernels in one device call: builds the CUDA
 # extension (SKIP_BUILD=1 reuses a warm machine's build), runs each op of $NCU_OPS on an $NCU_SHAPE
-# input under `ncu --set full` (kernels of this extension only; the second call of each op, so no
-# autotuning or first-touch work), and writes the details page, a CSV of key metrics and the SASS of
+# input under `ncu --set full` (kernels of this extension matching $NCU_KERNELS; each op runs twice and
+# both calls are profiled), and writes the details page, a CSV of key metrics and the SASS of
 # the extension under $OUT. Needs the Firecracker runtime (ncu reads no counters under gVisor).
-#   NCU_OPS='nvfp4:bf16,nvfp4T:bf16,fp8T:bf16' NCU_SHAPE=8192x8192 bash scripts/ncu_kernels.sh
+#   NCU_OPS='nvfp4:bfloat16,fp8T:bfloat16' NCU_KERNELS='nvfp4_quantize|fp8_rows_cols' NCU_SHAPE=8192x8192 bash scripts/ncu_kernels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# no preallocated pool: ncu saves and restores all device memory for each replay pass
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ "${SKIP_BUILD:-0}" != 1 ] || ! ls jaxquant/_jaxquant_cuda*.so > /dev/null 2>&1; then
   python3 build.py --cuda on > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
@@ -30,7 +32,7 @@ for item in os.environ.get("NCU_OPS", "nvfp4:bf16,nvfp4T:bf16,fp8T:bf16").split(
 PY
 # launch-skip: the first call of each op is not profiled (kernel names repeat per op, so profile all
 # and let the report say which call; the CSV keeps every launch)
-timeout "${NCU_TIMEOUT:-400}" ncu --clock-control none --set full -k 'regex:nvfp4|fp8_rows|amax' \
+timeout "${NCU_TIMEOUT:-400}" ncu --clock-control none --set full -k "regex:${NCU_KERNELS:-nvfp4|fp8_rows|amax}" \
   --target-processes all -o "$OUT/ncu" python3 /tmp/ncu_driver.py > "$OUT/ncu_run.log" 2>&1
 echo "ncu rc $?"
 tail -5 "$OUT/ncu_run.log"
