@@ -652,3 +652,28 @@ def test_large_shapes_custom_equals_reference_gpu():
     a_cus, n_cus = ops.amax(x, return_nonfinite=True, impl="custom_call")
     assert_bytes_equal(a_cus, a_ref, "amax")
     assert int(n_cus) == int(n_ref) == 0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype,compute", [(jnp.float32, None), (jnp.float32, jnp.bfloat16), (jnp.bfloat16, None)])
+def test_fp8_quantize_nan_keeps_the_input_sign(fmt, dtype, compute):
+    """A NaN element becomes the byte sign | 0x7F with the sign of the input NaN (docs/numerics.md §1), in
+    data and data_t: exact bytes, which the NaN-aware comparisons elsewhere do not check. 64 x 256 takes the
+    vector paths of the CUDA kernels (the GPU's multiply drops a NaN's sign; the kernels put it back)."""
+    x = np.linspace(-3, 3, 64 * 256, dtype=np.float32).reshape(64, 256)
+    pos, neg = [(0, 0), (5, 17), (63, 255)], [(1, 3), (31, 128), (62, 7)]
+    for r, c in pos:
+        x[r, c] = np.float32(np.nan)
+    for r, c in neg:
+        x[r, c] = -np.float32(np.nan)
+    assert all(np.signbit(x[r, c]) for r, c in neg) and not any(np.signbit(x[r, c]) for r, c in pos)
+    # bf16 made on the host: a device convert may drop a NaN's sign before the quantizer sees it
+    xj = jnp.asarray(x if dtype == jnp.float32 else x.astype(ml_dtypes.bfloat16))
+    assert all(np.signbit(np.asarray(xj, np.float32)[r, c]) for r, c in neg)
+    for columnwise in (False, True):
+        t = jaxquant.quantize_fp8(xj, dtype=FP8[fmt], columnwise=columnwise, compute_dtype=compute, impl="custom_call")
+        data = np.asarray(t.data).view(np.uint8)
+        for (r, c), want in [(p, 0x7F) for p in pos] + [(p, 0xFF) for p in neg]:
+            assert data[r, c] == want, (columnwise, r, c, hex(data[r, c]))
+            if columnwise:
+                assert np.asarray(t.data_t).view(np.uint8)[c, r] == want, ("data_t", r, c)

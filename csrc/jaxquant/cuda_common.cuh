@@ -121,7 +121,8 @@ __device__ __forceinline__ bool aligned4(const void* x, bool bf16, int64_t i) {
 // ---- FP8 cast -------------------------------------------------------------------------------
 
 // fp32 pair -> two FP8 bytes (lo in bits 0-7). The hardware conversion (sm_89+) is RNE with
-// saturation, as numerics.h; NaN is re-encoded so its sign is kept as the software path does.
+// saturation, as numerics.h; a NaN is re-encoded as the software path does (with the sign of lo / hi:
+// a NaN made by the GPU's multiply has lost its input's sign; fp8_quad_signed keeps the input's).
 __device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
 #if __CUDA_ARCH__ >= 890
   uint16_t r;
@@ -140,6 +141,38 @@ __device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
 
 __device__ __forceinline__ uint32_t fp8_quad(const float v[4], float scale, bool e5m2) {
   return fp8_pair(v[0] * scale, v[1] * scale, e5m2) | (fp8_pair(v[2] * scale, v[3] * scale, e5m2) << 16);
+}
+
+// Four FP8 bytes of v[k] * scale (scale > 0) with bit 7 of byte k taken from bit 7 of byte k of `signs`,
+// the sign of input element k. That bit is the byte's sign for every non-NaN input already (the product
+// keeps the sign, -0 included); for a NaN it keeps the input's sign, which the GPU's multiply drops
+// (docs/numerics.md §1 rule 4: NaN stays NaN, sign kept as on the host). One select instead of a NaN
+// test and fix-up an element: the FP8 casts are ALU-bound on Hopper.
+__device__ __forceinline__ uint32_t fp8_quad_signed(const float v[4], float scale, bool e5m2, uint32_t signs) {
+#if __CUDA_ARCH__ >= 890
+  uint16_t r0, r1;
+  if (e5m2) {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r0) : "f"(v[0] * scale), "f"(v[1] * scale));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r1) : "f"(v[2] * scale), "f"(v[3] * scale));
+  } else {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r0) : "f"(v[0] * scale), "f"(v[1] * scale));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r1) : "f"(v[2] * scale), "f"(v[3] * scale));
+  }
+  const uint32_t q = uint32_t(r0) | (uint32_t(r1) << 16);
+#else
+  const uint32_t q = fp8_quad(v, scale, e5m2);
+#endif
+  return (q & 0x7F7F7F7Fu) | (signs & 0x80808080u);
+}
+
+// Bit 7 of byte k: the sign of element k of a 16-byte input vector raw, whose compute-dtype values are v
+// (same signs): elements [4 * half, 4 * half + 4) of bf16 input (8 elements) from raw, one byte permute;
+// the 4 of fp32 input from v, so that raw need not stay live past the conversion.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t input_signs(const uint4 raw, const float* v, int half = 0) {
+  if (kBf16) return half ? __byte_perm(raw.z, raw.w, 0x7531) : __byte_perm(raw.x, raw.y, 0x7531);
+  const auto bits = [&](int k) { return __float_as_uint(v[k]); };
+  return __byte_perm(__byte_perm(bits(0), bits(1), 0x0073), __byte_perm(bits(2), bits(3), 0x0073), 0x5410);
 }
 
 // Every thread derives the scale from the device-resident amax (a few flops, no extra launch);

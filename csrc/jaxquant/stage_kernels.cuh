@@ -90,9 +90,10 @@ __global__ void __launch_bounds__(kThreads) fp8_rows_kernel(const void* __restri
       float v[kVec];
       to_compute<kBf16, kRound>(raw[j], v);
       const int64_t vi = (w * kLoads + j) * 32 + lane;
-      const uint32_t q0 = fp8_quad(v, scale, p.e5m2);
+      const uint32_t q0 = fp8_quad_signed(v, scale, p.e5m2, input_signs<kBf16>(raw[j], v));
       if (kBf16)
-        reinterpret_cast<uint2*>(out)[vi] = make_uint2(q0, fp8_quad(v + 4, scale, p.e5m2));
+        reinterpret_cast<uint2*>(out)[vi] =
+            make_uint2(q0, fp8_quad_signed(v + 4, scale, p.e5m2, input_signs<kBf16>(raw[j], v, 1)));
       else
         reinterpret_cast<uint32_t*>(out)[vi] = q0;
     }
@@ -135,10 +136,10 @@ __global__ void __launch_bounds__(kThreads) fp8_rows_cols_kernel(const void* __r
       float f[kVec];
       to_compute<kBf16, kRound>(raw[j], f);
       uint8_t* dst = out + (r0 + dr) * cols + c0 + dc;
-      const uint32_t q0 = fp8_quad(f, scale, p.e5m2);
+      const uint32_t q0 = fp8_quad_signed(f, scale, p.e5m2, input_signs<kBf16>(raw[j], f));
       tile[dr][dc / 4] = q0;
       if (kBf16) {
-        const uint32_t q1 = fp8_quad(f + 4, scale, p.e5m2);
+        const uint32_t q1 = fp8_quad_signed(f + 4, scale, p.e5m2, input_signs<kBf16>(raw[j], f, 1));
         tile[dr][dc / 4 + 1] = q1;
         *reinterpret_cast<uint2*>(dst) = make_uint2(q0, q1);
       } else {
