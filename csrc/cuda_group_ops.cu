@@ -212,8 +212,17 @@ __global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const i
 #pragma unroll
           for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
         }
+        // e2m1_row on 4 fp32 values at a time: 16-bit rows, the signs from v
+        const auto row4 = [&](int k) {
+          return e2m1_row<4>(make_uint4(__float_as_uint(v[k]), __float_as_uint(v[k + 1]), __float_as_uint(v[k + 2]),
+                                        __float_as_uint(v[k + 3])), v + k, m);
+        };
+        const uint32_t lo = row4(0) | (row4(4) << 16), hi = row4(8) | (row4(12) << 16);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) bytes[k] = e2m1_pair(v[2 * k] * m, v[2 * k + 1] * m);
+        for (int k = 0; k < 4; ++k) {
+          bytes[k] = uint8_t(lo >> (8 * k));
+          bytes[k + 4] = uint8_t(hi >> (8 * k));
+        }
       } else {  // the shard owns part of these 16 elements (or none)
 #pragma unroll
         for (int k = 0; k < 16; ++k) {
@@ -347,7 +356,9 @@ __device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x,
     const float s0 = in0 ? scale[cur.p] : 0.0f;
     const bool in1 = cur.inside(g0 + k + 1);
     const float s1 = in1 ? scale[cur.p] : 0.0f;
-    const uint32_t pair = fp8_pair(v[k] * s0, v[k + 1] * s1, e5m2);
+    // sign bits from the input, as fp8_quad_signed (a NaN keeps its sign)
+    const uint32_t signs = ((__float_as_uint(v[k]) >> 24) & 0x80u) | ((__float_as_uint(v[k + 1]) >> 16) & 0x8000u);
+    const uint32_t pair = (fp8_pair(v[k] * s0, v[k + 1] * s1, e5m2) & 0x7F7Fu) | signs;
     if (i0 + k < end) out[i0 + k - first] = in0 ? uint8_t(pair) : 0;
     if (i0 + k + 1 < end) out[i0 + k + 1 - first] = in1 ? uint8_t(pair >> 8) : 0;
   }
@@ -375,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     const float sc = scale[cur.p];  // one parameter, one scale
     uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = fp8_quad(v + 4 * k, sc, e5m2);  // hardware pair conversions
+    for (int k = 0; k < 4; ++k) w[k] = fp8_quad_signed(v + 4 * k, sc, e5m2, signs_of4(v + 4 * k));
     uint8_t* dst = out + (i0 - first);
     if (reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);

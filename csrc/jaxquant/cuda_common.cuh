@@ -146,7 +146,7 @@ __device__ __forceinline__ uint32_t fp8_quad(const float v[4], float scale, bool
 // Four FP8 bytes of v[k] * scale (scale > 0) with bit 7 of byte k taken from bit 7 of byte k of `signs`,
 // the sign of input element k. That bit is the byte's sign for every non-NaN input already (the product
 // keeps the sign, -0 included); for a NaN it keeps the input's sign, which the GPU's multiply drops
-// (docs/numerics.md §1 rule 4: NaN stays NaN, sign kept as on the host). One select instead of a NaN
+// (docs/decisions.md #21; docs/numerics.md §1 only asks that NaN stays NaN). One select instead of a NaN
 // test and fix-up an element: the FP8 casts are ALU-bound on Hopper.
 __device__ __forceinline__ uint32_t fp8_quad_signed(const float v[4], float scale, bool e5m2, uint32_t signs) {
 #if __CUDA_ARCH__ >= 890
@@ -165,14 +165,19 @@ __device__ __forceinline__ uint32_t fp8_quad_signed(const float v[4], float scal
   return (q & 0x7F7F7F7Fu) | (signs & 0x80808080u);
 }
 
+// Bit 7 of byte k: the sign of v[k], k < 4 (three byte permutes).
+__device__ __forceinline__ uint32_t signs_of4(const float* v) {
+  const auto bits = [&](int k) { return __float_as_uint(v[k]); };
+  return __byte_perm(__byte_perm(bits(0), bits(1), 0x0073), __byte_perm(bits(2), bits(3), 0x0073), 0x5410);
+}
+
 // Bit 7 of byte k: the sign of element k of a 16-byte input vector raw, whose compute-dtype values are v
 // (same signs): elements [4 * half, 4 * half + 4) of bf16 input (8 elements) from raw, one byte permute;
 // the 4 of fp32 input from v, so that raw need not stay live past the conversion.
 template <bool kBf16>
 __device__ __forceinline__ uint32_t input_signs(const uint4 raw, const float* v, int half = 0) {
   if (kBf16) return half ? __byte_perm(raw.z, raw.w, 0x7531) : __byte_perm(raw.x, raw.y, 0x7531);
-  const auto bits = [&](int k) { return __float_as_uint(v[k]); };
-  return __byte_perm(__byte_perm(bits(0), bits(1), 0x0073), __byte_perm(bits(2), bits(3), 0x0073), 0x5410);
+  return signs_of4(v);
 }
 
 // Every thread derives the scale from the device-resident amax (a few flops, no extra launch);
