@@ -1,7 +1,8 @@
 // CUDA kernels and FFI handlers of the fused single-tensor stages (FP8 cast with and without the
-// transpose, NVFP4 statistics and NVFP4 quantize). Included by cuda_ops.cu inside its anonymous namespace, after the
-// shared device helpers of cuda_common.cuh (block_publish, fp8_pair, e2m1_pair, Fp8Params); every output unit is
-// computed by the numerics.h / elementwise.h code, the kernels only choose the data movement.
+// transpose, NVFP4 statistics and NVFP4 quantize). Included by cuda_ops.cu inside its anonymous
+// namespace, after the shared device helpers of cuda_common.cuh (block_publish, fp8_quad_signed,
+// input_signs, e2m1_row, Fp8Params), which compute every output unit with the numerics.h rules (or the
+// hardware conversions that match them); the kernels here only choose the data movement.
 //
 // Template parameters: kBf16 (input is bf16) and kRound (fp32 input rounded to bf16 where it is
 // loaded: the compute dtype, docs/numerics.md §2 "Compute dtype"; never set with kBf16).
