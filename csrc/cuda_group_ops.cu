@@ -212,10 +212,10 @@ __global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const i
 #pragma unroll
           for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
         }
-        // e2m1_row on 4 fp32 values at a time: 16-bit rows, the signs from v
+        // e2m1_row on 4 fp32 values at a time: 16-bit rows, the signs from v's words
         const auto row4 = [&](int k) {
-          return e2m1_row<4>(make_uint4(__float_as_uint(v[k]), __float_as_uint(v[k + 1]), __float_as_uint(v[k + 2]),
-                                        __float_as_uint(v[k + 3])), v + k, m);
+          const auto w = [&](int i) { return __float_as_uint(v[k + i]); };
+          return e2m1_row<4>(make_uint4(w(0), w(1), w(2), w(3)), v + k, m);
         };
         const uint32_t lo = row4(0) | (row4(4) << 16), hi = row4(8) | (row4(12) << 16);
 #pragma unroll
@@ -356,9 +356,8 @@ __device__ __noinline__ ParamCursor fp8_cast_mixed16(const void* __restrict__ x,
     const float s0 = in0 ? scale[cur.p] : 0.0f;
     const bool in1 = cur.inside(g0 + k + 1);
     const float s1 = in1 ? scale[cur.p] : 0.0f;
-    // sign bits from the input, as fp8_quad_signed (a NaN keeps its sign)
-    const uint32_t signs = ((__float_as_uint(v[k]) >> 24) & 0x80u) | ((__float_as_uint(v[k + 1]) >> 16) & 0x8000u);
-    const uint32_t pair = (fp8_pair(v[k] * s0, v[k + 1] * s1, e5m2) & 0x7F7Fu) | signs;
+    const uint32_t signs = (__float_as_uint(v[k]) >> 24) | ((__float_as_uint(v[k + 1]) >> 16) & 0x8000u);
+    const uint32_t pair = fp8_with_signs(fp8_pair(v[k] * s0, v[k + 1] * s1, e5m2), signs);
     if (i0 + k < end) out[i0 + k - first] = in0 ? uint8_t(pair) : 0;
     if (i0 + k + 1 < end) out[i0 + k + 1 - first] = in1 ? uint8_t(pair >> 8) : 0;
   }

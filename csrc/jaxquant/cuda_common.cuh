@@ -120,9 +120,9 @@ __device__ __forceinline__ bool aligned4(const void* x, bool bf16, int64_t i) {
 
 // ---- FP8 cast -------------------------------------------------------------------------------
 
-// fp32 pair -> two FP8 bytes (lo in bits 0-7). The hardware conversion (sm_89+) is RNE with
-// saturation, as numerics.h; a NaN is re-encoded as the software path does (with the sign of lo / hi:
-// a NaN made by the GPU's multiply has lost its input's sign; fp8_quad_signed keeps the input's).
+// fp32 pair -> two FP8 bytes (lo in bits 0-7): RNE with saturation, as numerics.h (the hardware
+// conversion on sm_89+). A NaN gives sign | 0x7F with the sign of the value passed in, which the GPU's
+// multiply has already dropped for a NaN product: callers put the input's sign bits in (fp8_with_signs).
 __device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
 #if __CUDA_ARCH__ >= 890
   uint16_t r;
@@ -130,39 +130,25 @@ __device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
     asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r) : "f"(lo), "f"(hi));
   else
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r) : "f"(lo), "f"(hi));
-  uint32_t out = r;
-  if (is_nan(lo)) out = (out & 0xFF00u) | fp8_encode(lo, e5m2);
-  if (is_nan(hi)) out = (out & 0x00FFu) | (uint32_t(fp8_encode(hi, e5m2)) << 8);
-  return out;
+  return r;
 #else
   return fp8_encode(lo, e5m2) | (uint32_t(fp8_encode(hi, e5m2)) << 8);
 #endif
 }
 
-__device__ __forceinline__ uint32_t fp8_quad(const float v[4], float scale, bool e5m2) {
-  return fp8_pair(v[0] * scale, v[1] * scale, e5m2) | (fp8_pair(v[2] * scale, v[3] * scale, e5m2) << 16);
+// FP8 bytes q with bit 7 of each byte taken from bit 7 of the same byte of `signs`, the sign of the
+// input element. That bit already is the byte's sign for every non-NaN input (a positive scale keeps
+// the sign, -0 included); for a NaN it keeps the input's sign, which the GPU's multiply drops
+// (docs/decisions.md #21; docs/numerics.md §1 only asks that NaN stays NaN). One select for 4 bytes
+// instead of a NaN test and fix-up an element: the FP8 casts are ALU-bound on Hopper.
+__device__ __forceinline__ uint32_t fp8_with_signs(uint32_t q, uint32_t signs) {
+  return (q & 0x7F7F7F7Fu) | (signs & 0x80808080u);
 }
 
-// Four FP8 bytes of v[k] * scale (scale > 0) with bit 7 of byte k taken from bit 7 of byte k of `signs`,
-// the sign of input element k. That bit is the byte's sign for every non-NaN input already (the product
-// keeps the sign, -0 included); for a NaN it keeps the input's sign, which the GPU's multiply drops
-// (docs/decisions.md #21; docs/numerics.md §1 only asks that NaN stays NaN). One select instead of a NaN
-// test and fix-up an element: the FP8 casts are ALU-bound on Hopper.
+// Four FP8 bytes of v[k] * scale (scale > 0), byte k's sign bit from byte k of `signs`.
 __device__ __forceinline__ uint32_t fp8_quad_signed(const float v[4], float scale, bool e5m2, uint32_t signs) {
-#if __CUDA_ARCH__ >= 890
-  uint16_t r0, r1;
-  if (e5m2) {
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r0) : "f"(v[0] * scale), "f"(v[1] * scale));
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %2, %1;" : "=h"(r1) : "f"(v[2] * scale), "f"(v[3] * scale));
-  } else {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r0) : "f"(v[0] * scale), "f"(v[1] * scale));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(r1) : "f"(v[2] * scale), "f"(v[3] * scale));
-  }
-  const uint32_t q = uint32_t(r0) | (uint32_t(r1) << 16);
-#else
-  const uint32_t q = fp8_quad(v, scale, e5m2);
-#endif
-  return (q & 0x7F7F7F7Fu) | (signs & 0x80808080u);
+  const uint32_t q = fp8_pair(v[0] * scale, v[1] * scale, e5m2) | (fp8_pair(v[2] * scale, v[3] * scale, e5m2) << 16);
+  return fp8_with_signs(q, signs);
 }
 
 // Bit 7 of byte k: the sign of v[k], k < 4 (three byte permutes).
