@@ -4,7 +4,7 @@
 # $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 10 minutes on one H200; each
 # phase has a time limit (TEST_TIMEOUT 480 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 360 s: the table includes profiler kernel times).
 #   bash scripts/gpu_suite.sh [pytest selection...]      e.g. bash scripts/gpu_suite.sh tests/test_ops.py
-# Env: BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
+# Env: TESTS=0 skips the tests; BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
 # BENCH_ARGS adds arguments (e.g. --no-stages);
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
@@ -42,6 +42,7 @@ import jaxquant._ffi as f, jax
 print("registered platforms:", f.built_platforms(), "default backend:", jax.default_backend())
 PY
 
+if [ "${TESTS:-1}" = 1 ]; then
 section "tests"
 sel=("$@")
 [ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py
@@ -52,6 +53,7 @@ sel=("$@")
 timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
   || status=1
 { echo '```'; tail -25 "$OUT/tests.log"; echo '```'; } | tee -a "$report"
+fi
 
 # Sanitizer: tiny tensors, the platform allocator (so that memcheck sees each buffer's bounds
 # instead of one pool), no autotuning (fewer kernels to instrument), no command buffers.

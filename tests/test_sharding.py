@@ -8,6 +8,7 @@ outputs are sharded like the input (columnwise ones transposed). Also: errors fo
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -29,6 +30,23 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulat
 # ----------------------------------------------------------------------------------------------
 
 
+def _replica_group_size(line: str) -> int:
+    """Devices per replica group, in the three spellings of XLA's HLO printer: explicit lists
+    ``{{0,1},{2,3}}``, iota ``[groups,size]<=[n]``, and mesh axes ``mesh['fsdp'=1,'tp'=2] {'tp'}``
+    (XLA:GPU, jaxlib 0.11); -1 if the line has none."""
+    groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    if groups:
+        return len(groups.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    if iota:
+        return int(iota.group(2))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh:
+        sizes = {k.strip("'"): int(v) for k, v in re.findall(r"('[^']+')=(\d+)", mesh.group(1))}
+        return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(2).split(",") if a.strip())
+    return -1
+
+
 def collectives(hlo: str) -> list[tuple[str, str, int]]:
     """(kind, result type, replica group size) of every all-gather / all-reduce / all-to-all /
     collective-permute in compiled HLO text."""
@@ -37,9 +55,7 @@ def collectives(hlo: str) -> list[tuple[str, str, int]]:
         hit = re.search(r"=\s*(\S+)\s+(all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(", line)
         if not hit:
             continue
-        groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-        iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-        size = len(groups.group(1).split(",")) if groups else int(iota.group(2)) if iota else -1
+        size = _replica_group_size(line)
         found.append((hit.group(2), hit.group(1), size))
     return found
 

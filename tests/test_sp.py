@@ -204,17 +204,19 @@ def test_local_quantization_with_shared_amax_equals_whole_tensor():
     assert len(per_rank) == 4 and all(r == per_rank[0] for r in per_rank)
 
 
-def check_layers_match_single_device(results, col_args, row_args, recipe, rtol=2e-5):
+def check_layers_match_single_device(results, col_args, row_args, recipe, rtol=2e-5, same_k_rtol=1e-6):
+    """``same_k_rtol`` bounds the outputs whose K-reduction each rank runs whole (column out, row dx):
+    near-bitwise on XLA:CPU; on GPU cuBLAS may pick another kernel (and FP8 accumulation) per shape."""
     (out, grads), (row_out, row_grads) = results
     ref_out, ref_grads = ref_column(recipe, *col_args)
     # all-gather -> GEMM: the same K-reduction per element, though XLA:CPU's dot may order it
     # differently for another N split (bitwise where the partition is the same: modes test)
-    _assert_close(out, ref_out, "column out", rtol=min(rtol, 1e-6))
+    _assert_close(out, ref_out, "column out", same_k_rtol)
     for name, a, e in zip(("dx", "dgamma", "dbeta", "dw"), grads, ref_grads):
         _assert_close(a, e, "column " + name, rtol)
     ref_out, ref_grads = ref_row(recipe, *row_args)
     _assert_close(row_out, ref_out, "row out", rtol)   # partial sums over tp: another summation order
-    _assert_close(row_grads[0], ref_grads[0], "row dx", min(rtol, 1e-6))   # all-gather of dY -> GEMM
+    _assert_close(row_grads[0], ref_grads[0], "row dx", same_k_rtol)   # all-gather of dY -> GEMM
     _assert_close(row_grads[1], ref_grads[1], "row dw", rtol)
 
 

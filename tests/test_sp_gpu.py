@@ -25,4 +25,4 @@ def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
     results = _runner(tp, overlap, recipe, devices="gpu")(col_args, row_args)
     # cuBLAS picks other kernels (and FP8 accumulation) for the sharded shapes: compare closely,
     # not bitwise; a misplaced chunk or a wrong scale is off by far more than this
-    check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2)
+    check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)

@@ -63,16 +63,21 @@ def test_grad_comm_dtype_in_compiled_hlo(strategy, op):
 
 def _gemms(hlo: str) -> list:
     """(backend, operand element types) of each GEMM of compiled GPU HLO: cuBLAS custom calls and
-    Triton GEMM fusions (XLA's autotuner picks between them per GEMM)."""
+    Triton GEMM fusions (XLA's autotuner picks between them per GEMM; jaxlib 0.11 on 2 GPUs names them
+    ``__triton_nested_gemm_fusion``). A fusion's operand types are read from its computation's header,
+    since the call site names its operands without types."""
     found = []
     for line in hlo.splitlines():
         if "custom-call(" in line and "__cublas" in line:
-            kind, operands = re.search(r'custom_call_target="([^"]+)"', line).group(1), line.split("custom-call(", 1)[1]
-        elif " fusion(" in line and "triton_gemm" in line:
-            kind, operands = "triton_gemm", line.split(" fusion(", 1)[1]
+            kind = re.search(r'custom_call_target="([^"]+)"', line).group(1)
+            operands = line.split("custom-call(", 1)[1].split("), ", 1)[0]
+        elif " fusion(" in line and re.search(r'"kind":"__triton\w*gemm\w*"', line):
+            kind = "triton_gemm"
+            callee = re.search(r"calls=(%[\w.-]+)", line).group(1)
+            header = re.search(rf"^\s*{re.escape(callee)} \((.*)\) ->", hlo, re.M)
+            operands = header.group(1) if header else ""
         else:
             continue
-        operands = operands.split("), ", 1)[0]
         found.append((kind, tuple(sorted(set(re.findall(r"\b(f8e4m3fn|f8e5m2|bf16|f16|f32)\[", operands))))))
     return found
 
