@@ -84,13 +84,13 @@ def master_for(layout, mesh):
                    out_shardings=master_sharding(mesh, "fsdp"))(jax.random.key(0))
 
 
-def step(layout, mesh, recipe, columnwise, impl, consume=False):
+def step(layout, mesh, recipe, columnwise, impl, consume=False, pieces=None):
     """The jitted step. ``consume``: return one scalar read from every output instead of the outputs,
     as a training step that uses the weights inside jit does; the difference to the plain step is
     the host's cost of handing each output buffer back (one per data / scale / amax array)."""
     def run(x):
         weights = quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, impl=impl, columnwise=columnwise,
-                                          manual_post_all_gather_processing=False)
+                                          manual_post_all_gather_processing=False, gather_pieces=pieces)
         if not consume:
             return weights
         return sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in jax.tree.leaves(weights))
@@ -110,6 +110,8 @@ def main():
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--devices", type=int, default=None, help="fsdp size (default: all)")
     ap.add_argument("--skip-group", action="store_true", help="skip the 300-tensor comparison")
+    ap.add_argument("--pieces", default="",
+                    help="comma-separated gather_pieces values to time besides the automatic choice (e.g. 1,2,8)")
     ap.add_argument("--profile", action="store_true",
                     help="also print a per-kernel breakdown of each step (jax.profiler trace, GPU only)")
     args = ap.parse_args()
@@ -136,6 +138,10 @@ def main():
             label = recipe + (" + columnwise" if columnwise else "")
             print(f"{label:<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} {tp / base_p:7.3f} "
                   f"{gathered_bytes(layout, recipe) / 2**20:12.2f}")
+            for pieces in [int(v) for v in args.pieces.split(",") if v]:
+                t, tp = time_fn(step(layout, mesh, recipe, columnwise, args.impl, pieces=pieces), master, args.iters)
+                print(f"{'  gather_pieces=' + str(pieces):<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} "
+                      f"{tp / base_p:7.3f}")
     if args.profile:
         print_kernel_profile("bf16 cast + all_gather", bf16_gather(mesh), master)
         for recipe in ("nvfp4", "fp8"):

@@ -92,51 +92,46 @@ __global__ void __launch_bounds__(kThreads, 2) group_tile_amax_kernel(const void
   const int64_t t_end = end_tile_at(table, a + n - 1), t1 = t_end < num_tiles ? t_end : num_tiles;
   const int lane4 = threadIdx.x % 4;
   int64_t p = -1, tbeg = 0, tnext = 0;  // parameter of the thread's last tile, its tile range
+  int64_t pcols = 0, poff = 0;          // and its columns and flat offset
   int64_t held = -1;                    // parameter whose running amax held_m holds
   float held_m = 0.0f;
   for (int64_t s = t0 / kSlotTiles + blockIdx.x; s * kSlotTiles < t1; s += gridDim.x) {
     const int64_t t = s * kSlotTiles + threadIdx.x / 4;
-    float m = 0.0f;
-    int c = 0;
+    ComputeAmax<round_bf16> acc;  // raw values in, the compute dtype's amax and count out
     int64_t tp = -1;
     if (t >= t0 && t < t1) {
       if (p < 0 || t < tbeg || t >= tnext) {
         p = table.find(t, GroupTable::kTileBase);
         tbeg = table.at(p, GroupTable::kTileBase);
         tnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kTileBase) : INT64_MAX;
+        pcols = table.at(p, GroupTable::kCols);
+        poff = table.at(p, GroupTable::kOffset);
       }
       tp = p;
-      const int64_t cols = table.at(p, GroupTable::kCols), tcn = cols / kTile, lt = t - tbeg;
-      const int64_t tr = lt / tcn, tc = lt - tr * tcn;
-      const int64_t i0 = table.at(p, GroupTable::kOffset) + tr * kTile * cols + tc * kTile + lane4 * 4 - a;
-      float v[kTile][4];
-      if (i0 >= 0 && i0 + (kTile - 1) * cols + 4 <= n) {  // the whole 16x4 strip is in the shard
+      const int64_t tcn = pcols / kTile, lt = t - tbeg;
+      const int64_t tr = div_nonneg(lt, tcn), tc = lt - tr * tcn;
+      const int64_t i0 = poff + tr * kTile * pcols + tc * kTile + lane4 * 4 - a;
+      if (i0 >= 0 && i0 + (kTile - 1) * pcols + 4 <= n) {  // the whole 16x4 strip is in the shard
         const bool vec = aligned4(x, bf16, i0);  // cols % 16 == 0: every row has i0's alignment
+        float v[kTile][4];
 #pragma unroll
-        for (int k = 0; k < kTile; ++k) load4(x, bf16, i0 + k * cols, vec, v[k]);
-        if (round_bf16) {
+        for (int k = 0; k < kTile; ++k) load4(x, bf16, i0 + k * pcols, vec, v[k]);
 #pragma unroll
-          for (int k = 0; k < kTile; ++k)
+        for (int k = 0; k < kTile; ++k)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) v[k][j] = round_to_bf16(v[k][j]);
-        }
+          for (int j = 0; j < 4; ++j) acc.add(v[k][j]);
       } else {  // a tile row cut by a shard boundary: elements of other shards count as 0
 #pragma unroll
         for (int k = 0; k < kTile; ++k)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const int64_t i = i0 + k * cols + j;
-            v[k][j] = i >= 0 && i < n ? load_compute(x, bf16, round_bf16, i) : 0.0f;
+            const int64_t i = i0 + k * pcols + j;
+            acc.add(i >= 0 && i < n ? load_compute(x, bf16, false, i) : 0.0f);
           }
       }
-#pragma unroll
-      for (int k = 0; k < kTile; ++k)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          m = fmaxf(m, abs_ignoring_nan(v[k][j]));
-          c += !is_finite(v[k][j]);
-        }
     }
+    float m = acc.result();
+    const int c = acc.nonfinite;
     m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // the tile's 4 lanes
     m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
     if (tp >= 0 && lane4 == 0) tile_amax[t] = m;
@@ -189,7 +184,9 @@ __global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const i
   }
   const int64_t lo = chunk_lo[r], g0 = lo / 8, groups = (lo + size + 7) / 8 - g0;
   const auto [first, last] = block_range(groups);
-  int64_t p = -1, pbeg = 0, pnext = 0;  // parameter of the last byte group, its byte range start, next's
+  // The parameter of the last byte group: its byte range [pbeg, pbeg + pbytes), the next one's start,
+  // and what the tile and input index need (read from the table once per parameter).
+  int64_t p = -1, pbeg = 0, pnext = 0, pbytes = 0, pcols = 1, poff = 0, ptiles = 0;
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t y0 = (g0 + grp) * 8;
     uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -198,26 +195,36 @@ __global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const i
       pbeg = p >= 0 ? table.at(p, GroupTable::kByteBase) : 0;
       pnext = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kByteBase) : INT64_MAX;
       if (p < 0) pnext = table.at(0, GroupTable::kByteBase);
+      if (p >= 0) {
+        pbytes = table.at(p, GroupTable::kNumel) / 2;
+        pcols = table.at(p, GroupTable::kCols);
+        poff = table.at(p, GroupTable::kOffset);
+        ptiles = table.at(p, GroupTable::kTileBase);
+      }
     }
-    if (p >= 0 && y0 - pbeg < table.at(p, GroupTable::kNumel) / 2) {
-      const int64_t e0 = 2 * (y0 - table.at(p, GroupTable::kByteBase));
-      const int64_t t = table.tile_of(p, e0);
+    if (p >= 0 && y0 - pbeg < pbytes) {
+      const int64_t e0 = 2 * (y0 - pbeg);
+      const int64_t row = div_nonneg(e0, pcols), t = ptiles + (row / kTile) * (pcols / kTile) + (e0 - row * pcols) / kTile;
       const float m = t < num_tiles ? enc[t] : 0.0f;
-      const int64_t i0 = table.at(p, GroupTable::kOffset) + e0 - r * n;  // local index of element e0
-      float v[16];
+      const int64_t i0 = poff + e0 - r * n;  // local index of element e0
       if (i0 >= 0 && i0 + 16 <= n) {
+        // 16 elements = 64 (fp32) or 32 (bf16) bytes: kLoads 16-byte rows of kVec codes each. NaN input
+        // is outside the byte contract (docs/numerics.md §2.6): the hardware bf16 rounding may serve.
+        constexpr int kVec = bf16 ? 8 : 4, kLoads = 16 / kVec;
+        const uint8_t* src = static_cast<const uint8_t*>(x) + i0 * (bf16 ? 2 : 4);
+        const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0;
+        uint4 raw[kLoads];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) load4(x, bf16, i0 + 4 * q, aligned4(x, bf16, i0 + 4 * q), v + 4 * q);
-        if (round_bf16) {
+        for (int q = 0; q < kLoads; ++q) raw[q] = load_raw16<bf16>(src + 16 * q, aligned);
+        uint32_t codes[kLoads];  // element k of row q at bits 4k
 #pragma unroll
-          for (int k = 0; k < 16; ++k) v[k] = round_to_bf16(v[k]);
+        for (int q = 0; q < kLoads; ++q) {
+          float v[kVec];
+          to_compute<bf16, round_bf16, true>(raw[q], v);
+          codes[q] = e2m1_row<kVec>(raw[q], v, m);
         }
-        // e2m1_row on 4 fp32 values at a time: 16-bit rows, the signs from v's words
-        const auto row4 = [&](int k) {
-          const auto w = [&](int i) { return __float_as_uint(v[k + i]); };
-          return e2m1_row<4>(make_uint4(w(0), w(1), w(2), w(3)), v + k, m);
-        };
-        const uint32_t lo = row4(0) | (row4(4) << 16), hi = row4(8) | (row4(12) << 16);
+        const uint32_t lo = bf16 ? codes[0] : codes[0] | (codes[1 % kLoads] << 16);
+        const uint32_t hi = bf16 ? codes[1] : codes[2 % kLoads] | (codes[3 % kLoads] << 16);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           bytes[k] = uint8_t(lo >> (8 * k));
@@ -288,36 +295,36 @@ __global__ void fp8_group_amax_kernel(const void* __restrict__ x, int64_t n, con
   const int64_t r = index[0];
   const auto [first, last] = block_range((n + kGroupElems - 1) / kGroupElems);
   int64_t held = -1;
-  float m = 0.0f;
+  ComputeAmax<round_bf16> acc;  // the held parameter's amax and non-finite count so far
+  const auto publish_held = [&] {   // single thread; the end of the kernel combines the warp first
+    if (held < 0) return;
+    atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(acc.result()));
+    if (acc.nonfinite) atomicAdd(counts + held, acc.nonfinite);
+  };
   ParamCursor cur{table};  // positions only grow: one search, then steps at parameter changes
   cur.seek(r * n + (first + threadIdx.x) * kGroupElems);
   for (int64_t grp = first + threadIdx.x; grp < last; grp += blockDim.x) {
     const int64_t i0 = grp * kGroupElems, g0 = r * n + i0;
     float v[16];
-    load16(x, bf16, round_bf16, i0, n, v);
+    load16(x, bf16, false, i0, n, v);  // raw values: acc rounds the max once
     if (i0 + 16 <= n && cur.inside(g0) && g0 + 16 <= cur.end && cur.p == held) {  // all in the held parameter
-      int c = 0;
 #pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        m = fmaxf(m, abs_ignoring_nan(v[k]));
-        c += !is_finite(v[k]);
-      }
-      if (c) atomicAdd(counts + held, c);
+      for (int k = 0; k < 16; ++k) acc.add(v[k]);
       continue;
     }
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
       if (i0 + k >= n || !cur.inside(g0 + k)) continue;
       if (cur.p != held) {
-        if (held >= 0) atomicMax(reinterpret_cast<uint32_t*>(amax + held), __float_as_uint(m));
+        publish_held();
         held = cur.p;
-        m = 0.0f;
+        acc = ComputeAmax<round_bf16>{};
       }
-      m = fmaxf(m, abs_ignoring_nan(v[k]));
-      if (!is_finite(v[k])) atomicAdd(counts + held, 1);
+      acc.add(v[k]);
     }
   }
-  warp_publish_param_max(amax, held, m);
+  warp_publish_param_max(amax, held, acc.result());
+  if (held >= 0 && acc.nonfinite) atomicAdd(counts + held, acc.nonfinite);
 }
 
 ffi::Error Fp8GroupAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,

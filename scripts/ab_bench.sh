@@ -6,6 +6,8 @@
 # --no-stages --ops $OPS` over all builds in turn for $ROUNDS rounds (default 2), so that all are
 # measured on the same machine in one run. JSON per build and round under $OUT.
 #   OPS='quantize_nvfp4*' BENCH_EXTRA='--stages' VARIANTS='ab/base ab/try1' bash scripts/ab_bench.sh
+# BENCH_CMD replaces `jaxquant bench` (e.g. BENCH_CMD='python3 $PWD/benchmarks/bench_distributed.py --skip-group');
+# its output goes to $OUT/bench_<build>_<round>.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -15,7 +17,7 @@ names=(new) dirs=("$ROOT")
 for v in ${VARIANTS:-${BASE:-ab/base}}; do
   name=$(basename "$v") dir=/tmp/jq_ab_$(basename "$v")
   rm -rf "$dir" && mkdir -p "$dir"  # a fresh copy: no files left from an earlier call
-  cp -r build.py pyproject.toml jaxquant csrc "$dir"/ && rm -f "$dir"/jaxquant/*.so
+  cp -r build.py pyproject.toml jaxquant csrc benchmarks "$dir"/ && rm -f "$dir"/jaxquant/*.so
   for f in "$v"/*; do
     target=$(cd csrc && find . -name "$(basename "$f")" | head -1)
     [ -n "$target" ] || { echo "$f: no file of that name under csrc" >&2; exit 2; }
@@ -41,6 +43,11 @@ done
 for round in $(seq "${ROUNDS:-2}"); do
   for i in "${!names[@]}"; do
     echo "=== ${names[$i]} round $round"
+    if [ -n "${BENCH_CMD:-}" ]; then   # another benchmark, run from the build's tree
+      (cd "${dirs[$i]}" && PYTHONPATH=${dirs[$i]} timeout 200 $BENCH_CMD 2>&1 | grep -v "^WARNING\|^I0000\|^E0000" \
+        | tee "$OUT/bench_${names[$i]}_$round.txt")
+      continue
+    fi
     (cd "${dirs[$i]}" && PYTHONPATH=${dirs[$i]} timeout 200 python3 -m jaxquant bench --no-stages \
       --ops "${OPS:-quantize_fp8*,quantize_nvfp4*}" ${BENCH_EXTRA:-} --json "$OUT/bench_${names[$i]}_$round.json" 2>&1 \
       | grep -v "^WARNING\|^I0000\|^E0000")

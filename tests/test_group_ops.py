@@ -72,6 +72,11 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     flat[offsets[0] + 5] = np.float32(1.0 + 2.0 ** -8)
     flat[offsets[0] + 6] = np.float32(1.0 + 3 * 2.0 ** -8)
     flat[offsets[-1] + 7] = np.float32(3.4e38)
+    # the bf16 overflow threshold (0x7F7F8000 rounds to inf, the float below it to the largest bf16):
+    # the kernels round one max instead of each value, and count what rounds to inf by |x| >= it
+    flat[offsets[0] + 9] = np.array(0x7F7F7FFF, np.uint32).view(np.float32)
+    if num_params > 1:
+        flat[offsets[1] + 9] = -np.array(0x7F7F8000, np.uint32).view(np.float32)
     for r, cd in [(r, cd) for r in range(num_shards) for cd in (None, jnp.bfloat16)]:
         shard, index = jnp.asarray(flat[r * n:(r + 1) * n]).astype(dtype), jnp.int32(r)
         ckw = dict(kw, compute_dtype=cd)

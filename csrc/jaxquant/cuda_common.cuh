@@ -96,6 +96,77 @@ __device__ void block_publish(float m, int c, uint32_t* amax_bits, int32_t* coun
   }
 }
 
+// 16 bytes of input at p: one vector load when aligned, else element loads (same bytes).
+template <bool kBf16>
+__device__ __forceinline__ uint4 load_raw16(const uint8_t* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint4*>(p);
+  uint4 r;
+  uint32_t* w = &r.x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (kBf16) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+      w[k] = uint32_t(h[2 * k]) | (uint32_t(h[2 * k + 1]) << 16);
+    } else {
+      w[k] = reinterpret_cast<const uint32_t*>(p)[k];
+    }
+  }
+  return r;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool kHardwareBf16 = true;
+#else
+constexpr bool kHardwareBf16 = false;
+#endif
+
+// The 16 loaded bytes as kVec (4 fp32 or 8 bf16) values of the compute dtype, in fp32.
+// kAnyNan: the caller does not depend on which NaN a NaN rounds to (NVFP4: NaN input is outside
+// the bit-exact contract, docs/numerics.md §2.6; statistics ignore NaN and count it either way),
+// so the bf16 rounding may use the hardware pair conversion (RNE, subnormals kept; NaN becomes the
+// canonical NaN) instead of round_to_bf16 (same bits for every non-NaN value).
+template <bool kBf16, bool kRound, bool kAnyNan = false>
+__device__ __forceinline__ void to_compute(const uint4 raw, float* v) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (kBf16) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+  } else if constexpr (kRound && kAnyNan && kHardwareBf16) {
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {  // d.hi = bf16(a), d.lo = bf16(b)
+      uint32_t pair;
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(__uint_as_float(w[k + 1])), "f"(__uint_as_float(w[k])));
+      v[k] = __uint_as_float(pair << 16);
+      v[k + 1] = __uint_as_float(pair & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = kRound ? round_to_bf16(__uint_as_float(w[k])) : __uint_as_float(w[k]);
+  }
+}
+
+// ---- compute-dtype statistics without rounding each value --------------------------------------
+
+// Running amax and non-finite count of values as the compute dtype sees them (docs/numerics.md §2,
+// "Compute dtype"), fed the raw input values: rounding to bf16 is monotonic in |x|, so the max of the
+// rounded |x| is the rounded max of |x| (rounded once, in result()), and x rounds to ±inf or is NaN
+// exactly when !(|x| < 0x1.FFp127) (bits 0x7F7F8000, halfway from the largest bf16 to 2^128). fmaxf
+// drops NaN as abs_ignoring_nan does. Three instructions an element instead of a rounding each.
+template <bool kRound>
+struct ComputeAmax {
+  float m = 0.0f;
+  int nonfinite = 0;
+  __device__ __forceinline__ void add(float x) {
+    const float limit = kRound ? __uint_as_float(0x7F7F8000u) : __uint_as_float(0x7F800000u);
+    m = fmaxf(m, fabsf(x));
+    nonfinite += !(fabsf(x) < limit);
+  }
+  __device__ __forceinline__ float result() const { return kRound ? round_to_bf16(m) : m; }
+};
+
 // ---- loads of 4 consecutive elements ---------------------------------------------------------
 
 // Elements i..i+3 of x as fp32; one 16-byte (fp32) or 8-byte (bf16) load when `vector`.
