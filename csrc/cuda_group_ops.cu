@@ -449,14 +449,10 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
 }
 
 // Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
-// block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks); it is
-// staged in shared memory so that reads and writes are both row-contiguous. A CTA takes kRun
-// consecutive blocks: it loads all of them into registers first (several loads in flight per
-// thread) and searches the table only when a block leaves the last one's parameter. Measured on
-// H200 (2026-11-24): the FP8 byte transpose is fastest with kRun = 1 (189 us for 218 MB vs 246 us
-// with 4); the NVFP4 nibble transpose (half the bytes per block) uses 4.
-constexpr int kNibbleRun = 4, kByteRun = 1;
-
+// block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks). The FP8
+// byte transpose stages a block in shared memory so that reads and writes are both row-contiguous
+// (a CTA a block: 189 us for 218 MB on an H200, 246 us with 4 blocks a CTA); the NVFP4 nibble
+// transpose works in registers, a warp a block (nibble_transpose_block).
 struct TransposeBlock {
   const uint8_t* src;
   uint8_t* dst;
@@ -487,99 +483,103 @@ __device__ bool transpose_block_at(const GroupTable& table, BlockParam& bp, int6
   return blk->m0 < rows;
 }
 
-// kThreads threads, 4 a row: each moves 16 elements of its row in (8 or 16 bytes, one vector load
-// where aligned and whole) and 16 of its output row out, so memory sees full sectors.
-template <bool kNibbles>
+// kThreads threads, 4 a row: each moves 16 bytes of its row in (one vector load where aligned and
+// whole) and 16 of its output row out, so memory sees full sectors.
 struct TransposeLanes {
-  static constexpr int kInBytes = kNibbles ? 8 : 16;   // source bytes holding 16 elements
-  static constexpr int kOutBytes = kNibbles ? 8 : 16;  // output bytes of 16 block rows
   int row = threadIdx.x / 4, c0 = (threadIdx.x % 4) * 16;  // c0: first of the thread's 16 columns
 
   __device__ void load(const TransposeBlock& blk, uint8_t* in) const {
-    const int64_t m = blk.m0 + row, pitch = kNibbles ? blk.cols / 2 : blk.cols;
-    const uint8_t* s = blk.src + m * pitch + (kNibbles ? (blk.k0 + c0) / 2 : blk.k0 + c0);
-    if (m < blk.rows && blk.k0 + c0 + 16 <= blk.cols && reinterpret_cast<uintptr_t>(s) % kInBytes == 0) {
-      if (kNibbles) *reinterpret_cast<uint2*>(in) = *reinterpret_cast<const uint2*>(s);
-      else *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(s);
+    const int64_t m = blk.m0 + row;
+    const uint8_t* s = blk.src + m * blk.cols + blk.k0 + c0;
+    if (m < blk.rows && blk.k0 + c0 + 16 <= blk.cols && reinterpret_cast<uintptr_t>(s) % 16 == 0) {
+      *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(s);
     } else {
 #pragma unroll
-      for (int j = 0; j < kInBytes; ++j)
-        in[j] = m < blk.rows && blk.k0 + c0 + (kNibbles ? 2 * j : j) < blk.cols ? s[j] : 0;
+      for (int j = 0; j < 16; ++j) in[j] = m < blk.rows && blk.k0 + c0 + j < blk.cols ? s[j] : 0;
     }
   }
 
   __device__ void stage(const uint8_t* in, uint8_t (*tile)[64 + 4]) const {
 #pragma unroll
-    for (int j = 0; j < kInBytes; ++j) {
-      if (kNibbles) {
-        tile[row][c0 + 2 * j] = in[j] & 0xFu;
-        tile[row][c0 + 2 * j + 1] = in[j] >> 4;
-      } else {
-        tile[row][c0 + j] = in[j];
-      }
-    }
+    for (int j = 0; j < 16; ++j) tile[row][c0 + j] = in[j];
   }
 
-  // Output row k = k0 + row holds block rows m0.. as bytes (FP8) or nibble pairs (NVFP4).
+  // Output row k = k0 + row holds block rows m0 + c0 .. +15.
   __device__ void store(const TransposeBlock& blk, const uint8_t (*tile)[64 + 4]) const {
     const int64_t k = blk.k0 + row;
     if (k >= blk.cols) return;
-    alignas(16) uint8_t o[kOutBytes];
+    alignas(16) uint8_t o[16];
 #pragma unroll
-    for (int j = 0; j < kOutBytes; ++j)
-      o[j] = kNibbles ? uint8_t(tile[c0 + 2 * j][row] | (tile[c0 + 2 * j + 1][row] << 4)) : tile[c0 + j][row];
-    const int64_t opitch = kNibbles ? blk.rows / 2 : blk.rows, first = kNibbles ? (blk.m0 + c0) / 2 : blk.m0 + c0;
-    uint8_t* d = blk.dst + k * opitch + first;
-    if (blk.m0 + c0 + 16 <= blk.rows && reinterpret_cast<uintptr_t>(d) % kOutBytes == 0) {
-      if (kNibbles) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(o);
-      else *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
+    for (int j = 0; j < 16; ++j) o[j] = tile[c0 + j][row];
+    uint8_t* d = blk.dst + k * blk.rows + blk.m0 + c0;
+    if (blk.m0 + c0 + 16 <= blk.rows && reinterpret_cast<uintptr_t>(d) % 16 == 0) {
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(o);
     } else {
 #pragma unroll
-      for (int j = 0; j < kOutBytes; ++j)
-        if (blk.m0 + c0 + (kNibbles ? 2 * j : j) < blk.rows) d[j] = o[j];
+      for (int j = 0; j < 16; ++j)
+        if (blk.m0 + c0 + j < blk.rows) d[j] = o[j];
     }
   }
 };
 
-// Blocks [b0, b0 + kRun) ∩ [0, num_blocks) of the group. Whether a block holds anything depends on
-// b only, so the whole CTA takes the same branches around __syncthreads.
-template <bool kNibbles, int kRun>
-__device__ void group_transpose_run(const uint8_t* __restrict__ data, uint8_t* __restrict__ out, const GroupTable& table,
-                                    int64_t b0, int64_t num_blocks, int64_t base_field) {
+// FP8 byte transpose of block b (nothing where it holds nothing: that depends on b only, so the
+// whole CTA takes the same branch around __syncthreads).
+__device__ void byte_transpose_block(const uint8_t* __restrict__ data, uint8_t* __restrict__ out,
+                                     const GroupTable& table, int64_t b) {
   static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
-  using Lanes = TransposeLanes<kNibbles>;
   __shared__ uint8_t tile[64][64 + 4];
-  const Lanes lanes;
+  const TransposeLanes lanes;
   BlockParam bp;
-  TransposeBlock blk[kRun];
-  bool live[kRun];
-  alignas(16) uint8_t in[kRun][Lanes::kInBytes];
-#pragma unroll
-  for (int i = 0; i < kRun; ++i) {
-    live[i] = b0 + i < num_blocks && transpose_block_at(table, bp, b0 + i, base_field, data, out, &blk[i]);
-    if (live[i]) lanes.load(blk[i], in[i]);
-  }
-#pragma unroll
-  for (int i = 0; i < kRun; ++i) {
-    if (!live[i]) continue;
-    lanes.stage(in[i], tile);
-    __syncthreads();
-    lanes.store(blk[i], tile);
-    __syncthreads();
-  }
+  TransposeBlock blk;
+  if (!transpose_block_at(table, bp, b, GroupTable::kOffset, data, out, &blk)) return;
+  alignas(16) uint8_t in[16];
+  lanes.load(blk, in);
+  lanes.stage(in, tile);
+  __syncthreads();
+  lanes.store(blk, tile);
 }
 
 int64_t transpose_ctas(int64_t num_blocks, int run) { return (num_blocks + run - 1) / run; }
 
-// CTAs [0, data_ctas): the packed data transpose; the rest grid-stride over the columnwise scale
-// strips (group_scale_t_strip).
+// NVFP4 data_t of 64x64-element block b, one warp, in registers: lane l takes rows m0 + 16 (l / 8) ..
+// +15 and columns k0 + 8 (l % 8) .. +7 (sixteen 4-byte loads; the 8 lanes of a row group read one
+// whole 32-byte sector a row), gathers each of its 8 columns' 16 nibbles into 8 bytes (column_bytes)
+// and stores them: the 4 lanes of a column group fill one output sector. rows, cols % 16 == 0 (the
+// NVFP4 table rule), so a lane's 16 x 8 piece is wholly inside the weight or wholly outside it.
+// Measured on one H200 (2026-11-24, Llama-3-8B layer, 109 MB): 216 us with the shared-memory
+// transpose (single-byte staging) before.
+__device__ void nibble_transpose_block(const GroupTable& table, BlockParam& bp, int64_t b,
+                                       const uint8_t* __restrict__ data, uint8_t* __restrict__ data_t) {
+  TransposeBlock blk;
+  if (!transpose_block_at(table, bp, b, GroupTable::kByteBase, data, data_t, &blk)) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t m = blk.m0 + 16 * (lane / 8), k = blk.k0 + 8 * (lane % 8);
+  if (m >= blk.rows || k >= blk.cols) return;
+  // Aligned: byte bases are multiples of 128, pitches multiples of 8, k / 2 of 4 and m / 2 of 8.
+  const int64_t pitch = blk.cols / 2, opitch = blk.rows / 2;
+  const uint8_t* src = blk.src + m * pitch + k / 2;
+  uint32_t rw[kTile];
+#pragma unroll
+  for (int r = 0; r < kTile; ++r) rw[r] = *reinterpret_cast<const uint32_t*>(src + r * pitch);
+  uint2 cb[8];
+  column_bytes<8>(rw, cb);
+  uint8_t* dst = blk.dst + k * opitch + m / 2;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) *reinterpret_cast<uint2*>(dst + q * opitch) = cb[q];
+}
+
+constexpr int kWarpsPerCta = kThreads / 32;
+
+// CTAs [0, data_ctas): the packed data transpose, one 64x64 block a warp; the rest grid-stride over
+// the columnwise scale strips (group_scale_t_strip).
 __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale_inv,
                                         GroupTable table, int64_t num_blocks, int64_t data_ctas,
                                         uint8_t* __restrict__ data_t, uint8_t* __restrict__ scale_inv_t,
                                         int64_t scale_t_bytes) {
   if (blockIdx.x < data_ctas) {
-    group_transpose_run<true, kNibbleRun>(data, data_t, table, blockIdx.x * int64_t(kNibbleRun), num_blocks,
-                                          GroupTable::kByteBase);
+    const int64_t b = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
+    BlockParam bp;
+    if (b < num_blocks) nibble_transpose_block(table, bp, b, data, data_t);
     return;
   }
   const int64_t stride = (int64_t(gridDim.x) - data_ctas) * blockDim.x;
@@ -590,8 +590,7 @@ __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const 
 
 __global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table, int64_t num_blocks,
                                            uint8_t* __restrict__ data_t) {
-  group_transpose_run<false, kByteRun>(data, data_t, table, blockIdx.x * int64_t(kByteRun), num_blocks,
-                                       GroupTable::kOffset);
+  if (blockIdx.x < num_blocks) byte_transpose_block(data, data_t, table, blockIdx.x);
 }
 
 ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
@@ -601,7 +600,7 @@ ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, f
   JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
   if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
   const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
-  const int64_t data_ctas = transpose_ctas(num_blocks, kNibbleRun);
+  const int64_t data_ctas = transpose_ctas(num_blocks, kWarpsPerCta);
   const int64_t grid = data_ctas + grid_for(group_scale_strips(scale_t_bytes));
   if (num_params == 0) return ffi::Error::Success();
   group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
@@ -618,7 +617,7 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   // Alignment padding between parameters is not written by the blocks: zero it first.
   cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
   if (num_params == 0 || num_blocks == 0) return last_error("fp8 group transpose memset");
-  fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(num_blocks, kByteRun)), kThreads, 0, stream>>>(
+  fp8_group_transpose_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
       data.typed_data(), GroupTable{as_i64(table_words), num_params}, num_blocks,
       data_t->typed_data());
   return last_error("fp8 group transpose kernel");

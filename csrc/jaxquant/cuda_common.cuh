@@ -305,5 +305,40 @@ __device__ __forceinline__ uint32_t e2m1_row(const uint4 raw, const float* v, fl
 #endif
 }
 
+// 4x4 byte transpose: t[i] byte k = a[k] byte i (two rounds of byte permutes).
+__device__ __forceinline__ void transpose_bytes4(const uint32_t a[4], uint32_t t[4]) {
+  const uint32_t b0 = __byte_perm(a[0], a[1], 0x5140), b1 = __byte_perm(a[0], a[1], 0x7362);
+  const uint32_t b2 = __byte_perm(a[2], a[3], 0x5140), b3 = __byte_perm(a[2], a[3], 0x7362);
+  t[0] = __byte_perm(b0, b2, 0x5410);
+  t[1] = __byte_perm(b0, b2, 0x7632);
+  t[2] = __byte_perm(b1, b3, 0x5410);
+  t[3] = __byte_perm(b1, b3, 0x7632);
+}
+
+// Columns of a lane's 16 x kVec codes, packed along the rows: rw[r] holds row r's kVec codes
+// (4 bits each, column q at bit 4q); cb[q] byte b = rows 2b (low nibble) and 2b+1 of column q.
+// Rows 2b and 2b+1 merge into one word of the even columns' bytes and one of the odd columns'
+// (byte i: column 2i or 2i+1), then 4x4 byte transposes gather each column's 8 bytes.
+template <int kVec>
+__device__ __forceinline__ void column_bytes(const uint32_t rw[kTile], uint2 cb[kVec]) {
+  uint32_t even[8], odd[8];
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    const uint32_t lo = rw[2 * b], hi = rw[2 * b + 1];
+    even[b] = (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+    odd[b] = ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
+  }
+  uint32_t e0[4], e1[4], o0[4], o1[4];  // [byte i]: rows 0-7 / 8-15 of column 2i (e) or 2i+1 (o)
+  transpose_bytes4(even, e0);
+  transpose_bytes4(even + 4, e1);
+  transpose_bytes4(odd, o0);
+  transpose_bytes4(odd + 4, o1);
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    cb[2 * i] = make_uint2(e0[i], e1[i]);
+    cb[2 * i + 1] = make_uint2(o0[i], o1[i]);
+  }
+}
+
 }  // namespace
 }  // namespace jaxquant

@@ -7,7 +7,7 @@
 // Template parameters: kBf16 (input is bf16) and kRound (fp32 input rounded to bf16 where it is
 // loaded: the compute dtype, docs/numerics.md §2 "Compute dtype"; never set with kBf16).
 // Needs <type_traits> (included by cuda_common.cuh at file scope); load_raw16 and to_compute are
-// cuda_common.cuh's (the grouped kernels use them too).
+// cuda_common.cuh's, as are transpose_bytes4 and column_bytes (the grouped kernels use them too).
 #pragma once
 
 // kLastFirst: the cast kernels read their input last part first. The statistics pass before them
@@ -252,41 +252,6 @@ __global__ void __launch_bounds__(kThreads) nvfp4_stats_kernel(const void* __res
     if (blk.valid && blk.lane % B::kLanesPerTile == 0) tile_amax[blk.tile_row * (cols / kTile) + blk.col / kTile] = t;
   }
   block_publish(m, c, amax_bits, count);
-}
-
-// 4x4 byte transpose: t[i] byte k = a[k] byte i (two rounds of byte permutes).
-__device__ __forceinline__ void transpose_bytes4(const uint32_t a[4], uint32_t t[4]) {
-  const uint32_t b0 = __byte_perm(a[0], a[1], 0x5140), b1 = __byte_perm(a[0], a[1], 0x7362);
-  const uint32_t b2 = __byte_perm(a[2], a[3], 0x5140), b3 = __byte_perm(a[2], a[3], 0x7362);
-  t[0] = __byte_perm(b0, b2, 0x5410);
-  t[1] = __byte_perm(b0, b2, 0x7632);
-  t[2] = __byte_perm(b1, b3, 0x5410);
-  t[3] = __byte_perm(b1, b3, 0x7632);
-}
-
-// Columns of a lane's 16 x kVec codes, packed along the rows: rw[r] holds row r's kVec codes
-// (4 bits each, column q at bit 4q); cb[q] byte b = rows 2b (low nibble) and 2b+1 of column q.
-// Rows 2b and 2b+1 merge into one word of the even columns' bytes and one of the odd columns'
-// (byte i: column 2i or 2i+1), then 4x4 byte transposes gather each column's 8 bytes.
-template <int kVec>
-__device__ __forceinline__ void column_bytes(const uint32_t rw[kTile], uint2 cb[kVec]) {
-  uint32_t even[8], odd[8];
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    const uint32_t lo = rw[2 * b], hi = rw[2 * b + 1];
-    even[b] = (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
-    odd[b] = ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
-  }
-  uint32_t e0[4], e1[4], o0[4], o1[4];  // [byte i]: rows 0-7 / 8-15 of column 2i (e) or 2i+1 (o)
-  transpose_bytes4(even, e0);
-  transpose_bytes4(even + 4, e1);
-  transpose_bytes4(odd, o0);
-  transpose_bytes4(odd + 4, o1);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    cb[2 * i] = make_uint2(e0[i], e1[i]);
-    cb[2 * i + 1] = make_uint2(o0[i], o1[i]);
-  }
 }
 
 // Zeroes the padding rows [rows, ru(rows, 128)) of a padded scale array [*, pc] (grid-stride).
