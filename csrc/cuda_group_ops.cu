@@ -204,7 +204,7 @@ __global__ void group_cast_kernel(const void* __restrict__ x, int64_t n, const i
     }
     if (p >= 0 && y0 - pbeg < pbytes) {
       const int64_t e0 = 2 * (y0 - pbeg);
-      const int64_t row = div_nonneg(e0, pcols), t = ptiles + (row / kTile) * (pcols / kTile) + (e0 - row * pcols) / kTile;
+      const int64_t t = GroupTable::tile_in(ptiles, pcols, e0);
       const float m = t < num_tiles ? enc[t] : 0.0f;
       const int64_t i0 = poff + e0 - r * n;  // local index of element e0
       if (i0 >= 0 && i0 + 16 <= n) {
@@ -459,26 +459,15 @@ struct TransposeBlock {
   int64_t rows, cols, m0, k0;
 };
 
-// Parameter of block b, cached across calls (blocks of a CTA ascend).
-struct BlockParam {
-  int64_t p = -1, first = 0, next = 0;
-  __device__ bool locate(const GroupTable& table, int64_t b) {
-    if (p < 0 || b < first || b >= next) {
-      p = table.find(b, GroupTable::kBlockBase);
-      if (p < 0) return false;
-      first = table.at(p, GroupTable::kBlockBase);
-      next = p + 1 < table.num_params ? table.at(p + 1, GroupTable::kBlockBase) : INT64_MAX;
-    }
-    return true;
-  }
-};
-
 // Block b of the group; false where it holds nothing (past the parameter's rows, or no parameter).
-__device__ bool transpose_block_at(const GroupTable& table, BlockParam& bp, int64_t b, int64_t base_field,
+// One table search a block: a warp or CTA handles a single block.
+__device__ bool transpose_block_at(const GroupTable& table, int64_t b, int64_t base_field,
                                    const uint8_t* data, uint8_t* out, TransposeBlock* blk) {
-  if (!bp.locate(table, b)) return false;
-  const int64_t p = bp.p, rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
-  const int64_t nbx = (cols + 63) / 64, local = b - bp.first, base = table.at(p, base_field);
+  const int64_t p = table.find(b, GroupTable::kBlockBase);
+  if (p < 0) return false;
+  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+  const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
+  const int64_t base = table.at(p, base_field);
   *blk = {data + base, out + base, rows, cols, (local / nbx) * 64, (local % nbx) * 64};
   return blk->m0 < rows;
 }
@@ -529,9 +518,8 @@ __device__ void byte_transpose_block(const uint8_t* __restrict__ data, uint8_t* 
   static_assert(kThreads == 256, "one 64x64 block: 64 rows x 4 threads");
   __shared__ uint8_t tile[64][64 + 4];
   const TransposeLanes lanes;
-  BlockParam bp;
   TransposeBlock blk;
-  if (!transpose_block_at(table, bp, b, GroupTable::kOffset, data, out, &blk)) return;
+  if (!transpose_block_at(table, b, GroupTable::kOffset, data, out, &blk)) return;
   alignas(16) uint8_t in[16];
   lanes.load(blk, in);
   lanes.stage(in, tile);
@@ -548,10 +536,10 @@ int64_t transpose_ctas(int64_t num_blocks, int run) { return (num_blocks + run -
 // NVFP4 table rule), so a lane's 16 x 8 piece is wholly inside the weight or wholly outside it.
 // Measured on one H200 (2026-11-24, Llama-3-8B layer, 109 MB): 216 us with the shared-memory
 // transpose (single-byte staging) before.
-__device__ void nibble_transpose_block(const GroupTable& table, BlockParam& bp, int64_t b,
-                                       const uint8_t* __restrict__ data, uint8_t* __restrict__ data_t) {
+__device__ void nibble_transpose_block(const GroupTable& table, int64_t b, const uint8_t* __restrict__ data,
+                                       uint8_t* __restrict__ data_t) {
   TransposeBlock blk;
-  if (!transpose_block_at(table, bp, b, GroupTable::kByteBase, data, data_t, &blk)) return;
+  if (!transpose_block_at(table, b, GroupTable::kByteBase, data, data_t, &blk)) return;
   const int lane = threadIdx.x % 32;
   const int64_t m = blk.m0 + 16 * (lane / 8), k = blk.k0 + 8 * (lane % 8);
   if (m >= blk.rows || k >= blk.cols) return;
@@ -578,8 +566,7 @@ __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const 
                                         int64_t scale_t_bytes) {
   if (blockIdx.x < data_ctas) {
     const int64_t b = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
-    BlockParam bp;
-    if (b < num_blocks) nibble_transpose_block(table, bp, b, data, data_t);
+    if (b < num_blocks) nibble_transpose_block(table, b, data, data_t);
     return;
   }
   const int64_t stride = (int64_t(gridDim.x) - data_ctas) * blockDim.x;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nsight Compute view of the single-tensor quantize kernels in one device call: builds the CUDA
+# Nsight Compute view of the quantize kernels (single tensor, or the master-weight step's grouped ones) in one device call: builds the CUDA
 # extension (SKIP_BUILD=1 reuses a warm machine's build), runs each op of $NCU_OPS on an $NCU_SHAPE
 # input under `ncu --set full` (kernels of this extension matching $NCU_KERNELS; each op runs twice and
 # both calls are profiled), and writes the details page, a CSV of key metrics and the SASS of

@@ -59,9 +59,12 @@ struct GroupTable {
   }
 
   // Packed tile index of element e of parameter p.
-  JQ_HD int64_t tile_of(int64_t p, int64_t e) const {
-    const int64_t cols = at(p, kCols), row = div_nonneg(e, cols), col = e - row * cols;
-    return at(p, kTileBase) + (row / kTile) * (cols / kTile) + col / kTile;
+  JQ_HD int64_t tile_of(int64_t p, int64_t e) const { return tile_in(at(p, kTileBase), at(p, kCols), e); }
+
+  // The same from the parameter's tile_base and cols (kernels that keep them in registers).
+  JQ_HD static int64_t tile_in(int64_t tile_base, int64_t cols, int64_t e) {
+    const int64_t row = div_nonneg(e, cols), col = e - row * cols;
+    return tile_base + (row / kTile) * (cols / kTile) + col / kTile;
   }
 };
 
