@@ -10,27 +10,11 @@ namespace {
 
 // ---- FP8 statistics (amax and the non-finite count, one read) --------------------------------
 //
-// The max is taken on magnitude bits (|x| of a non-NaN float orders like its bits): one AND and
-// one integer max an element (a packed 16x2 max for bf16). A vector whose largest magnitude could
-// be non-finite after the compute-dtype rounding (kFp8Suspect) goes through the per-element
+// The max is taken on magnitude bits (vector_magnitude_bits): one AND and one integer max an
+// element (a packed 16x2 max for bf16). A vector whose largest magnitude could be non-finite
+// after the compute-dtype rounding (kNonFiniteBits) goes through the per-element
 // numerics path instead (rare: inf/NaN inputs). Rounding to bf16 is monotone and odd, so the max
 // of the rounded magnitudes is the rounding of the max magnitude: it is rounded once per thread.
-
-// Smallest fp32 magnitude bits that are non-finite in the compute dtype: bf16 RNE sends
-// 0x7F7F8000 and above to inf (the tie goes to the even inf), NaN bits are above inf.
-template <bool kRound>
-constexpr uint32_t kFp8Suspect = kRound ? 0x7F7F8000u : 0x7F800000u;
-
-// Packed max of the two unsigned 16-bit halves (one instruction on sm_90+).
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
-#if __CUDA_ARCH__ >= 900
-  uint32_t r;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-#else
-  return __vmaxu2(a, b);
-#endif
-}
 
 // Exact statistics of one element (docs/numerics.md §1.1): rounding, NaN ignored, counted.
 template <bool kRound>
@@ -44,18 +28,11 @@ __device__ __forceinline__ void stats_exact(float v, float& m, int& c) {
 // max of 16-bit halves), or into (m, c) element by element when it holds a suspect value.
 template <bool kBf16, bool kRound>
 __device__ __forceinline__ void stats_vector(const uint4 raw, uint32_t& acc, float& m, int& c) {
-  bool suspect;
-  uint32_t vm;
-  if constexpr (kBf16) {
-    vm = max_u16x2(max_u16x2(raw.x & 0x7FFF7FFFu, raw.y & 0x7FFF7FFFu),
-                   max_u16x2(raw.z & 0x7FFF7FFFu, raw.w & 0x7FFF7FFFu));
-    suspect = ((vm + 0x00800080u) & 0x80008000u) != 0;  // a half >= 0x7F80 (no carry: halves < 0x8000)
-  } else {
-    vm = max(max(raw.x & 0x7FFFFFFFu, raw.y & 0x7FFFFFFFu), max(raw.z & 0x7FFFFFFFu, raw.w & 0x7FFFFFFFu));
-    suspect = vm >= kFp8Suspect<kRound>;
-  }
+  const uint32_t vm = vector_magnitude_bits<kBf16>(raw);
+  const bool suspect = kBf16 ? ((vm + 0x00800080u) & 0x80008000u) != 0  // a half >= 0x7F80 (no carry: halves < 0x8000)
+                             : vm >= kNonFiniteBits<kRound>;
   if (__builtin_expect(!suspect, 1)) {
-    acc = kBf16 ? max_u16x2(acc, vm) : max(acc, vm);
+    acc = max_magnitude_bits<kBf16>(acc, vm);
     return;
   }
   float v[kBf16 ? 8 : 4];
@@ -65,7 +42,7 @@ __device__ __forceinline__ void stats_vector(const uint4 raw, uint32_t& acc, flo
 }
 
 // Grid-stride over 16-byte vectors, kInFlight independent loads a lane before the first use
-// (consecutive lanes read consecutive vectors); full rounds unpredicated. Scalar tail.
+// (consecutive lanes read consecutive vectors); full rounds unpredicated, the last one predicated. Scalar tail.
 template <bool kBf16, bool kRound>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const void* __restrict__ x, int64_t n, uint32_t* amax_bits,
                                                         int32_t* count) {
@@ -85,9 +62,19 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const void* __restrict__
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) stats_vector<kBf16, kRound>(vs[j], acc, m, c);
   }
-  for (; i0 < nvec; i0 += stride) stats_vector<kBf16, kRound>(vx[i0], acc, m, c);
+  // The last partial round: this thread's remaining loads (fewer than kInFlight) are still all in
+  // flight together; one at a time, each would wait a full memory latency at the end of the kernel.
+  if (i0 < nvec) {
+    uint4 vs[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (i0 + j * stride < nvec) vs[j] = vx[i0 + j * stride];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j)
+      if (i0 + j * stride < nvec) stats_vector<kBf16, kRound>(vs[j], acc, m, c);
+  }
   for (int64_t i = nvec * kVec + tid; i < n; i += stride) stats_exact<kRound>(load_as_float(x, kBf16, i), m, c);
-  if (kBf16) acc = max(acc & 0xFFFFu, acc >> 16) << 16;
+  acc = widen_magnitude_bits<kBf16>(acc);
   const float fast = kRound ? round_to_bf16(__uint_as_float(acc)) : __uint_as_float(acc);
   block_publish(fmaxf(m, fast), c, amax_bits, count);
 }

@@ -179,6 +179,30 @@ def test_nvfp4_stages_custom_equal_reference(rng, in_dtype, compute, shape):
                     assert_bytes_equal(a, b, f"{name} columnwise={columnwise} {field}")
 
 
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("compute", list(COMPUTE))
+def test_nvfp4_stats_nonfinite_tiles(in_dtype, compute):
+    """Tiles holding NaN, ±inf or values at the bf16 overflow threshold (0x7F7F7FFF stays finite,
+    0x7F7F8000 rounds to inf) beside finite tiles: each tile's amax and the count equal the
+    reference (the GPU kernel takes such tiles apart element by element, the rest by magnitude bits)."""
+    x = np.random.default_rng(11).standard_normal((80, 96)).astype(np.float32)
+    bits = lambda b: np.array(b, np.uint32).view(np.float32)
+    x[0, 0] = np.nan                      # tile (0, 0): NaN beside finite values
+    x[17, 35] = -np.inf                   # tile (1, 2)
+    x[33, 50], x[34, 51] = np.nan, -np.nan  # tile (2, 3): two NaNs
+    x[50, 70] = bits(0x7F7F7FFF)          # tile (3, 4): largest value that stays finite in bf16
+    x[66, 90] = -bits(0x7F7F8000)         # tile (4, 5): rounds to -inf in bf16
+    x[79, 95] = np.inf                    # the last tile, last element
+    v = _as_input(x, in_dtype)
+    cd = COMPUTE[compute]
+    ref = nvfp4_stats_j(v, compute_dtype=cd, impl="reference")
+    cus = nvfp4_stats_j(v, compute_dtype=cd, impl="custom_call")
+    for field, a, b in zip(("tile_amax", "amax", "count"), cus, ref):
+        assert_bytes_equal(a, b, field)
+    nonfinite = 5 + (in_dtype == jnp.bfloat16 or compute == "bf16")   # 3 NaN, ±inf; + the one rounded to -inf
+    assert int(ref[2]) == nonfinite
+
+
 def test_nvfp4_quantize_e2m1_rounding_sweep():
     """Every E2M1 decision: with tile amax 6 and global amax 2688 each tile's encode multiplier is
     exactly 1, so the codes are the E2M1 rounding of x itself: a dense sweep of [-8, 8], the ties

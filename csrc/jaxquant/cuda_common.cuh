@@ -150,22 +150,61 @@ __device__ __forceinline__ void to_compute(const uint4 raw, float* v) {
 
 // ---- compute-dtype statistics without rounding each value --------------------------------------
 
+// Smallest fp32 magnitude bits that are non-finite in the compute dtype: bf16 RNE sends 0x7F7F8000
+// (0x1.FFp127, halfway from the largest bf16 to 2^128) and above to inf (the tie goes to the even
+// inf); NaN bits lie above inf's.
+template <bool kRound>
+constexpr uint32_t kNonFiniteBits = kRound ? 0x7F7F8000u : 0x7F800000u;
+
 // Running amax and non-finite count of values as the compute dtype sees them (docs/numerics.md §2,
 // "Compute dtype"), fed the raw input values: rounding to bf16 is monotonic in |x|, so the max of the
 // rounded |x| is the rounded max of |x| (rounded once, in result()), and x rounds to ±inf or is NaN
-// exactly when !(|x| < 0x1.FFp127) (bits 0x7F7F8000, halfway from the largest bf16 to 2^128). fmaxf
-// drops NaN as abs_ignoring_nan does. Three instructions an element instead of a rounding each.
+// exactly when its magnitude bits reach kNonFiniteBits. fmaxf drops NaN as abs_ignoring_nan does.
+// Three instructions an element instead of a rounding each.
 template <bool kRound>
 struct ComputeAmax {
   float m = 0.0f;
   int nonfinite = 0;
   __device__ __forceinline__ void add(float x) {
-    const float limit = kRound ? __uint_as_float(0x7F7F8000u) : __uint_as_float(0x7F800000u);
     m = fmaxf(m, fabsf(x));
-    nonfinite += !(fabsf(x) < limit);
+    nonfinite += !(fabsf(x) < __uint_as_float(kNonFiniteBits<kRound>));
   }
   __device__ __forceinline__ float result() const { return kRound ? round_to_bf16(m) : m; }
 };
+
+// Packed max of the two unsigned 16-bit halves (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
+// Magnitude bits, for the statistics passes: |x| of a non-NaN float orders like its bits with the
+// sign cleared, so a max over bits is the amax (NaN bits are larger than inf's, which is how a
+// caller spots the rare vector that needs ComputeAmax). fp32: one word per element; bf16: both
+// halves at once (packed max), the even elements' in bits 0-15 and the odd ones' in 16-31.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t max_magnitude_bits(uint32_t a, uint32_t b) {
+  return kBf16 ? max_u16x2(a, b) : max(a, b);
+}
+
+// The largest magnitude bits of a 16-byte vector (packed halves for bf16).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t vector_magnitude_bits(const uint4 raw) {
+  constexpr uint32_t kMask = kBf16 ? 0x7FFF7FFFu : 0x7FFFFFFFu;
+  return max_magnitude_bits<kBf16>(max_magnitude_bits<kBf16>(raw.x & kMask, raw.y & kMask),
+                                   max_magnitude_bits<kBf16>(raw.z & kMask, raw.w & kMask));
+}
+
+// fp32 bits of the larger magnitude held in running magnitude bits (bf16: the larger half).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t widen_magnitude_bits(uint32_t acc) {
+  return kBf16 ? max(acc & 0xFFFFu, acc >> 16) << 16 : acc;
+}
 
 // ---- loads of 4 consecutive elements ---------------------------------------------------------
 

@@ -219,10 +219,13 @@ struct Nvfp4Block {
 
 // Grid-stride over 64-row block items (gridDim.y of them at a time; the launcher caps it for bf16):
 // with one item per block, bf16 input ran in ~6 short waves at 8192² whose fixed latency was as long
-// as their transfer (1.97x the one-read floor on an H200, now 1.42x; fp32 1.08x); a block publishes
-// its amax and count once.
+// as their transfer; a block publishes its amax and count once. A lane's 16 rows are all in flight
+// before the first use, and they stay live until the tile's max is known: only a tile holding a
+// value that is non-finite in the compute dtype is taken again element by element (ComputeAmax),
+// the rest costs one AND and one integer max an element (vector_magnitude_bits; kRound: the max
+// rounded once, docs/numerics.md §2 "Compute dtype").
 template <bool kBf16, bool kRound>
-__global__ void __launch_bounds__(kThreads) nvfp4_stats_kernel(const void* __restrict__ x, int64_t rows,
+__global__ void __launch_bounds__(kThreads, 3) nvfp4_stats_kernel(const void* __restrict__ x, int64_t rows,
                                                                int64_t cols, bool aligned,
                                                                float* __restrict__ tile_amax, uint32_t* amax_bits,
                                                                int32_t* count) {
@@ -235,15 +238,23 @@ __global__ void __launch_bounds__(kThreads) nvfp4_stats_kernel(const void* __res
     if (blk.valid) {
       uint4 raw[kTile];
       blk.load(x, cols, aligned, raw);
+      uint32_t acc = 0;
 #pragma unroll
-      for (int r = 0; r < kTile; ++r) {
-        float v[B::kVec];
-        to_compute<kBf16, kRound, true>(raw[r], v);
+      for (int r = 0; r < kTile; ++r) acc = max_magnitude_bits<kBf16>(acc, vector_magnitude_bits<kBf16>(raw[r]));
+      const uint32_t top = widen_magnitude_bits<kBf16>(acc);
+      if (__builtin_expect(top < kNonFiniteBits<kRound>, 1)) {
+        t = kRound ? round_to_bf16(__uint_as_float(top)) : __uint_as_float(top);
+      } else {
+        ComputeAmax<kRound> exact;
 #pragma unroll
-        for (int k = 0; k < B::kVec; ++k) {
-          t = fmaxf(t, abs_ignoring_nan(v[k]));
-          c += !is_finite(v[k]);
+        for (int r = 0; r < kTile; ++r) {
+          float v[B::kVec];
+          to_compute<kBf16, false>(raw[r], v);  // raw values: ComputeAmax rounds
+#pragma unroll
+          for (int k = 0; k < B::kVec; ++k) exact.add(v[k]);
         }
+        t = exact.result();
+        c += exact.nonfinite;
       }
     }
     m = fmaxf(m, t);
@@ -265,7 +276,8 @@ __device__ void zero_scale_padding_rows(uint8_t* scale, int64_t rows, int64_t pc
 // One read of x writes data, scale_inv and (kColumnwise) data_t, scale_inv_t. Tile scales come
 // from tile_amax and amax in the kernel (nvfp4_tile_scale_bits / nvfp4_tile_encode). The tile
 // scales of the block item and the column-packed codes go through shared memory so that the
-// scale rows and the transpose are written in whole 32-byte sectors.
+// scale rows and the transpose are written in whole 32-byte sectors. The loops that write them step
+// by kThreads (the launch's block size), not blockDim.x, so that they unroll with constant offsets.
 template <bool kBf16, bool kRound, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __restrict__ x, int64_t rows,
                                                                   int64_t cols, bool aligned,
@@ -318,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   __syncthreads();
   // Rowwise scales: 64 rows x kTileCols entries, 4-byte words (padding columns as zeros).
   const int64_t row0 = item * 64, j0 = int64_t(blockIdx.x) * B::kTileCols;
-  for (int i = threadIdx.x; i < 64 * B::kTileCols / 4; i += blockDim.x) {
+  for (int i = threadIdx.x; i < 64 * B::kTileCols / 4; i += kThreads) {
     const int dr = i / (B::kTileCols / 4), dj = (i % (B::kTileCols / 4)) * 4;
     const int64_t r = row0 + dr, j = j0 + dj;
     if (r >= rows || j >= pc) continue;
@@ -330,14 +342,14 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   if (!kColumnwise) return;
   // Transposed codes: per column, 8 bytes per tile row (4 lanes write a column's 32 bytes).
   const int64_t c0 = int64_t(blockIdx.x) * B::kSpan, half = rows / 2;
-  for (int i = threadIdx.x; i < 4 * B::kSpan; i += blockDim.x) {
+  for (int i = threadIdx.x; i < 4 * B::kSpan; i += kThreads) {
     const int dc = i / 4, tr = i % 4;
     const int64_t k = c0 + dc, ti = item * 4 + tr;
     if (k < cols && ti < trows) *reinterpret_cast<uint2*>(data_t + k * half + ti * 8) = codes_t[tr][padded_col(dc)];
   }
   // Transposed scales: scale_inv_t[k, i] = s8[i, k / 16]; one word covers this block's 4 tile rows.
   const int64_t pct = nvfp4_scale_cols(rows);
-  for (int dc = threadIdx.x; dc < B::kSpan; dc += blockDim.x) {
+  for (int dc = threadIdx.x; dc < B::kSpan; dc += kThreads) {
     const int64_t k = c0 + dc;
     if (k >= cols) continue;
     uint32_t w = 0;
