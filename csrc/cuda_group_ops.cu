@@ -450,48 +450,47 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
 
 // Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
 // block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks). Both
-// work in registers, a warp a block (byte_transpose_block, nibble_transpose_block).
-struct TransposeBlock {
-  const uint8_t* src;
-  uint8_t* dst;
-  int64_t rows, cols, m0, k0;
+// work in registers, a warp a block (byte_transpose_block, nibble_transpose_block): lane l takes the
+// 16 x 8-element piece at rows m0 + 16 (l / 8) .. +15 and columns k0 + 8 (l % 8) .. +7.
+struct TransposePiece {
+  const uint8_t* src;  // the parameter's first source byte
+  uint8_t* dst;        // and its first output byte
+  int64_t rows, cols, m, k;  // its shape; the piece's first row and column
 };
 
-// Block b of the group; false where it holds nothing (past the parameter's rows, or no parameter).
-// One table search a block: a warp or CTA handles a single block.
-__device__ bool transpose_block_at(const GroupTable& table, int64_t b, int64_t base_field,
-                                   const uint8_t* data, uint8_t* out, TransposeBlock* blk) {
+// This lane's piece of block b; false where it holds nothing (no parameter, or past its rows or
+// columns). One table search a block: a warp handles a single block.
+__device__ bool transpose_piece_at(const GroupTable& table, int64_t b, int64_t base_field, const uint8_t* data,
+                                   uint8_t* out, TransposePiece* piece) {
   const int64_t p = table.find(b, GroupTable::kBlockBase);
   if (p < 0) return false;
   const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
   const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
   const int64_t base = table.at(p, base_field);
-  *blk = {data + base, out + base, rows, cols, (local / nbx) * 64, (local % nbx) * 64};
-  return blk->m0 < rows;
+  const int lane = threadIdx.x % 32;
+  *piece = {data + base, out + base, rows, cols, (local / nbx) * 64 + 16 * (lane / 8), (local % nbx) * 64 + 8 * (lane % 8)};
+  return piece->m < rows && piece->k < cols;
 }
 
-// FP8 data_t of 64x64-element block b, one warp, in registers: lane l takes rows m0 + 16 (l / 8) ..
-// +15 and columns k0 + 8 (l % 8) .. +7 (sixteen 8-byte loads; the 8 lanes of a row group read 64
-// contiguous bytes a row), transposes its 16 x 8 bytes with 4x4 byte permutes and stores each
-// column's 16 bytes at once (the 4 lanes of a column group write 64 contiguous bytes). FP8 weights
-// have any shape and offset: a lane whose piece crosses the weight's edge, or whose rows or columns
-// are not aligned for the vectors, moves its bytes one at a time. Measured on one H200 (2026-11-24,
-// Llama-3-8B layer, 218 MB): 193 us with the shared-memory transpose (single-byte staging) before.
+// FP8 data_t of 64x64-element block b, one warp, in registers: a lane makes sixteen 8-byte loads of
+// its piece (the 8 lanes of a row group read 64 contiguous bytes a row), transposes its 16 x 8 bytes
+// with 4x4 byte permutes and stores each column's 16 bytes at once (the 4 lanes of a column group
+// write 64 contiguous bytes). FP8 weights have any shape and offset: a lane whose piece crosses the
+// weight's edge, or whose rows or columns are not aligned for the vectors, moves its bytes one at a
+// time. One H200, Llama-3-8B layer (218 MB): 123 us (2026-11-25); 193 us plus a memset of the whole
+// output with the shared-memory transpose (single-byte staging) before.
 __device__ void byte_transpose_block(const GroupTable& table, int64_t b, const uint8_t* __restrict__ data,
                                      uint8_t* __restrict__ data_t) {
-  TransposeBlock blk;
-  if (!transpose_block_at(table, b, GroupTable::kOffset, data, data_t, &blk)) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t m = blk.m0 + 16 * (lane / 8), k = blk.k0 + 8 * (lane % 8);
-  if (m >= blk.rows || k >= blk.cols) return;
-  const uint8_t* src = blk.src + m * blk.cols + k;
-  uint8_t* dst = blk.dst + k * blk.rows + m;
-  const bool vector = m + 16 <= blk.rows && k + 8 <= blk.cols && blk.cols % 8 == 0 && blk.rows % 16 == 0 &&
+  TransposePiece pc;
+  if (!transpose_piece_at(table, b, GroupTable::kOffset, data, data_t, &pc)) return;
+  const uint8_t* src = pc.src + pc.m * pc.cols + pc.k;
+  uint8_t* dst = pc.dst + pc.k * pc.rows + pc.m;
+  const bool vector = pc.m + 16 <= pc.rows && pc.k + 8 <= pc.cols && pc.cols % 8 == 0 && pc.rows % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(src) % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   if (vector) {
     uint2 in[kTile];
 #pragma unroll
-    for (int r = 0; r < kTile; ++r) in[r] = *reinterpret_cast<const uint2*>(src + r * blk.cols);
+    for (int r = 0; r < kTile; ++r) in[r] = *reinterpret_cast<const uint2*>(src + r * pc.cols);
     uint32_t t[4][8];  // [row group][column]: the column's bytes of the group's 4 rows
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
@@ -502,12 +501,12 @@ __device__ void byte_transpose_block(const GroupTable& table, int64_t b, const u
     }
 #pragma unroll
     for (int q = 0; q < 8; ++q)
-      *reinterpret_cast<uint4*>(dst + q * blk.rows) = make_uint4(t[0][q], t[1][q], t[2][q], t[3][q]);
+      *reinterpret_cast<uint4*>(dst + q * pc.rows) = make_uint4(t[0][q], t[1][q], t[2][q], t[3][q]);
     return;
   }
-  const int nr = static_cast<int>(blk.rows - m < 16 ? blk.rows - m : 16), nc = static_cast<int>(blk.cols - k < 8 ? blk.cols - k : 8);
-  for (int q = 0; q < nc; ++q)
-    for (int r = 0; r < nr; ++r) dst[q * blk.rows + r] = src[r * blk.cols + q];
+  const int64_t nr = pc.rows - pc.m < 16 ? pc.rows - pc.m : 16, nc = pc.cols - pc.k < 8 ? pc.cols - pc.k : 8;
+  for (int64_t q = 0; q < nc; ++q)
+    for (int64_t r = 0; r < nr; ++r) dst[q * pc.rows + r] = src[r * pc.cols + q];
 }
 
 // Zeroes gap g of an FP8 transpose's output (g in [0, P]): the bytes before parameter g that follow
@@ -518,31 +517,27 @@ __device__ void zero_gap(const GroupTable& table, int64_t g, int64_t n, uint8_t*
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) data_t[i] = 0;
 }
 
-int64_t transpose_ctas(int64_t num_blocks, int run) { return (num_blocks + run - 1) / run; }
+int64_t transpose_ctas(int64_t num_blocks, int per_cta) { return (num_blocks + per_cta - 1) / per_cta; }
 
-// NVFP4 data_t of 64x64-element block b, one warp, in registers: lane l takes rows m0 + 16 (l / 8) ..
-// +15 and columns k0 + 8 (l % 8) .. +7 (sixteen 4-byte loads; the 8 lanes of a row group read one
-// whole 32-byte sector a row), gathers each of its 8 columns' 16 nibbles into 8 bytes (column_bytes)
-// and stores them: the 4 lanes of a column group fill one output sector. rows, cols % 16 == 0 (the
-// NVFP4 table rule), so a lane's 16 x 8 piece is wholly inside the weight or wholly outside it.
-// Measured on one H200 (2026-11-24, Llama-3-8B layer, 109 MB): 216 us with the shared-memory
-// transpose (single-byte staging) before.
+// NVFP4 data_t of 64x64-element block b, one warp, in registers: a lane makes sixteen 4-byte loads
+// of its piece (the 8 lanes of a row group read one whole 32-byte sector a row), gathers each of its
+// 8 columns' 16 nibbles into 8 bytes (column_bytes) and stores them: the 4 lanes of a column group
+// fill one output sector. rows, cols % 16 == 0 (the NVFP4 table rule), so a lane's piece is wholly
+// inside the weight or wholly outside it. Measured on one H200 (2026-11-24, Llama-3-8B layer,
+// 109 MB): 216 us with the shared-memory transpose (single-byte staging) before.
 __device__ void nibble_transpose_block(const GroupTable& table, int64_t b, const uint8_t* __restrict__ data,
                                        uint8_t* __restrict__ data_t) {
-  TransposeBlock blk;
-  if (!transpose_block_at(table, b, GroupTable::kByteBase, data, data_t, &blk)) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t m = blk.m0 + 16 * (lane / 8), k = blk.k0 + 8 * (lane % 8);
-  if (m >= blk.rows || k >= blk.cols) return;
+  TransposePiece pc;
+  if (!transpose_piece_at(table, b, GroupTable::kByteBase, data, data_t, &pc)) return;
   // Aligned: byte bases are multiples of 128, pitches multiples of 8, k / 2 of 4 and m / 2 of 8.
-  const int64_t pitch = blk.cols / 2, opitch = blk.rows / 2;
-  const uint8_t* src = blk.src + m * pitch + k / 2;
+  const int64_t pitch = pc.cols / 2, opitch = pc.rows / 2;
+  const uint8_t* src = pc.src + pc.m * pitch + pc.k / 2;
   uint32_t rw[kTile];
 #pragma unroll
   for (int r = 0; r < kTile; ++r) rw[r] = *reinterpret_cast<const uint32_t*>(src + r * pitch);
   uint2 cb[8];
   column_bytes<8>(rw, cb);
-  uint8_t* dst = blk.dst + k * opitch + m / 2;
+  uint8_t* dst = pc.dst + pc.k * opitch + pc.m / 2;
 #pragma unroll
   for (int q = 0; q < 8; ++q) *reinterpret_cast<uint2*>(dst + q * opitch) = cb[q];
 }

@@ -13,32 +13,18 @@ namespace {
 // The max is taken on magnitude bits (vector_magnitude_bits): one AND and one integer max an
 // element (a packed 16x2 max for bf16). A vector whose largest magnitude could be non-finite
 // after the compute-dtype rounding (kNonFiniteBits) goes through the per-element
-// numerics path instead (rare: inf/NaN inputs). Rounding to bf16 is monotone and odd, so the max
+// ComputeAmax instead (rare: inf/NaN inputs). Rounding to bf16 is monotone and odd, so the max
 // of the rounded magnitudes is the rounding of the max magnitude: it is rounded once per thread.
 
-// Exact statistics of one element (docs/numerics.md §1.1): rounding, NaN ignored, counted.
-template <bool kRound>
-__device__ __forceinline__ void stats_exact(float v, float& m, int& c) {
-  const float a = kRound ? round_to_bf16(v) : v;
-  m = fmaxf(m, abs_ignoring_nan(a));
-  c += !is_finite(a);
-}
-
 // Folds one 16-byte vector into the running magnitude bits `acc` (fp32: max bits; bf16: packed
-// max of 16-bit halves), or into (m, c) element by element when it holds a suspect value.
+// max of 16-bit halves), or into `exact` element by element when it holds a suspect value.
 template <bool kBf16, bool kRound>
-__device__ __forceinline__ void stats_vector(const uint4 raw, uint32_t& acc, float& m, int& c) {
+__device__ __forceinline__ void stats_vector(const uint4 raw, uint32_t& acc, ComputeAmax<kRound>& exact) {
   const uint32_t vm = vector_magnitude_bits<kBf16>(raw);
   const bool suspect = kBf16 ? ((vm + 0x00800080u) & 0x80008000u) != 0  // a half >= 0x7F80 (no carry: halves < 0x8000)
                              : vm >= kNonFiniteBits<kRound>;
-  if (__builtin_expect(!suspect, 1)) {
-    acc = max_magnitude_bits<kBf16>(acc, vm);
-    return;
-  }
-  float v[kBf16 ? 8 : 4];
-  to_compute<kBf16, false>(raw, v);  // raw values; stats_exact rounds
-#pragma unroll
-  for (int k = 0; k < (kBf16 ? 8 : 4); ++k) stats_exact<kRound>(v[k], m, c);
+  if (__builtin_expect(!suspect, 1)) acc = max_magnitude_bits<kBf16>(acc, vm);
+  else exact.add_vector<kBf16>(raw);
 }
 
 // Grid-stride over 16-byte vectors, kInFlight independent loads a lane before the first use
@@ -48,8 +34,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const void* __restrict__
                                                         int32_t* count) {
   constexpr int kVec = kBf16 ? 8 : 4, kInFlight = 8;
   uint32_t acc = 0;
-  float m = 0.0f;
-  int c = 0;
+  ComputeAmax<kRound> exact;  // suspect vectors and the scalar tail
   const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
   const int64_t nvec = aligned ? n / kVec : 0;
@@ -60,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const void* __restrict__
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) vs[j] = vx[i0 + j * stride];
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j) stats_vector<kBf16, kRound>(vs[j], acc, m, c);
+    for (int j = 0; j < kInFlight; ++j) stats_vector<kBf16, kRound>(vs[j], acc, exact);
   }
   // The last partial round: this thread's remaining loads (fewer than kInFlight) are still all in
   // flight together; one at a time, each would wait a full memory latency at the end of the kernel.
@@ -71,12 +56,12 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const void* __restrict__
       if (i0 + j * stride < nvec) vs[j] = vx[i0 + j * stride];
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j)
-      if (i0 + j * stride < nvec) stats_vector<kBf16, kRound>(vs[j], acc, m, c);
+      if (i0 + j * stride < nvec) stats_vector<kBf16, kRound>(vs[j], acc, exact);
   }
-  for (int64_t i = nvec * kVec + tid; i < n; i += stride) stats_exact<kRound>(load_as_float(x, kBf16, i), m, c);
+  for (int64_t i = nvec * kVec + tid; i < n; i += stride) exact.add(load_as_float(x, kBf16, i));
   acc = widen_magnitude_bits<kBf16>(acc);
   const float fast = kRound ? round_to_bf16(__uint_as_float(acc)) : __uint_as_float(acc);
-  block_publish(fmaxf(m, fast), c, amax_bits, count);
+  block_publish(fmaxf(exact.result(), fast), exact.nonfinite, amax_bits, count);
 }
 
 ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,

@@ -169,6 +169,14 @@ struct ComputeAmax {
     m = fmaxf(m, fabsf(x));
     nonfinite += !(fabsf(x) < __uint_as_float(kNonFiniteBits<kRound>));
   }
+  // The values of a 16-byte input vector (4 fp32 or 8 bf16), raw: this struct rounds.
+  template <bool kBf16>
+  __device__ __forceinline__ void add_vector(const uint4 raw) {
+    float v[kBf16 ? 8 : 4];
+    to_compute<kBf16, false>(raw, v);
+#pragma unroll
+    for (int k = 0; k < (kBf16 ? 8 : 4); ++k) add(v[k]);
+  }
   __device__ __forceinline__ float result() const { return kRound ? round_to_bf16(m) : m; }
 };
 

@@ -247,12 +247,7 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_stats_kernel(const void* __
       } else {
         ComputeAmax<kRound> exact;
 #pragma unroll
-        for (int r = 0; r < kTile; ++r) {
-          float v[B::kVec];
-          to_compute<kBf16, false>(raw[r], v);  // raw values: ComputeAmax rounds
-#pragma unroll
-          for (int k = 0; k < B::kVec; ++k) exact.add(v[k]);
-        }
+        for (int r = 0; r < kTile; ++r) exact.add_vector<kBf16>(raw[r]);
         t = exact.result();
         c += exact.nonfinite;
       }
@@ -276,8 +271,7 @@ __device__ void zero_scale_padding_rows(uint8_t* scale, int64_t rows, int64_t pc
 // One read of x writes data, scale_inv and (kColumnwise) data_t, scale_inv_t. Tile scales come
 // from tile_amax and amax in the kernel (nvfp4_tile_scale_bits / nvfp4_tile_encode). The tile
 // scales of the block item and the column-packed codes go through shared memory so that the
-// scale rows and the transpose are written in whole 32-byte sectors. The loops that write them step
-// by kThreads (the launch's block size), not blockDim.x, so that they unroll with constant offsets.
+// scale rows and the transpose are written in whole 32-byte sectors.
 template <bool kBf16, bool kRound, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __restrict__ x, int64_t rows,
                                                                   int64_t cols, bool aligned,
@@ -330,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   __syncthreads();
   // Rowwise scales: 64 rows x kTileCols entries, 4-byte words (padding columns as zeros).
   const int64_t row0 = item * 64, j0 = int64_t(blockIdx.x) * B::kTileCols;
-  for (int i = threadIdx.x; i < 64 * B::kTileCols / 4; i += kThreads) {
+  for (int i = threadIdx.x; i < 64 * B::kTileCols / 4; i += blockDim.x) {
     const int dr = i / (B::kTileCols / 4), dj = (i % (B::kTileCols / 4)) * 4;
     const int64_t r = row0 + dr, j = j0 + dj;
     if (r >= rows || j >= pc) continue;
@@ -342,14 +336,14 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
   if (!kColumnwise) return;
   // Transposed codes: per column, 8 bytes per tile row (4 lanes write a column's 32 bytes).
   const int64_t c0 = int64_t(blockIdx.x) * B::kSpan, half = rows / 2;
-  for (int i = threadIdx.x; i < 4 * B::kSpan; i += kThreads) {
+  for (int i = threadIdx.x; i < 4 * B::kSpan; i += blockDim.x) {
     const int dc = i / 4, tr = i % 4;
     const int64_t k = c0 + dc, ti = item * 4 + tr;
     if (k < cols && ti < trows) *reinterpret_cast<uint2*>(data_t + k * half + ti * 8) = codes_t[tr][padded_col(dc)];
   }
   // Transposed scales: scale_inv_t[k, i] = s8[i, k / 16]; one word covers this block's 4 tile rows.
   const int64_t pct = nvfp4_scale_cols(rows);
-  for (int dc = threadIdx.x; dc < B::kSpan; dc += kThreads) {
+  for (int dc = threadIdx.x; dc < B::kSpan; dc += blockDim.x) {
     const int64_t k = c0 + dc;
     if (k >= cols) continue;
     uint32_t w = 0;
