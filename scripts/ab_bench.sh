@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of CUDA kernel sources in one device call: builds this tree ("new") and, for each directory of
 # $VARIANTS (default ab/base), a copy of the tree whose csrc files are replaced by the files in that
-# directory (named as in csrc, e.g. ab/base/stage_kernels.cuh for csrc/jaxquant/stage_kernels.cuh);
+# directory (named as in csrc or jaxquant, e.g. ab/base/stage_kernels.cuh for csrc/jaxquant/stage_kernels.cuh);
 # runs $TESTS on "new" (TEST_ALL=1: on every build), writes each build's SASS under $OUT, then `jaxquant bench
 # --no-stages --ops $OPS` over all builds in turn for $ROUNDS rounds (default 2), so that all are
 # measured on the same machine in one run. JSON per build and round under $OUT.
@@ -19,9 +19,9 @@ for v in ${VARIANTS:-${BASE:-ab/base}}; do
   rm -rf "$dir" && mkdir -p "$dir"  # a fresh copy: no files left from an earlier call
   cp -r build.py pyproject.toml jaxquant csrc benchmarks "$dir"/ && rm -f "$dir"/jaxquant/*.so
   for f in "$v"/*; do
-    target=$(cd csrc && find . -name "$(basename "$f")" | head -1)
-    [ -n "$target" ] || { echo "$f: no file of that name under csrc" >&2; exit 2; }
-    cp "$f" "$dir/csrc/$target"
+    target=$(find csrc jaxquant -name "$(basename "$f")" | head -1)
+    [ -n "$target" ] || { echo "$f: no file of that name under csrc or jaxquant" >&2; exit 2; }
+    cp "$f" "$dir/$target"
   done
   names+=("$name") dirs+=("$dir")
 done

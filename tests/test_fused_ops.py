@@ -147,7 +147,8 @@ def test_fp8_quantize_scale_edges(rng):
 # 1040 are not multiples of 64); the [32, 48] edge inputs run with every dtype combination.
 NVFP4_CASES = [(jnp.float32, "bf16", (32, 48)), (jnp.float32, "none", (32, 48)), (jnp.bfloat16, "none", (32, 48)),
                (jnp.bfloat16, "bf16", (32, 48)), (jnp.float32, "bf16", (16, 16)), (jnp.float32, "none", (128, 128)),
-               (jnp.bfloat16, "none", (144, 80)), (jnp.float32, "bf16", (16, 1040)), (jnp.float32, "bf16", (272, 64))]
+               (jnp.bfloat16, "none", (144, 80)), (jnp.float32, "bf16", (16, 1040)), (jnp.float32, "bf16", (272, 64)),
+               (jnp.bfloat16, "bf16", (768, 528))]  # 12 block items, 48 tile rows (scale_inv_t rows of 48 bytes)
 
 
 def _nvfp4_inputs(rng, shape):
