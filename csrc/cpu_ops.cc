@@ -437,9 +437,10 @@ ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32>
 }
 
 // Per-parameter results from the group's packed buffers: one call, any number of results.
-ffi::Error GroupSplitCpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> plan) {
+ffi::Error GroupSplitCpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> plan,
+                         bool partial) {
   std::vector<CopySegment> segments;
-  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, &segments));
+  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, partial, &segments));
   for (const CopySegment& s : segments) std::memcpy(s.dst, s.src, static_cast<size_t>(s.bytes));
   return ffi::Error::Success();
 }

@@ -645,9 +645,9 @@ __global__ void split_kernel(SplitBatch batch) {
 }
 
 ffi::Error GroupSplitCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                          ffi::Span<const int64_t> plan) {
+                          ffi::Span<const int64_t> plan, bool partial) {
   std::vector<CopySegment> segments;
-  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, &segments));
+  JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, partial, &segments));
   // Largest first: each launch's grid fits its segments, small ones do not idle behind big ones.
   std::sort(segments.begin(), segments.end(), [](const CopySegment& a, const CopySegment& b) { return a.bytes > b.bytes; });
   for (size_t b0 = 0; b0 < segments.size(); b0 += kSplitBatch) {

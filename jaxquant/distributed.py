@@ -345,8 +345,10 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
         if build_columnwise:
             data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
         return _split_nvfp4(rows, [data], scale_inv, amax, data_t, scale_inv_t, impl=impl), counts
-    # Each weight's bytes straight from the gathered pieces: no assembled copy of the space.
-    return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, bounds=bounds, impl=impl), counts
+    # Each weight's bytes straight from the gathered pieces: no assembled copy of the space, and one
+    # split call a piece, each waiting only for its own piece's gather.
+    return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, bounds=bounds,
+                        stages=_split_stages(len(gathered), S, 2), impl=impl), counts
 
 
 # Below this piece size (bytes per shard) the pieces' launches cost more than the overlap saves.
@@ -417,10 +419,20 @@ def _space_segments(src0, first, count, shards, bounds):
     return tuple(segs)
 
 
+def _split_stages(num_pieces: int, num_shards: int, num_other: int):
+    """``group_split.split``'s stage of each source: gather pieces first (piece j in stage j, with the
+    other sources in stage 0), so that each piece's weights are copied out while the next pieces are
+    still being gathered; None (one call) with a single piece or nothing gathered (one shard)."""
+    if num_pieces == 1 or num_shards == 1:
+        return None
+    return list(range(num_pieces)) + [0] * num_other
+
+
 def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
-                 impl="auto"):
-    """Per-parameter tensors from the group's packed vectors, one ``group_split`` call. ``data``: a
-    list holding the param-byte space, or with ``plan`` the gathered pieces (``bounds``) that hold it."""
+                 stages=None, impl="auto"):
+    """Per-parameter tensors from the group's packed vectors, one ``group_split`` call (or one per
+    gather piece, ``stages``). ``data``: a list holding the param-byte space, or with ``plan`` the
+    gathered pieces (``bounds``) that hold it."""
     k = len(data)
     shards = None if plan is None else tuple(zip(plan.lo, plan.length))
     sources = list(data) + [scale_inv, amax] + ([data_t, scale_inv_t] if data_t is not None else [])
@@ -435,7 +447,7 @@ def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, 
             tr, tc = formats.nvfp4_scale_shape(c, m)
             pieces += [((c, m // 2), ((k + 2, row.byte_base, m * c // 2),)),
                        ((tr, tc), ((k + 3, row.scale_t_base, tr * tc),))]
-    arrays = group_split.split(sources, pieces, impl=impl)
+    arrays = group_split.split(sources, pieces, stage_of_source=stages, impl=impl)
     per = 5 if data_t is not None else 3
     out = []
     for p, row in enumerate(rows):
@@ -472,7 +484,8 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
         split_pieces += [(shape, _space_segments(0, o, numel, shards, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
         if gathered_t is not None:
             split_pieces.append((tuple(shape)[::-1], ((k + 2, o, numel),)))
-    arrays = group_split.split(sources, split_pieces, impl=impl)
+    stages = None if gathered_t is not None else _split_stages(k, S, 2)
+    arrays = group_split.split(sources, split_pieces, stage_of_source=stages, impl=impl)
     per = 4 if gathered_t is not None else 3
     weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 4 else None)
                for a in (arrays[per * p:per * (p + 1)] for p in range(layout.num_params))]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _ffi, ops, reference
-def split(sources, pieces, *, impl: str = "auto") -> list:
+def split(sources, pieces, *, stage_of_source=None, impl: str = "auto") -> list:
     """Per-parameter arrays cut from a group's packed arrays, all in one call (one launch on GPU
     instead of one XLA copy per result, whatever the number of parameters).
 
@@ -23,9 +23,17 @@ def split(sources, pieces, *, impl: str = "auto") -> list:
     ``segments`` a tuple of ``(source index, first element, element count)`` laid end to end in the
     result (one segment for a contiguous piece, several when it is spread over a gathered buffer).
     A result has its sources' dtype; all segments of one result come from sources of one dtype.
+
+    ``stage_of_source`` (one int per source): copy in one call per stage instead, in stage order,
+    each call taking only its stage's sources and writing into the previous call's results in place
+    (aliased). A stage's copies then wait only for its own sources: the segments of gather piece j
+    can be copied while piece j + 1 is still being gathered (docs/distributed.md). The bytes are
+    the same; with the reference implementation it is one computation either way.
     """
     ops._check_impl(impl)
     sources = list(sources)
+    if stage_of_source is not None and len(stage_of_source) != len(sources):
+        raise ValueError(f"stage_of_source: one stage per source ({len(sources)}), got {len(stage_of_source)}")
     flats = [s.reshape(-1) for s in sources]
     outs, plan = [], []
     for i, (shape, segments) in enumerate(pieces):
@@ -48,8 +56,23 @@ def split(sources, pieces, *, impl: str = "auto") -> list:
     if not outs:
         return []
 
+    stages = sorted({stage_of_source[src] for _, _, src, _, _ in plan}) if stage_of_source is not None else [None]
+
+    def call(srcs, rows, results, partial):
+        used = sorted({src for _, _, src, _, _ in rows})   # only the stage's sources are its operands
+        at = {src: i for i, src in enumerate(used)}
+        words = np.asarray([(i, d, at[src], f, n) for i, d, src, f, n in rows], np.int64).reshape(-1)
+        aliases = {len(used) + i: i for i in range(len(results))} or None
+        return _ffi.call("jq_group_split", outs, *[srcs[j] for j in used], *results, plan=words, partial=partial,
+                         input_output_aliases=aliases)
+
     def custom(*srcs):
-        return tuple(_ffi.call("jq_group_split", outs, *srcs, plan=np.asarray(plan, np.int64).reshape(-1)))
+        if len(stages) == 1:
+            return tuple(call(srcs, plan, [], False))
+        results = []
+        for stage in stages:
+            results = call(srcs, [row for row in plan if stage_of_source[row[2]] == stage], results, True)
+        return tuple(results)
 
     def ref(*srcs):
         return reference.group_split(srcs, [(o.shape, segments) for o, (_, segments) in zip(outs, pieces)])

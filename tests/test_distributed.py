@@ -353,11 +353,20 @@ def test_gather_pieces_same_bytes(kind, S, recipe):
             f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=columnwise,
                                                             manual_post_all_gather_processing=False,
                                                             gather_pieces=pieces, impl=IMPL))
-            gathers, reduces = _collectives(f.lower(flat).compile().as_text())
+            lowered = f.lower(flat)
+            gathers, reduces = _collectives(lowered.compile().as_text())
             want = 1 if recipe == "fp8" and columnwise else pieces
             assert len(gathers) == want and len(reduces) == 1, (gathers, reduces)
+            if IMPL != "reference":   # rowwise weights read from the pieces: one split call a piece
+                staged = not columnwise and (recipe == "fp8" or not D.nvfp4_chunks(layout).fix_pos)
+                splits = _jaxquant_split_calls(lowered.as_text())
+                assert splits == (pieces if staged else 1), (splits, staged)
             for q, w in zip(f(flat), ws):
                 _assert_same(q, _reference(w, recipe, columnwise=columnwise))
+
+
+def _jaxquant_split_calls(lowered_text) -> int:
+    return lowered_text.count("stablehlo.custom_call @jq_group_split")
 
 
 def test_gather_piece_bounds():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import _ffi, formats, ops
+from jaxquant import _ffi, formats, ops, reference
 from jaxquant import group_table as gtable
 from jaxquant.group_table import FIELD
 from conftest import assert_bytes_equal
@@ -313,7 +313,40 @@ def test_group_split_rejects_bad_pieces():
 def test_group_split_handler_rejects_bad_plan():
     a = jnp.zeros(8, jnp.uint8)
     out = [jax.ShapeDtypeStruct((4,), jnp.uint8)]
-    with pytest.raises(Exception, match="reads or writes outside"):
-        jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 6, 4], np.int64)))
+    for partial in (False, True):
+        with pytest.raises(Exception, match="reads or writes outside"):
+            jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 6, 4], np.int64),
+                                            partial=partial))
     with pytest.raises(Exception, match="result 0 gets 2 bytes"):
-        jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 0, 2], np.int64)))
+        jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 0, 2], np.int64),
+                                        partial=False))
+    with pytest.raises(Exception, match="result 0 gets 6 bytes"):   # a stage may cover less, never more
+        jax.block_until_ready(_ffi.call("jq_group_split", out, a, plan=np.array([0, 0, 0, 0, 3, 0, 1, 0, 0, 3],
+                                                                                np.int64), partial=True))
+
+
+@pytest.mark.parametrize("impl", ["custom_call", "reference"])
+def test_group_split_stages_same_bytes(rng, impl):
+    """Staged copies (one call per stage, results aliased from one call to the next) give the bytes
+    of one call, with results spread over sources of several stages, and one call per stage."""
+    from jaxquant import group_split
+    if impl == "custom_call" and not _ffi.built_platforms():
+        pytest.skip("no jaxquant extension built")
+    srcs = [jnp.asarray(rng.integers(0, 256, n, dtype=np.uint8)) for n in (40, 24, 32)]
+    srcs.append(jnp.asarray(rng.standard_normal(6).astype(np.float32)))
+    pieces = [((2, 8), ((0, 0, 10), (1, 3, 6))),          # stages 0 and 1
+              ((5,), ((2, 1, 5),)),                         # stage 2 only
+              ((3, 3), ((1, 12, 4), (0, 30, 2), (2, 20, 3))),  # all three
+              ((2,), ((3, 1, 2),))]                         # an fp32 result (stage 0)
+    single = jax.jit(lambda *s: group_split.split(s, pieces, impl=impl))(*srcs)
+    staged_fn = jax.jit(lambda *s: group_split.split(s, pieces, stage_of_source=[0, 1, 2, 0], impl=impl))
+    staged = staged_fn(*srcs)
+    ref = reference.group_split(srcs, pieces)
+    for a, b, c in zip(staged, single, ref):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    if impl == "custom_call":
+        assert staged_fn.lower(*srcs).as_text().count("stablehlo.custom_call @jq_group_split") == 3
+    with pytest.raises(ValueError, match="stage_of_source: one stage per source"):
+        group_split.split(srcs, pieces, stage_of_source=[0, 1], impl=impl)

@@ -183,7 +183,8 @@
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqGroupSplit##S, GroupSplit##S,                                     \
                                 F::Ffi::Bind() CTX.RemainingArgs()                                  \
                                     .RemainingRets()                                                \
-                                    .Attr<F::Span<const int64_t>>("plan"), JQ_CMD_BUFFER);
+                                    .Attr<F::Span<const int64_t>>("plan")                           \
+                                    .Attr<bool>("partial"), JQ_CMD_BUFFER);
 
 #define JQ_DEFINE_HANDLERS(S, CTX) \
   JQ_DEFINE_TENSOR_HANDLERS(S, CTX)  \
