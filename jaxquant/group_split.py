@@ -3,7 +3,7 @@
 The grouped ops produce every parameter's bytes in a few packed vectors; the caller wants one
 array per parameter. Slicing them in JAX costs one XLA copy kernel per result (three per NVFP4
 parameter), which dominates a step over hundreds of small parameters; ``split`` writes every
-result in one call (on GPU one launch per 96 results, docs/distributed.md).
+result in one call (on GPU one launch per 96 copy segments, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def split(sources, pieces, *, stage_of_source=None, impl: str = "auto") -> list:
     if not outs:
         return []
 
-    stages = sorted({stage_of_source[src] for _, _, src, _, _ in plan}) if stage_of_source is not None else [None]
+    stages = sorted({stage_of_source[src] for _, _, src, _, _ in plan}) if stage_of_source is not None else []
 
     def call(srcs, rows, results, partial):
         used = sorted({src for _, _, src, _, _ in rows})   # only the stage's sources are its operands
@@ -67,7 +67,7 @@ def split(sources, pieces, *, stage_of_source=None, impl: str = "auto") -> list:
                          input_output_aliases=aliases)
 
     def custom(*srcs):
-        if len(stages) == 1:
+        if len(stages) <= 1:
             return tuple(call(srcs, plan, [], False))
         results = []
         for stage in stages:

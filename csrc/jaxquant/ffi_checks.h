@@ -285,7 +285,8 @@ struct CopySegment {
 };
 
 // A split plan row: (result index, byte offset in the result, source argument, byte offset in the
-// source, byte count). Every result must be covered exactly by its rows (Python builds them so).
+// source, byte count). Every result must be covered exactly by its rows (Python builds them so),
+// or at most covered with `partial` (below).
 constexpr int kSplitFields = 5;
 
 // partial: one stage of a split in several calls (group_split.split's stage_of_source), whose
