@@ -406,17 +406,33 @@ ffi::Error GroupScaleCpu(ffi::Buffer<ffi::F32> tiles, ffi::Buffer<ffi::F32> amax
   return ffi::Error::Success();
 }
 
+// The whole space of gathered pieces in one host buffer (the CPU path has no copy to save).
+std::vector<uint8_t> assemble(const GatheredSpace& space) {
+  std::vector<uint8_t> out(static_cast<size_t>(space.size));
+  for (int64_t pos = 0; pos < space.size;) {
+    int64_t run;
+    const uint8_t* p = space.locate(pos, &run);
+    std::memcpy(out.data() + pos, p, static_cast<size_t>(run));
+    pos += run;
+  }
+  return out;
+}
+
 // Columnwise data and scales of every parameter from the packed rowwise ones.
-ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
-                              ffi::Buffer<ffi::U32> table_words, int64_t /*num_blocks: GPU grid*/,
-                              ffi::Result<ffi::Buffer<ffi::U8>> data_t, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U32> table_words,
+                              ffi::RemainingArgs pieces, int64_t /*num_blocks: GPU grid*/,
+                              ffi::Span<const int64_t> space_attr, ffi::Result<ffi::Buffer<ffi::U8>> data_t,
+                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
+  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
+  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, kNoBound, true));
-  JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, data, scale_inv));
+  JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, space.size, scale_inv));
   const GroupTable table{as_i64(table_words), num_params};
+  const std::vector<uint8_t> data = assemble(space);
   for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
-    data_t->typed_data()[y] = group_data_t_byte(table, data.typed_data(), y);
+    data_t->typed_data()[y] = group_data_t_byte(table, data.data(), y);
   const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
   for (int64_t u = 0; u < group_scale_strips(scale_t_bytes); ++u)
     group_scale_t_strip(table, scale_inv.typed_data(), u, scale_inv_t->typed_data(), scale_t_bytes);
@@ -424,15 +440,18 @@ ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> sc
 }
 
 // Byte transpose of every FP8 parameter of the gathered flat buffer.
-ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32> table_words,
-                                int64_t /*num_blocks: GPU grid*/, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U32> table_words, ffi::RemainingArgs pieces,
+                                int64_t /*num_blocks: GPU grid*/, ffi::Span<const int64_t> space_attr,
+                                ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_fp8_group_transpose(data, table_words, *data_t, &num_params));
-  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params,
-                                                static_cast<int64_t>(data.element_count()), 0, false));
+  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
+  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, space.size, 0, false));
   const GroupTable table{as_i64(table_words), num_params};
+  const std::vector<uint8_t> data = assemble(space);
   for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
-    data_t->typed_data()[y] = fp8_group_t_byte(table, data.typed_data(), y);
+    data_t->typed_data()[y] = fp8_group_t_byte(table, data.data(), y);
   return ffi::Error::Success();
 }
 

@@ -453,23 +453,50 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
 // work in registers, a warp a block (byte_transpose_block, nibble_transpose_block): lane l takes the
 // 16 x 8-element piece at rows m0 + 16 (l / 8) .. +15 and columns k0 + 8 (l % 8) .. +7.
 struct TransposePiece {
-  const uint8_t* src;  // the parameter's first source byte
-  uint8_t* dst;        // and its first output byte
+  int64_t src;   // the parameter's first source byte in the gathered space
+  uint8_t* dst;  // and its first output byte
   int64_t rows, cols, m, k;  // its shape; the piece's first row and column
 };
 
 // This lane's piece of block b; false where it holds nothing (no parameter, or past its rows or
 // columns). One table search a block: a warp handles a single block.
-__device__ bool transpose_piece_at(const GroupTable& table, int64_t b, int64_t base_field, const uint8_t* data,
-                                   uint8_t* out, TransposePiece* piece) {
+__device__ bool transpose_piece_at(const GroupTable& table, int64_t b, int64_t base_field, uint8_t* out,
+                                   TransposePiece* piece) {
   const int64_t p = table.find(b, GroupTable::kBlockBase);
   if (p < 0) return false;
   const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
   const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
   const int64_t base = table.at(p, base_field);
   const int lane = threadIdx.x % 32;
-  *piece = {data + base, out + base, rows, cols, (local / nbx) * 64 + 16 * (lane / 8), (local % nbx) * 64 + 8 * (lane % 8)};
+  *piece = {base, out + base, rows, cols, (local / nbx) * 64 + 16 * (lane / 8), (local % nbx) * 64 + 8 * (lane % 8)};
   return piece->m < rows && piece->k < cols;
+}
+
+// Sixteen W-byte rows of the gathered space, row r at pos + r * pitch: from one address when they
+// lie in one run of it and are aligned (every lane but those whose rows cross a shard's or a gather
+// piece's edge), else row by row, bytewise where a row crosses an edge or is not aligned.
+template <typename W>
+__device__ void load_rows(const GatheredSpace& space, int64_t pos, int64_t pitch, W out[kTile]) {
+  constexpr int kW = sizeof(W);
+  int64_t run;
+  const uint8_t* p = space.locate(pos, &run);
+  if (run >= (kTile - 1) * pitch + kW && reinterpret_cast<uintptr_t>(p) % kW == 0 && pitch % kW == 0) {
+#pragma unroll
+    for (int r = 0; r < kTile; ++r) out[r] = *reinterpret_cast<const W*>(p + r * pitch);
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < kTile; ++r) {
+    const uint8_t* q = space.locate(pos + r * pitch, &run);
+    if (run >= kW && reinterpret_cast<uintptr_t>(q) % kW == 0) {
+      out[r] = *reinterpret_cast<const W*>(q);
+    } else {  // in registers: a byte array here would put out[] in local memory
+      uint64_t v = 0;
+      for (int i = 0; i < kW; ++i) v |= uint64_t(space.byte_at(pos + r * pitch + i)) << (8 * i);
+      if constexpr (kW == 8) out[r] = make_uint2(static_cast<uint32_t>(v), static_cast<uint32_t>(v >> 32));
+      else out[r] = static_cast<W>(v);
+    }
+  }
 }
 
 // FP8 data_t of 64x64-element block b, one warp, in registers: a lane makes sixteen 8-byte loads of
@@ -479,18 +506,17 @@ __device__ bool transpose_piece_at(const GroupTable& table, int64_t b, int64_t b
 // weight's edge, or whose rows or columns are not aligned for the vectors, moves its bytes one at a
 // time. One H200, Llama-3-8B layer (218 MB): 123 us (2026-11-25); 193 us plus a memset of the whole
 // output with the shared-memory transpose (single-byte staging) before.
-__device__ void byte_transpose_block(const GroupTable& table, int64_t b, const uint8_t* __restrict__ data,
+__device__ void byte_transpose_block(const GroupTable& table, int64_t b, const GatheredSpace& data,
                                      uint8_t* __restrict__ data_t) {
   TransposePiece pc;
-  if (!transpose_piece_at(table, b, GroupTable::kOffset, data, data_t, &pc)) return;
-  const uint8_t* src = pc.src + pc.m * pc.cols + pc.k;
+  if (!transpose_piece_at(table, b, GroupTable::kOffset, data_t, &pc)) return;
+  const int64_t src = pc.src + pc.m * pc.cols + pc.k;
   uint8_t* dst = pc.dst + pc.k * pc.rows + pc.m;
   const bool vector = pc.m + 16 <= pc.rows && pc.k + 8 <= pc.cols && pc.cols % 8 == 0 && pc.rows % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(src) % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+                      reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   if (vector) {
     uint2 in[kTile];
-#pragma unroll
-    for (int r = 0; r < kTile; ++r) in[r] = *reinterpret_cast<const uint2*>(src + r * pc.cols);
+    load_rows(data, src, pc.cols, in);
     uint32_t t[4][8];  // [row group][column]: the column's bytes of the group's 4 rows
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
@@ -506,7 +532,7 @@ __device__ void byte_transpose_block(const GroupTable& table, int64_t b, const u
   }
   const int64_t nr = pc.rows - pc.m < 16 ? pc.rows - pc.m : 16, nc = pc.cols - pc.k < 8 ? pc.cols - pc.k : 8;
   for (int64_t q = 0; q < nc; ++q)
-    for (int64_t r = 0; r < nr; ++r) dst[q * pc.rows + r] = src[r * pc.cols + q];
+    for (int64_t r = 0; r < nr; ++r) dst[q * pc.rows + r] = data.byte_at(src + r * pc.cols + q);
 }
 
 // Zeroes gap g of an FP8 transpose's output (g in [0, P]): the bytes before parameter g that follow
@@ -525,16 +551,15 @@ int64_t transpose_ctas(int64_t num_blocks, int per_cta) { return (num_blocks + p
 // fill one output sector. rows, cols % 16 == 0 (the NVFP4 table rule), so a lane's piece is wholly
 // inside the weight or wholly outside it. Measured on one H200 (2026-11-24, Llama-3-8B layer,
 // 109 MB): 216 us with the shared-memory transpose (single-byte staging) before.
-__device__ void nibble_transpose_block(const GroupTable& table, int64_t b, const uint8_t* __restrict__ data,
+__device__ void nibble_transpose_block(const GroupTable& table, int64_t b, const GatheredSpace& data,
                                        uint8_t* __restrict__ data_t) {
   TransposePiece pc;
-  if (!transpose_piece_at(table, b, GroupTable::kByteBase, data, data_t, &pc)) return;
-  // Aligned: byte bases are multiples of 128, pitches multiples of 8, k / 2 of 4 and m / 2 of 8.
+  if (!transpose_piece_at(table, b, GroupTable::kByteBase, data_t, &pc)) return;
+  // Byte bases are multiples of 128, pitches multiples of 8, k / 2 of 4 and m / 2 of 8: the output
+  // is aligned, and so is the input except where a shard's part of the space starts unaligned.
   const int64_t pitch = pc.cols / 2, opitch = pc.rows / 2;
-  const uint8_t* src = pc.src + pc.m * pitch + pc.k / 2;
   uint32_t rw[kTile];
-#pragma unroll
-  for (int r = 0; r < kTile; ++r) rw[r] = *reinterpret_cast<const uint32_t*>(src + r * pitch);
+  load_rows(data, pc.src + pc.m * pitch + pc.k / 2, pitch, rw);
   uint2 cb[8];
   column_bytes<8>(rw, cb);
   uint8_t* dst = pc.dst + pc.k * opitch + pc.m / 2;
@@ -546,7 +571,7 @@ constexpr int kWarpsPerCta = kThreads / 32;
 
 // CTAs [0, data_ctas): the packed data transpose, one 64x64 block a warp; the rest grid-stride over
 // the columnwise scale strips (group_scale_t_strip).
-__global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scale_inv,
+__global__ void group_columnwise_kernel(const __grid_constant__ GatheredSpace data, const uint8_t* __restrict__ scale_inv,
                                         GroupTable table, int64_t num_blocks, int64_t data_ctas,
                                         uint8_t* __restrict__ data_t, uint8_t* __restrict__ scale_inv_t,
                                         int64_t scale_t_bytes) {
@@ -562,7 +587,7 @@ __global__ void group_columnwise_kernel(const uint8_t* __restrict__ data, const 
 }
 
 // CTAs [0, data_ctas): the byte transpose, one 64x64 block a warp; then one CTA per gap (zero_gap).
-__global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, GroupTable table, int64_t num_blocks,
+__global__ void fp8_group_transpose_kernel(const __grid_constant__ GatheredSpace data, GroupTable table, int64_t num_blocks,
                                            int64_t data_ctas, int64_t n, uint8_t* __restrict__ data_t) {
   if (blockIdx.x < data_ctas) {
     const int64_t b = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
@@ -572,26 +597,31 @@ __global__ void fp8_group_transpose_kernel(const uint8_t* __restrict__ data, Gro
   zero_gap(table, blockIdx.x - data_ctas, n, data_t);
 }
 
-ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U8> scale_inv,
-                               ffi::Buffer<ffi::U32> table_words, int64_t num_blocks,
+ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U32> table_words,
+                               ffi::RemainingArgs pieces, int64_t num_blocks, ffi::Span<const int64_t> space_attr,
                                ffi::Result<ffi::Buffer<ffi::U8>> data_t, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+  GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group_columnwise(data, scale_inv, table_words, *data_t, *scale_inv_t, &num_params));
+  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
+  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
   if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
   const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
   const int64_t data_ctas = transpose_ctas(num_blocks, kWarpsPerCta);
   const int64_t grid = data_ctas + grid_for(group_scale_strips(scale_t_bytes));
   if (num_params == 0) return ffi::Error::Success();
   group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      data.typed_data(), scale_inv.typed_data(), GroupTable{as_i64(table_words), num_params},
-      num_blocks, data_ctas, data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
+      space, scale_inv.typed_data(), GroupTable{as_i64(table_words), num_params}, num_blocks, data_ctas,
+      data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
   return last_error("group columnwise kernel");
 }
 
-ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::U32> table_words,
-                                 int64_t num_blocks, ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> table_words, ffi::RemainingArgs pieces,
+                                 int64_t num_blocks, ffi::Span<const int64_t> space_attr,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+  GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_fp8_group_transpose(data, table_words, *data_t, &num_params));
+  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
+  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
   if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
   // The blocks write every parameter's bytes and one CTA a gap the alignment padding between them
   // (zeroing the whole buffer first cost a second write of it).
@@ -602,8 +632,7 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data,
   }
   const int64_t data_ctas = transpose_ctas(num_blocks, kWarpsPerCta);
   fp8_group_transpose_kernel<<<static_cast<unsigned>(data_ctas + num_params + 1), kThreads, 0, stream>>>(
-      data.typed_data(), GroupTable{as_i64(table_words), num_params}, num_blocks, data_ctas, n,
-      data_t->typed_data());
+      space, GroupTable{as_i64(table_words), num_params}, num_blocks, data_ctas, n, data_t->typed_data());
   return last_error("fp8 group transpose kernel");
 }
 

@@ -2,6 +2,7 @@
 // JQ_MODULE (module name) and JQ_SUFFIX (handler suffix: Cpu or Cuda) defined by build.py.
 #include <pybind11/pybind11.h>
 
+#include "jaxquant/gathered_space.h"
 #include "jaxquant/group_table.h"
 #include "jaxquant/handlers.h"
 
@@ -34,6 +35,9 @@ PYBIND11_MODULE(JQ_MODULE, m) {
     JQ_GROUP_TABLE_FIELDS(JQ_FIELD_NAME)
 #undef JQ_FIELD_NAME
     return t;
+  });
+  m.def("gathered_space_limits", []() {  // (gather pieces, shards) a GatheredSpace holds at most
+    return py::make_tuple(jaxquant::kMaxGatherPieces, jaxquant::kMaxGatherShards);
   });
   m.def("jaxlib_version", []() { return std::string(JQ_JAXLIB_VERSION); });
   m.def("cuda_archs", []() { return std::string(JQ_CUDA_ARCHS); });

@@ -339,16 +339,20 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
                                              chunk_lo=[lo + start for lo in plan.lo], chunk_size=size,
                                              compute_dtype=compute_dtype, impl=impl), axes.axis)
                 for start, size in bounds]
-    if build_columnwise or plan.fix_pos:   # the transpose (or an odd shard boundary) needs the space
+    space = gtable.GatheredSpace(size=gtable.sizes(table).data_bytes, chunk=plan.size, lo=plan.lo, bounds=bounds)
+    if plan.fix_pos or (build_columnwise and not space.readable_in_place):   # the space assembled first
         data = _assemble_nvfp4(gathered, bounds, plan)
         data_t = scale_inv_t = None
         if build_columnwise:
             data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
         return _split_nvfp4(rows, [data], scale_inv, amax, data_t, scale_inv_t, impl=impl), counts
-    # Each weight's bytes straight from the gathered pieces: no assembled copy of the space, and one
-    # split call a piece, each waiting only for its own piece's gather.
-    return _split_nvfp4(rows, gathered, scale_inv, amax, plan=plan, bounds=bounds,
-                        stages=_split_stages(len(gathered), S, 2), impl=impl), counts
+    # Each weight's bytes (and the transpose's input) straight from the gathered pieces: no assembled
+    # copy of the space, and one split call a piece, each waiting only for its own piece's gather.
+    data_t = scale_inv_t = None
+    if build_columnwise:
+        data_t, scale_inv_t = ops.nvfp4_group_columnwise(gathered, scale_inv, table=table, space=space, impl=impl)
+    return _split_nvfp4(rows, gathered, scale_inv, amax, data_t, scale_inv_t, plan=plan, bounds=bounds,
+                        stages=_split_stages(len(gathered), S, 2, 2 if build_columnwise else 0), impl=impl), counts
 
 
 # Below this piece size (bytes per shard) the pieces' launches cost more than the overlap saves.
@@ -376,29 +380,18 @@ def gather_piece_bounds(size: int, pieces=None) -> tuple:
     return tuple((start, min(step, size - start)) for start in range(0, size, step))
 
 
-def _chunk_segments(src0, r, first, count, bounds):
-    """Segments (source, offset, count) of chunk offsets [first, first + count) of shard ``r``: source
-    ``src0 + j`` is gather piece j (``[S * length_j]``, shard r's part at ``r * length_j``)."""
-    segs = []
-    for j, (start, length) in enumerate(bounds):
-        a, b = max(first, start), min(first + count, start + length)
-        if a < b:
-            segs.append((src0 + j, r * length + a - start, b - a))
-    return segs
-
-
 def _assemble_nvfp4(gathered, bounds, plan: NVFP4Chunks):
     """The group's param-byte space from the gathered pieces: shard r's first ``length[r]`` chunk bytes
     in shard order (one concatenate of static slices), one OR per odd shard boundary."""
     parts = [gathered[j][pos:pos + n] for r, length in enumerate(plan.length) if length
-             for j, pos, n in _chunk_segments(0, r, 0, length, bounds)]
+             for j, pos, n in gtable.chunk_segments(r, 0, length, bounds)]
     data = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
     if plan.fix_pos:
         pos = np.asarray(plan.fix_pos)
         held = []   # the low nibble shard r holds at chunk offset length[r]
         for src in plan.fix_src:
             r, offset = divmod(src, plan.size)
-            [(j, at, _)] = _chunk_segments(0, r, offset, 1, bounds)
+            [(j, at, _)] = gtable.chunk_segments(r, offset, 1, bounds)
             held.append(gathered[j][at])
         data = data.at[pos].set(data[pos] | jnp.stack(held))
     return data
@@ -415,17 +408,18 @@ def _space_segments(src0, first, count, shards, bounds):
     for r, (lo, n) in enumerate(shards):
         a, b = max(first, lo), min(first + count, lo + n)
         if a < b:
-            segs += _chunk_segments(src0, r, a - lo, b - a, bounds)
+            segs += gtable.chunk_segments(r, a - lo, b - a, bounds, src0)
     return tuple(segs)
 
 
-def _split_stages(num_pieces: int, num_shards: int, num_other: int):
-    """``group_split.split``'s stage of each source: gather pieces first (piece j in stage j, with the
-    other sources in stage 0), so that each piece's weights are copied out while the next pieces are
-    still being gathered; None (one call) with a single piece or nothing gathered (one shard)."""
+def _split_stages(num_pieces: int, num_shards: int, num_early: int, num_late: int = 0):
+    """``group_split.split``'s stage of each source: gather pieces first (piece j in stage j), then
+    ``num_early`` sources ready before any gather (stage 0) and ``num_late`` ones that need every piece
+    (the transposes: the last stage), so that each piece's weights are copied out while the next pieces
+    are still being gathered; None (one call) with a single piece or nothing gathered (one shard)."""
     if num_pieces == 1 or num_shards == 1:
         return None
-    return list(range(num_pieces)) + [0] * num_other
+    return list(range(num_pieces)) + [0] * num_early + [num_pieces - 1] * num_late
 
 
 def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
@@ -467,15 +461,23 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
                                       compute_dtype=compute_dtype, impl=impl)
     (amax,), counts = _reduce_stats([amax], counts, layout, axes, check_finite)
     scale, scale_inv = formats.fp8_scale_from_amax(amax, fmax, amax_epsilon, force_pow_2_scales)
-    # Cast and gathered in pieces (each gather overlaps the next cast), except with the columnwise
-    # transpose, which reads the whole gathered buffer (assembling pieces would cost a copy).
-    bounds = gather_piece_bounds(n, 1 if build_columnwise else pieces)
+    # Cast and gathered in pieces (each gather overlaps the next cast); the columnwise transpose reads
+    # the pieces where they lie (GatheredSpace), or one assembled buffer past its limits.
+    bounds = gather_piece_bounds(n, pieces)
     as_u8 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
-    gathered = [jax.lax.bitcast_convert_type(_gather(as_u8(ops.fp8_group_cast(
-                    x, r, scale, table=table, num_shards=S, dtype=dtype, compute_dtype=compute_dtype, first=start,
-                    count=size, impl=impl)), axes.axis), dtype)
-                for start, size in bounds]
-    gathered_t = ops.fp8_group_transpose(gathered[0], table=table, impl=impl) if build_columnwise else None
+    gathered_u8 = [_gather(as_u8(ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype,
+                                                    compute_dtype=compute_dtype, first=start, count=size, impl=impl)),
+                           axes.axis)
+                   for start, size in bounds]
+    gathered = [jax.lax.bitcast_convert_type(g, dtype) for g in gathered_u8]
+    gathered_t = None
+    if build_columnwise:
+        space = gtable.GatheredSpace(size=S * n, chunk=n, lo=tuple(i * n for i in range(S)), bounds=bounds)
+        if space.readable_in_place:
+            t = ops.fp8_group_transpose(gathered_u8, table=table, space=space, impl=impl)
+        else:
+            t = ops.fp8_group_transpose(space.assemble(gathered_u8), table=table, impl=impl)
+        gathered_t = jax.lax.bitcast_convert_type(t, dtype)
     k = len(gathered)
     sources = gathered + [scale_inv, amax] + ([gathered_t] if gathered_t is not None else [])
     shards = None if k == 1 else tuple((r * n, n) for r in range(S))   # one piece: the flat buffer itself
@@ -484,7 +486,7 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
         split_pieces += [(shape, _space_segments(0, o, numel, shards, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
         if gathered_t is not None:
             split_pieces.append((tuple(shape)[::-1], ((k + 2, o, numel),)))
-    stages = None if gathered_t is not None else _split_stages(k, S, 2)
+    stages = _split_stages(k, S, 2, 1 if gathered_t is not None else 0)
     arrays = group_split.split(sources, split_pieces, stage_of_source=stages, impl=impl)
     per = 4 if gathered_t is not None else 3
     weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 4 else None)

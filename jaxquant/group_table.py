@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats
@@ -98,3 +99,87 @@ def sizes(table: np.ndarray) -> GroupSizes:
                       data_bytes=last.byte_base + (last.numel // 2 if nvfp4 else 0),
                       scale_bytes=last.scale_base + scale, scale_t_bytes=last.scale_t_base + scale_t,
                       num_blocks=last.block_base + (_blocks(last.rows, last.cols) if last.numel else 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# A space held by gather pieces (csrc/jaxquant/gathered_space.h; the limits are its constants,
+# which tests check against the compiled module's gathered_space_limits())
+# ----------------------------------------------------------------------------------------------
+
+MAX_GATHER_PIECES = 16
+MAX_GATHER_SHARDS = 128
+
+
+def chunk_segments(r: int, first: int, count: int, bounds, src0: int = 0) -> list:
+    """Segments ``(source, offset, count)`` of chunk offsets ``[first, first + count)`` of shard ``r``:
+    source ``src0 + j`` is gather piece j (``[S * length_j]``, shard r's part at ``r * length_j``)."""
+    segs = []
+    for j, (start, length) in enumerate(bounds):
+        a, b = max(first, start), min(first + count, start + length)
+        if a < b:
+            segs.append((src0 + j, r * length + a - start, b - a))
+    return segs
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredSpace:
+    """A byte space (the NVFP4 param-byte space, the FP8 flat buffer) that arrives as all-gather
+    pieces instead of one buffer, so that the grouped transposes read it where it lies.
+
+    Shard ``r`` holds bytes ``[lo[r], lo[r + 1])`` of the space (the last shard's part ends at
+    ``size``) from offset 0 of its ``chunk``-byte chunk; gather piece j holds chunk offsets
+    ``bounds[j] = (start, length)`` of every shard, shard r's at ``r * length``. The pieces are equal
+    steps of the chunk (``distributed.gather_piece_bounds``); :meth:`whole` is one plain buffer.
+    """
+
+    size: int
+    chunk: int
+    lo: tuple
+    bounds: tuple
+
+    @classmethod
+    def whole(cls, size: int) -> "GatheredSpace":
+        return cls(size=int(size), chunk=int(size), lo=(0,), bounds=((0, int(size)),))
+
+    def __post_init__(self):
+        step = self.step
+        want = tuple((s, min(step, self.chunk - s)) for s in range(0, self.chunk, step)) or ((0, 0),)
+        if tuple(map(tuple, self.bounds)) != want:
+            raise ValueError(f"space: bounds must be the chunk of {self.chunk} bytes in equal steps, got {self.bounds}")
+        if not self.lo:
+            raise ValueError("space: needs at least one shard")
+        ends = list(self.lo[1:]) + [self.size]
+        if self.lo[0] != 0 or any(not 0 <= e - a <= self.chunk for a, e in zip(self.lo, ends)):
+            raise ValueError(f"space: shard r's part [lo[r], lo[r+1]) must follow the previous one from 0 and fit "
+                             f"the chunk of {self.chunk} bytes, got lo={self.lo}, size {self.size}")
+
+    @property
+    def step(self) -> int:
+        return max(int(self.bounds[0][1]), 1)
+
+    @property
+    def readable_in_place(self) -> bool:
+        """Whether the custom calls can read it as pieces (at most MAX_GATHER_SHARDS shards and
+        MAX_GATHER_PIECES pieces); callers assemble it (:meth:`assemble`) otherwise."""
+        return len(self.lo) <= MAX_GATHER_SHARDS and len(self.bounds) <= MAX_GATHER_PIECES
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.lo)
+
+    def piece_shapes(self) -> list:
+        return [(self.num_shards * length,) for _, length in self.bounds]
+
+    def attr(self) -> np.ndarray:
+        """The custom calls' ``space`` attribute: {size, chunk, step, lo[0], ..., lo[S-1]}."""
+        return np.asarray([self.size, self.chunk, self.step, *self.lo], np.int64)
+
+    def segments(self) -> list:
+        """``(piece, offset, count)`` of the whole space in order."""
+        ends = list(self.lo[1:]) + [self.size]
+        return [seg for r, (a, e) in enumerate(zip(self.lo, ends)) for seg in chunk_segments(r, 0, e - a, self.bounds)]
+
+    def assemble(self, pieces):
+        """The space as one array (the reference path; the custom calls read the pieces in place)."""
+        parts = [pieces[j][at:at + n] for j, at, n in self.segments()]
+        return jnp.concatenate(parts) if parts else jnp.zeros((0,), pieces[0].dtype)

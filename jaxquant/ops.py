@@ -589,55 +589,87 @@ def nvfp4_group_scale(tile_amax, amax, *, table, impl: str = "auto"):
     return _dispatch(impl, custom, ref, tile_amax, amax)
 
 
-def nvfp4_group_columnwise(data, scale_inv, *, table, impl: str = "auto"):
+def _gathered_pieces(data, space, size: int):
+    """(pieces, space) of a transpose's input: one buffer of ``size`` bytes, or with ``space`` its
+    gather pieces (a list of uint8 arrays) as ``gtable.GatheredSpace`` lays them out."""
+    if space is None:
+        return [data], gtable.GatheredSpace.whole(size)
+    if not isinstance(space, gtable.GatheredSpace):
+        raise TypeError(f"space: must be a GatheredSpace or None, got {type(space).__name__}")
+    if space.size != size:
+        raise ValueError(f"space: holds {space.size} bytes, the table's data needs {size}")
+    if not space.readable_in_place:
+        raise ValueError(f"space: at most {gtable.MAX_GATHER_SHARDS} shards and {gtable.MAX_GATHER_PIECES} gather "
+                         f"pieces, got {space.num_shards} and {len(space.bounds)} (assemble it: space.assemble)")
+    pieces = list(data) if isinstance(data, (list, tuple)) else [data]
+    shapes = space.piece_shapes()
+    if len(pieces) != len(shapes):
+        raise ValueError(f"data: the space is gathered in {len(shapes)} pieces, got {len(pieces)} arrays")
+    for j, (piece, shape) in enumerate(zip(pieces, shapes)):
+        _check_array(f"data[{j}]", piece, jnp.uint8, shape)
+    return pieces, space
+
+
+def nvfp4_group_columnwise(data, scale_inv, *, table, space=None, impl: str = "auto"):
     """Columnwise data and scales of every parameter of the group, one call: (data_t, scale_inv_t).
 
-    ``data``: uint8 [sum numel/2], every parameter's packed rowwise data from ``byte_base``;
-    ``scale_inv``: the packed rowwise scales (``nvfp4_group_scale``). ``data_t``: every parameter's
-    packed [cols, rows/2] transpose from ``byte_base``; ``scale_inv_t``: every parameter's padded
-    [ru(cols,128), ru(rows/16,4)] scales from ``scale_t_base``.
+    ``data``: uint8 [sum numel/2], every parameter's packed rowwise data from ``byte_base``; or with
+    ``space`` (a ``GatheredSpace``) the list of gather pieces that hold it, read where they lie (no
+    assembled copy). ``scale_inv``: the packed rowwise scales (``nvfp4_group_scale``). ``data_t``:
+    every parameter's packed [cols, rows/2] transpose from ``byte_base``; ``scale_inv_t``: every
+    parameter's padded [ru(cols,128), ru(rows/16,4)] scales from ``scale_t_base``.
     """
     _check_impl(impl)
     table, rows = _check_table(table)
     sz = gtable.sizes(table)
-    _check_array("data", data, jnp.uint8, (sz.data_bytes,))
+    if space is None:
+        _check_array("data", data, jnp.uint8, (sz.data_bytes,))
+    pieces, space = _gathered_pieces(data, space, sz.data_bytes)
     _check_array("scale_inv", scale_inv, jnp.uint8, (sz.scale_bytes,))
     outs = [jax.ShapeDtypeStruct((sz.data_bytes,), jnp.uint8), jax.ShapeDtypeStruct((sz.scale_t_bytes,), jnp.uint8)]
 
-    def custom(d, s):
-        return tuple(_ffi.call("jq_nvfp4_group_columnwise", outs, d, s, _i64_operand(table),
-                               num_blocks=np.int64(sz.num_blocks)))
+    def custom(s, *ps):
+        return tuple(_ffi.call("jq_nvfp4_group_columnwise", outs, s, _i64_operand(table), *ps,
+                               num_blocks=np.int64(sz.num_blocks), space=space.attr()))
 
-    def ref(d, s):
-        return reference.nvfp4_group_columnwise(d, s, table=rows)
+    def ref(s, *ps):
+        return reference.nvfp4_group_columnwise(space.assemble(ps), s, table=rows)
 
-    return _dispatch(impl, custom, ref, data, scale_inv)
+    return _dispatch(impl, custom, ref, scale_inv, *pieces)
 
 
-def fp8_group_transpose(data, *, table, impl: str = "auto") -> jax.Array:
+def fp8_group_transpose(data, *, table, space=None, impl: str = "auto") -> jax.Array:
     """Byte transpose of every FP8 parameter of a flat buffer, one call: parameter p's [cols, rows]
     transpose at its ``offset``; bytes outside every parameter (alignment padding) are 0.
-    ``data``: fp8 or uint8 [N], N >= the end of the last parameter; the result has its dtype."""
+    ``data``: fp8 or uint8 [N], N >= the end of the last parameter; the result has its dtype. With
+    ``space`` (a ``GatheredSpace`` of N bytes): the list of gather pieces (uint8) that hold the flat
+    buffer, read where they lie; the result is uint8."""
     _check_impl(impl)
     table, rows = _check_table(table)
-    if not hasattr(data, "dtype") or jnp.dtype(data.dtype).itemsize != 1 or data.ndim != 1:
-        raise TypeError(f"data: must be a rank-1 array of 1-byte elements (fp8 or uint8), got "
-                        f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
-    if rows and rows[-1].offset + rows[-1].numel > data.shape[0]:
-        raise ValueError(f"data: has {data.shape[0]} elements, the table's last parameter ends at "
+    if space is None:
+        if not hasattr(data, "dtype") or jnp.dtype(data.dtype).itemsize != 1 or data.ndim != 1:
+            raise TypeError(f"data: must be a rank-1 array of 1-byte elements (fp8 or uint8), got "
+                            f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
+        dtype = jnp.dtype(data.dtype)
+        data = jax.lax.bitcast_convert_type(data, jnp.uint8) if dtype != jnp.uint8 else data
+        size = data.shape[0]
+    else:
+        dtype, size = jnp.dtype(jnp.uint8), getattr(space, "size", None)
+    pieces, space = _gathered_pieces(data, space, size)
+    if rows and rows[-1].offset + rows[-1].numel > size:
+        raise ValueError(f"data: has {size} elements, the table's last parameter ends at "
                          f"{rows[-1].offset + rows[-1].numel}")
-    dtype = jnp.dtype(data.dtype)
-    bytes_ = jax.lax.bitcast_convert_type(data, jnp.uint8) if dtype != jnp.uint8 else data
-    out = jax.ShapeDtypeStruct(bytes_.shape, jnp.uint8)
+    out = jax.ShapeDtypeStruct((size,), jnp.uint8)
     num_blocks = gtable.sizes(table).num_blocks
 
-    def custom(d):
-        return _ffi.call("jq_fp8_group_transpose", [out], d, _i64_operand(table), num_blocks=np.int64(num_blocks))[0]
+    def custom(*ps):
+        return _ffi.call("jq_fp8_group_transpose", [out], _i64_operand(table), *ps, num_blocks=np.int64(num_blocks),
+                         space=space.attr())[0]
 
-    def ref(d):
-        return reference.fp8_group_transpose(d, table=rows)
+    def ref(*ps):
+        return reference.fp8_group_transpose(space.assemble(ps), table=rows)
 
-    result = _dispatch(impl, custom, ref, bytes_)
+    result = _dispatch(impl, custom, ref, *pieces)
     return jax.lax.bitcast_convert_type(result, dtype) if dtype != jnp.uint8 else result
 
 

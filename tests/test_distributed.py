@@ -338,8 +338,8 @@ def test_hlo_odd_layout_gather_size():
 @pytest.mark.parametrize("kind,S", [("align1", 4), ("odd", 3), ("te", 8)])
 def test_gather_pieces_same_bytes(kind, S, recipe):
     """Chunks cast and gathered in 3 pieces (and in 1) give the single-tensor bytes, rowwise (each
-    weight read from the pieces) and columnwise (NVFP4: the assembled space; FP8: one piece); one
-    all-gather per piece and still one all-reduce."""
+    weight read from the pieces) and columnwise (the transposes read the pieces where they lie; NVFP4
+    with odd shard boundaries: the assembled space); one all-gather per piece and still one all-reduce."""
     rng = np.random.default_rng(20 + S)
     shapes = [(64, 96), (32, 80), (48, 64), (16, 160)]
     layout = _layout(kind, shapes, S, rng)
@@ -355,18 +355,28 @@ def test_gather_pieces_same_bytes(kind, S, recipe):
                                                             gather_pieces=pieces, impl=IMPL))
             lowered = f.lower(flat)
             gathers, reduces = _collectives(lowered.compile().as_text())
-            want = 1 if recipe == "fp8" and columnwise else pieces
-            assert len(gathers) == want and len(reduces) == 1, (gathers, reduces)
-            if IMPL != "reference":   # rowwise weights read from the pieces: one split call a piece
-                staged = not columnwise and (recipe == "fp8" or not D.nvfp4_chunks(layout).fix_pos)
-                splits = _jaxquant_split_calls(lowered.as_text())
-                assert splits == (pieces if staged else 1), (splits, staged)
+            assert len(gathers) == pieces and len(reduces) == 1, (gathers, reduces)
+            if IMPL != "reference":   # weights and transposes read from the pieces: one split call a piece
+                in_place = recipe == "fp8" or not D.nvfp4_chunks(layout).fix_pos
+                text = lowered.as_text()
+                assert _jaxquant_split_calls(text) == (pieces if in_place else 1), in_place
+                if columnwise:
+                    target = "jq_nvfp4_group_columnwise" if recipe == "nvfp4" else "jq_fp8_group_transpose"
+                    inputs = _custom_call_operands(text, target)
+                    assert inputs == (pieces if in_place else 1) + (2 if recipe == "nvfp4" else 1), inputs
             for q, w in zip(f(flat), ws):
                 _assert_same(q, _reference(w, recipe, columnwise=columnwise))
 
 
 def _jaxquant_split_calls(lowered_text) -> int:
     return lowered_text.count("stablehlo.custom_call @jq_group_split")
+
+
+def _custom_call_operands(lowered_text, target) -> int:
+    """Operand count of the one call of ``target`` in lowered StableHLO text."""
+    [line] = [ln for ln in lowered_text.splitlines() if f"stablehlo.custom_call @{target}(" in ln]
+    args = line.split(f"@{target}(", 1)[1].split(")", 1)[0]
+    return len([a for a in args.split(",") if a.strip()])
 
 
 def test_gather_piece_bounds():

@@ -143,6 +143,111 @@ def test_fp8_group_transpose_any_shape(gap):
     assert not got[gaps].any(), "the gaps between parameters are 0"
 
 
+def _gathered(rng, space, num_shards, num_pieces, aligned):
+    """``space`` (uint8) cut into shard parts and gather pieces as the master-weight step lays them
+    out (gtable.GatheredSpace): random part boundaries (multiples of 8 when ``aligned``, with an
+    empty shard from 3 shards on), a chunk longer than the longest part, and random bytes wherever a
+    piece holds no byte of the space (the transposes must not read them)."""
+    size, unit = space.size, 8 if aligned else 1
+    lo = [0] + sorted(int(c) * unit for c in rng.integers(0, size // unit + 1, num_shards - 1))
+    if num_shards >= 3:
+        lo[2] = lo[1]
+    ends = lo[1:] + [size]
+    chunk = max(e - a for a, e in zip(lo, ends)) + int(rng.integers(0, 3)) * unit
+    step = -(-chunk // num_pieces)
+    step = -(-step // 128) * 128 if aligned else step
+    bounds = tuple((s, min(step, chunk - s)) for s in range(0, chunk, step)) or ((0, 0),)
+    pieces = []
+    for start, length in bounds:
+        piece = rng.integers(0, 256, num_shards * length).astype(np.uint8)
+        for r, (a, e) in enumerate(zip(lo, ends)):
+            o0, o1 = start, min(start + length, e - a)
+            if o0 < o1:
+                piece[r * length:r * length + o1 - o0] = space[a + o0:a + o1]
+        pieces.append(jnp.asarray(piece))
+    return pieces, gtable.GatheredSpace(size=size, chunk=chunk, lo=tuple(lo), bounds=bounds)
+
+
+@pytest.mark.parametrize("num_shards,num_pieces,aligned", [(1, 1, True), (2, 4, True), (3, 3, False), (8, 5, False),
+                                                           (4, 16, True)])
+def test_group_transposes_read_gathered_pieces(num_shards, num_pieces, aligned):
+    """The grouped transposes read the space from gather pieces (shard parts at any byte, an empty
+    shard, odd piece steps, junk past every part) and give the bytes of the assembled space, custom
+    call and reference."""
+    rng = np.random.default_rng(100 * num_shards + num_pieces)
+    shapes = [(256, 512), (16, 48), (64, 160), (128, 64)]
+    offsets = list(np.cumsum([0] + [m * k for m, k in shapes[:-1]]))
+    total = sum(m * k for m, k in shapes)
+    table = ops.group_table(offsets, shapes, num_shards=1, shard_size=total, nvfp4=True)
+    sizes = gtable.sizes(table)
+    scale_inv = jnp.asarray(rng.integers(0, 256, sizes.scale_bytes).astype(np.uint8))
+    space = rng.integers(0, 256, sizes.data_bytes).astype(np.uint8)
+    pieces, spread = _gathered(rng, space, num_shards, num_pieces, aligned)
+    np.testing.assert_array_equal(np.asarray(spread.assemble(pieces)), space)
+    want = ops.nvfp4_group_columnwise(jnp.asarray(space), scale_inv, table=table, impl="reference")
+    for impl in ("reference", "custom_call"):
+        got = ops.nvfp4_group_columnwise(pieces, scale_inv, table=table, space=spread, impl=impl)
+        assert_bytes_equal(got[0], want[0], f"data_t from pieces ({impl})")
+        assert_bytes_equal(got[1], want[1], f"scale_inv_t from pieces ({impl})")
+    fp8_shapes = [(64, 64), (65, 63), (200,), (128, 136), (3, 200)]
+    fp8_offsets, pos = [], 3
+    for shape in fp8_shapes:
+        fp8_offsets.append(pos)
+        pos += int(np.prod(shape)) + 3
+    fp8_table = ops.group_table(fp8_offsets, fp8_shapes, num_shards=1, shard_size=pos, nvfp4=False)
+    flat = rng.integers(0, 256, pos).astype(np.uint8)
+    pieces, spread = _gathered(rng, flat, num_shards, num_pieces, aligned)
+    want = ops.fp8_group_transpose(jnp.asarray(flat), table=fp8_table, impl="reference")
+    for impl in ("reference", "custom_call"):
+        got = ops.fp8_group_transpose(pieces, table=fp8_table, space=spread, impl=impl)
+        assert_bytes_equal(got, want, f"fp8 data_t from pieces ({impl})")
+
+
+def test_group_transposes_reject_bad_pieces():
+    shapes = [(32, 64)]
+    table = ops.group_table([0], shapes, num_shards=1, shard_size=2048, nvfp4=True)
+    scale_inv = jnp.zeros((gtable.sizes(table).scale_bytes,), jnp.uint8)
+    space = gtable.GatheredSpace(size=1024, chunk=512, lo=(0, 512), bounds=((0, 256), (256, 256)))
+    with pytest.raises(ValueError, match="gathered in 2 pieces, got 1"):
+        ops.nvfp4_group_columnwise([jnp.zeros((1024,), jnp.uint8)], scale_inv, table=table, space=space)
+    with pytest.raises(ValueError, match=r"data\[1\]: shape must be \(512,\)"):
+        ops.nvfp4_group_columnwise([jnp.zeros((512,), jnp.uint8)] * 1 + [jnp.zeros((500,), jnp.uint8)], scale_inv,
+                                   table=table, space=space)
+    with pytest.raises(ValueError, match="space: holds 512 bytes, the table's data needs 1024"):
+        ops.nvfp4_group_columnwise([jnp.zeros((512,), jnp.uint8)], scale_inv, table=table,
+                                   space=gtable.GatheredSpace.whole(512))
+    with pytest.raises(ValueError, match="data: has 1024 elements, the table's last parameter ends at 2048"):
+        ops.fp8_group_transpose([jnp.zeros((512,), jnp.uint8)] * 2,
+                                table=ops.group_table([0], shapes, num_shards=1, shard_size=2048, nvfp4=False),
+                                space=space)
+    many = gtable.GatheredSpace(size=1024, chunk=1024, lo=(0,), bounds=tuple((s, 32) for s in range(0, 1024, 32)))
+    assert not many.readable_in_place
+    with pytest.raises(ValueError, match="at most 128 shards and 16 gather pieces"):
+        ops.nvfp4_group_columnwise([jnp.zeros((32,), jnp.uint8)] * 32, scale_inv, table=table, space=many)
+    with pytest.raises(ValueError, match="equal steps"):
+        gtable.GatheredSpace(size=1024, chunk=512, lo=(0, 512), bounds=((0, 256), (256, 200)))
+    with pytest.raises(ValueError, match="must follow the previous one from 0"):
+        gtable.GatheredSpace(size=1024, chunk=256, lo=(0, 512), bounds=((0, 256),))
+
+
+def test_group_transpose_handlers_reject_bad_space():
+    """The C++ checks behind the Python ones: a space whose shard parts or pieces do not fit."""
+    shapes = [(32, 64)]
+    table = ops.group_table([0], shapes, num_shards=1, shard_size=2048, nvfp4=False)
+    words = ops._i64_operand(table)
+    out = [jax.ShapeDtypeStruct((2048,), jnp.uint8)]
+    piece = jnp.zeros((2048,), jnp.uint8)
+    call = lambda space, *ps: jax.block_until_ready(_ffi.call("jq_fp8_group_transpose", out, words, *ps,
+                                                              num_blocks=np.int64(1), space=np.asarray(space, np.int64)))
+    call([2048, 2048, 2048, 0], piece)   # the plain buffer is fine
+    with pytest.raises(Exception, match="shard 0's part must start"):
+        call([2048, 2048, 2048, 5], piece)
+    with pytest.raises(Exception, match="needs 2 gather pieces, got 1"):
+        call([2048, 2048, 1024, 0], piece)
+    with pytest.raises(Exception, match=r"pieces\[0\]: must be uint8 \[3072\]"):
+        call([2048, 1024, 1024, 0, 1024, 2048], piece)
+
+
 @pytest.mark.parametrize("impl", ["reference", "custom_call"])
 def test_group_ops_assemble_to_single_tensor_quantization(impl):
     """Max of the shards' statistics, then the chunks ORed into place == quantize_nvfp4 / quantize_fp8."""
@@ -194,10 +299,12 @@ def test_group_ops_assemble_to_single_tensor_quantization(impl):
 
 @pytest.mark.skipif("cpu" not in _ffi.built_platforms(), reason="needs the compiled CPU extension")
 def test_group_table_fields_are_the_compiled_ones():
-    """Python's field names are the ones csrc/jaxquant/group_table.h defines, in the same order."""
+    """Python's field names are the ones csrc/jaxquant/group_table.h defines, in the same order (and
+    the GatheredSpace limits those of gathered_space.h)."""
     import jaxquant._jaxquant_cpu as ext
 
     assert tuple(ext.group_table_fields()) == gtable.GROUP_TABLE_FIELDS
+    assert tuple(ext.gathered_space_limits()) == (gtable.MAX_GATHER_PIECES, gtable.MAX_GATHER_SHARDS)
     table = ops.group_table([3, 600], [(16, 32), (48, 16)], num_shards=2, shard_size=700, nvfp4=True)
     assert table.shape == (2, len(gtable.GROUP_TABLE_FIELDS))
     second = gtable.rows_of(table)[1]

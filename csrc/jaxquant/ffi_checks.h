@@ -3,10 +3,12 @@
 // no kernel reads or writes out of bounds.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "jaxquant/gathered_space.h"
 #include "jaxquant/group_table.h"
 #include "jaxquant/numerics.h"
 #include "xla/ffi/api/ffi.h"
@@ -221,40 +223,72 @@ inline ffi::Error check_group_scale(const ffi::Buffer<ffi::F32>& tiles, const ff
   return ffi::Error::Success();
 }
 
-// Grouped columnwise op: data and data_t [sum numel/2] u8, scale_inv / scale_inv_t packed u8.
-inline ffi::Error check_group_columnwise(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::U8>& scale_inv,
-                                         const ffi::Buffer<ffi::U32>& table, const ffi::Buffer<ffi::U8>& data_t,
-                                         const ffi::Buffer<ffi::U8>& scale_inv_t, int64_t* num_params) {
+// The gathered pieces (every argument of `pieces`) and the "space" attribute {size, chunk, step,
+// lo[0..S-1]} as a GatheredSpace, after checking that every piece has the bytes the map reads.
+inline ffi::Error read_gathered_space(const ffi::RemainingArgs& pieces, ffi::Span<const int64_t> space,
+                                      GatheredSpace* out) {
+  const int64_t num_shards = static_cast<int64_t>(space.size()) - kSpaceHeader;
+  if (num_shards < 1 || num_shards > kMaxGatherShards)
+    return invalid("space: must be {size, chunk, step, lo[0], ..., lo[S-1]} with 1 <= S <= " +
+                   std::to_string(kMaxGatherShards) + " shards");
+  const int64_t size = space[0], chunk = space[1], step = space[2];
+  if (size < 0 || chunk < 0 || step <= 0) return invalid("space: size and chunk must be >= 0 and step > 0");
+  const int64_t num_pieces = chunk == 0 ? 1 : (chunk + step - 1) / step;
+  if (num_pieces > kMaxGatherPieces)
+    return invalid("space: a chunk in at most " + std::to_string(kMaxGatherPieces) + " gather pieces, got " +
+                   std::to_string(num_pieces));
+  if (static_cast<int64_t>(pieces.size()) != num_pieces)
+    return invalid("pieces: the space's chunk of " + std::to_string(chunk) + " bytes in steps of " +
+                   std::to_string(step) + " needs " + std::to_string(num_pieces) + " gather pieces, got " +
+                   std::to_string(pieces.size()));
+  *out = GatheredSpace{};
+  for (int64_t j = 0; j < num_pieces; ++j) {
+    auto piece = pieces.get<ffi::AnyBuffer>(j);
+    if (!piece.has_value()) return piece.error();
+    const int64_t len = std::min(step, chunk - j * step);
+    if (piece->element_type() != ffi::DataType::U8 || static_cast<int64_t>(piece->element_count()) != num_shards * len)
+      return invalid("pieces[" + std::to_string(j) + "]: must be uint8 [" + std::to_string(num_shards * len) +
+                     "] (shards x its chunk bytes)");
+    out->piece[j] = static_cast<const uint8_t*>(piece->untyped_data());
+  }
+  for (int64_t r = 0; r < num_shards; ++r) {
+    const int64_t lo = space[kSpaceHeader + r], end = r + 1 < num_shards ? space[kSpaceHeader + r + 1] : size;
+    if ((r == 0 && lo != 0) || end < lo || end - lo > chunk)
+      return invalid("space: shard " + std::to_string(r) + "'s part must start where the previous one ends (0 for "
+                     "shard 0) and fit its chunk");
+    out->lo[r] = lo;
+  }
+  out->size = size;
+  out->chunk = chunk;
+  out->step = step;
+  out->num_shards = static_cast<int32_t>(num_shards);
+  out->num_pieces = static_cast<int32_t>(num_pieces);
+  return ffi::Error::Success();
+}
+
+// Grouped transposes: data (a gathered space: the NVFP4 param-byte space, the FP8 flat buffer) and
+// data_t, as many bytes.
+inline ffi::Error check_group_transpose(const GatheredSpace& data, const ffi::Buffer<ffi::U32>& table,
+                                         const ffi::Buffer<ffi::U8>& data_t, int64_t* num_params) {
   constexpr size_t kWords = 2 * GroupTable::kFields;
   if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
   *num_params = static_cast<int64_t>(table.element_count() / kWords);
-  if (data_t.element_count() != data.element_count()) return invalid("data_t: must have as many bytes as data");
+  if (static_cast<int64_t>(data_t.element_count()) != data.size) return invalid("data_t: must have as many bytes as data");
   return ffi::Error::Success();
 }
 
 // Host-readable table (CPU): the group's packed bytes and scales fit in data and scale_inv.
-inline ffi::Error check_group_columnwise_bounds(const int64_t* table, int64_t num_params,
-                                                const ffi::Buffer<ffi::U8>& data,
+inline ffi::Error check_group_columnwise_bounds(const int64_t* table, int64_t num_params, int64_t data_bytes,
                                                 const ffi::Buffer<ffi::U8>& scale_inv) {
   const GroupTable t{table, num_params};
   if (num_params > 0) {
     const int64_t last = num_params - 1, rows = t.at(last, GroupTable::kRows), cols = t.at(last, GroupTable::kCols);
-    if (t.at(last, GroupTable::kByteBase) + rows * cols / 2 > static_cast<int64_t>(data.element_count()))
+    if (t.at(last, GroupTable::kByteBase) + rows * cols / 2 > data_bytes)
       return invalid("data: shorter than the group's packed bytes");
     if (t.at(last, GroupTable::kScaleBase) + nvfp4_scale_rows(rows) * nvfp4_scale_cols(cols) >
         static_cast<int64_t>(scale_inv.element_count()))
       return invalid("scale_inv: shorter than the group's packed scales");
   }
-  return ffi::Error::Success();
-}
-
-// FP8 grouped transpose: data and data_t, the gathered flat buffer [total_size] u8.
-inline ffi::Error check_fp8_group_transpose(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::U32>& table,
-                                            const ffi::Buffer<ffi::U8>& data_t, int64_t* num_params) {
-  constexpr size_t kWords = 2 * GroupTable::kFields;
-  if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
-  *num_params = static_cast<int64_t>(table.element_count() / kWords);
-  if (data_t.element_count() != data.element_count()) return invalid("data_t: must have as many bytes as data");
   return ffi::Error::Success();
 }
 
