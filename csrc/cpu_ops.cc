@@ -418,40 +418,63 @@ std::vector<uint8_t> assemble(const GatheredSpace& space) {
   return out;
 }
 
+// Result r as uint8, after checking it holds `bytes` bytes (the host table's size of it).
+ffi::Error result_bytes(ffi::RemainingRets& rets, int64_t r, int64_t bytes, uint8_t** out) {
+  auto ret = rets.get<ffi::AnyBuffer>(r);
+  if (!ret.has_value()) return ret.error();
+  if (static_cast<int64_t>((*ret.value()).size_bytes()) != bytes)
+    return invalid("results: result " + std::to_string(r) + " must hold " + std::to_string(bytes) + " bytes");
+  *out = static_cast<uint8_t*>((*ret.value()).untyped_data());
+  return ffi::Error::Success();
+}
+
 // Columnwise data and scales of every parameter from the packed rowwise ones.
 ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U32> table_words,
-                              ffi::RemainingArgs pieces, int64_t /*num_blocks: GPU grid*/,
-                              ffi::Span<const int64_t> space_attr, ffi::Result<ffi::Buffer<ffi::U8>> data_t,
-                              ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+                              ffi::RemainingArgs pieces, ffi::Span<const int64_t> ranges,
+                              ffi::Span<const int64_t> space_attr, ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, true, &num_params));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, kNoBound, true));
   JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, space.size, scale_inv));
   const GroupTable table{as_i64(table_words), num_params};
   const std::vector<uint8_t> data = assemble(space);
-  for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
-    data_t->typed_data()[y] = group_data_t_byte(table, data.data(), y);
-  const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
-  for (int64_t u = 0; u < group_scale_strips(scale_t_bytes); ++u)
-    group_scale_t_strip(table, scale_inv.typed_data(), u, scale_inv_t->typed_data(), scale_t_bytes);
+  std::vector<uint8_t*> scale_t(num_params);
+  for (int64_t p = 0; p < num_params; ++p) {
+    const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+    const int64_t base = table.at(p, GroupTable::kByteBase), bytes = rows * cols / 2;
+    uint8_t* data_t;
+    JQ_RETURN_IF_ERROR(result_bytes(rets, p, bytes, &data_t));
+    JQ_RETURN_IF_ERROR(result_bytes(rets, num_params + p, nvfp4_scale_rows(cols) * nvfp4_scale_cols(rows), &scale_t[p]));
+    for (int64_t y = 0; y < bytes; ++y) data_t[y] = group_data_t_byte(table, data.data(), base + y);
+  }
+  const int64_t strips = num_params ? group_scale_strips(table.at(num_params - 1, GroupTable::kScaleTBase) +
+                                                         nvfp4_scale_rows(table.at(num_params - 1, GroupTable::kCols)) *
+                                                             nvfp4_scale_cols(table.at(num_params - 1, GroupTable::kRows)))
+                                    : 0;
+  for (int64_t u = 0; u < strips; ++u)
+    group_scale_t_strip(table, scale_inv.typed_data(), u, [&](int64_t p) { return scale_t[p]; });
   return ffi::Error::Success();
 }
 
 // Byte transpose of every FP8 parameter of the gathered flat buffer.
 ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U32> table_words, ffi::RemainingArgs pieces,
-                                int64_t /*num_blocks: GPU grid*/, ffi::Span<const int64_t> space_attr,
-                                ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+                                ffi::Span<const int64_t> ranges, ffi::Span<const int64_t> space_attr,
+                                ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, false, &num_params));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, space.size, 0, false));
   const GroupTable table{as_i64(table_words), num_params};
   const std::vector<uint8_t> data = assemble(space);
-  for (int64_t y = 0; y < static_cast<int64_t>(data_t->element_count()); ++y)
-    data_t->typed_data()[y] = fp8_group_t_byte(table, data.data(), y);
+  for (int64_t p = 0; p < num_params; ++p) {
+    const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
+    uint8_t* data_t;
+    JQ_RETURN_IF_ERROR(result_bytes(rets, p, numel, &data_t));
+    for (int64_t y = 0; y < numel; ++y) data_t[y] = fp8_group_t_byte(table, data.data(), off + y);
+  }
   return ffi::Error::Success();
 }
 

@@ -451,24 +451,36 @@ ffi::Error GroupScaleCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> tiles, ffi:
 // Transposes: block b < num_blocks is one 64x64-element block of parameter p = the last with
 // block_base <= b (row-major over the parameter's [ru(rows,64)/64, ru(cols,64)/64] blocks). Both
 // work in registers, a warp a block (byte_transpose_block, nibble_transpose_block): lane l takes the
-// 16 x 8-element piece at rows m0 + 16 (l / 8) .. +15 and columns k0 + 8 (l % 8) .. +7.
+// 16 x 8-element piece at rows m0 + 16 (l / 8) .. +15 and columns k0 + 8 (l % 8) .. +7. They read
+// the gathered space in place and write each parameter's own result (no split copy afterwards).
+
+// The results of one launch: parameters [p0, p0 + kTransposeBatch) at most, whose blocks are
+// [block0, block0 + blocks) and (NVFP4) columnwise scale strips [strip0, strip0 + strips). Travels
+// in the kernel parameters (with the GatheredSpace about 3.3 KB of the 4 KB), so graphs capture it.
+constexpr int kTransposeBatch = 128;
+struct TransposeOutputs {
+  uint8_t* data_t[kTransposeBatch];
+  uint8_t* scale_t[kTransposeBatch];  // NVFP4
+  int64_t p0, block0, blocks, strip0, strips;
+};
+
 struct TransposePiece {
   int64_t src;   // the parameter's first source byte in the gathered space
-  uint8_t* dst;  // and its first output byte
+  uint8_t* dst;  // its result
   int64_t rows, cols, m, k;  // its shape; the piece's first row and column
 };
 
 // This lane's piece of block b; false where it holds nothing (no parameter, or past its rows or
 // columns). One table search a block: a warp handles a single block.
-__device__ bool transpose_piece_at(const GroupTable& table, int64_t b, int64_t base_field, uint8_t* out,
+__device__ bool transpose_piece_at(const GroupTable& table, int64_t b, int64_t base_field, const TransposeOutputs& out,
                                    TransposePiece* piece) {
   const int64_t p = table.find(b, GroupTable::kBlockBase);
   if (p < 0) return false;
   const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
   const int64_t nbx = (cols + 63) / 64, local = b - table.at(p, GroupTable::kBlockBase);
-  const int64_t base = table.at(p, base_field);
   const int lane = threadIdx.x % 32;
-  *piece = {base, out + base, rows, cols, (local / nbx) * 64 + 16 * (lane / 8), (local % nbx) * 64 + 8 * (lane % 8)};
+  *piece = {table.at(p, base_field), out.data_t[p - out.p0], rows, cols, (local / nbx) * 64 + 16 * (lane / 8),
+            (local % nbx) * 64 + 8 * (lane % 8)};
   return piece->m < rows && piece->k < cols;
 }
 
@@ -507,9 +519,9 @@ __device__ void load_rows(const GatheredSpace& space, int64_t pos, int64_t pitch
 // time. One H200, Llama-3-8B layer (218 MB): 123 us (2026-11-25); 193 us plus a memset of the whole
 // output with the shared-memory transpose (single-byte staging) before.
 __device__ void byte_transpose_block(const GroupTable& table, int64_t b, const GatheredSpace& data,
-                                     uint8_t* __restrict__ data_t) {
+                                     const TransposeOutputs& out) {
   TransposePiece pc;
-  if (!transpose_piece_at(table, b, GroupTable::kOffset, data_t, &pc)) return;
+  if (!transpose_piece_at(table, b, GroupTable::kOffset, out, &pc)) return;
   const int64_t src = pc.src + pc.m * pc.cols + pc.k;
   uint8_t* dst = pc.dst + pc.k * pc.rows + pc.m;
   const bool vector = pc.m + 16 <= pc.rows && pc.k + 8 <= pc.cols && pc.cols % 8 == 0 && pc.rows % 16 == 0 &&
@@ -535,14 +547,6 @@ __device__ void byte_transpose_block(const GroupTable& table, int64_t b, const G
     for (int64_t r = 0; r < nr; ++r) dst[q * pc.rows + r] = data.byte_at(src + r * pc.cols + q);
 }
 
-// Zeroes gap g of an FP8 transpose's output (g in [0, P]): the bytes before parameter g that follow
-// parameter g - 1 (or the buffer's start), the last one up to the buffer's end `n`. One CTA a gap.
-__device__ void zero_gap(const GroupTable& table, int64_t g, int64_t n, uint8_t* __restrict__ data_t) {
-  const int64_t lo = g == 0 ? 0 : table.at(g - 1, GroupTable::kOffset) + table.at(g - 1, GroupTable::kNumel);
-  const int64_t hi = g == table.num_params ? n : table.at(g, GroupTable::kOffset);
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) data_t[i] = 0;
-}
-
 int64_t transpose_ctas(int64_t num_blocks, int per_cta) { return (num_blocks + per_cta - 1) / per_cta; }
 
 // NVFP4 data_t of 64x64-element block b, one warp, in registers: a lane makes sixteen 4-byte loads
@@ -552,9 +556,9 @@ int64_t transpose_ctas(int64_t num_blocks, int per_cta) { return (num_blocks + p
 // inside the weight or wholly outside it. Measured on one H200 (2026-11-24, Llama-3-8B layer,
 // 109 MB): 216 us with the shared-memory transpose (single-byte staging) before.
 __device__ void nibble_transpose_block(const GroupTable& table, int64_t b, const GatheredSpace& data,
-                                       uint8_t* __restrict__ data_t) {
+                                       const TransposeOutputs& out) {
   TransposePiece pc;
-  if (!transpose_piece_at(table, b, GroupTable::kByteBase, data_t, &pc)) return;
+  if (!transpose_piece_at(table, b, GroupTable::kByteBase, out, &pc)) return;
   // Byte bases are multiples of 128, pitches multiples of 8, k / 2 of 4 and m / 2 of 8: the output
   // is aligned, and so is the input except where a shard's part of the space starts unaligned.
   const int64_t pitch = pc.cols / 2, opitch = pc.rows / 2;
@@ -572,67 +576,83 @@ constexpr int kWarpsPerCta = kThreads / 32;
 // CTAs [0, data_ctas): the packed data transpose, one 64x64 block a warp; the rest grid-stride over
 // the columnwise scale strips (group_scale_t_strip).
 __global__ void group_columnwise_kernel(const __grid_constant__ GatheredSpace data, const uint8_t* __restrict__ scale_inv,
-                                        GroupTable table, int64_t num_blocks, int64_t data_ctas,
-                                        uint8_t* __restrict__ data_t, uint8_t* __restrict__ scale_inv_t,
-                                        int64_t scale_t_bytes) {
+                                        GroupTable table, int64_t data_ctas, const __grid_constant__ TransposeOutputs out) {
   if (blockIdx.x < data_ctas) {
-    const int64_t b = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
-    if (b < num_blocks) nibble_transpose_block(table, b, data, data_t);
+    const int64_t i = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
+    if (i < out.blocks) nibble_transpose_block(table, out.block0 + i, data, out);
     return;
   }
   const int64_t stride = (int64_t(gridDim.x) - data_ctas) * blockDim.x;
-  for (int64_t u = (blockIdx.x - data_ctas) * int64_t(blockDim.x) + threadIdx.x; u < group_scale_strips(scale_t_bytes);
-       u += stride)
-    group_scale_t_strip(table, scale_inv, u, scale_inv_t, scale_t_bytes);
+  for (int64_t u = (blockIdx.x - data_ctas) * int64_t(blockDim.x) + threadIdx.x; u < out.strips; u += stride)
+    group_scale_t_strip(table, scale_inv, out.strip0 + u, [&](int64_t p) { return out.scale_t[p - out.p0]; });
 }
 
-// CTAs [0, data_ctas): the byte transpose, one 64x64 block a warp; then one CTA per gap (zero_gap).
-__global__ void fp8_group_transpose_kernel(const __grid_constant__ GatheredSpace data, GroupTable table, int64_t num_blocks,
-                                           int64_t data_ctas, int64_t n, uint8_t* __restrict__ data_t) {
-  if (blockIdx.x < data_ctas) {
-    const int64_t b = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
-    if (b < num_blocks) byte_transpose_block(table, b, data, data_t);
-    return;
+__global__ void fp8_group_transpose_kernel(const __grid_constant__ GatheredSpace data, GroupTable table,
+                                           const __grid_constant__ TransposeOutputs out) {
+  const int64_t i = blockIdx.x * int64_t(kWarpsPerCta) + threadIdx.x / 32;
+  if (i < out.blocks) byte_transpose_block(table, out.block0 + i, data, out);
+}
+
+// Launches `kernel(out)` for each batch of kTransposeBatch parameters, filling its TransposeOutputs
+// from the results (data_t of parameter p: result p; NVFP4 scale_inv_t: result P + p) and ranges.
+template <typename Launch>
+void for_each_transpose_batch(ffi::RemainingRets& rets, ffi::Span<const int64_t> ranges, int64_t num_params, bool nvfp4,
+                              Launch launch) {
+  for (int64_t p0 = 0; p0 < num_params; p0 += kTransposeBatch) {
+    const int64_t p1 = std::min<int64_t>(num_params, p0 + kTransposeBatch);
+    TransposeOutputs out{};
+    for (int64_t p = p0; p < p1; ++p) {
+      out.data_t[p - p0] = static_cast<uint8_t*>((*rets.get<ffi::AnyBuffer>(p).value()).untyped_data());
+      if (nvfp4)
+        out.scale_t[p - p0] = static_cast<uint8_t*>((*rets.get<ffi::AnyBuffer>(num_params + p).value()).untyped_data());
+    }
+    out.p0 = p0;
+    out.block0 = ranges[2 * p0];
+    out.blocks = ranges[2 * p1] - out.block0;
+    out.strip0 = ranges[2 * p0 + 1];
+    out.strips = ranges[2 * p1 + 1] - out.strip0;
+    if (out.blocks + out.strips > 0) launch(out);
   }
-  zero_gap(table, blockIdx.x - data_ctas, n, data_t);
+}
+
+// Result bytes of every data_t: NVFP4's are the whole param-byte space, FP8's fit in the flat buffer.
+int64_t data_t_bytes(ffi::RemainingRets& rets, int64_t num_params) {
+  int64_t total = 0;
+  for (int64_t p = 0; p < num_params; ++p) total += static_cast<int64_t>((*rets.get<ffi::AnyBuffer>(p).value()).size_bytes());
+  return total;
 }
 
 ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U32> table_words,
-                               ffi::RemainingArgs pieces, int64_t num_blocks, ffi::Span<const int64_t> space_attr,
-                               ffi::Result<ffi::Buffer<ffi::U8>> data_t, ffi::Result<ffi::Buffer<ffi::U8>> scale_inv_t) {
+                               ffi::RemainingArgs pieces, ffi::Span<const int64_t> ranges,
+                               ffi::Span<const int64_t> space_attr, ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
-  if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
-  const int64_t scale_t_bytes = static_cast<int64_t>(scale_inv_t->element_count());
-  const int64_t data_ctas = transpose_ctas(num_blocks, kWarpsPerCta);
-  const int64_t grid = data_ctas + grid_for(group_scale_strips(scale_t_bytes));
-  if (num_params == 0) return ffi::Error::Success();
-  group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      space, scale_inv.typed_data(), GroupTable{as_i64(table_words), num_params}, num_blocks, data_ctas,
-      data_t->typed_data(), scale_inv_t->typed_data(), scale_t_bytes);
+  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, true, &num_params));
+  if (data_t_bytes(rets, num_params) != space.size) return invalid("results: the data_t must hold the space's bytes");
+  const GroupTable table{as_i64(table_words), num_params};
+  for_each_transpose_batch(rets, ranges, num_params, true, [&](const TransposeOutputs& out) {
+    const int64_t data_ctas = transpose_ctas(out.blocks, kWarpsPerCta);
+    const int64_t grid = data_ctas + (out.strips ? grid_for(out.strips) : 0);
+    group_columnwise_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(space, scale_inv.typed_data(), table,
+                                                                                  data_ctas, out);
+  });
   return last_error("group columnwise kernel");
 }
 
 ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> table_words, ffi::RemainingArgs pieces,
-                                 int64_t num_blocks, ffi::Span<const int64_t> space_attr,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> data_t) {
+                                 ffi::Span<const int64_t> ranges, ffi::Span<const int64_t> space_attr,
+                                 ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
   JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(space, table_words, *data_t, &num_params));
-  if (num_blocks < 0 || num_blocks > INT32_MAX / 2) return invalid("num_blocks: out of range");
-  // The blocks write every parameter's bytes and one CTA a gap the alignment padding between them
-  // (zeroing the whole buffer first cost a second write of it).
-  const int64_t n = static_cast<int64_t>(data_t->element_count());
-  if (num_params == 0) {
-    cudaMemsetAsync(data_t->untyped_data(), 0, data_t->size_bytes(), stream);
-    return last_error("fp8 group transpose memset");
-  }
-  const int64_t data_ctas = transpose_ctas(num_blocks, kWarpsPerCta);
-  fp8_group_transpose_kernel<<<static_cast<unsigned>(data_ctas + num_params + 1), kThreads, 0, stream>>>(
-      space, GroupTable{as_i64(table_words), num_params}, num_blocks, data_ctas, n, data_t->typed_data());
+  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, false, &num_params));
+  if (data_t_bytes(rets, num_params) > space.size) return invalid("results: more data_t bytes than the flat buffer");
+  const GroupTable table{as_i64(table_words), num_params};
+  for_each_transpose_batch(rets, ranges, num_params, false, [&](const TransposeOutputs& out) {
+    fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(out.blocks, kWarpsPerCta)), kThreads, 0,
+                                 stream>>>(space, table, out);
+  });
   return last_error("fp8 group transpose kernel");
 }
 

@@ -352,7 +352,7 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
     if build_columnwise:
         data_t, scale_inv_t = ops.nvfp4_group_columnwise(gathered, scale_inv, table=table, space=space, impl=impl)
     return _split_nvfp4(rows, gathered, scale_inv, amax, data_t, scale_inv_t, plan=plan, bounds=bounds,
-                        stages=_split_stages(len(gathered), S, 2, 2 if build_columnwise else 0), impl=impl), counts
+                        stages=_split_stages(len(gathered), S, 2), impl=impl), counts
 
 
 # Below this piece size (bytes per shard) the pieces' launches cost more than the overlap saves.
@@ -412,24 +412,24 @@ def _space_segments(src0, first, count, shards, bounds):
     return tuple(segs)
 
 
-def _split_stages(num_pieces: int, num_shards: int, num_early: int, num_late: int = 0):
-    """``group_split.split``'s stage of each source: gather pieces first (piece j in stage j), then
-    ``num_early`` sources ready before any gather (stage 0) and ``num_late`` ones that need every piece
-    (the transposes: the last stage), so that each piece's weights are copied out while the next pieces
-    are still being gathered; None (one call) with a single piece or nothing gathered (one shard)."""
+def _split_stages(num_pieces: int, num_shards: int, num_other: int):
+    """``group_split.split``'s stage of each source: gather pieces first (piece j in stage j, with the
+    other sources in stage 0), so that each piece's weights are copied out while the next pieces are
+    still being gathered; None (one call) with a single piece or nothing gathered (one shard)."""
     if num_pieces == 1 or num_shards == 1:
         return None
-    return list(range(num_pieces)) + [0] * num_early + [num_pieces - 1] * num_late
+    return list(range(num_pieces)) + [0] * num_other
 
 
 def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
                  stages=None, impl="auto"):
     """Per-parameter tensors from the group's packed vectors, one ``group_split`` call (or one per
     gather piece, ``stages``). ``data``: a list holding the param-byte space, or with ``plan`` the
-    gathered pieces (``bounds``) that hold it."""
+    gathered pieces (``bounds``) that hold it. ``data_t`` / ``scale_inv_t``: the per-parameter
+    columnwise arrays (``ops.nvfp4_group_columnwise``), or None."""
     k = len(data)
     shards = None if plan is None else tuple(zip(plan.lo, plan.length))
-    sources = list(data) + [scale_inv, amax] + ([data_t, scale_inv_t] if data_t is not None else [])
+    sources = list(data) + [scale_inv, amax]
     pieces = []
     for p, row in enumerate(rows):
         m, c = row.rows, row.cols
@@ -437,17 +437,12 @@ def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, 
         pieces += [((m, c // 2), _space_segments(0, row.byte_base, m * c // 2, shards, bounds)),
                    ((sr, sc), ((k, row.scale_base, sr * sc),)),
                    ((1,), ((k + 1, p, 1),))]
-        if data_t is not None:
-            tr, tc = formats.nvfp4_scale_shape(c, m)
-            pieces += [((c, m // 2), ((k + 2, row.byte_base, m * c // 2),)),
-                       ((tr, tc), ((k + 3, row.scale_t_base, tr * tc),))]
     arrays = group_split.split(sources, pieces, stage_of_source=stages, impl=impl)
-    per = 5 if data_t is not None else 3
     out = []
     for p, row in enumerate(rows):
-        a = arrays[per * p:per * (p + 1)]
-        out.append(NVFP4Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 5 else None,
-                               scale_inv_t=a[4] if per == 5 else None, shape=(row.rows, row.cols)))
+        a = arrays[3 * p:3 * (p + 1)]
+        out.append(NVFP4Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=None if data_t is None else data_t[p],
+                               scale_inv_t=None if scale_inv_t is None else scale_inv_t[p], shape=(row.rows, row.cols)))
     return out
 
 
@@ -470,27 +465,23 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
                            axes.axis)
                    for start, size in bounds]
     gathered = [jax.lax.bitcast_convert_type(g, dtype) for g in gathered_u8]
-    gathered_t = None
-    if build_columnwise:
+    data_t = [None] * layout.num_params
+    if build_columnwise:   # each weight's transpose straight from the pieces into its own array
         space = gtable.GatheredSpace(size=S * n, chunk=n, lo=tuple(i * n for i in range(S)), bounds=bounds)
         if space.readable_in_place:
-            t = ops.fp8_group_transpose(gathered_u8, table=table, space=space, impl=impl)
+            ts = ops.fp8_group_transpose(gathered_u8, table=table, space=space, dtype=dtype, impl=impl)
         else:
-            t = ops.fp8_group_transpose(space.assemble(gathered_u8), table=table, impl=impl)
-        gathered_t = jax.lax.bitcast_convert_type(t, dtype)
+            ts = ops.fp8_group_transpose(space.assemble(gathered_u8), table=table, dtype=dtype, impl=impl)
+        data_t = [t.reshape(tuple(shape)[::-1]) for t, shape in zip(ts, layout.local_shapes)]
     k = len(gathered)
-    sources = gathered + [scale_inv, amax] + ([gathered_t] if gathered_t is not None else [])
+    sources = gathered + [scale_inv, amax]
     shards = None if k == 1 else tuple((r * n, n) for r in range(S))   # one piece: the flat buffer itself
     split_pieces = []
     for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes)):
         split_pieces += [(shape, _space_segments(0, o, numel, shards, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
-        if gathered_t is not None:
-            split_pieces.append((tuple(shape)[::-1], ((k + 2, o, numel),)))
-    stages = _split_stages(k, S, 2, 1 if gathered_t is not None else 0)
-    arrays = group_split.split(sources, split_pieces, stage_of_source=stages, impl=impl)
-    per = 4 if gathered_t is not None else 3
-    weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=a[3] if per == 4 else None)
-               for a in (arrays[per * p:per * (p + 1)] for p in range(layout.num_params))]
+    arrays = group_split.split(sources, split_pieces, stage_of_source=_split_stages(k, S, 2), impl=impl)
+    weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=t)
+               for a, t in zip((arrays[3 * p:3 * (p + 1)] for p in range(layout.num_params)), data_t)]
     return weights, counts
 
 
@@ -672,8 +663,7 @@ def _nvfp4_group_columnwise(ts, impl):
     data = jnp.concatenate([t.data.reshape(-1) for t in ts])
     scale_inv = jnp.concatenate([t.scale_inv.reshape(-1) for t in ts])
     data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
-    amax = jnp.concatenate([t.amax.reshape(1) for t in ts])
-    return _split_nvfp4(gtable.rows_of(table), [data], scale_inv, amax, data_t, scale_inv_t, impl=impl)
+    return [dataclasses.replace(t, data_t=d, scale_inv_t=s) for t, d, s in zip(ts, data_t, scale_inv_t)]
 
 
 def _fp8_group_columnwise(ts, impl):
@@ -684,7 +674,4 @@ def _fp8_group_columnwise(ts, impl):
             raise ValueError(f"t.data: columnwise data needs rank 2, got shape {tuple(t.data.shape)}")
     table = _packed_table([t.data.shape for t in ts], False)
     data_t = ops.fp8_group_transpose(jnp.concatenate([t.data.reshape(-1) for t in ts]), table=table, impl=impl)
-    rows = gtable.rows_of(table)
-    parts = group_split.split([data_t], [((row.cols, row.rows), ((0, row.offset, row.numel),)) for row in rows], impl=impl)
-    out = [Float8Tensor(data=t.data, scale_inv=t.scale_inv, amax=t.amax, data_t=d) for t, d in zip(ts, parts)]
-    return out
+    return [dataclasses.replace(t, data_t=d) for t, d in zip(ts, data_t)]

@@ -610,14 +610,23 @@ def _gathered_pieces(data, space, size: int):
     return pieces, space
 
 
+def _transpose_ranges(rows, sizes, nvfp4: bool) -> np.ndarray:
+    """The transposes' ``ranges`` attribute: each parameter's first 64x64 block and (NVFP4) first
+    columnwise scale strip (16 bytes), then the ends (the launches batch parameters and need them on
+    the host)."""
+    starts = [(row.block_base, row.scale_t_base // TILE if nvfp4 else 0) for row in rows]
+    end = (sizes.num_blocks, sizes.scale_t_bytes // TILE if nvfp4 else 0)
+    return np.asarray(starts + [end], np.int64).reshape(-1)
+
+
 def nvfp4_group_columnwise(data, scale_inv, *, table, space=None, impl: str = "auto"):
-    """Columnwise data and scales of every parameter of the group, one call: (data_t, scale_inv_t).
+    """Columnwise data and scales of every parameter of the group, one call: (list of data_t, list of
+    scale_inv_t), one array per parameter, written in place (no copy out of a packed buffer).
 
     ``data``: uint8 [sum numel/2], every parameter's packed rowwise data from ``byte_base``; or with
     ``space`` (a ``GatheredSpace``) the list of gather pieces that hold it, read where they lie (no
-    assembled copy). ``scale_inv``: the packed rowwise scales (``nvfp4_group_scale``). ``data_t``:
-    every parameter's packed [cols, rows/2] transpose from ``byte_base``; ``scale_inv_t``: every
-    parameter's padded [ru(cols,128), ru(rows/16,4)] scales from ``scale_t_base``.
+    assembled copy). ``scale_inv``: the packed rowwise scales (``nvfp4_group_scale``). Parameter p's
+    data_t: uint8 [cols, rows/2]; its scale_inv_t: uint8 [ru(cols,128), ru(rows/16,4)].
     """
     _check_impl(impl)
     table, rows = _check_table(table)
@@ -626,51 +635,64 @@ def nvfp4_group_columnwise(data, scale_inv, *, table, space=None, impl: str = "a
         _check_array("data", data, jnp.uint8, (sz.data_bytes,))
     pieces, space = _gathered_pieces(data, space, sz.data_bytes)
     _check_array("scale_inv", scale_inv, jnp.uint8, (sz.scale_bytes,))
-    outs = [jax.ShapeDtypeStruct((sz.data_bytes,), jnp.uint8), jax.ShapeDtypeStruct((sz.scale_t_bytes,), jnp.uint8)]
+    data_shapes = [(row.cols, row.rows // 2) for row in rows]
+    scale_shapes = [formats.nvfp4_scale_shape(row.cols, row.rows) for row in rows]
+    outs = [jax.ShapeDtypeStruct(shape, jnp.uint8) for shape in data_shapes + scale_shapes]
+    if not rows:
+        return [], []
 
     def custom(s, *ps):
         return tuple(_ffi.call("jq_nvfp4_group_columnwise", outs, s, _i64_operand(table), *ps,
-                               num_blocks=np.int64(sz.num_blocks), space=space.attr()))
+                               ranges=_transpose_ranges(rows, sz, True), space=space.attr()))
 
     def ref(s, *ps):
-        return reference.nvfp4_group_columnwise(space.assemble(ps), s, table=rows)
+        data_t, scale_inv_t = reference.nvfp4_group_columnwise(space.assemble(ps), s, table=rows)
+        return tuple([data_t[row.byte_base:row.byte_base + row.numel // 2].reshape(shape)
+                      for row, shape in zip(rows, data_shapes)] +
+                     [scale_inv_t[row.scale_t_base:row.scale_t_base + int(np.prod(shape))].reshape(shape)
+                      for row, shape in zip(rows, scale_shapes)])
 
-    return _dispatch(impl, custom, ref, scale_inv, *pieces)
+    result = _dispatch(impl, custom, ref, scale_inv, *pieces)
+    return list(result[:len(rows)]), list(result[len(rows):])
 
 
-def fp8_group_transpose(data, *, table, space=None, impl: str = "auto") -> jax.Array:
-    """Byte transpose of every FP8 parameter of a flat buffer, one call: parameter p's [cols, rows]
-    transpose at its ``offset``; bytes outside every parameter (alignment padding) are 0.
-    ``data``: fp8 or uint8 [N], N >= the end of the last parameter; the result has its dtype. With
-    ``space`` (a ``GatheredSpace`` of N bytes): the list of gather pieces (uint8) that hold the flat
-    buffer, read where they lie; the result is uint8."""
+def fp8_group_transpose(data, *, table, space=None, dtype=None, impl: str = "auto") -> list:
+    """Byte transpose of every FP8 parameter of a flat buffer, one call: a list with parameter p's
+    [cols, rows] transpose (rank-1 and scalar parameters: [1, numel]), written in place.
+    ``data``: fp8 or uint8 [N], N >= the end of the last parameter; the results have its dtype (or
+    ``dtype``, a 1-byte type). With ``space`` (a ``GatheredSpace`` of N bytes): the list of gather
+    pieces (uint8) that hold the flat buffer, read where they lie; the results are ``dtype`` or uint8."""
     _check_impl(impl)
     table, rows = _check_table(table)
     if space is None:
         if not hasattr(data, "dtype") or jnp.dtype(data.dtype).itemsize != 1 or data.ndim != 1:
             raise TypeError(f"data: must be a rank-1 array of 1-byte elements (fp8 or uint8), got "
                             f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
-        dtype = jnp.dtype(data.dtype)
-        data = jax.lax.bitcast_convert_type(data, jnp.uint8) if dtype != jnp.uint8 else data
+        dtype = jnp.dtype(dtype or data.dtype)
+        data = jax.lax.bitcast_convert_type(data, jnp.uint8) if data.dtype != jnp.uint8 else data
         size = data.shape[0]
     else:
-        dtype, size = jnp.dtype(jnp.uint8), getattr(space, "size", None)
+        dtype, size = jnp.dtype(dtype or jnp.uint8), getattr(space, "size", None)
+    if dtype.itemsize != 1:
+        raise TypeError(f"dtype: must be a 1-byte type (fp8 or uint8), got {dtype}")
     pieces, space = _gathered_pieces(data, space, size)
     if rows and rows[-1].offset + rows[-1].numel > size:
         raise ValueError(f"data: has {size} elements, the table's last parameter ends at "
                          f"{rows[-1].offset + rows[-1].numel}")
-    out = jax.ShapeDtypeStruct((size,), jnp.uint8)
-    num_blocks = gtable.sizes(table).num_blocks
+    outs = [jax.ShapeDtypeStruct((row.cols, row.rows), dtype) for row in rows]   # results typed in the call
+    if not rows:
+        return []
 
     def custom(*ps):
-        return _ffi.call("jq_fp8_group_transpose", [out], _i64_operand(table), *ps, num_blocks=np.int64(num_blocks),
-                         space=space.attr())[0]
+        return tuple(_ffi.call("jq_fp8_group_transpose", outs, _i64_operand(table), *ps,
+                               ranges=_transpose_ranges(rows, gtable.sizes(table), False), space=space.attr()))
 
     def ref(*ps):
-        return reference.fp8_group_transpose(space.assemble(ps), table=rows)
+        flat = reference.fp8_group_transpose(space.assemble(ps), table=rows)
+        flat = jax.lax.bitcast_convert_type(flat, dtype) if dtype != jnp.uint8 else flat
+        return tuple(flat[row.offset:row.offset + row.numel].reshape(o.shape) for row, o in zip(rows, outs))
 
-    result = _dispatch(impl, custom, ref, *pieces)
-    return jax.lax.bitcast_convert_type(result, dtype) if dtype != jnp.uint8 else result
+    return list(_dispatch(impl, custom, ref, *pieces))
 
 
 def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_lo, chunk_size: int,

@@ -110,18 +110,25 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     sizes = gtable.sizes(table)
     data = jnp.asarray(rng.integers(0, 256, sizes.data_bytes).astype(np.uint8))
     a, b = (ops.nvfp4_group_columnwise(data, a[0], table=table, impl=i) for i in impl_pair)
-    assert_bytes_equal(b[0], a[0], "group data_t")
-    assert_bytes_equal(b[1], a[1], "group scale_inv_t")
+    _assert_each_equal(b[0], a[0], "group data_t")
+    _assert_each_equal(b[1], a[1], "group scale_inv_t")
     raw = jnp.asarray(rng.integers(0, 256, num_shards * n).astype(np.uint8))
     a, b = (ops.fp8_group_transpose(raw, table=table, impl=i) for i in impl_pair)
-    assert_bytes_equal(b, a, "fp8 group transpose")
+    _assert_each_equal(b, a, "fp8 group transpose")
+
+
+def _assert_each_equal(got, want, what):
+    """Per-parameter results (lists) equal byte for byte."""
+    assert len(got) == len(want), what
+    for p, (g, w) in enumerate(zip(got, want)):
+        assert_bytes_equal(g, w, f"{what} of param {p}")
 
 
 @pytest.mark.parametrize("gap", [0, 3])
 def test_fp8_group_transpose_any_shape(gap):
     """FP8 weights have any shape: blocks cut by the weight's edge, rows or columns that are not
     multiples of the vector widths, rank-1 parameters (numel x 1), odd offsets; the custom call
-    equals the reference byte for byte and leaves the gaps 0."""
+    equals the reference byte for byte, one [cols, rows] array per parameter."""
     rng = np.random.default_rng(5 + gap)
     shapes = [(64, 64), (65, 63), (3, 200), (200,), (128, 136), (1, 1), (130, 8), (16, 24), (96, 40)]
     offsets, pos = [], gap
@@ -131,16 +138,10 @@ def test_fp8_group_transpose_any_shape(gap):
     table = ops.group_table(offsets, shapes, num_shards=1, shard_size=pos + 5, nvfp4=False)
     raw = jnp.asarray(rng.integers(0, 256, pos + 5).astype(np.uint8))
     a, b = (ops.fp8_group_transpose(raw, table=table, impl=i) for i in ("reference", "custom_call"))
-    assert_bytes_equal(b, a, "fp8 group transpose")
-    got = np.asarray(b)
-    for off, shape in zip(offsets, shapes):
+    _assert_each_equal(b, a, "fp8 group transpose")
+    for got, off, shape in zip(b, offsets, shapes):
         m, k = shape if len(shape) == 2 else (shape[0], 1)
-        want = np.asarray(raw)[off:off + m * k].reshape(m, k).T
-        np.testing.assert_array_equal(got[off:off + m * k].reshape(k, m), want)
-    gaps = np.ones(got.shape, bool)
-    for off, shape in zip(offsets, shapes):
-        gaps[off:off + int(np.prod(shape))] = False
-    assert not got[gaps].any(), "the gaps between parameters are 0"
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(raw)[off:off + m * k].reshape(m, k).T)
 
 
 def _gathered(rng, space, num_shards, num_pieces, aligned):
@@ -187,8 +188,8 @@ def test_group_transposes_read_gathered_pieces(num_shards, num_pieces, aligned):
     want = ops.nvfp4_group_columnwise(jnp.asarray(space), scale_inv, table=table, impl="reference")
     for impl in ("reference", "custom_call"):
         got = ops.nvfp4_group_columnwise(pieces, scale_inv, table=table, space=spread, impl=impl)
-        assert_bytes_equal(got[0], want[0], f"data_t from pieces ({impl})")
-        assert_bytes_equal(got[1], want[1], f"scale_inv_t from pieces ({impl})")
+        _assert_each_equal(got[0], want[0], f"data_t from pieces ({impl})")
+        _assert_each_equal(got[1], want[1], f"scale_inv_t from pieces ({impl})")
     fp8_shapes = [(64, 64), (65, 63), (200,), (128, 136), (3, 200)]
     fp8_offsets, pos = [], 3
     for shape in fp8_shapes:
@@ -200,7 +201,7 @@ def test_group_transposes_read_gathered_pieces(num_shards, num_pieces, aligned):
     want = ops.fp8_group_transpose(jnp.asarray(flat), table=fp8_table, impl="reference")
     for impl in ("reference", "custom_call"):
         got = ops.fp8_group_transpose(pieces, table=fp8_table, space=spread, impl=impl)
-        assert_bytes_equal(got, want, f"fp8 data_t from pieces ({impl})")
+        _assert_each_equal(got, want, f"fp8 data_t from pieces ({impl})")
 
 
 def test_group_transposes_reject_bad_pieces():
@@ -235,11 +236,16 @@ def test_group_transpose_handlers_reject_bad_space():
     shapes = [(32, 64)]
     table = ops.group_table([0], shapes, num_shards=1, shard_size=2048, nvfp4=False)
     words = ops._i64_operand(table)
-    out = [jax.ShapeDtypeStruct((2048,), jnp.uint8)]
+    out = [jax.ShapeDtypeStruct((64, 32), jnp.uint8)]
     piece = jnp.zeros((2048,), jnp.uint8)
-    call = lambda space, *ps: jax.block_until_ready(_ffi.call("jq_fp8_group_transpose", out, words, *ps,
-                                                              num_blocks=np.int64(1), space=np.asarray(space, np.int64)))
+    ranges = np.array([0, 0, 1, 0], np.int64)
+    call = lambda space, *ps, r=ranges, o=out: jax.block_until_ready(_ffi.call(
+        "jq_fp8_group_transpose", o, words, *ps, ranges=r, space=np.asarray(space, np.int64)))
     call([2048, 2048, 2048, 0], piece)   # the plain buffer is fine
+    with pytest.raises(Exception, match="ranges: must hold"):
+        call([2048, 2048, 2048, 0], piece, r=np.array([0, 0], np.int64))
+    with pytest.raises(Exception, match="one data_t per parameter"):
+        call([2048, 2048, 2048, 0], piece, o=out * 2)
     with pytest.raises(Exception, match="shard 0's part must start"):
         call([2048, 2048, 2048, 5], piece)
     with pytest.raises(Exception, match="needs 2 gather pieces, got 1"):
@@ -272,7 +278,7 @@ def test_group_ops_assemble_to_single_tensor_quantization(impl):
     data_t, scale_inv_t = ops.nvfp4_group_columnwise(jnp.asarray(space), scale_inv, table=table, impl=impl)
     scale, _ = formats.fp8_scale_from_amax(amaxes, 448.0)
     fp8 = np.concatenate([np.asarray(ops.fp8_group_cast(s, i, scale, **kw)).view(np.uint8) for s, i in shards])
-    fp8_t = np.asarray(ops.fp8_group_transpose(jnp.asarray(fp8), table=table, impl=impl))
+    fp8_t = ops.fp8_group_transpose(jnp.asarray(fp8), table=table, impl=impl)
     for p, row in enumerate(gtable.rows_of(table)):
         m, k, off = row.rows, row.cols, row.offset
         w = jnp.asarray(flat[off:off + m * k].reshape(m, k))
@@ -282,19 +288,11 @@ def test_group_ops_assemble_to_single_tensor_quantization(impl):
         sr, sc = formats.nvfp4_scale_shape(m, k)
         assert_bytes_equal(scale_inv[row.scale_base:row.scale_base + sr * sc].reshape(sr, sc), want.scale_inv,
                            f"nvfp4 scale_inv of param {p}")
-        assert_bytes_equal(data_t[row.byte_base:row.byte_base + m * k // 2].reshape(k, m // 2), want.data_t,
-                           f"nvfp4 data_t of param {p}")
-        tr, tc = formats.nvfp4_scale_shape(k, m)
-        assert_bytes_equal(scale_inv_t[row.scale_t_base:row.scale_t_base + tr * tc].reshape(tr, tc),
-                           want.scale_inv_t, f"nvfp4 scale_inv_t of param {p}")
+        assert_bytes_equal(data_t[p], want.data_t, f"nvfp4 data_t of param {p}")
+        assert_bytes_equal(scale_inv_t[p], want.scale_inv_t, f"nvfp4 scale_inv_t of param {p}")
         want8 = jq.quantize_fp8(w, compute_dtype=None, columnwise=True, impl="reference")
         assert_bytes_equal(fp8[off:off + m * k].reshape(m, k), np.asarray(want8.data).view(np.uint8), f"fp8 {p}")
-        assert_bytes_equal(fp8_t[off:off + m * k].reshape(k, m), np.asarray(want8.data_t).view(np.uint8),
-                           f"fp8 data_t {p}")
-    gaps = np.ones(fp8_t.shape, bool)
-    for row in gtable.rows_of(table):
-        gaps[row.offset:row.offset + row.numel] = False
-    assert not fp8_t[gaps].any(), "alignment padding of the FP8 transpose is 0"
+        assert_bytes_equal(fp8_t[p], np.asarray(want8.data_t).view(np.uint8), f"fp8 data_t {p}")
 
 
 @pytest.mark.skipif("cpu" not in _ffi.built_platforms(), reason="needs the compiled CPU extension")

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -266,14 +267,31 @@ inline ffi::Error read_gathered_space(const ffi::RemainingArgs& pieces, ffi::Spa
   return ffi::Error::Success();
 }
 
-// Grouped transposes: data (a gathered space: the NVFP4 param-byte space, the FP8 flat buffer) and
-// data_t, as many bytes.
-inline ffi::Error check_group_transpose(const GatheredSpace& data, const ffi::Buffer<ffi::U32>& table,
-                                         const ffi::Buffer<ffi::U8>& data_t, int64_t* num_params) {
+// Grouped transposes: the table, and their results, one 1-byte buffer per parameter (NVFP4: every
+// parameter's data_t, then every parameter's scale_inv_t). "ranges" holds, for each parameter and
+// then for the end, its first 64x64 block and (NVFP4) first columnwise scale strip: the launches take
+// the parameters in batches and need those bounds on the host.
+inline ffi::Error check_group_transpose(const ffi::Buffer<ffi::U32>& table, const ffi::RemainingRets& rets,
+                                        ffi::Span<const int64_t> ranges, bool nvfp4, int64_t* num_params) {
   constexpr size_t kWords = 2 * GroupTable::kFields;
   if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
   *num_params = static_cast<int64_t>(table.element_count() / kWords);
-  if (static_cast<int64_t>(data_t.element_count()) != data.size) return invalid("data_t: must have as many bytes as data");
+  if (static_cast<int64_t>(rets.size()) != (nvfp4 ? 2 : 1) * *num_params)
+    return invalid(std::string("results: one ") + (nvfp4 ? "data_t and one scale_inv_t" : "data_t") +
+                   " per parameter of the table (" + std::to_string(*num_params) + "), got " +
+                   std::to_string(rets.size()));
+  if (static_cast<int64_t>(ranges.size()) != 2 * (*num_params + 1))
+    return invalid("ranges: must hold (first block, first scale strip) of each parameter and of the end");
+  for (int64_t p = 0; p < 2 * *num_params; ++p)
+    if (ranges[p] < 0 || ranges[p + 2] < ranges[p]) return invalid("ranges: must be non-negative and non-decreasing");
+  if (ranges[2 * *num_params] > INT32_MAX / 2 || ranges[2 * *num_params + 1] > INT32_MAX / 2)
+    return invalid("ranges: more blocks or scale strips than a grid holds");
+  for (int64_t r = 0; r < static_cast<int64_t>(rets.size()); ++r) {
+    auto ret = rets.get<ffi::AnyBuffer>(r);
+    if (!ret.has_value()) return ret.error();
+    if ((*ret.value()).size_bytes() != (*ret.value()).element_count())
+      return invalid("results: must have 1-byte elements (uint8, fp8)");
+  }
   return ffi::Error::Success();
 }
 

@@ -141,9 +141,10 @@ JQ_HD uint8_t group_data_t_byte(const GroupTable& table, const uint8_t* data, in
 // Strip u of the group's packed columnwise scales (scale_inv_t, §2.7): the 16 rows k = 16 kt.. of one
 // column i of parameter p's [ru(cols,128), ru(rows/16,4)] block, numbered from kScaleTBase / 16
 // row-major over [ru(cols,128) / 16, ru(rows/16,4)]. All 16 hold s8[i, kt], read once from the
-// rowwise scale_inv (its row 16 i, column kt); rows and columns past the weight hold 0.
-JQ_HD void group_scale_t_strip(const GroupTable& table, const uint8_t* scale_inv, int64_t u, uint8_t* scale_inv_t,
-                               int64_t scale_t_bytes) {
+// rowwise scale_inv (its row 16 i, column kt); rows and columns past the weight hold 0. Written to
+// out_of(p), parameter p's own scale_inv_t; u < group_scale_strips(the table's scale_t bytes).
+template <typename OutOf>
+JQ_HD void group_scale_t_strip(const GroupTable& table, const uint8_t* scale_inv, int64_t u, OutOf out_of) {
   const int64_t p = table.find(u * kTile, GroupTable::kScaleTBase);
   if (p < 0) return;
   const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
@@ -152,10 +153,8 @@ JQ_HD void group_scale_t_strip(const GroupTable& table, const uint8_t* scale_inv
   const uint8_t byte = kt * kTile < cols && i < rows / kTile
                            ? scale_inv[table.at(p, GroupTable::kScaleBase) + (i * kTile) * nvfp4_scale_cols(cols) + kt]
                            : 0;
-  for (int r = 0; r < kTile; ++r) {
-    const int64_t y = base + (kt * kTile + r) * pct + i;
-    if (y < scale_t_bytes) scale_inv_t[y] = kt * kTile + r < cols ? byte : 0;
-  }
+  uint8_t* out = out_of(p);
+  for (int r = 0; r < kTile; ++r) out[(kt * kTile + r) * pct + i] = kt * kTile + r < cols ? byte : 0;
 }
 
 // Byte y of the FP8 group's columnwise buffer: parameter p's [cols, rows] byte transpose at its

@@ -168,21 +168,21 @@
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .Ret<F::Buffer<F::U8>>()                                        \
                                     .Ret<F::Buffer<F::F32>>(), JQ_CMD_BUFFER);                                     \
-  /* the transposes: scale_inv (NVFP4), table, then the gathered pieces of the data (GatheredSpace) */ \
+  /* the transposes: scale_inv (NVFP4), table, the gathered pieces of the data (GatheredSpace); */ \
+  /* one result per parameter (NVFP4: all data_t, then all scale_inv_t)                        */ \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4GroupColumnwise##S, GroupColumnwise##S,                      \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U8>>()                          \
                                     .Arg<F::Buffer<F::U32>>()                                       \
                                     .RemainingArgs()                                                \
-                                    .Attr<int64_t>("num_blocks")                                    \
+                                    .Attr<F::Span<const int64_t>>("ranges")                         \
                                     .Attr<F::Span<const int64_t>>("space")                          \
-                                    .Ret<F::Buffer<F::U8>>()                                        \
-                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                                      \
+                                    .RemainingRets(), JQ_CMD_BUFFER);                                              \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8GroupTranspose##S, Fp8GroupTranspose##S,                       \
                                 F::Ffi::Bind() CTX.Arg<F::Buffer<F::U32>>()                         \
                                     .RemainingArgs()                                                \
-                                    .Attr<int64_t>("num_blocks")                                    \
+                                    .Attr<F::Span<const int64_t>>("ranges")                         \
                                     .Attr<F::Span<const int64_t>>("space")                          \
-                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                                      \
+                                    .RemainingRets(), JQ_CMD_BUFFER);                                              \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqGroupSplit##S, GroupSplit##S,                                     \
                                 F::Ffi::Bind() CTX.RemainingArgs()                                  \
                                     .RemainingRets()                                                \
