@@ -19,7 +19,8 @@ layouts, the tensor-parallel axis ``tp_axis``):
    so that their concatenation is every parameter's bytes in order (NVFP4: one OR per odd shard
    boundary); one ``group_split`` call writes every per-parameter output from them;
 7. with ``columnwise`` (and ``manual_post_all_gather_processing=False``), one grouped transpose for
-   the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``).
+   the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``) that reads the gathered
+   pieces in place (``group_table.GatheredSpace``) and writes each parameter's own columnwise arrays.
 
 The number of custom calls (and of XLA kernels) does not depend on the number of parameters. The shard index is
 ``lax.axis_index(axis)``, a device value: every shard runs the same program with no branch on the
