@@ -15,6 +15,8 @@ ROOT=$PWD OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 names=(new) dirs=("$ROOT")
 for v in ${VARIANTS:-${BASE:-ab/base}}; do
+  # ab/ is git-ignored: without the device call's carry the variant would silently be a copy of "new"
+  [ -d "$v" ] && [ -n "$(ls -A "$v")" ] || { echo "$v: no such variant directory (pass it in carry)" >&2; exit 2; }
   name=$(basename "$v") dir=/tmp/jq_ab_$(basename "$v")
   rm -rf "$dir" && mkdir -p "$dir"  # a fresh copy: no files left from an earlier call
   cp -r build.py pyproject.toml jaxquant csrc benchmarks "$dir"/ && rm -f "$dir"/jaxquant/*.so
