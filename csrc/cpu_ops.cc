@@ -434,27 +434,23 @@ ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U
                               ffi::Span<const int64_t> space_attr, ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, true, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, true, &space, &num_params));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, kNoBound, true));
   JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, space.size, scale_inv));
   const GroupTable table{as_i64(table_words), num_params};
   const std::vector<uint8_t> data = assemble(space);
-  std::vector<uint8_t*> scale_t(num_params);
   for (int64_t p = 0; p < num_params; ++p) {
     const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
-    const int64_t base = table.at(p, GroupTable::kByteBase), bytes = rows * cols / 2;
-    uint8_t* data_t;
+    const int64_t bytes = rows * cols / 2, scale_t_bytes = nvfp4_scale_rows(cols) * nvfp4_scale_cols(rows);
+    uint8_t *data_t, *scale_t;
     JQ_RETURN_IF_ERROR(result_bytes(rets, p, bytes, &data_t));
-    JQ_RETURN_IF_ERROR(result_bytes(rets, num_params + p, nvfp4_scale_rows(cols) * nvfp4_scale_cols(rows), &scale_t[p]));
-    for (int64_t y = 0; y < bytes; ++y) data_t[y] = group_data_t_byte(table, data.data(), base + y);
+    JQ_RETURN_IF_ERROR(result_bytes(rets, num_params + p, scale_t_bytes, &scale_t));
+    const uint8_t* src = data.data() + table.at(p, GroupTable::kByteBase);
+    for (int64_t y = 0; y < bytes; ++y) data_t[y] = transpose_byte(src, cols, y / (rows / 2), y % (rows / 2));
+    const int64_t u0 = table.at(p, GroupTable::kScaleTBase) / kTile;
+    for (int64_t u = u0; u < u0 + scale_t_bytes / kTile; ++u)
+      group_scale_t_strip(table, scale_inv.typed_data(), u, [&](int64_t) { return scale_t; });
   }
-  const int64_t strips = num_params ? group_scale_strips(table.at(num_params - 1, GroupTable::kScaleTBase) +
-                                                         nvfp4_scale_rows(table.at(num_params - 1, GroupTable::kCols)) *
-                                                             nvfp4_scale_cols(table.at(num_params - 1, GroupTable::kRows)))
-                                    : 0;
-  for (int64_t u = 0; u < strips; ++u)
-    group_scale_t_strip(table, scale_inv.typed_data(), u, [&](int64_t p) { return scale_t[p]; });
   return ffi::Error::Success();
 }
 
@@ -464,8 +460,7 @@ ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U32> table_words, ffi::Remainin
                                 ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, false, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, false, &space, &num_params));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, space.size, 0, false));
   const GroupTable table{as_i64(table_words), num_params};
   const std::vector<uint8_t> data = assemble(space);
@@ -473,7 +468,8 @@ ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U32> table_words, ffi::Remainin
     const int64_t off = table.at(p, GroupTable::kOffset), numel = table.at(p, GroupTable::kNumel);
     uint8_t* data_t;
     JQ_RETURN_IF_ERROR(result_bytes(rets, p, numel, &data_t));
-    for (int64_t y = 0; y < numel; ++y) data_t[y] = fp8_group_t_byte(table, data.data(), off + y);
+    const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
+    for (int64_t y = 0; y < numel; ++y) data_t[y] = data[off + (y % rows) * cols + y / rows];  // [cols, rows]
   }
   return ffi::Error::Success();
 }

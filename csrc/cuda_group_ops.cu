@@ -627,8 +627,7 @@ ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_i
                                ffi::Span<const int64_t> space_attr, ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, true, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, true, &space, &num_params));
   if (data_t_bytes(rets, num_params) != space.size) return invalid("results: the data_t must hold the space's bytes");
   const GroupTable table{as_i64(table_words), num_params};
   for_each_transpose_batch(rets, ranges, num_params, true, [&](const TransposeOutputs& out) {
@@ -645,8 +644,7 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> tabl
                                  ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(read_gathered_space(pieces, space_attr, &space));
-  JQ_RETURN_IF_ERROR(check_group_transpose(table_words, rets, ranges, false, &num_params));
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, false, &space, &num_params));
   if (data_t_bytes(rets, num_params) > space.size) return invalid("results: more data_t bytes than the flat buffer");
   const GroupTable table{as_i64(table_words), num_params};
   for_each_transpose_batch(rets, ranges, num_params, false, [&](const TransposeOutputs& out) {

@@ -148,8 +148,7 @@ class GatheredSpace:
             raise ValueError(f"space: bounds must be the chunk of {self.chunk} bytes in equal steps, got {self.bounds}")
         if not self.lo:
             raise ValueError("space: needs at least one shard")
-        ends = list(self.lo[1:]) + [self.size]
-        if self.lo[0] != 0 or any(not 0 <= e - a <= self.chunk for a, e in zip(self.lo, ends)):
+        if self.lo[0] != 0 or any(not 0 <= e - a <= self.chunk for a, e in self.parts()):
             raise ValueError(f"space: shard r's part [lo[r], lo[r+1]) must follow the previous one from 0 and fit "
                              f"the chunk of {self.chunk} bytes, got lo={self.lo}, size {self.size}")
 
@@ -174,10 +173,13 @@ class GatheredSpace:
         """The custom calls' ``space`` attribute: {size, chunk, step, lo[0], ..., lo[S-1]}."""
         return np.asarray([self.size, self.chunk, self.step, *self.lo], np.int64)
 
+    def parts(self) -> list:
+        """Each shard's part ``(start, end)`` of the space."""
+        return list(zip(self.lo, list(self.lo[1:]) + [self.size]))
+
     def segments(self) -> list:
         """``(piece, offset, count)`` of the whole space in order."""
-        ends = list(self.lo[1:]) + [self.size]
-        return [seg for r, (a, e) in enumerate(zip(self.lo, ends)) for seg in chunk_segments(r, 0, e - a, self.bounds)]
+        return [seg for r, (a, e) in enumerate(self.parts()) for seg in chunk_segments(r, 0, e - a, self.bounds)]
 
     def assemble(self, pieces):
         """The space as one array (the reference path; the custom calls read the pieces in place)."""

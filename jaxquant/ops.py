@@ -589,13 +589,17 @@ def nvfp4_group_scale(tile_amax, amax, *, table, impl: str = "auto"):
     return _dispatch(impl, custom, ref, tile_amax, amax)
 
 
+def _check_space(space):
+    if space is not None and not isinstance(space, gtable.GatheredSpace):
+        raise TypeError(f"space: must be a GatheredSpace or None, got {type(space).__name__}")
+
+
 def _gathered_pieces(data, space, size: int):
     """(pieces, space) of a transpose's input: one buffer of ``size`` bytes, or with ``space`` its
     gather pieces (a list of uint8 arrays) as ``gtable.GatheredSpace`` lays them out."""
+    _check_space(space)
     if space is None:
         return [data], gtable.GatheredSpace.whole(size)
-    if not isinstance(space, gtable.GatheredSpace):
-        raise TypeError(f"space: must be a GatheredSpace or None, got {type(space).__name__}")
     if space.size != size:
         raise ValueError(f"space: holds {space.size} bytes, the table's data needs {size}")
     if not space.readable_in_place:
@@ -664,6 +668,7 @@ def fp8_group_transpose(data, *, table, space=None, dtype=None, impl: str = "aut
     pieces (uint8) that hold the flat buffer, read where they lie; the results are ``dtype`` or uint8."""
     _check_impl(impl)
     table, rows = _check_table(table)
+    _check_space(space)
     if space is None:
         if not hasattr(data, "dtype") or jnp.dtype(data.dtype).itemsize != 1 or data.ndim != 1:
             raise TypeError(f"data: must be a rank-1 array of 1-byte elements (fp8 or uint8), got "
@@ -672,7 +677,7 @@ def fp8_group_transpose(data, *, table, space=None, dtype=None, impl: str = "aut
         data = jax.lax.bitcast_convert_type(data, jnp.uint8) if data.dtype != jnp.uint8 else data
         size = data.shape[0]
     else:
-        dtype, size = jnp.dtype(dtype or jnp.uint8), getattr(space, "size", None)
+        dtype, size = jnp.dtype(dtype or jnp.uint8), space.size
     if dtype.itemsize != 1:
         raise TypeError(f"dtype: must be a 1-byte type (fp8 or uint8), got {dtype}")
     pieces, space = _gathered_pieces(data, space, size)

@@ -267,12 +267,16 @@ inline ffi::Error read_gathered_space(const ffi::RemainingArgs& pieces, ffi::Spa
   return ffi::Error::Success();
 }
 
-// Grouped transposes: the table, and their results, one 1-byte buffer per parameter (NVFP4: every
-// parameter's data_t, then every parameter's scale_inv_t). "ranges" holds, for each parameter and
-// then for the end, its first 64x64 block and (NVFP4) first columnwise scale strip: the launches take
-// the parameters in batches and need those bounds on the host.
-inline ffi::Error check_group_transpose(const ffi::Buffer<ffi::U32>& table, const ffi::RemainingRets& rets,
-                                        ffi::Span<const int64_t> ranges, bool nvfp4, int64_t* num_params) {
+// Grouped transposes: the gathered pieces and "space" (read_gathered_space), the table, and their
+// results, one 1-byte buffer per parameter (NVFP4: every parameter's data_t, then every parameter's
+// scale_inv_t). "ranges" holds, for each parameter and then for the end, its first 64x64 block and
+// (NVFP4) first columnwise scale strip: the launches take the parameters in batches and need those
+// bounds on the host.
+inline ffi::Error check_group_transpose(const ffi::RemainingArgs& pieces, ffi::Span<const int64_t> space_attr,
+                                        const ffi::Buffer<ffi::U32>& table, const ffi::RemainingRets& rets,
+                                        ffi::Span<const int64_t> ranges, bool nvfp4, GatheredSpace* space,
+                                        int64_t* num_params) {
+  if (auto e = read_gathered_space(pieces, space_attr, space); e.failure()) return e;
   constexpr size_t kWords = 2 * GroupTable::kFields;
   if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
   *num_params = static_cast<int64_t>(table.element_count() / kWords);

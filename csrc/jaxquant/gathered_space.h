@@ -1,11 +1,11 @@
-// A byte space that arrives as all-gather pieces instead of one buffer (docs/distributed.md, step 5):
+// A byte space that arrives as all-gather pieces instead of one buffer (docs/distributed.md, step 7):
 // the columnwise transposes read the group's param-byte space (NVFP4) or flat buffer (FP8) straight
 // from the pieces, so nothing assembles the space first (a copy of every gathered byte).
 //
 // Shard r holds space bytes [lo[r], lo[r + 1]) (the last shard's part ends at `size`) from offset 0
 // of its `chunk`-byte chunk. Gather piece j holds chunk offsets [j step, j step + len_j) of every
 // shard, shard r's at r len_j, with len_j = min(step, chunk - j step). One shard and one piece with
-// step = chunk = size is the plain buffer. Python describes it as ops.GatheredSpace.
+// step = chunk = size is the plain buffer. Python describes it as group_table.GatheredSpace.
 #pragma once
 
 #include <cstdint>

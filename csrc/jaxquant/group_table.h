@@ -128,16 +128,6 @@ JQ_HD void group_scale_strip(const GroupTable& table, const float* tiles, int64_
 // Strips of a group whose packed rowwise (or columnwise) scales are scale_bytes long.
 JQ_HD int64_t group_scale_strips(int64_t scale_bytes) { return (scale_bytes + kTile - 1) / kTile; }
 
-// Byte y of the group's packed columnwise data: parameter p's [cols, rows/2] transpose at kByteBase.
-JQ_HD uint8_t group_data_t_byte(const GroupTable& table, const uint8_t* data, int64_t y) {
-  const int64_t p = table.find(y, GroupTable::kByteBase);
-  if (p < 0) return 0;
-  const int64_t base = table.at(p, GroupTable::kByteBase), b = y - base;
-  const int64_t rows = table.at(p, GroupTable::kRows), cols = table.at(p, GroupTable::kCols);
-  if (b >= rows * cols / 2) return 0;
-  return transpose_byte(data + base, cols, b / (rows / 2), b % (rows / 2));
-}
-
 // Strip u of the group's packed columnwise scales (scale_inv_t, §2.7): the 16 rows k = 16 kt.. of one
 // column i of parameter p's [ru(cols,128), ru(rows/16,4)] block, numbered from kScaleTBase / 16
 // row-major over [ru(cols,128) / 16, ru(rows/16,4)]. All 16 hold s8[i, kt], read once from the
@@ -155,16 +145,6 @@ JQ_HD void group_scale_t_strip(const GroupTable& table, const uint8_t* scale_inv
                            : 0;
   uint8_t* out = out_of(p);
   for (int r = 0; r < kTile; ++r) out[(kt * kTile + r) * pct + i] = kt * kTile + r < cols ? byte : 0;
-}
-
-// Byte y of the FP8 group's columnwise buffer: parameter p's [cols, rows] byte transpose at its
-// flat offset (the gathered flat layout); alignment padding is 0.
-JQ_HD uint8_t fp8_group_t_byte(const GroupTable& table, const uint8_t* data, int64_t y) {
-  const int64_t p = table.find(y, GroupTable::kOffset);
-  if (p < 0) return 0;
-  const int64_t off = table.at(p, GroupTable::kOffset), b = y - off, rows = table.at(p, GroupTable::kRows);
-  if (b >= table.at(p, GroupTable::kNumel)) return 0;
-  return data[off + (b % rows) * table.at(p, GroupTable::kCols) + b / rows];
 }
 
 }  // namespace jaxquant
