@@ -22,23 +22,37 @@ ROOT = Path(__file__).resolve().parent.parent
 _SCRIPT = r"""
 import glob, json, os, re, sys
 import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxquant as jq
+from jaxquant.layout import FlatLayout
 
 x = jax.random.normal(jax.random.key(3), (512, 768), jnp.float32) * 3
 def nvfp4(v): return jq.quantize_nvfp4(v, impl="custom_call")
 def nvfp4_t(v): return jq.quantize_nvfp4(v, columnwise=True, impl="custom_call")
 def fp8(v): return jq.quantize_fp8(v, impl="custom_call")
 def fp8_t(v): return jq.quantize_fp8(v, columnwise=True, impl="custom_call")
+# The master-weight step (grouped stats, scale, cast, split and the columnwise transposes) on a
+# one-GPU mesh; odd offsets (align 3) and a weight off the 16-grid in K.
+mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+layout = FlatLayout([(256, 512), (96, 80), (512, 256), (48, 1040)], 1, align=3)
+rng = np.random.default_rng(0)
+flat = jax.device_put(layout.flatten([rng.standard_normal(s).astype(np.float32) * 4 for s in layout.shapes]),
+                      NamedSharding(mesh, P("fsdp")))
+def step(v, recipe):
+    return jq.quantize_master_weights(v, layout, mesh=mesh, recipe=recipe, columnwise=True,
+                                      manual_post_all_gather_processing=False, check_finite=True, impl="custom_call")
+def step_nvfp4_t(v): return step(v, "nvfp4")
+def step_fp8_t(v): return step(v, "fp8")
 dump = sys.argv[2]
 arrays, captured = {}, {}
-for fn in (nvfp4, nvfp4_t, fp8, fp8_t):
-    name = fn.__name__
-    compiled = jax.jit(fn).lower(x).compile()
+for name, fn, arg in (("nvfp4", nvfp4, x), ("nvfp4_t", nvfp4_t, x), ("fp8", fp8, x), ("fp8_t", fp8_t, x),
+                      ("step_nvfp4_t", step_nvfp4_t, flat), ("step_fp8_t", step_fp8_t, flat)):
+    compiled = jax.jit(fn).lower(arg).compile()
     n_calls = len(re.findall(r'custom_call_target="jq_', compiled.as_text()))
     # XLA forms command buffers on the thunk sequence (JAX 0.11): the dump after the thunk passes
     # lists a kCommandBuffer thunk with the captured thunks indented under it.
     # (with command buffers off XLA may skip the thunk passes and write no such dump: nothing captured)
-    seqs = glob.glob(os.path.join(dump, f"*jit_{name}.thunk_sequence_after_thunk_passes.txt"))
+    seqs = glob.glob(os.path.join(dump, f"*jit_{fn.__name__}.thunk_sequence_after_thunk_passes.txt"))
     inside, in_cb = (0 if seqs else None), False
     for line in open(seqs[0]) if seqs else ():
         if not line.startswith(" "):
@@ -46,7 +60,7 @@ for fn in (nvfp4, nvfp4_t, fp8, fp8_t):
         elif in_cb and "kCustomCall" in line:
             inside += 1
     captured[name] = [n_calls, inside]
-    out = jax.tree_util.tree_leaves(compiled(x))
+    out = jax.tree_util.tree_leaves(compiled(arg))
     for i, leaf in enumerate(out):
         arrays[f"{name}_{i}"] = np.atleast_1d(np.asarray(leaf)).view(np.uint8)
 np.savez(sys.argv[1], **arrays)
@@ -71,17 +85,20 @@ def _run(flags: str, out: Path) -> dict:
 @requires_gpu
 def test_command_buffer_capture_gives_identical_bytes(tmp_path):
     """With FUSION,CUSTOM_CALL command buffers (minimum graph size 1) every jq_ custom call of the
-    quantizers is captured (the handlers declare kCmdBufferCompatible), and every output byte equals
-    the run with command buffers off."""
+    quantizers and of the master-weight step (grouped stages, split and the grouped transposes, which
+    take their output pointers from kernel parameters) is captured (the handlers declare
+    kCmdBufferCompatible), and every output byte equals the run with command buffers off."""
     captured = _run("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
                     tmp_path / "graph.npz")
     plain = _run("--xla_gpu_enable_command_buffer=", tmp_path / "plain.npz")
     # [jq_ custom calls in the compiled module, custom-call thunks inside command buffers]
-    assert all(calls == 2 and inside == 2 for calls, inside in captured.values()), \
-        f"custom calls inside command buffers: {captured}"
+    # two launches per quantizer; the step's 5 (NVFP4: tile amax, scale, cast, split, columnwise) and
+    # 4 (FP8: amax, cast, transpose, split)
+    want = {"nvfp4": 2, "nvfp4_t": 2, "fp8": 2, "fp8_t": 2, "step_nvfp4_t": 5, "step_fp8_t": 4}
+    assert captured == {k: [n, n] for k, n in want.items()}, f"custom calls inside command buffers: {captured}"
     assert all(inside in (0, None) for _, inside in plain.values()), f"command buffers off, yet captured: {plain}"
     a, b = np.load(tmp_path / "graph.npz"), np.load(tmp_path / "plain.npz")
-    assert sorted(a.files) == sorted(b.files) and len(a.files) >= 14
+    assert sorted(a.files) == sorted(b.files) and len(a.files) >= 30
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
