@@ -1,0 +1,83 @@
+"""Why a group of 300 small tensors costs more than one tensor of the same total when steps are
+dispatched back to back: the master-weight step (consumed inside jit, as a training step uses it) for
+one 8192^2 tensor and for 300 tensors of the same total, timed blocked and pipelined, with the host
+events of a pipelined trace (jax.profiler: which host work each dispatch pays for) and the device busy
+time. Run it under different XLA_FLAGS (e.g. command buffers off) to compare.
+
+    python3 benchmarks/bench_group_dispatch.py [--recipe nvfp4] [--top 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_distributed import many_small_shapes, master_for, step, time_fn  # noqa: E402
+from jaxquant.layout import FlatLayout  # noqa: E402
+
+
+def pipelined_trace(fn, arg, iters):
+    """{plane kind: {event name: (µs per call, count per call)}} of ``iters`` back-to-back dispatches."""
+    jax.block_until_ready(fn(arg))
+    with tempfile.TemporaryDirectory(prefix="jq-dispatch-") as folder:
+        with jax.profiler.trace(folder):
+            jax.block_until_ready([fn(arg) for _ in range(iters)])
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        planes = jax.profiler.ProfileData.from_file(files[0]).planes if files else []
+        out = {}
+        for plane in planes:
+            kind = "host" if plane.name.startswith("/host") else "gpu0" if plane.name.startswith("/device:GPU:0") else None
+            if kind is None:
+                continue
+            total, count = out.setdefault(kind, (collections.defaultdict(float), collections.Counter()))
+            for line in plane.lines:
+                if kind == "gpu0" and not line.name.startswith("Stream"):
+                    continue
+                for ev in line.events:
+                    total[ev.name] += ev.duration_ns / 1e3 / iters
+                    count[ev.name] += 1 / iters
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="nvfp4")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--side", type=int, default=8192)
+    ap.add_argument("--count", type=int, default=300)
+    args = ap.parse_args()
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    groups = {"one tensor": [(args.side, args.side)],
+              f"{args.count} tensors": many_small_shapes(args.side, args.count)}
+    first = None
+    for label, shapes in groups.items():
+        layout = FlatLayout(shapes, len(devices))
+        master = master_for(layout, mesh)
+        fn = step(layout, mesh, args.recipe, False, "auto", consume=True)
+        blocked, pipelined = time_fn(fn, master, args.iters)
+        first = first or (blocked, pipelined)
+        print(f"\n{label}, {args.recipe}, consumed: blocked {blocked * 1e6:.1f} µs ({blocked / first[0]:.3f}x), "
+              f"pipelined {pipelined * 1e6:.1f} µs ({pipelined / first[1]:.3f}x)")
+        trace = pipelined_trace(fn, master, args.iters)
+        for kind in ("gpu0", "host"):
+            if kind not in trace:
+                continue
+            total, count = trace[kind]
+            busy = sum(total.values()) if kind == "gpu0" else None
+            print(f"  [{kind}]" + (f" busy {busy:.1f} µs per call" if busy is not None else " events, µs per call"))
+            for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
+                print(f"    {us:9.1f}  x{count[name]:<7.2f} {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
