@@ -1,5 +1,7 @@
 // CUDA FFI handlers of the grouped ops: one launch per stage for every parameter of a ZeRO flat shard.
 // Element math as the CPU handlers (elementwise.h / numerics.h); see cuda_ops.cu for single tensors.
+#include <climits>
+#include <memory>
 #include <optional>
 
 #include "jaxquant/cuda_common.cuh"
@@ -656,29 +658,46 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> tabl
 
 // ---- grouped split ---------------------------------------------------------------------------
 //
-// One launch per kSplitBatch results (instead of one XLA copy per result): the segments travel by
-// value in the kernel parameters, so the launch needs no host-to-device copy and graphs capture it.
-
-constexpr int kSplitBatch = 96;  // 96 x 24 bytes: well inside the 4 KiB kernel parameter space
+// One launch for up to kSplitBatch segments (a 300-weight group's ~900 results in one): the segments
+// travel by value in the kernel parameters (CUDA 12.1+ large kernel parameters, up to 32,764 bytes),
+// so the launch needs no host-to-device copy and graphs capture it. Each block copies one
+// kSplitChunk-byte chunk of one segment, found by a binary search of the blocks' prefix: big and
+// small segments share one balanced grid, and the host pays one launch instead of one per 96
+// segments (that host time, not the copy, bounded a 300-weight step).
+constexpr int kSplitBatch = 1000;
+constexpr int64_t kSplitChunk = 32 * 1024;
 struct SplitBatch {
   CopySegment seg[kSplitBatch];
+  int32_t first_block[kSplitBatch + 1];  // segment k's chunks are blocks [first_block[k], first_block[k + 1])
+  int32_t count;
 };
+static_assert(sizeof(SplitBatch) <= 32764, "SplitBatch must fit the kernel parameter space");
 
-// blockIdx.y: the segment; the blocks along x grid-stride over its bytes, 16-byte vectors (four in
-// flight) where source and destination agree modulo 16, single bytes for the rest.
-__global__ void split_kernel(SplitBatch batch) {
-  const CopySegment s = batch.seg[blockIdx.y];
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
-  const uintptr_t sa = reinterpret_cast<uintptr_t>(s.src), da = reinterpret_cast<uintptr_t>(s.dst);
-  int64_t head = s.bytes, nvec = 0;
+// 16-byte vectors (four in flight) where source and destination agree modulo 16, single bytes for
+// the rest. __grid_constant__: the parameters are read in place, never copied to local memory.
+__global__ void split_kernel(const __grid_constant__ SplitBatch batch) {
+  const int32_t block = static_cast<int32_t>(blockIdx.x);
+  int lo = 0, hi = batch.count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (batch.first_block[mid] <= block) lo = mid; else hi = mid;
+  }
+  const CopySegment s = batch.seg[lo];
+  const int64_t begin = int64_t(block - batch.first_block[lo]) * kSplitChunk;
+  const int64_t n = (s.bytes - begin < kSplitChunk) ? s.bytes - begin : kSplitChunk;
+  const uint8_t* __restrict__ src = s.src + begin;
+  uint8_t* __restrict__ dst = s.dst + begin;
+  const uintptr_t sa = reinterpret_cast<uintptr_t>(src), da = reinterpret_cast<uintptr_t>(dst);
+  int64_t head = n, nvec = 0;
   if (sa % 16 == da % 16) {
     head = static_cast<int64_t>((16 - sa % 16) % 16);
-    if (head > s.bytes) head = s.bytes;
-    nvec = (s.bytes - head) / 16;
+    if (head > n) head = n;
+    nvec = (n - head) / 16;
   }
-  const uint4* __restrict__ src4 = reinterpret_cast<const uint4*>(s.src + head);
-  uint4* __restrict__ dst4 = reinterpret_cast<uint4*>(s.dst + head);
-  int64_t i = tid;
+  const uint4* __restrict__ src4 = reinterpret_cast<const uint4*>(src + head);
+  uint4* __restrict__ dst4 = reinterpret_cast<uint4*>(dst + head);
+  const int64_t stride = blockDim.x;
+  int64_t i = threadIdx.x;
   for (; i + 3 * stride < nvec; i += 4 * stride) {
     const uint4 a = src4[i], b = src4[i + stride], c = src4[i + 2 * stride], d = src4[i + 3 * stride];
     dst4[i] = a;
@@ -687,22 +706,29 @@ __global__ void split_kernel(SplitBatch batch) {
     dst4[i + 3 * stride] = d;
   }
   for (; i < nvec; i += stride) dst4[i] = src4[i];
-  for (int64_t j = tid; j < head; j += stride) s.dst[j] = s.src[j];
-  for (int64_t j = head + 16 * nvec + tid; j < s.bytes; j += stride) s.dst[j] = s.src[j];
+  for (int64_t j = threadIdx.x; j < head; j += stride) dst[j] = src[j];
+  for (int64_t j = head + 16 * nvec + threadIdx.x; j < n; j += stride) dst[j] = src[j];
 }
 
 ffi::Error GroupSplitCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                           ffi::Span<const int64_t> plan, bool partial) {
   std::vector<CopySegment> segments;
   JQ_RETURN_IF_ERROR(split_segments(args, rets, plan, partial, &segments));
-  // Largest first: each launch's grid fits its segments, small ones do not idle behind big ones.
-  std::sort(segments.begin(), segments.end(), [](const CopySegment& a, const CopySegment& b) { return a.bytes > b.bytes; });
+  std::unique_ptr<SplitBatch> batch(new SplitBatch);  // 28 KB: off the host stack
   for (size_t b0 = 0; b0 < segments.size(); b0 += kSplitBatch) {
-    const int count = static_cast<int>(std::min<size_t>(kSplitBatch, segments.size() - b0));
-    if (segments[b0].bytes == 0) break;
-    SplitBatch batch{};
-    for (int k = 0; k < count; ++k) batch.seg[k] = segments[b0 + k];
-    split_kernel<<<dim3(grid_for(segments[b0].bytes, kThreads * 64), count), kThreads, 0, stream>>>(batch);
+    const size_t count = std::min<size_t>(kSplitBatch, segments.size() - b0);
+    int64_t blocks = 0;
+    batch->count = 0;
+    for (size_t k = 0; k < count; ++k) {
+      const CopySegment& seg = segments[b0 + k];
+      if (seg.bytes == 0) continue;
+      batch->seg[batch->count] = seg;
+      batch->first_block[batch->count++] = static_cast<int32_t>(blocks);
+      blocks += (seg.bytes + kSplitChunk - 1) / kSplitChunk;
+    }
+    if (blocks > INT32_MAX) return invalid("results: a split launch would exceed 2^31 blocks");
+    batch->first_block[batch->count] = static_cast<int32_t>(blocks);
+    if (blocks > 0) split_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(*batch);
   }
   return last_error("group split kernel");
 }

@@ -3,7 +3,7 @@
 The grouped ops produce every parameter's bytes in a few packed vectors; the caller wants one
 array per parameter. Slicing them in JAX costs one XLA copy kernel per result (three per NVFP4
 parameter), which dominates a step over hundreds of small parameters; ``split`` writes every
-result in one call (on GPU one launch per 96 copy segments, docs/distributed.md).
+result in one call (on GPU one launch per 1,000 copy segments, docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -402,6 +402,38 @@ def test_group_split_equals_slices(impl):
         assert_bytes_equal(np.asarray(g), w)
 
 
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("custom_call", marks=pytest.mark.skipif(
+    not _ffi.built_platforms(), reason="needs the compiled extension"))])
+def test_group_split_many_segments_equals_slices(impl):
+    """2,101 results (more than one GPU launch's 1,000 segments: three launches), each a segment or
+    two at random offsets: tiny ones, ones crossing the kernel's 32 KiB chunks at offsets that do
+    and do not agree modulo 16 with their destination, and a 2-segment result whose pieces come from
+    two sources; every result equals its slices."""
+    from jaxquant import group_split
+    rng = np.random.default_rng(21)
+    src = [rng.integers(0, 256, 3_000_003).astype(np.uint8), rng.integers(0, 256, 50_001).astype(np.uint8)]
+    pieces, want = [], []
+    for r in range(2_101):
+        kind = r % 7
+        if kind == 6:                                   # two segments from both sources
+            a, b = int(rng.integers(1, 3_000)), int(rng.integers(1, 3_000))
+            oa, ob = int(rng.integers(0, len(src[0]) - a)), int(rng.integers(0, len(src[1]) - b))
+            pieces.append(((a + b,), ((0, oa, a), (1, ob, b))))
+            want.append(np.concatenate([src[0][oa:oa + a], src[1][ob:ob + b]]))
+            continue
+        n = int(rng.integers(70_000, 140_000)) if kind == 0 else int(rng.integers(1, 48))
+        off = int(rng.integers(0, len(src[0]) - n))
+        if kind == 0 and r % 2:
+            off -= off % 16                             # vectors: 16-byte aligned source
+        pieces.append(((n,), ((0, off, n),)))
+        want.append(src[0][off:off + n])
+    got = jax.jit(lambda a, b: group_split.split([a, b], pieces, impl=impl))(*map(jnp.asarray, src))
+    assert len(got) == len(want)
+    for r, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, r
+        assert_bytes_equal(np.asarray(g), w, f"result {r}")
+
 def test_group_split_rejects_bad_pieces():
     from jaxquant import group_split
     a, b = jnp.zeros(10, jnp.uint8), jnp.zeros(4, jnp.float32)
