@@ -4,7 +4,11 @@ one 8192^2 tensor and for 300 tensors of the same total, timed blocked and pipel
 events of a pipelined trace (jax.profiler: which host work each dispatch pays for) and the device busy
 time. Run it under different XLA_FLAGS (e.g. command buffers off) to compare.
 
-    python3 benchmarks/bench_group_dispatch.py [--recipe nvfp4] [--top 20]
+``--split-results 3,300,900``: instead, the host cost of one custom call's result count alone: one
+group_split of a 32 MiB buffer into N equal results, one scalar read from the first (the call
+writes all N), pipelined; then the same N results taken as XLA slices.
+
+    python3 benchmarks/bench_group_dispatch.py [--recipe nvfp4] [--top 20] [--split-results 3,300,900]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_distributed import many_small_shapes, master_for, step, time_fn  # noqa: E402
+from jaxquant import group_split  # noqa: E402
 from jaxquant.layout import FlatLayout  # noqa: E402
 
 
@@ -47,6 +52,23 @@ def pipelined_trace(fn, arg, iters):
     return out
 
 
+def split_results(counts, iters):
+    import jax.numpy as jnp
+    total = 32 << 20
+    src = jnp.zeros((total,), jnp.uint8)
+    for n in counts:
+        size = total // n
+        pieces = [((size,), ((0, i * size, size),)) for i in range(n)]
+        first = jax.jit(lambda s: group_split.split([s], pieces)[0][0])
+        all_ = jax.jit(lambda s: sum(o[0].astype(jnp.int32) for o in group_split.split([s], pieces)))
+        sliced = jax.jit(lambda s: sum(s[i * size:(i + 1) * size][0].astype(jnp.int32) for i in range(n)))
+        row = [f"split into {n:4d} results:"]
+        for label, fn in (("first read", first), ("all read", all_), ("XLA slices, all read", sliced)):
+            blocked, pipelined = time_fn(fn, src, iters)
+            row.append(f"{label} {blocked * 1e6:7.1f} / {pipelined * 1e6:7.1f} µs")
+        print("  ".join(row) + "  (blocked / pipelined)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="nvfp4")
@@ -54,7 +76,10 @@ def main():
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--side", type=int, default=8192)
     ap.add_argument("--count", type=int, default=300)
+    ap.add_argument("--split-results", default="", help="comma-separated result counts (see above)")
     args = ap.parse_args()
+    if args.split_results:
+        return split_results([int(v) for v in args.split_results.split(",")], args.iters)
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
     groups = {"one tensor": [(args.side, args.side)],
