@@ -76,6 +76,8 @@ def main():
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--side", type=int, default=8192)
     ap.add_argument("--count", type=int, default=300)
+    ap.add_argument("--consume", default="all", choices=("all", "first"),
+                    help="read one element of every output inside jit, or of the first weight only")
     ap.add_argument("--split-results", default="", help="comma-separated result counts (see above)")
     args = ap.parse_args()
     if args.split_results:
@@ -88,10 +90,10 @@ def main():
     for label, shapes in groups.items():
         layout = FlatLayout(shapes, len(devices))
         master = master_for(layout, mesh)
-        fn = step(layout, mesh, args.recipe, False, "auto", consume=True)
+        fn = step(layout, mesh, args.recipe, False, "auto", consume=args.consume)
         blocked, pipelined = time_fn(fn, master, args.iters)
         first = first or (blocked, pipelined)
-        print(f"\n{label}, {args.recipe}, consumed: blocked {blocked * 1e6:.1f} µs ({blocked / first[0]:.3f}x), "
+        print(f"\n{label}, {args.recipe}, consumed ({args.consume}): blocked {blocked * 1e6:.1f} µs ({blocked / first[0]:.3f}x), "
               f"pipelined {pipelined * 1e6:.1f} µs ({pipelined / first[1]:.3f}x)")
         trace = pipelined_trace(fn, master, args.iters)
         for kind in ("gpu0", "host"):
