@@ -36,20 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant.bench import print_kernel_profile
+from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, print_kernel_profile
 from jaxquant.distributed import gathered_bytes, master_sharding, quantize_master_weights
 from jaxquant.layout import FlatLayout
-
-LLAMA3_8B_LAYER = [
-    ("q_proj", (4096, 4096)),
-    ("k_proj", (1024, 4096)),
-    ("v_proj", (1024, 4096)),
-    ("o_proj", (4096, 4096)),
-    ("gate_proj", (14336, 4096)),
-    ("up_proj", (14336, 4096)),
-    ("down_proj", (4096, 14336)),
-]
-
 
 def many_small_shapes(side: int, count: int = 300):
     """``count`` tensors [r, side/8] whose element total is side x side: count - 1 of equal height
@@ -102,11 +91,6 @@ def step(layout, mesh, recipe, columnwise, impl, consume=False, pieces=None):
         leaves = jax.tree.leaves(weights)
         return sum(jnp.ravel(leaf)[0].astype(jnp.float32) for leaf in (leaves[:1] if consume == "first" else leaves))
     return jax.jit(run)
-
-
-def bf16_gather(mesh):
-    body = lambda s: jax.lax.all_gather(s.astype(jnp.bfloat16), "fsdp", tiled=True)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False))
 
 
 def main():

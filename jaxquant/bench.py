@@ -10,8 +10,14 @@ near the printed host cost of one dispatch are dispatch-bound, so on a GPU the t
 each op's kernel time per call from a profiler trace, against the floor at the copy kernel's
 bandwidth (``--device-time``).
 
-On a GPU the default sizes are 8192² and 16384²; on the CPU a small smoke run (a few seconds)
-checks that everything runs and the JSON has its fields.
+Then the master-weight step (``quantize_master_weights`` over every visible device as the fsdp
+axis) on the linear weights of one Llama-3-8B layer, NVFP4 and FP8, each rowwise and with the
+columnwise copy, against the plain-JAX ``all_gather(shard.astype(bf16))`` it replaces (× bf16
+gather), timed the same way (``--no-group`` skips it; ``benchmarks/bench_distributed.py`` has the
+profile and the 300-tensor group).
+
+On a GPU the default sizes are 8192² and 16384²; on the CPU a small smoke run (a few seconds, the
+layer's dims / 32) checks that everything runs and the JSON has its fields.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ GPU_SIZES = "8192x8192,16384x16384"
 CPU_SIZES = "128x256"
 # JSON fields of every row (checked by the CPU smoke test).
 ROW_FIELDS = ("op", "shape", "dtype", "us", "floor_us", "x_floor", "xla_us", "x_xla", "bytes")
+# JSON fields of every master-weight step row ("group_step")
+STEP_FIELDS = ("op", "devices", "params", "us", "bf16_gather_us", "x_bf16_gather", "gathered_mb")
+# The linear weights of one Llama-3-8B layer (PyTorch [out, in]; 218M parameters): q, k, v, o, gate,
+# up, down projections.
+LLAMA3_8B_LAYER = (("q_proj", (4096, 4096)), ("k_proj", (1024, 4096)), ("v_proj", (1024, 4096)),
+                   ("o_proj", (4096, 4096)), ("gate_proj", (14336, 4096)), ("up_proj", (14336, 4096)),
+                   ("down_proj", (4096, 14336)))
 # with --device-time (default on a GPU) also: kernel time of the custom calls and of the XLA reference
 # per call, and their ratios to the floor at the copy kernel's bandwidth (None on the CPU)
 DEVICE_FIELDS = ("dev_us", "dev_floor_us", "dev_x_floor", "xla_dev_us", "dev_x_xla")
@@ -155,6 +168,54 @@ def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12) -> dict:
     return prof
 
 
+def bf16_gather(mesh, axis: str = "fsdp"):
+    """Plain JAX's way to full weights from fp32 master shards: cast each shard to bf16, all-gather."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    body = lambda s: jax.lax.all_gather(s.astype(jnp.bfloat16), axis, tiled=True)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False))
+
+
+def group_step_rows(*, div: int, iters: int, repeats: int, ops=None) -> list[dict]:
+    """Times the master-weight step against the bf16 cast + all-gather on one Llama-3-8B layer (dims
+    / ``div``), fsdp over every device; prints the table and returns its rows (STEP_FIELDS)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxquant.distributed import gathered_bytes, master_sharding, quantize_master_weights
+    from jaxquant.layout import FlatLayout
+
+    steps = [(f"step_{recipe}" + ("+T" if columnwise else ""), recipe, columnwise)
+             for recipe in ("nvfp4", "fp8") for columnwise in (False, True)]
+    steps = [s for s in steps if not ops or any(fnmatch.fnmatchcase(s[0], pat) for pat in ops.split(","))]
+    if not steps:
+        return []
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    layout = FlatLayout([(m // div, k // div) for _, (m, k) in LLAMA3_8B_LAYER], len(devices),
+                        names=[n for n, _ in LLAMA3_8B_LAYER])
+    master = jax.jit(lambda key: jax.random.normal(key, (layout.total_size,), jnp.float32) * 0.02,
+                     out_shardings=master_sharding(mesh, "fsdp"))(jax.random.key(0))
+    base = median_seconds(bf16_gather(mesh), master, iters=iters, repeats=repeats)
+    print(f"\nmaster-weight step: one Llama-3-8B layer{' / ' + str(div) if div > 1 else ''} "
+          f"({layout.total_size / 1e6:.1f}M parameters), fsdp = {len(devices)} device(s)")
+    print(f"{'op':18s} {'us':>9s} {'x bf16 gather':>14s} {'gathered MB':>12s}")
+    print(f"{'bf16 cast+gather':18s} {base * 1e6:9.1f} {1.0:14.3f} {2 * layout.total_size / 2**20:12.2f}")
+    rows = []
+    for name, recipe, columnwise in steps:
+        fn = jax.jit(lambda x, r=recipe, c=columnwise: quantize_master_weights(
+            x, layout, mesh=mesh, recipe=r, columnwise=c, manual_post_all_gather_processing=False))
+        t = median_seconds(fn, master, iters=iters, repeats=repeats)
+        mb = gathered_bytes(layout, recipe) / 2**20
+        rows.append(dict(op=name, devices=len(devices), params=layout.total_size, us=t * 1e6,
+                         bf16_gather_us=base * 1e6, x_bf16_gather=t / base, gathered_mb=mb))
+        print(f"{name:18s} {t * 1e6:9.1f} {t / base:14.3f} {mb:12.2f}", flush=True)
+    return rows
+
+
 def _git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -219,11 +280,13 @@ def run(args) -> int:
                 print(line, flush=True)
         print(f"{'(copy x+1 fp32)':18s} {size:>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
               f"{bw / 1e9:.0f} GB/s" + (f", kernel {bw_dev / 1e9:.0f} GB/s" if bw_dev else ""))
+    group_rows = (group_step_rows(div=1 if gpu else 32, iters=iters, repeats=repeats, ops=args.ops)
+                  if args.group else [])
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=_git_commit(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
                   dispatch_us=dispatch_us,
-                  rows=rows_out)
+                  rows=rows_out, group_step=group_rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
@@ -247,6 +310,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-time", action=argparse.BooleanOptionalAction, default=None,
                         help="also report GPU kernel time per call from a jax.profiler trace, which leaves out "
                              "host dispatch (default: on a GPU)")
+    parser.add_argument("--group", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the master-weight step on one Llama-3-8B layer against the bf16 cast + "
+                             "all-gather, fsdp over every device (ops step_nvfp4, step_nvfp4+T, step_fp8, "
+                             "step_fp8+T; default on)")
     parser.add_argument("--json", default="jaxquant_bench.json", help="where to write the JSON (default "
                         "jaxquant_bench.json; empty string: none)")
     parser.set_defaults(func=run)
