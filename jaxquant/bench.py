@@ -202,6 +202,9 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None) -> list[dic
     base = median_seconds(bf16_gather(mesh), master, iters=iters, repeats=repeats)
     print(f"\nmaster-weight step: one Llama-3-8B layer{' / ' + str(div) if div > 1 else ''} "
           f"({layout.total_size / 1e6:.1f}M parameters), fsdp = {len(devices)} device(s)")
+    if len(devices) == 1:
+        print("(one device: nothing is gathered, so the baseline is the bf16 cast alone and the step has no "
+              "bytes to save; its targets are for 2+ devices)")
     print(f"{'op':18s} {'us':>9s} {'x bf16 gather':>14s} {'gathered MB':>12s}")
     print(f"{'bf16 cast+gather':18s} {base * 1e6:9.1f} {1.0:14.3f} {2 * layout.total_size / 2**20:12.2f}")
     rows = []
