@@ -117,6 +117,38 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     _assert_each_equal(b, a, "fp8 group transpose")
 
 
+@pytest.mark.parametrize("num_params", [300, 1100])
+def test_group_stats_and_casts_many_params_equal_reference(num_params):
+    """Many small parameters at odd offsets over 3 shards: the GPU kernels find each thread's
+    parameter in a shared-memory copy of the table column up to 1,024 parameters (300) and in the
+    global table beyond (1,100); stats and casts equal the reference either way."""
+    rng = np.random.default_rng(num_params)
+    num_shards = 3
+    shapes, offsets, n = _layout(rng, num_params, num_shards, True)
+    flat = _flat(rng, shapes, offsets, num_shards, n)
+    flat[offsets[-1] + 1] = np.nan
+    table = ops.group_table(offsets, shapes, num_shards=num_shards, shard_size=n, nvfp4=True)
+    los, _, size = _chunk_plan(shapes, offsets, num_shards, n)
+    tiles = int(table[:, FIELD["numel"]].sum() // 256)
+    enc = jnp.asarray(rng.uniform(0.25, 8.0, tiles).astype(np.float32))
+    scale = jnp.asarray(rng.uniform(0.25, 8.0, num_params).astype(np.float32))
+    kw = dict(table=table, num_shards=num_shards, compute_dtype=jnp.bfloat16)
+    impl_pair = ("reference", "custom_call")
+    for r in range(num_shards):
+        shard, index = jnp.asarray(flat[r * n:(r + 1) * n]), jnp.int32(r)
+        a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
+        for name, x, y in zip(("tile amax", "amax", "counts"), b, a):
+            assert_bytes_equal(x, y, f"{name} shard {r}")
+        a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **kw) for i in impl_pair)
+        assert_bytes_equal(b, a, f"nvfp4 chunk shard {r}")
+        a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **kw) for i in impl_pair)
+        assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
+        assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
+        for first, count in ((0, n), (16 * (n // 48), n - 16 * (n // 48))):
+            a, b = (ops.fp8_group_cast(shard, index, scale, first=first, count=count, impl=i, **kw) for i in impl_pair)
+            assert_bytes_equal(b, a, f"fp8 data shard {r} elements [{first}, {first + count})")
+
+
 def _assert_each_equal(got, want, what):
     """Per-parameter results (lists) equal byte for byte."""
     assert len(got) == len(want), what

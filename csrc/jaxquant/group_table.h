@@ -74,8 +74,10 @@ struct ParamCursor {
   GroupTable table;
   int64_t p = -1, begin = 0, end = 0, next = 0;  // p owns [begin, end); the next one starts at next
 
-  JQ_HD void seek(int64_t g) {
-    p = table.find(g, GroupTable::kOffset);
+  JQ_HD void seek(int64_t g) { start_at(table.find(g, GroupTable::kOffset)); }
+  // The same when the caller found g's parameter (table.find(g, kOffset)) another way.
+  JQ_HD void start_at(int64_t param) {
+    p = param;
     load();
   }
   JQ_HD void load() {
