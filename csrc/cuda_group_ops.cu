@@ -67,11 +67,12 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m);
 // search the global table as before; the answer is the same (GroupTable::find).
 constexpr int kSharedKeys = 1024;
 struct BlockKeys {
-  const int64_t* keys;  // nullptr: search the table
+  const int64_t* keys;  // the shared copy, read only when `fits` (a flag, not a null pointer: the
+  bool fits;            // compiler treats `keys` as a shared-memory address, where null is a valid offset)
   GroupTable table;
   int field;
   __device__ int64_t find(int64_t pos) const {
-    if (keys == nullptr) return table.find(pos, field);
+    if (!fits) return table.find(pos, field);
     int64_t lo = 0, hi = table.num_params;  // as GroupTable::find
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
@@ -86,7 +87,7 @@ __device__ BlockKeys load_block_keys(int64_t* shared, const GroupTable& table, i
   if (fits)
     for (int64_t i = threadIdx.x; i < table.num_params; i += blockDim.x) shared[i] = table.at(i, field);
   __syncthreads();
-  return {fits ? shared : nullptr, table, field};
+  return {shared, fits, table, field};
 }
 
 // Tiles [t0, t1) of the tile rows that meet flat positions [g_first, g_last] of the group (a
