@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, print_kernel_profile
-from jaxquant.distributed import gathered_bytes, master_sharding, quantize_master_weights
+from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, print_kernel_profile, random_master
+from jaxquant.distributed import gathered_bytes, quantize_master_weights
 from jaxquant.layout import FlatLayout
 
 def many_small_shapes(side: int, count: int = 300):
@@ -70,11 +70,6 @@ def time_fn(fn, arg, iters, warmup=2):
         batches.append((time.perf_counter() - t0) / iters)
         del outs
     return statistics.median(times), statistics.median(batches)
-
-
-def master_for(layout, mesh):
-    return jax.jit(lambda k: jax.random.normal(k, (layout.total_size,), jnp.float32) * 0.02,
-                   out_shardings=master_sharding(mesh, "fsdp"))(jax.random.key(0))
 
 
 def step(layout, mesh, recipe, columnwise, impl, consume=False, pieces=None):
@@ -114,7 +109,7 @@ def main():
     names = [n for n, _ in LLAMA3_8B_LAYER]
     shapes = [(m // div, k // div) for _, (m, k) in LLAMA3_8B_LAYER]
     layout = FlatLayout(shapes, S, align=args.align, names=names)
-    master = master_for(layout, mesh)
+    master = random_master(layout, mesh)
     numel = sum(m * k for m, k in shapes)
     print(f"devices: {S} x {devices[0].device_kind} ({devices[0].platform}); impl={args.impl}; "
           f"Llama-3-8B layer: {numel / 1e6:.1f}M parameters, shard {layout.shard_size / 1e6:.2f}M elements")
@@ -151,7 +146,7 @@ def main():
         first = None
         for label, group_shapes in groups.items():
             lay = FlatLayout(group_shapes, S, align=args.align)
-            master_g = master_for(lay, mesh)
+            master_g = random_master(lay, mesh)
             t, _ = time_fn(step(lay, mesh, recipe, False, args.impl), master_g, args.iters)
             times = [t]
             for consume in ("first", "all"):

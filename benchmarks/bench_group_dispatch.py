@@ -14,42 +14,17 @@ writes all N), pipelined; then the same N results taken as XLA slices.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_distributed import many_small_shapes, master_for, step, time_fn  # noqa: E402
+from bench_distributed import many_small_shapes, step, time_fn  # noqa: E402
 from jaxquant import group_split  # noqa: E402
+from jaxquant.bench import print_kernel_profile, random_master  # noqa: E402
 from jaxquant.layout import FlatLayout  # noqa: E402
-
-
-def pipelined_trace(fn, arg, iters):
-    """{plane kind: {event name: (µs per call, count per call)}} of ``iters`` back-to-back dispatches."""
-    jax.block_until_ready(fn(arg))
-    with tempfile.TemporaryDirectory(prefix="jq-dispatch-") as folder:
-        with jax.profiler.trace(folder):
-            jax.block_until_ready([fn(arg) for _ in range(iters)])
-        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-        planes = jax.profiler.ProfileData.from_file(files[0]).planes if files else []
-        out = {}
-        for plane in planes:
-            kind = "host" if plane.name.startswith("/host") else "gpu0" if plane.name.startswith("/device:GPU:0") else None
-            if kind is None:
-                continue
-            total, count = out.setdefault(kind, (collections.defaultdict(float), collections.Counter()))
-            for line in plane.lines:
-                if kind == "gpu0" and not line.name.startswith("Stream"):
-                    continue
-                for ev in line.events:
-                    total[ev.name] += ev.duration_ns / 1e3 / iters
-                    count[ev.name] += 1 / iters
-    return out
 
 
 def split_results(counts, iters):
@@ -89,22 +64,13 @@ def main():
     first = None
     for label, shapes in groups.items():
         layout = FlatLayout(shapes, len(devices))
-        master = master_for(layout, mesh)
+        master = random_master(layout, mesh)
         fn = step(layout, mesh, args.recipe, False, "auto", consume=args.consume)
         blocked, pipelined = time_fn(fn, master, args.iters)
         first = first or (blocked, pipelined)
         print(f"\n{label}, {args.recipe}, consumed ({args.consume}): blocked {blocked * 1e6:.1f} µs ({blocked / first[0]:.3f}x), "
               f"pipelined {pipelined * 1e6:.1f} µs ({pipelined / first[1]:.3f}x)")
-        trace = pipelined_trace(fn, master, args.iters)
-        for kind in ("gpu0", "host"):
-            if kind not in trace:
-                continue
-            total, count = trace[kind]
-            busy = sum(total.values()) if kind == "gpu0" else None
-            print(f"  [{kind}]" + (f" busy {busy:.1f} µs per call" if busy is not None else " events, µs per call"))
-            for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
-                print(f"    {us:9.1f}  x{count[name]:<7.2f} {name[:100]}")
-
+        print_kernel_profile(f"{label}, pipelined", fn, master, args.iters, args.top, pipelined=True, host=True)
 
 if __name__ == "__main__":
     main()

@@ -434,7 +434,9 @@ ffi::Error GroupColumnwiseCpu(ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U
                               ffi::Span<const int64_t> space_attr, ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, true, &space, &num_params));
+  int64_t data_t_bytes;  // each result's size is checked below
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, true, &space, &num_params,
+                                           &data_t_bytes));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, kNoBound, kNoBound, true));
   JQ_RETURN_IF_ERROR(check_group_columnwise_bounds(as_i64(table_words), num_params, space.size, scale_inv));
   const GroupTable table{as_i64(table_words), num_params};
@@ -460,7 +462,9 @@ ffi::Error Fp8GroupTransposeCpu(ffi::Buffer<ffi::U32> table_words, ffi::Remainin
                                 ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, false, &space, &num_params));
+  int64_t data_t_bytes;  // each result's size is checked below
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, false, &space, &num_params,
+                                           &data_t_bytes));
   JQ_RETURN_IF_ERROR(check_group_table_contents(as_i64(table_words), num_params, space.size, 0, false));
   const GroupTable table{as_i64(table_words), num_params};
   const std::vector<uint8_t> data = assemble(space);

@@ -73,12 +73,7 @@ struct BlockKeys {
   int field;
   __device__ int64_t find(int64_t pos) const {
     if (!fits) return table.find(pos, field);
-    int64_t lo = 0, hi = table.num_params;  // as GroupTable::find
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (keys[mid] <= pos) lo = mid + 1; else hi = mid;
-    }
-    return lo - 1;
+    return GroupTable::last_at_or_below(table.num_params, pos, [&](int64_t p) { return keys[p]; });
   }
 };
 // Called by every thread of the block (it synchronizes the block).
@@ -656,20 +651,15 @@ void for_each_transpose_batch(ffi::RemainingRets& rets, ffi::Span<const int64_t>
   }
 }
 
-// Result bytes of every data_t: NVFP4's are the whole param-byte space, FP8's fit in the flat buffer.
-int64_t data_t_bytes(ffi::RemainingRets& rets, int64_t num_params) {
-  int64_t total = 0;
-  for (int64_t p = 0; p < num_params; ++p) total += static_cast<int64_t>((*rets.get<ffi::AnyBuffer>(p).value()).size_bytes());
-  return total;
-}
-
 ffi::Error GroupColumnwiseCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> scale_inv, ffi::Buffer<ffi::U32> table_words,
                                ffi::RemainingArgs pieces, ffi::Span<const int64_t> ranges,
                                ffi::Span<const int64_t> space_attr, ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, true, &space, &num_params));
-  if (data_t_bytes(rets, num_params) != space.size) return invalid("results: the data_t must hold the space's bytes");
+  int64_t data_t_bytes;
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, true, &space, &num_params,
+                                           &data_t_bytes));
+  if (data_t_bytes != space.size) return invalid("results: the data_t must hold the space's bytes");
   const GroupTable table{as_i64(table_words), num_params};
   for_each_transpose_batch(rets, ranges, num_params, true, [&](const TransposeOutputs& out) {
     const int64_t data_ctas = transpose_ctas(out.blocks, kWarpsPerCta);
@@ -685,8 +675,10 @@ ffi::Error Fp8GroupTransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> tabl
                                  ffi::RemainingRets rets) {
   GatheredSpace space;
   int64_t num_params;
-  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, false, &space, &num_params));
-  if (data_t_bytes(rets, num_params) > space.size) return invalid("results: more data_t bytes than the flat buffer");
+  int64_t data_t_bytes;
+  JQ_RETURN_IF_ERROR(check_group_transpose(pieces, space_attr, table_words, rets, ranges, false, &space, &num_params,
+                                           &data_t_bytes));
+  if (data_t_bytes > space.size) return invalid("results: more data_t bytes than the flat buffer");
   const GroupTable table{as_i64(table_words), num_params};
   for_each_transpose_batch(rets, ranges, num_params, false, [&](const TransposeOutputs& out) {
     fp8_group_transpose_kernel<<<static_cast<unsigned>(transpose_ctas(out.blocks, kWarpsPerCta)), kThreads, 0,

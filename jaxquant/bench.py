@@ -128,41 +128,53 @@ def cases(x, stages: bool):
     return out
 
 
-def kernel_profile(fn, arg, iters: int = 5) -> dict:
+def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bool = False) -> dict:
     """Per-kernel device time of ``fn(arg)`` on the first GPU from a ``jax.profiler`` trace:
     ``{line: {event name: (µs per call, launches per call)}}`` for the device plane's "XLA Ops" line
-    (HLO ops) and "Stream ..." lines (kernels and copies); ``{}`` where there is no device plane (CPU).
-    ``fn`` runs once untraced first (compilation)."""
+    (HLO ops) and "Stream ..." lines (kernels and copies); none where there is no device plane (CPU).
+    ``fn`` runs once untraced first (compilation). ``pipelined``: the ``iters`` calls are dispatched
+    back to back and waited for once (else each is waited for); ``host``: also a "host" entry, every
+    host-plane event (dispatch, thunks, launches) summed by name."""
     import jax
 
     jax.block_until_ready(fn(arg))
     with tempfile.TemporaryDirectory(prefix="jq-profile-") as folder:   # the trace is read, then removed
         with jax.profiler.trace(folder):
-            for _ in range(iters):
-                jax.block_until_ready(fn(arg))
+            if pipelined:
+                jax.block_until_ready([fn(arg) for _ in range(iters)])
+            else:
+                for _ in range(iters):
+                    jax.block_until_ready(fn(arg))
         files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-        planes = [pl for pl in jax.profiler.ProfileData.from_file(files[0]).planes
-                  if pl.name.startswith("/device:GPU:0")] if files else []
+        planes = list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else []  # an iterator
     out = {}
-    for line in planes[0].lines if planes else ():
-        if line.name != "XLA Ops" and not line.name.startswith("Stream"):
-            continue
+
+    def add(key, events):
         total, count = collections.defaultdict(float), collections.Counter()
-        for ev in line.events:
+        for ev in events:
             total[ev.name] += ev.duration_ns / 1e3 / iters
             count[ev.name] += 1
         if total:
-            out[line.name] = {name: (us, count[name] / iters) for name, us in total.items()}
+            out[key] = {name: (us, count[name] / iters) for name, us in total.items()}
+
+    gpu = [pl for pl in planes if pl.name.startswith("/device:GPU:0")]
+    for line in gpu[0].lines if gpu else ():
+        if line.name == "XLA Ops" or line.name.startswith("Stream"):
+            add(line.name, line.events)
+    if host:
+        add("host", [ev for pl in planes if pl.name.startswith("/host") for line in pl.lines for ev in line.events])
     return out
 
 
-def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12) -> dict:
-    """Prints :func:`kernel_profile`'s busiest events per line (nothing on the CPU); returns it."""
-    prof = kernel_profile(fn, arg, iters)
+def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12, **options) -> dict:
+    """Prints :func:`kernel_profile`'s busiest events per line (nothing on the CPU); returns it.
+    ``options``: kernel_profile's ``pipelined`` and ``host``."""
+    prof = kernel_profile(fn, arg, iters, **options)
     if prof:
         print(f"\nprofile: {label} ({iters} calls, device 0; µs per call)")
     for line, events in prof.items():
-        print(f"  [{line}] busy {sum(us for us, _ in events.values()):.1f} µs")
+        total = sum(us for us, _ in events.values())
+        print(f"  [{line}] " + ("events (nested ones overlap)" if line == "host" else f"busy {total:.1f} µs"))
         for name, (us, n) in sorted(events.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"    {us:9.1f}  x{n:<5g} {name[:90]}")
     return prof
@@ -178,14 +190,24 @@ def bf16_gather(mesh, axis: str = "fsdp"):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False))
 
 
+def random_master(layout, mesh, axis: str = "fsdp"):
+    """An fp32 master flat buffer of ``layout`` (normal * 0.02), sharded over ``axis`` of ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxquant.distributed import master_sharding
+
+    return jax.jit(lambda key: jax.random.normal(key, (layout.total_size,), jnp.float32) * 0.02,
+                   out_shardings=master_sharding(mesh, axis))(jax.random.key(0))
+
+
 def group_step_rows(*, div: int, iters: int, repeats: int, ops=None) -> list[dict]:
     """Times the master-weight step against the bf16 cast + all-gather on one Llama-3-8B layer (dims
     / ``div``), fsdp over every device; prints the table and returns its rows (STEP_FIELDS)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from jaxquant.distributed import gathered_bytes, master_sharding, quantize_master_weights
+    from jaxquant.distributed import gathered_bytes, quantize_master_weights
     from jaxquant.layout import FlatLayout
 
     steps = [(f"step_{recipe}" + ("+T" if columnwise else ""), recipe, columnwise)
@@ -197,8 +219,7 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None) -> list[dic
     mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
     layout = FlatLayout([(m // div, k // div) for _, (m, k) in LLAMA3_8B_LAYER], len(devices),
                         names=[n for n, _ in LLAMA3_8B_LAYER])
-    master = jax.jit(lambda key: jax.random.normal(key, (layout.total_size,), jnp.float32) * 0.02,
-                     out_shardings=master_sharding(mesh, "fsdp"))(jax.random.key(0))
+    master = random_master(layout, mesh)
     base = median_seconds(bf16_gather(mesh), master, iters=iters, repeats=repeats)
     print(f"\nmaster-weight step: one Llama-3-8B layer{' / ' + str(div) if div > 1 else ''} "
           f"({layout.total_size / 1e6:.1f}M parameters), fsdp = {len(devices)} device(s)")

@@ -269,13 +269,13 @@ inline ffi::Error read_gathered_space(const ffi::RemainingArgs& pieces, ffi::Spa
 
 // Grouped transposes: the gathered pieces and "space" (read_gathered_space), the table, and their
 // results, one 1-byte buffer per parameter (NVFP4: every parameter's data_t, then every parameter's
-// scale_inv_t). "ranges" holds, for each parameter and then for the end, its first 64x64 block and
+// scale_inv_t; *data_t_bytes: the data_t results' bytes together). "ranges" holds, for each parameter and then for the end, its first 64x64 block and
 // (NVFP4) first columnwise scale strip: the launches take the parameters in batches and need those
 // bounds on the host.
 inline ffi::Error check_group_transpose(const ffi::RemainingArgs& pieces, ffi::Span<const int64_t> space_attr,
                                         const ffi::Buffer<ffi::U32>& table, const ffi::RemainingRets& rets,
                                         ffi::Span<const int64_t> ranges, bool nvfp4, GatheredSpace* space,
-                                        int64_t* num_params) {
+                                        int64_t* num_params, int64_t* data_t_bytes) {
   if (auto e = read_gathered_space(pieces, space_attr, space); e.failure()) return e;
   constexpr size_t kWords = 2 * GroupTable::kFields;
   if (table.element_count() % kWords != 0) return invalid("table: must be the int64 group table as uint32 words");
@@ -290,11 +290,13 @@ inline ffi::Error check_group_transpose(const ffi::RemainingArgs& pieces, ffi::S
     if (ranges[p] < 0 || ranges[p + 2] < ranges[p]) return invalid("ranges: must be non-negative and non-decreasing");
   if (ranges[2 * *num_params] > INT32_MAX / 2 || ranges[2 * *num_params + 1] > INT32_MAX / 2)
     return invalid("ranges: more blocks or scale strips than a grid holds");
+  *data_t_bytes = 0;
   for (int64_t r = 0; r < static_cast<int64_t>(rets.size()); ++r) {
     auto ret = rets.get<ffi::AnyBuffer>(r);
     if (!ret.has_value()) return ret.error();
     if ((*ret.value()).size_bytes() != (*ret.value()).element_count())
       return invalid("results: must have 1-byte elements (uint8, fp8)");
+    if (r < *num_params) *data_t_bytes += static_cast<int64_t>((*ret.value()).size_bytes());
   }
   return ffi::Error::Success();
 }

@@ -50,10 +50,16 @@ struct GroupTable {
 
   // The last parameter p with at(p, f) <= pos (f: an ascending field: offset, byte/scale bases), or -1.
   JQ_HD int64_t find(int64_t pos, int f) const {
-    int64_t lo = 0, hi = num_params;  // answer in [lo - 1, hi - 1]
+    return last_at_or_below(num_params, pos, [&](int64_t p) { return at(p, f); });
+  }
+
+  // The same search over any ascending key(p), p in [0, n): e.g. a copy of one column in shared memory.
+  template <typename Key>
+  JQ_HD static int64_t last_at_or_below(int64_t n, int64_t pos, Key key) {
+    int64_t lo = 0, hi = n;  // answer in [lo - 1, hi - 1]
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (at(mid, f) <= pos) lo = mid + 1; else hi = mid;
+      if (key(mid) <= pos) lo = mid + 1; else hi = mid;
     }
     return lo - 1;
   }
