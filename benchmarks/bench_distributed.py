@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, print_kernel_profile, random_master
+from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, gather_summary, print_kernel_profile, random_master
 from jaxquant.distributed import gathered_bytes, quantize_master_weights
 from jaxquant.layout import FlatLayout
 
@@ -129,11 +129,16 @@ def main():
                 print(f"{'  gather_pieces=' + str(pieces):<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} "
                       f"{tp / base_p:7.3f}")
     if args.profile:
-        print_kernel_profile("bf16 cast + all_gather", bf16_gather(mesh), master)
+        received = (S - 1) / S   # the fraction of the gathered bytes a device receives from the others
+        prof = print_kernel_profile("bf16 cast + all_gather", bf16_gather(mesh), master)
+        if line := gather_summary(prof, 2 * layout.total_size * received):
+            print("  " + line)
         for recipe in ("nvfp4", "fp8"):
             for columnwise in (False, True):
-                print_kernel_profile(recipe + (" + columnwise" if columnwise else ""),
-                        step(layout, mesh, recipe, columnwise, args.impl, consume=True), master)
+                prof = print_kernel_profile(recipe + (" + columnwise" if columnwise else ""),
+                                            step(layout, mesh, recipe, columnwise, args.impl, consume=True), master)
+                if line := gather_summary(prof, gathered_bytes(layout, recipe) * received):
+                    print("  " + line)
 
     if args.skip_group:
         return

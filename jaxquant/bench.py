@@ -180,6 +180,26 @@ def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12, **option
     return prof
 
 
+def gather_summary(prof: dict, received_bytes: float) -> str | None:
+    """One line on :func:`kernel_profile`'s NCCL all-gather kernels: their time per call summed over
+    every stream, their launches, the NCCL kernel variants (protocol in the name: ``RING_LL``,
+    ``RING_SIMPLE``, ...) and ``received_bytes`` (per device per call) over that time. None where
+    the profile has no all-gather kernel (one device, the CPU). Pieces on two streams may overlap, so
+    the bandwidth is a lower bound."""
+    us, launches, variants = 0.0, 0.0, set()
+    for line, events in prof.items():
+        if not line.startswith("Stream"):
+            continue
+        for name, (t, n) in events.items():
+            if "AllGather" in name:
+                us, launches = us + t, launches + n
+                variants.add(name.split("(")[0].removeprefix("ncclDevKernel_"))
+    if not launches:
+        return None
+    return (f"all-gather kernels: {us:.1f} µs per call in {launches:g} launches ({', '.join(sorted(variants))}); "
+            f"{received_bytes / 1e6:.1f} MB received per device: {received_bytes / us / 1e3:.0f} GB/s")
+
+
 def bf16_gather(mesh, axis: str = "fsdp"):
     """Plain JAX's way to full weights from fp32 master shards: cast each shard to bf16, all-gather."""
     import jax

@@ -55,3 +55,19 @@ def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
                      "--no-device-time", "--ops", "step_fp8*", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["rows"] == [] and [r["op"] for r in result["group_step"]] == ["step_fp8", "step_fp8+T"]
+
+
+def test_gather_summary_sums_all_gather_kernels_over_streams():
+    """The s7-1 NVFP4 step's profile (2 x H200): one gather piece on the compute stream, three on another."""
+    kernel = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    prof = {
+        "XLA Ops": {"all-gather-start": (400.0, 4.0)},        # HLO ops: not kernels, not counted
+        "Stream #24(Compute)": {kernel: (74.4, 1.0), "group_cast_kernel": (221.1, 4.0)},
+        "Stream #104(Compute)": {kernel: (281.5, 3.0)},
+        "host": {kernel: (9.0, 1.0)},
+    }
+    line = bench.gather_summary(prof, 52e6)
+    assert line.startswith("all-gather kernels: 355.9 µs per call in 4 launches (AllGather_RING_LL)"), line
+    assert line.endswith("52.0 MB received per device: 146 GB/s"), line
+    assert bench.gather_summary({"Stream #24(Compute)": {"group_cast_kernel": (221.1, 4.0)}}, 52e6) is None
+    assert bench.gather_summary({}, 52e6) is None
