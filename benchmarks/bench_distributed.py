@@ -129,16 +129,15 @@ def main():
                 print(f"{'  gather_pieces=' + str(pieces):<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} "
                       f"{tp / base_p:7.3f}")
     if args.profile:
-        received = (S - 1) / S   # the fraction of the gathered bytes a device receives from the others
-        prof = print_kernel_profile("bf16 cast + all_gather", bf16_gather(mesh), master)
-        if line := gather_summary(prof, 2 * layout.total_size * received):
-            print("  " + line)
+        def profile(label, fn, gathered):   # a device receives (S - 1) / S of the gathered bytes
+            if line := gather_summary(print_kernel_profile(label, fn, master), gathered * (S - 1) / S):
+                print("  " + line)
+
+        profile("bf16 cast + all_gather", bf16_gather(mesh), 2 * layout.total_size)
         for recipe in ("nvfp4", "fp8"):
             for columnwise in (False, True):
-                prof = print_kernel_profile(recipe + (" + columnwise" if columnwise else ""),
-                                            step(layout, mesh, recipe, columnwise, args.impl, consume=True), master)
-                if line := gather_summary(prof, gathered_bytes(layout, recipe) * received):
-                    print("  " + line)
+                profile(recipe + (" + columnwise" if columnwise else ""),
+                        step(layout, mesh, recipe, columnwise, args.impl, consume=True), gathered_bytes(layout, recipe))
 
     if args.skip_group:
         return

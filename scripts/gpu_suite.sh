@@ -89,7 +89,7 @@ fi
 ngpu=$(nvidia-smi -L | wc -l)
 if [ "${DIST:-0}" = 1 ]; then
   # DIST_NCCL_PROTOS="default Simple" runs it once per NCCL protocol (NCCL_PROTO; "default" leaves NCCL's
-  # choice): NCCL picked its LL ring for the 208 MB bf16 gather on 2 H200s (s7-1, 246 GB/s). The profile's
+  # choice): NCCL picked its LL ring for the bf16 gather on 2 H200s (s7-1: 218 MB received in 845 µs). The profile's
   # kernel names (AllGather_RING_LL / _SIMPLE) say which protocol ran.
   for proto in ${DIST_NCCL_PROTOS:-default}; do
     tag=${proto/default/}
