@@ -327,17 +327,27 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 // kVec E2M1 codes of v[k] * enc, element k in bits 4k..4k+3, where v holds the compute-dtype values of the
 // 16 input bytes raw (4 fp32 or 8 bf16; enc > 0). Without the hardware conversion the magnitudes come from
 // e2m1_magnitude_bits, and the sign bits straight from raw (x * enc keeps the sign of x, -0 included) with
-// byte permutes: 6 ALU instructions for a bf16 row instead of 2 an element (the cast is ALU-bound on Hopper).
+// byte permutes: 6 ALU instructions for a bf16 row instead of 2 an element (the cast is ALU-bound on Hopper);
+// the codes go together by 7 adds of shifted values instead of a shift and a mask each.
 template <int kVec>
 __device__ __forceinline__ uint32_t e2m1_row(const uint4 raw, const float* v, float enc) {
-  uint32_t row = 0;
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+  uint32_t row = 0;
 #pragma unroll
   for (int k = 0; k < kVec; k += 2) row |= uint32_t(e2m1_pair(v[k] * enc, v[k + 1] * enc)) << (4 * k);
   return row;
 #else
+  // Codes from e2m1_magnitude_bits have zeros in bits 3-21, so shifted sums assemble a row's low bytes
+  // without masks (the bits above 21 never carry down): p[j] bits 0-7 = codes 2j and 2j+1, bits 8-21 zero.
+  uint32_t p[kVec / 2];
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) row |= (e2m1_magnitude_bits(v[k] * enc) << (4 * k)) & (7u << (4 * k));
+  for (int j = 0; j < kVec / 2; ++j)
+    p[j] = e2m1_magnitude_bits(v[2 * j + 1] * enc) * 16u + e2m1_magnitude_bits(v[2 * j] * enc);
+  uint32_t row;
+  if constexpr (kVec == 8)
+    row = prmt(p[0] + (p[1] << 8), p[2] + (p[3] << 8), 0x5410);
+  else
+    row = prmt(p[0], p[1], 0x1140);  // byte 1 of p[0] is zero
   // Per byte j, 0xFF where the sign of element 2j (lo) or 2j+1 (hi) is set.
   uint32_t lo, hi;
   if constexpr (kVec == 8) {  // bf16: element 2i in bits 0-15 of word i, 2i+1 in bits 16-31

@@ -110,13 +110,16 @@ JQ_HD uint8_t float_to_e2m1(float f) {
   return static_cast<uint8_t>(sign | (a < 1.0f ? below_one : normal));
 }
 
-// The magnitude code of e2m1(x) (docs/numerics.md §2, rule 6) in bits 0-2 of the result, for kernels that
-// put the signs in separately; bits 3-22 are zero and bits 23-30 hold an exponent the caller masks off.
-// The FPU rounds: after saturating |x| to 6, adding M = 2^(e+22) + 2e ulps (e = max(floor(log2 |x|), 0))
-// leaves one ulp equal to the E2M1 step of that binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so the
-// sum is RNE on the grid; the offset 2e is even, so the parity the ties look at is the code's, and the
-// sum's low mantissa bits are k + 2e = the code (k: ulps above 2^(e+22)). Same code as float_to_e2m1
-// for every fp32 input (tests/test_e2m1_magnitude.py checks all 2^32); NaN gives 7.
+// The magnitude code of e2m1(x) (docs/numerics.md §2, rule 6) in bits 0-2 of the result, bits 3-21 zero and
+// bit 22 one (bits 23-31 hold an exponent the caller masks off), for kernels that put the signs in
+// separately. The FPU rounds: after saturating |x| to 6, adding M = 2^e (2^22 + 2^21 - 149) (e =
+// max(floor(log2 |x|), 0)), which is 2^(e+22) plus 2^22 - 298 ulps of that binade, leaves one ulp equal to
+// the E2M1 step of the binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so the sum is RNE on the grid (the
+// offset is even: the parity the ties look at is the code's). The sum s has mantissa 2^22 - 298 + k (k:
+// steps of |x| above 0) and exponent field 149 + e, so s + (s >> 22) has 2^22 + k + 2e = 2^22 + code in
+// bits 0-22. On the GPU the M product fuses into the add (it is exact): one FFMA, where an integer M took
+// three ALU instructions, the cast's busiest pipe on Hopper. Same code as float_to_e2m1 for every fp32
+// input (tests/test_e2m1_magnitude.py checks all 2^32, on the host and on a GPU); NaN gives 7.
 JQ_HD uint32_t e2m1_magnitude_bits(float x) {
 #if defined(__CUDA_ARCH__)
   const float a = fminf(fabsf(x), 6.0f);  // one min.f32 with an |x| operand; NaN gives 6
@@ -124,9 +127,14 @@ JQ_HD uint32_t e2m1_magnitude_bits(float x) {
   const float a = fmin_ignore_nan(bits_float(float_bits(x) & 0x7FFFFFFFu), 6.0f);
 #endif
   const uint32_t ab = float_bits(a);
-  const uint32_t e_bits = (ab > 0x3F800000u ? ab : 0x3F800000u) & 0x7F800000u;  // 2^e, e >= 0
-  const uint32_t magic = e_bits + (22u << 23) + (e_bits >> 22) - 254u;           // (e_bits >> 22) - 254 = 2e
-  return float_bits(a + bits_float(magic));
+  const float two_e = bits_float((ab > 0x3F800000u ? ab : 0x3F800000u) & 0x7F800000u);  // 2^e, e >= 0
+  constexpr float kMagic = 6291307.0f;  // 2^22 + 2^21 - 149
+#if defined(__CUDA_ARCH__)
+  const uint32_t sum = float_bits(__fmaf_rn(two_e, kMagic, a));
+#else
+  const uint32_t sum = float_bits(two_e * kMagic + a);  // the product is exact
+#endif
+  return (sum >> 22) + sum;
 }
 
 // fp32 -> the nearest bf16 value (RNE), as fp32: the compute-dtype rounding (docs/numerics.md §2,
