@@ -45,7 +45,7 @@ PY
 if [ "${TESTS:-1}" = 1 ]; then
 section "tests"
 sel=("$@")
-[ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_group_ops.py
+[ ${#sel[@]} -eq 0 ] && sel=(tests/test_ops.py tests/test_reference_spec.py tests/test_e2m1_magnitude.py tests/test_group_ops.py
                              tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py
                              tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
                              tests/test_train_gpu.py tests/test_sp_gpu.py
