@@ -54,7 +54,7 @@ echo "ncu rc $?"
 tail -5 "$OUT/ncu_run.log"
 ncu -i "$OUT/ncu.ncu-rep" --page details --print-units base > "$OUT/ncu_details.txt" 2>&1
 ncu -i "$OUT/ncu.ncu-rep" --page raw --csv --metrics \
-  gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,launch__registers_per_thread \
+  gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,launch__registers_per_thread \
   > "$OUT/ncu_metrics.csv" 2>&1
 gzip -k "$OUT/ncu_details.txt"
 ls -la "$OUT"
