@@ -328,7 +328,7 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 // 16 input bytes raw (4 fp32 or 8 bf16; enc > 0). Without the hardware conversion the magnitudes come from
 // e2m1_magnitude_bits, and the sign bits straight from raw (x * enc keeps the sign of x, -0 included) with
 // byte permutes: 6 ALU instructions for a bf16 row instead of 2 an element (the cast is ALU-bound on Hopper);
-// the codes go together by 7 adds of shifted values instead of a shift and a mask each.
+// the codes go together by adds of shifted values and one byte permute, not a shift and a mask each.
 template <int kVec>
 __device__ __forceinline__ uint32_t e2m1_row(const uint4 raw, const float* v, float enc) {
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
