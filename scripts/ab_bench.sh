@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of CUDA kernel sources in one device call: builds this tree ("new") and, for each directory of
 # $VARIANTS (default ab/base), a copy of the tree whose csrc files are replaced by the files in that
-# directory (named as in csrc or jaxquant, e.g. ab/base/stage_kernels.cuh for csrc/jaxquant/stage_kernels.cuh);
+# directory (named as in csrc or jaxquant, e.g. ab/base/stage_kernels.cuh for csrc/jaxquant/stage_kernels.cuh;
+# scripts/ab_make_base.sh REV fills ab/base from a git revision);
 # runs $TESTS on "new" (TEST_ALL=1: on every build), writes each build's SASS under $OUT, then `jaxquant bench
 # --no-stages --ops $OPS` over all builds in turn for $ROUNDS rounds (default 2), so that all are
 # measured on the same machine in one run. JSON per build and round under $OUT.
