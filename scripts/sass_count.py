@@ -2,8 +2,8 @@
 """SASS instruction counts of the CUDA kernels, without a GPU: compiles the CUDA sources for one
 architecture (build.py's flags), disassembles them with cuobjdump and prints each matching kernel's
 instruction count and its most frequent opcodes, with a split into the integer/logic (ALU) and FMA
-pipes. On Hopper the software E2M1 casts are bound by the ALU pipe, which issues at half the FMA pipe's
-rate, so moving work to FFMA/IMAD shows here before it shows on a GPU (benchmarks/RESULTS.md, s13).
+pipes. On an H200 the software E2M1 casts are bound by the ALU pipe (ncu, benchmarks/RESULTS.md), so
+moving work to the FMA pipe shows here before a GPU run times it; on an H100 they are memory-bound.
 
   python3 scripts/sass_count.py --kernel 'nvfp4_quantize_kernel<1, 0, 1>' [--base HEAD~1] [--arch sm_90]
 
@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 import build  # noqa: E402  (the repository's build script: same flags as the extension)
 
 # Opcodes by pipe (Hopper): the ALU pipe (logic, permute, shift, integer add/compare/min/max, float
-# min/max) issues 16 lanes a cycle per SM sub-partition, the FMA pipe (FFMA, FMUL, FADD, IMAD) 32.
+# min/max) does 16 lanes a cycle per SM sub-partition; the FMA pipe 32 for FFMA/FMUL/FADD and 16 for IMAD
+# (CUDA programming guide throughput table: 64 integer multiply-adds per clock per SM).
 ALU = {"LOP3", "PRMT", "LEA", "IADD3", "VIMNMX", "IMNMX", "FMNMX", "ISETP", "FSETP", "SHF", "SEL", "FSEL", "PLOP3"}
 FMA = {"FFMA", "FMUL", "FADD", "IMAD", "HFMA2"}
 
@@ -49,13 +50,13 @@ def compile_sass(csrc: Path, arch: str) -> str:
         raise SystemExit("nvcc not found")
     flags = [f for f in build._common_flags("_jaxquant_cuda", "Cuda", arch) if f != "-fPIC"]
     flags = [f"-I{csrc}" if f == f"-I{build.CSRC}" else f for f in flags]
-    out = []
+    cuobjdump, out = find_cuobjdump(), []
     with tempfile.TemporaryDirectory() as tmp:
         for source in build.CUDA_SOURCES:
             cubin = Path(tmp) / (source.stem + ".cubin")
             subprocess.run([nvcc, *flags, "-fmad=false", f"-arch={arch}", "-cubin", str(csrc / source.name),
                             "-o", str(cubin)], check=True, capture_output=True)
-            out.append(subprocess.run([find_cuobjdump(), "-sass", str(cubin)], check=True, capture_output=True,
+            out.append(subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                                       text=True).stdout)
     return "\n".join(out)
 

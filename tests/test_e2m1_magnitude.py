@@ -1,13 +1,14 @@
 """The E2M1 rounding of the CUDA cast kernels without hardware FP4 conversion (``e2m1_magnitude_bits``,
 docs/numerics.md §2 rule 6) against ``float_to_e2m1`` for all 2^32 fp32 inputs: on the host, and on a GPU
-as the device compiles it (fused multiply-add and high-half multiply instead of the host's two-step
-arithmetic). The GPU tests also compare the kernels' bytes with the reference."""
+as the device compiles it (a fused multiply-add where the host multiplies, then adds). The GPU tests also
+compare the kernels' bytes with the reference."""
 
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import requires_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,12 +22,8 @@ def test_e2m1_magnitude_bits_equals_float_to_e2m1_for_every_fp32(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("0 mismatches"), run.stdout
 
 
-def _has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None and subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None or not _has_gpu(), reason="needs nvcc and an NVIDIA GPU")
+@requires_gpu
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_device_e2m1_magnitude_bits_equals_float_to_e2m1_for_every_fp32(tmp_path):
     exe = tmp_path / "check_gpu"
     # -arch=native: the GPU this runs on; sm_100a and later use the hardware conversion in the kernels, but
