@@ -128,13 +128,9 @@ def cases(x, stages: bool):
     return out
 
 
-def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bool = False) -> dict:
-    """Per-kernel device time of ``fn(arg)`` on the first GPU from a ``jax.profiler`` trace:
-    ``{line: {event name: (µs per call, launches per call)}}`` for the device plane's "XLA Ops" line
-    (HLO ops) and "Stream ..." lines (kernels and copies); none where there is no device plane (CPU).
-    ``fn`` runs once untraced first (compilation). ``pipelined``: the ``iters`` calls are dispatched
-    back to back and waited for once (else each is waited for); ``host``: also a "host" entry, every
-    host-plane event (dispatch, thunks, launches) summed by name."""
+def _traced_planes(fn, arg, iters: int, pipelined: bool) -> list:
+    """The planes of a ``jax.profiler`` trace of ``iters`` calls of ``fn(arg)`` (after one untraced call:
+    compilation); ``pipelined``: dispatched back to back and waited for once (else each is waited for)."""
     import jax
 
     jax.block_until_ready(fn(arg))
@@ -146,7 +142,21 @@ def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bo
                 for _ in range(iters):
                     jax.block_until_ready(fn(arg))
         files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-        planes = list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else []  # an iterator
+        return list(jax.profiler.ProfileData.from_file(files[0]).planes) if files else []  # an iterator
+
+
+def _gpu0_lines(planes: list) -> list:
+    gpu = [pl for pl in planes if pl.name.startswith("/device:GPU:0")]
+    return list(gpu[0].lines) if gpu else []
+
+
+def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bool = False) -> dict:
+    """Per-kernel device time of ``fn(arg)`` on the first GPU from a ``jax.profiler`` trace:
+    ``{line: {event name: (µs per call, launches per call)}}`` for the device plane's "XLA Ops" line
+    (HLO ops) and "Stream ..." lines (kernels and copies); none where there is no device plane (CPU).
+    ``pipelined`` as in :func:`_traced_planes`; ``host``: also a "host" entry, every
+    host-plane event (dispatch, thunks, launches) summed by name."""
+    planes = _traced_planes(fn, arg, iters, pipelined)
     out = {}
 
     def add(key, events):
@@ -157,13 +167,35 @@ def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bo
         if total:
             out[key] = {name: (us, count[name] / iters) for name, us in total.items()}
 
-    gpu = [pl for pl in planes if pl.name.startswith("/device:GPU:0")]
-    for line in gpu[0].lines if gpu else ():
+    for line in _gpu0_lines(planes):
         if line.name == "XLA Ops" or line.name.startswith("Stream"):
             add(line.name, line.events)
     if host:
         add("host", [ev for pl in planes if pl.name.startswith("/host") for line in pl.lines for ev in line.events])
     return out
+
+
+def stream_timeline(fn, arg, iters: int = 20) -> dict | None:
+    """Where the device time of back-to-back calls goes: ``iters`` pipelined calls of ``fn(arg)``
+    traced, every kernel, memset and device copy of GPU 0's streams in start order. Returns
+    ``span_us`` (first start to last end, per call), ``busy_us`` (event time per call), ``idle_us``
+    (their difference: the stream waiting between events) and ``call`` (one call in the middle:
+    ``(gap before µs, duration µs, name)`` per event), or None without a GPU trace. The events of a
+    call are told apart by count (events ÷ iters), so ``call`` is None when that does not divide."""
+    host = ("MemcpyH2D", "MemcpyD2H")
+    events = sorted((ev.start_ns, ev.end_ns, ev.name) for line in _gpu0_lines(_traced_planes(fn, arg, iters, True))
+                    if line.name.startswith("Stream") for ev in line.events if not ev.name.startswith(host))
+    if not events:
+        return None
+    span = (max(e for _, e, _ in events) - events[0][0]) / 1e3 / iters
+    busy = sum(e - s for s, e, _ in events) / 1e3 / iters
+    call = None
+    if len(events) % iters == 0:
+        per = len(events) // iters
+        first = per * (iters // 2)
+        call = [((s - events[i - 1][1]) / 1e3, (e - s) / 1e3, name)
+                for i, (s, e, name) in enumerate(events[first:first + per], start=first)]
+    return dict(span_us=span, busy_us=busy, idle_us=span - busy, call=call)
 
 
 def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12, **options) -> dict:
@@ -178,6 +210,17 @@ def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12, **option
         for name, (us, n) in sorted(events.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"    {us:9.1f}  x{n:<5g} {name[:90]}")
     return prof
+
+
+def print_timeline(label, fn, arg, iters: int = 20) -> dict | None:
+    """Prints :func:`stream_timeline` (nothing without a GPU trace); returns it."""
+    tl = stream_timeline(fn, arg, iters)
+    if tl:
+        print(f"  timeline {label}: span {tl['span_us']:.1f} µs/call = busy {tl['busy_us']:.1f} + idle "
+              f"{tl['idle_us']:.1f}")
+        for gap, dur, name in tl["call"] or ():
+            print(f"    gap {gap:7.1f}  {dur:8.1f}  {name[:90]}")
+    return tl
 
 
 def gather_summary(prof: dict, received_bytes: float) -> str | None:
@@ -322,6 +365,9 @@ def run(args) -> int:
                     line += f" | {kern * 1e6:8.1f} {kern / dev_floor:8.2f} {xla_kern * 1e6:8.1f} {kern / xla_kern:6.2f}"
                 rows_out.append(row)
                 print(line, flush=True)
+                if args.timeline and gpu:
+                    row["timeline"] = {impl: print_timeline(f"{name} {row['shape']} {dname} {impl}", f, x)
+                                       for impl, f in (("custom_call", custom_fn), ("reference", xla_fn))}
         print(f"{'(copy x+1 fp32)':18s} {size:>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
               f"{bw / 1e9:.0f} GB/s" + (f", kernel {bw_dev / 1e9:.0f} GB/s" if bw_dev else ""))
     group_rows = (group_step_rows(div=1 if gpu else 32, iters=iters, repeats=repeats, ops=args.ops)
@@ -358,6 +404,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="also time the master-weight step on one Llama-3-8B layer against the bf16 cast + "
                              "all-gather, fsdp over every device (ops step_nvfp4, step_nvfp4+T, step_fp8, "
                              "step_fp8+T; default on)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="on a GPU, also print each row's device timeline of back-to-back calls (custom "
+                             "calls and XLA): span per call, busy and idle time, and one call's events with "
+                             "the stream's idle gap before each")
     parser.add_argument("--json", default="jaxquant_bench.json", help="where to write the JSON (default "
                         "jaxquant_bench.json; empty string: none)")
     parser.set_defaults(func=run)
