@@ -70,14 +70,13 @@ ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
   JQ_RETURN_IF_ERROR(check_count(*amax, 1, "amax"));
   JQ_RETURN_IF_ERROR(check_count(*count, 1, "count"));
   const int64_t n = static_cast<int64_t>(x.element_count());
-  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
-  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  zero_stats(stream, amax->untyped_data(), count->typed_data());
   if (n > 0) {
     auto* bits = reinterpret_cast<uint32_t*>(amax->untyped_data());
     with_input_kind(x, round_bf16, [&](auto b, auto r) {
       auto kernel = amax_kernel<decltype(b)::value, decltype(r)::value>;
-      kernel<<<resident_grid(kernel, (n + 4 * kThreads - 1) / (4 * kThreads)), kThreads, 0, stream>>>(
-          x.untyped_data(), n, bits, count->typed_data());
+      launch_after_prior(kernel, dim3(resident_grid(kernel, (n + 4 * kThreads - 1) / (4 * kThreads))), stream,
+                         x.untyped_data(), n, bits, count->typed_data());
     });
   }
   return last_error("amax kernel");

@@ -80,13 +80,31 @@ def copy_bandwidth(numel: int, *, iters: int, repeats: int, device_time: bool = 
 
 
 def device_seconds(fn, arg, iters: int = 5):
-    """Seconds of GPU time per call of ``fn(arg)``: every kernel, memset and device-to-device copy of
-    its streams, from a ``jax.profiler`` trace (no host dispatch, no host transfers); None without a GPU."""
-    prof = kernel_profile(fn, arg, iters)
+    """Seconds of GPU time per call of ``fn(arg)``: the time during which any kernel, memset or
+    device-to-device copy of its streams runs, from a ``jax.profiler`` trace (no host dispatch, no host
+    transfers; each call waited for). A union of intervals, not a sum: a kernel launched while the one
+    before it drains (programmatic dependent launch, as XLA's fusions and jaxquant's casts are) counts
+    the overlap once. None without a GPU."""
+    events = _stream_events(_traced_planes(fn, arg, iters, False))
+    return _covered_ns(events) * 1e-9 / iters if events else None
+
+
+def _stream_events(planes: list) -> list:
+    """(start ns, end ns, name) of every kernel, memset and device copy on GPU 0's streams, in start order."""
     host = ("MemcpyH2D", "MemcpyD2H")   # a stream line's name lists its event kinds, so filter events
-    busy = [us for line, events in prof.items() if line.startswith("Stream")
-            for name, (us, _) in events.items() if not name.startswith(host)]
-    return sum(busy) * 1e-6 if busy else None
+    return sorted((ev.start_ns, ev.end_ns, ev.name) for line in _gpu0_lines(planes) if line.name.startswith("Stream")
+                  for ev in line.events if not ev.name.startswith(host))
+
+
+def _covered_ns(events: list) -> int:
+    """Nanoseconds during which at least one of ``events`` (sorted by start) runs."""
+    busy, end = 0, None
+    for s, e, _ in events:
+        if end is None or s > end:
+            busy, end = busy + e - s, e
+        elif e > end:
+            busy, end = busy + e - end, e
+    return busy
 
 
 def _nvfp4_scale_bytes(rows: int, cols: int) -> int:
@@ -178,17 +196,16 @@ def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bo
 def stream_timeline(fn, arg, iters: int = 20) -> dict | None:
     """Where the device time of back-to-back calls goes: ``iters`` pipelined calls of ``fn(arg)``
     traced, every kernel, memset and device copy of GPU 0's streams in start order. Returns
-    ``span_us`` (first start to last end, per call), ``busy_us`` (event time per call), ``idle_us``
+    ``span_us`` (first start to last end, per call), ``busy_us`` (time during which an event runs, per
+    call), ``idle_us``
     (their difference: the stream waiting between events) and ``call`` (one call in the middle:
     ``(gap before µs, duration µs, name)`` per event), or None without a GPU trace. The events of a
     call are told apart by count (events ÷ iters), so ``call`` is None when that does not divide."""
-    host = ("MemcpyH2D", "MemcpyD2H")
-    events = sorted((ev.start_ns, ev.end_ns, ev.name) for line in _gpu0_lines(_traced_planes(fn, arg, iters, True))
-                    if line.name.startswith("Stream") for ev in line.events if not ev.name.startswith(host))
+    events = _stream_events(_traced_planes(fn, arg, iters, True))
     if not events:
         return None
     span = (max(e for _, e, _ in events) - events[0][0]) / 1e3 / iters
-    busy = sum(e - s for s, e, _ in events) / 1e3 / iters
+    busy = _covered_ns(events) / 1e3 / iters
     call = None
     if len(events) % iters == 0:
         per = len(events) // iters
@@ -264,9 +281,10 @@ def random_master(layout, mesh, axis: str = "fsdp"):
                    out_shardings=master_sharding(mesh, axis))(jax.random.key(0))
 
 
-def group_step_rows(*, div: int, iters: int, repeats: int, ops=None) -> list[dict]:
+def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: bool = False) -> list[dict]:
     """Times the master-weight step against the bf16 cast + all-gather on one Llama-3-8B layer (dims
-    / ``div``), fsdp over every device; prints the table and returns its rows (STEP_FIELDS)."""
+    / ``div``), fsdp over every device; prints the table and returns its rows (STEP_FIELDS).
+    ``timeline``: also each step's device timeline (:func:`print_timeline`, GPU 0)."""
     import jax
     import numpy as np
 
@@ -300,6 +318,8 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None) -> list[dic
         rows.append(dict(op=name, devices=len(devices), params=layout.total_size, us=t * 1e6,
                          bf16_gather_us=base * 1e6, x_bf16_gather=t / base, gathered_mb=mb))
         print(f"{name:18s} {t * 1e6:9.1f} {t / base:14.3f} {mb:12.2f}", flush=True)
+        if timeline:
+            rows[-1]["timeline"] = print_timeline(name, fn, master)
     return rows
 
 
@@ -370,7 +390,8 @@ def run(args) -> int:
                                        for impl, f in (("custom_call", custom_fn), ("reference", xla_fn))}
         print(f"{'(copy x+1 fp32)':18s} {size:>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
               f"{bw / 1e9:.0f} GB/s" + (f", kernel {bw_dev / 1e9:.0f} GB/s" if bw_dev else ""))
-    group_rows = (group_step_rows(div=1 if gpu else 32, iters=iters, repeats=repeats, ops=args.ops)
+    group_rows = (group_step_rows(div=1 if gpu else 32, iters=iters, repeats=repeats, ops=args.ops,
+                                  timeline=args.timeline and gpu)
                   if args.group else [])
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -406,8 +427,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "step_fp8+T; default on)")
     parser.add_argument("--timeline", action="store_true",
                         help="on a GPU, also print each row's device timeline of back-to-back calls (custom "
-                             "calls and XLA): span per call, busy and idle time, and one call's events with "
-                             "the stream's idle gap before each")
+                             "calls and XLA; the master-weight steps): span per call, busy and idle time, and "
+                             "one call's events with the stream's idle gap before each")
     parser.add_argument("--json", default="jaxquant_bench.json", help="where to write the JSON (default "
                         "jaxquant_bench.json; empty string: none)")
     parser.set_defaults(func=run)

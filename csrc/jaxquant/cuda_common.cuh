@@ -74,11 +74,56 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
+// ---- Programmatic dependent launch (sm_90+) ---------------------------------------------------
+//
+// A kernel started by launch_after_prior may be scheduled while the kernel before it in the stream
+// is still running (its launch latency and ramp overlap that kernel's tail). Until it calls
+// wait_for_prior_grid(), which returns once every earlier grid has completed and its writes are
+// visible, it must neither read what earlier work writes nor write what earlier work may still
+// read. Without the launch attribute (an ordinary launch) the wait returns at once.
+__device__ __forceinline__ void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the next kernel (if launched by launch_after_prior) be scheduled before this grid exits.
+__device__ __forceinline__ void allow_dependent_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+template <typename... Params, typename... Args>
+void launch_after_prior(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// Zeroes the amax and count that a statistics pass accumulates into. One tiny kernel, not two
+// memsets: the pass is launched after it with launch_after_prior, so it reads its input while this
+// runs (this kernel is an ordinary launch: the input's producers have completed before it starts)
+// and waits for it only in block_publish.
+__global__ void zero_stats_kernel(uint32_t* amax_bits, int32_t* count) {
+  allow_dependent_launch();
+  *amax_bits = 0;
+  *count = 0;
+}
+
+void zero_stats(cudaStream_t stream, void* amax_bits, int32_t* count) {
+  zero_stats_kernel<<<1, 1, 0, stream>>>(static_cast<uint32_t*>(amax_bits), count);
+}
+
 // Block-wide max/sum, then one atomic each. amax values are >= 0, so their bit patterns order
-// like the floats (inf included) and atomicMax on the bits is a float max.
+// like the floats (inf included) and atomicMax on the bits is a float max. The targets were zeroed
+// by the kernel before this one (zero_stats), which a pass launched by launch_after_prior waits for
+// here, after its reads; the pass lets the cast after it be scheduled from here on.
 __device__ void block_publish(float m, int c, uint32_t* amax_bits, int32_t* count) {
   __shared__ float sm[kThreads / 32];
   __shared__ int sc[kThreads / 32];
+  allow_dependent_launch();
+  wait_for_prior_grid();
   m = warp_max(m);
   c = warp_sum(c);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

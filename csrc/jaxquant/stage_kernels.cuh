@@ -25,6 +25,7 @@ template <bool kBf16, bool kRound>
 __global__ void __launch_bounds__(kThreads) fp8_rows_kernel(const void* __restrict__ x, int64_t n, Fp8Params p,
                                                             bool aligned, uint8_t* __restrict__ out) {
   constexpr int kVec = kBf16 ? 8 : 4, kLoads = 4, kWarpElems = 32 * kLoads * kVec;
+  wait_for_prior_grid();  // launch_after_prior: the amax comes from the kernel before
   const float scale = p.scale();
   const int64_t spans = aligned ? n / kWarpElems : 0;
   const int lane = threadIdx.x % 32;
@@ -68,6 +69,7 @@ __global__ void __launch_bounds__(kThreads) fp8_rows_cols_kernel(const void* __r
   constexpr int kVec = kBf16 ? 8 : 4, kPerRow = kFp8T / kVec, kLoads = kFp8T * kPerRow / kThreads;
   constexpr int kWords = kFp8T / 4 + 1;  // one padding word a row
   __shared__ uint32_t tile[kFp8T][kWords];
+  wait_for_prior_grid();  // launch_after_prior: the amax comes from the kernel before
   const float scale = p.scale();
   // last tile first: see kLastFirst
   const int64_t r0 = int64_t(gridDim.y - 1 - blockIdx.y) * kFp8T, c0 = int64_t(gridDim.x - 1 - blockIdx.x) * kFp8T;
@@ -136,14 +138,14 @@ void launch_fp8_cast(cudaStream_t stream, const void* x, bool bf16, bool round_b
       const bool aligned = in_addr % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
       // n == 0 still launches one block so that scale_inv is written.
       auto kernel = fp8_rows_kernel<kBf16, kRound>;
-      kernel<<<resident_grid(kernel, n / (kThreads * (kBf16 ? 32 : 16)) + 1), kThreads, 0, stream>>>(x, n, p, aligned,
-                                                                                                     out);
+      launch_after_prior(kernel, dim3(resident_grid(kernel, n / (kThreads * (kBf16 ? 32 : 16)) + 1)), stream, x, n, p,
+                         aligned, out);
     } else {
       const bool aligned = in_addr % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(out_t) % 16 == 0 && rows % 16 == 0 && cols % 16 == 0;
       dim3 grid(static_cast<unsigned>(std::max<int64_t>((cols + kFp8T - 1) / kFp8T, 1)),
                 static_cast<unsigned>(std::max<int64_t>((rows + kFp8T - 1) / kFp8T, 1)));
-      fp8_rows_cols_kernel<kBf16, kRound><<<grid, kThreads, 0, stream>>>(x, rows, cols, p, aligned, out, out_t);
+      launch_after_prior(fp8_rows_cols_kernel<kBf16, kRound>, grid, stream, x, rows, cols, p, aligned, out, out_t);
     }
   });
 }
@@ -282,6 +284,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_quantize_kernel(const void* __
                                                                   uint8_t* __restrict__ scale_inv_t) {
   using B = Nvfp4Block<kBf16>;
   constexpr int kVec = B::kVec;
+  wait_for_prior_grid();  // launch_after_prior: tile_amax and amax come from the kernel before
   __shared__ uint8_t s8_tile[4][B::kTileCols];
   // [tile row][padded column]: one spare entry after every kVec columns makes a warp's stores of one
   // q (lanes kVec columns apart) conflict-free, and 4 more a row put the 4 tile rows that the
@@ -370,8 +373,7 @@ ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16
                           ffi::Result<ffi::Buffer<ffi::S32>> count) {
   int64_t rows, cols;
   JQ_RETURN_IF_ERROR(check_nvfp4_stats(x, *tile_amax, *amax, *count, &rows, &cols));
-  cudaMemsetAsync(amax->untyped_data(), 0, sizeof(float), stream);
-  cudaMemsetAsync(count->untyped_data(), 0, sizeof(int32_t), stream);
+  zero_stats(stream, amax->untyped_data(), count->typed_data());
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
   bool launched = false;
@@ -385,9 +387,8 @@ ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16
     if (kBf16)
       grid.y = static_cast<unsigned>(
           std::max<int64_t>(1, std::min<int64_t>(grid.y, resident_grid(kernel, int64_t(grid.y) * grid.x) / grid.x)));
-    kernel<<<grid, kThreads, 0, stream>>>(
-        x.untyped_data(), rows, cols, aligned, tile_amax->typed_data(),
-        reinterpret_cast<uint32_t*>(amax->untyped_data()), count->typed_data());
+    launch_after_prior(kernel, grid, stream, x.untyped_data(), rows, cols, aligned, tile_amax->typed_data(),
+                       reinterpret_cast<uint32_t*>(amax->untyped_data()), count->typed_data());
   });
   if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
   return last_error("nvfp4 stats kernel");
@@ -409,8 +410,8 @@ ffi::Error Nvfp4QuantizeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const
     dim3 grid;
     if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
     auto kernel = dt ? nvfp4_quantize_kernel<kBf16, kRound, true> : nvfp4_quantize_kernel<kBf16, kRound, false>;
-    kernel<<<grid, kThreads, 0, stream>>>(x.untyped_data(), rows, cols, aligned, tile_amax.typed_data(),
-                                          amax.typed_data(), data.typed_data(), scale_inv.typed_data(), dt, st);
+    launch_after_prior(kernel, grid, stream, x.untyped_data(), rows, cols, aligned, tile_amax.typed_data(),
+                       amax.typed_data(), data.typed_data(), scale_inv.typed_data(), dt, st);
   });
   if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
   return last_error("nvfp4 quantize kernel");
