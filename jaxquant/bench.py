@@ -199,8 +199,16 @@ def stream_timeline(fn, arg, iters: int = 20) -> dict | None:
     ``span_us`` (first start to last end, per call), ``busy_us`` (time during which an event runs, per
     call), ``idle_us``
     (their difference: the stream waiting between events) and ``call`` (one call in the middle:
-    ``(gap before µs, duration µs, name)`` per event), or None without a GPU trace. The events of a
+    ``(gap before µs, duration µs, name)`` per event), and ``host_us``, the host's time to dispatch a
+    call, untraced (when it is near the span, the calls are host-bound), or None without a GPU trace. The events of a
     call are told apart by count (events ÷ iters), so ``call`` is None when that does not divide."""
+    import jax
+
+    jax.block_until_ready(fn(arg))
+    t0 = time.perf_counter()
+    outs = [fn(arg) for _ in range(iters)]
+    host = (time.perf_counter() - t0) / iters * 1e6   # untraced: the profiler slows the host down
+    jax.block_until_ready(outs)
     events = _stream_events(_traced_planes(fn, arg, iters, True))
     if not events:
         return None
@@ -212,7 +220,7 @@ def stream_timeline(fn, arg, iters: int = 20) -> dict | None:
         first = per * (iters // 2)
         call = [((s - events[i - 1][1]) / 1e3, (e - s) / 1e3, name)
                 for i, (s, e, name) in enumerate(events[first:first + per], start=first)]
-    return dict(span_us=span, busy_us=busy, idle_us=span - busy, call=call)
+    return dict(span_us=span, busy_us=busy, idle_us=span - busy, host_us=host, call=call)
 
 
 def print_kernel_profile(label, fn, arg, iters: int = 5, top: int = 12, **options) -> dict:
@@ -234,7 +242,7 @@ def print_timeline(label, fn, arg, iters: int = 20) -> dict | None:
     tl = stream_timeline(fn, arg, iters)
     if tl:
         print(f"  timeline {label}: span {tl['span_us']:.1f} µs/call = busy {tl['busy_us']:.1f} + idle "
-              f"{tl['idle_us']:.1f}")
+              f"{tl['idle_us']:.1f}; host dispatch {tl['host_us']:.1f} µs/call")
         for gap, dur, name in tl["call"] or ():
             print(f"    gap {gap:7.1f}  {dur:8.1f}  {name[:90]}")
     return tl
