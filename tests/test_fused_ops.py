@@ -80,6 +80,29 @@ def test_fp8_stats_custom_equals_reference(rng, in_dtype, compute, shape):
         assert_bytes_equal(cus[1], ref[1], f"{name} count")
 
 
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_stats_large_tensor_every_position(rng, in_dtype):
+    """A tensor large enough that every block of the GPU pass reads several rounds (2^24 + 2^20 + 7
+    elements: a partial last round and a scalar tail): the largest value at the first element, the
+    last element of the vectors, the scalar tail and random places is found, and NaN anywhere is
+    counted."""
+    n = 2**24 + 2**20 + 7
+    base = rng.uniform(-1.0, 1.0, n).astype(np.float32)
+    nvec_end = n - n % 4
+    for where in (0, nvec_end - 1, n - 1, *rng.integers(0, n, 3).tolist()):
+        x = base.copy()
+        x[where] = -3.5
+        nan_at = rng.integers(0, n, 5)
+        nan_at = nan_at[nan_at != where]
+        x[nan_at] = np.nan
+        v = jnp.asarray(x).astype(in_dtype)
+        ref = fp8_stats_j(v, compute_dtype=jnp.bfloat16, impl="reference")
+        cus = fp8_stats_j(v, compute_dtype=jnp.bfloat16, impl="custom_call")
+        assert float(ref[0]) == 3.5 and int(ref[1]) == len(set(nan_at.tolist())), where
+        assert_bytes_equal(cus[0], ref[0], f"amax, max at {where}")
+        assert_bytes_equal(cus[1], ref[1], f"count, max at {where}")
+
+
 def test_fp8_stats_bf16_overflow_counts_as_nonfinite():
     """FLT_MAX rounds to inf in bf16: with the bf16 compute dtype it is non-finite and amax is inf."""
     x = jnp.asarray(np.array([[1.0, 3.4028235e38]], np.float32))
