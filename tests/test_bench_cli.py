@@ -71,3 +71,13 @@ def test_gather_summary_sums_all_gather_kernels_over_streams():
     assert line.endswith("52.0 MB received per device: 146 GB/s"), line
     assert bench.gather_summary({"Stream #24(Compute)": {"group_cast_kernel": (221.1, 4.0)}}, 52e6) is None
     assert bench.gather_summary({}, 52e6) is None
+
+
+def test_kernel_time_counts_overlapping_events_once():
+    """Kernel time is the time during which any event runs: a kernel launched while the one before it
+    drains (programmatic dependent launch) overlaps it, and the overlap counts once; gaps count not at all."""
+    events = [(0, 10, "stats"), (5, 12, "cast starts early"), (12, 15, "touching"), (20, 30, "next call"),
+              (25, 26, "nested")]
+    assert bench._covered_ns(events) == 15 + 10
+    assert bench._covered_ns([]) == 0
+    assert bench._covered_ns([(3, 4, "one")]) == 1
