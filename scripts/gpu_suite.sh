@@ -58,7 +58,9 @@ fi
 # Sanitizer: tiny tensors, the platform allocator (so that memcheck sees each buffer's bounds
 # instead of one pool), no autotuning (fewer kernels to instrument), no command buffers.
 if [ "${SANITIZE:-1}" = 1 ]; then
-  san_k=${SANITIZE_K:-"float32-bf16-48x80 or bfloat16-none-48x80 or 65x63 or sweep or float32-bf16-32x48 or bfloat16-none-144x80 or 16x1040"}
+  # the quantize cases take their statistics from the reference; the last two put the statistics
+  # passes (zero kernel, programmatic launch, atomics) under the tools too
+  san_k=${SANITIZE_K:-"float32-bf16-48x80 or bfloat16-none-48x80 or 65x63 or sweep or float32-bf16-32x48 or bfloat16-none-144x80 or 16x1040 or fp8_stats_custom_equals_reference or nvfp4_stats_nonfinite_tiles"}
   for tool in memcheck racecheck; do
     section "compute-sanitizer --tool $tool"
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
