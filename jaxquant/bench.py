@@ -195,13 +195,13 @@ def kernel_profile(fn, arg, iters: int = 5, *, pipelined: bool = False, host: bo
 
 def stream_timeline(fn, arg, iters: int = 20) -> dict | None:
     """Where the device time of back-to-back calls goes: ``iters`` pipelined calls of ``fn(arg)``
-    traced, every kernel, memset and device copy of GPU 0's streams in start order. Returns
-    ``span_us`` (first start to last end, per call), ``busy_us`` (time during which an event runs, per
-    call), ``idle_us``
-    (their difference: the stream waiting between events) and ``call`` (one call in the middle:
-    ``(gap before µs, duration µs, name)`` per event), and ``host_us``, the host's time to dispatch a
-    call, untraced (when it is near the span, the calls are host-bound), or None without a GPU trace. The events of a
-    call are told apart by count (events ÷ iters), so ``call`` is None when that does not divide."""
+    traced, every kernel, memset and device copy of GPU 0's streams in start order. Returns (None
+    without a GPU trace) per call: ``span_us`` (first start to last end), ``busy_us`` (time during
+    which an event runs), ``idle_us`` (their difference: the stream waiting between events),
+    ``host_us`` (the host's time to dispatch a call, untraced: near the span, the calls are
+    host-bound) and ``call``, one call in the middle as ``(gap before µs, duration µs, name)`` per
+    event. A call's events are told apart by count (events ÷ iters): ``call`` is None when that
+    does not divide."""
     import jax
 
     jax.block_until_ready(fn(arg))
