@@ -84,8 +84,8 @@ ffi::Error Fp8StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
       // end, where the cast starts: kLastFirst); measured faster than a resident grid-stride grid.
       constexpr int64_t kRoundElems = amax_round_elements<decltype(b)::value>();
       const int64_t rounds = (n + kRoundElems - 1) / kRoundElems;
-      launch_after_prior(kernel, dim3(static_cast<unsigned>(std::min<int64_t>(std::max<int64_t>(rounds, 1), 0x7FFFFFFF))),
-                         stream, x.untyped_data(), n, bits, count->typed_data());
+      launch_after_prior(kernel, dim3(static_cast<unsigned>(std::min<int64_t>(rounds, 0x7FFFFFFF))), stream,
+                         x.untyped_data(), n, bits, count->typed_data());
     });
   }
   return last_error("amax kernel");

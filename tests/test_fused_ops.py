@@ -88,7 +88,8 @@ def test_fp8_stats_large_tensor_every_position(rng, in_dtype):
     counted."""
     n = 2**24 + 2**20 + 7
     base = rng.uniform(-1.0, 1.0, n).astype(np.float32)
-    nvec_end = n - n % 4
+    vec = 16 // jnp.dtype(in_dtype).itemsize   # elements in the pass's 16-byte vectors
+    nvec_end = n - n % vec
     for where in (0, nvec_end - 1, n - 1, *rng.integers(0, n, 3).tolist()):
         x = base.copy()
         x[where] = -3.5

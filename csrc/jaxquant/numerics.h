@@ -117,9 +117,10 @@ JQ_HD uint8_t float_to_e2m1(float f) {
 // the E2M1 step of the binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so the sum is RNE on the grid (the
 // offset is even: the parity the ties look at is the code's). The sum s has mantissa 2^22 - 298 + k (k:
 // |x| rounded to whole steps of its binade) and exponent field 149 + e, so s + (s >> 22) has
-// 2^22 + k + 2e = 2^22 + code in bits 0-22. On the GPU the M product fuses into the add (it is exact): one FFMA where an integer M took a
-// shift-add and an add (ALU pipe, the cast's busiest) before the float add. Same code as float_to_e2m1 for
-// every fp32 input (tests/test_e2m1_magnitude.py checks all 2^32, on the host and on a GPU); NaN gives 7.
+// 2^22 + k + 2e = 2^22 + code in bits 0-22. On the GPU the M product fuses into the add (it is exact): one
+// FFMA where an integer M took a shift-add and an add (ALU pipe, the cast's busiest) before the float add.
+// Same code as float_to_e2m1 for every fp32 input (tests/test_e2m1_magnitude.py checks all 2^32, on the host
+// and on a GPU); NaN gives 7.
 JQ_HD uint32_t e2m1_magnitude_bits(float x) {
 #if defined(__CUDA_ARCH__)
   const float a = fminf(fabsf(x), 6.0f);  // one min.f32 with an |x| operand; NaN gives 6

@@ -1,5 +1,6 @@
 // Every fp32 input: e2m1_magnitude_bits (the Hopper cast kernels' rounding, csrc/jaxquant/numerics.h) gives
-// the magnitude code of float_to_e2m1 in bits 0-2, zeros in bits 3-21 and a one in bit 22. Exit status 1 on any mismatch.
+// the magnitude code of float_to_e2m1 in bits 0-2, zeros in bits 3-21 and a one in bit 22. Exit status 1 on
+// any mismatch.
 #include <cstdio>
 #include "e2m1_magnitude_check.h"
 int main() {
