@@ -333,8 +333,8 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
                                               check_finite)
         tiles = jax.lax.dynamic_index_in_dim(block, j, keepdims=False)
     scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
-    # The chunk is cast and gathered in pieces: XLA runs each piece's all-gather (its own stream)
-    # while the next piece is cast.
+    # The chunk is cast and gathered in pieces (one by default): XLA can run each piece's all-gather
+    # (its own stream) while the next piece is cast.
     bounds = gather_piece_bounds(plan.size, pieces)
     gathered = [_gather(ops.nvfp4_group_cast(x, r, enc, table=table, num_shards=S,
                                              chunk_lo=[lo + start for lo in plan.lo], chunk_size=size,
@@ -356,11 +356,6 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
                         stages=_split_stages(len(gathered), S, 2), impl=impl), counts
 
 
-# Below this piece size (bytes per shard) the pieces' launches cost more than the overlap saves.
-_MIN_PIECE_BYTES = 4 << 20
-_AUTO_PIECES = 4
-
-
 def _check_gather_pieces(pieces):
     if pieces is None:
         return None
@@ -372,9 +367,10 @@ def _check_gather_pieces(pieces):
 def gather_piece_bounds(size: int, pieces=None) -> tuple:
     """``(start, length)`` of each gather piece of a shard's ``size``-byte chunk (NVFP4 packed bytes,
     FP8 elements): ``pieces`` equal parts (starts multiples of 128, so the casts keep their vector
-    stores), or with None 4 parts when each would hold at least 4 MiB, else 1."""
+    stores); None is one piece: on 2 x H100 one gather beat 2, 4 and 8 pieces for every recipe
+    (docs/decisions.md 27)."""
     if pieces is None:
-        pieces = _AUTO_PIECES if size >= _AUTO_PIECES * _MIN_PIECE_BYTES else 1
+        pieces = 1
     if size == 0:
         return ((0, 0),)
     step = max(128, -(-size // (pieces * 128)) * 128)   # ceil(size / pieces), rounded up to 128
@@ -457,8 +453,9 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
                                       compute_dtype=compute_dtype, impl=impl)
     (amax,), counts = _reduce_stats([amax], counts, layout, axes, check_finite)
     scale, scale_inv = formats.fp8_scale_from_amax(amax, fmax, amax_epsilon, force_pow_2_scales)
-    # Cast and gathered in pieces (each gather overlaps the next cast); the columnwise transpose reads
-    # the pieces where they lie (GatheredSpace), or one assembled buffer past its limits.
+    # Cast and gathered in pieces (one by default; with more, each gather can overlap the next cast);
+    # the columnwise transpose reads the pieces where they lie (GatheredSpace), or one assembled
+    # buffer past its limits.
     bounds = gather_piece_bounds(n, pieces)
     as_u8 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8)
     gathered_u8 = [_gather(as_u8(ops.fp8_group_cast(x, r, scale, table=table, num_shards=S, dtype=dtype,
@@ -564,8 +561,8 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     :func:`post_all_gather_processing` when it suits (e.g. overlapped with the next layer's compute).
     ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (docs/numerics.md §1).
     ``gather_pieces``: cast and all-gather each shard's bytes in this many pieces, so that the gather
-    of one overlaps the cast of the next (None: 4 when each piece holds at least 4 MiB, else 1; FP8
-    with the columnwise transpose in the step: 1); the bytes do not depend on it.
+    of one can overlap the cast of the next (None: 1, which measured fastest on 2 x H100,
+    docs/decisions.md 27); the bytes do not depend on it.
     Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
