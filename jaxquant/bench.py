@@ -331,6 +331,26 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
     return rows
 
 
+# Sources hashed by source_digest(), relative to the checkout root; scripts/gpu_suite.sh runs the same
+# digest in shell (sha1 of the files' contents concatenated in byte-sorted path order).
+SOURCE_SUFFIXES = (".py", ".cc", ".cu", ".cuh", ".h")
+
+
+def source_digest(root: Path | None = None) -> str:
+    """First 12 hex digits of the sha1 of jaxquant's Python and C++/CUDA sources (``jaxquant/``,
+    ``csrc/``) as they lie on disk. It names the measured code where git's HEAD does not: a working
+    tree copied onto a device machine keeps whatever HEAD its ``.git`` had."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parent.parent
+    paths = sorted(str(p.relative_to(root)) for d in ("csrc", "jaxquant") if (root / d).is_dir()
+                   for p in (root / d).rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
+    digest = hashlib.sha1()
+    for path in sorted(paths, key=lambda s: s.encode()):
+        digest.update((root / path).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -403,7 +423,7 @@ def run(args) -> int:
                   if args.group else [])
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  commit=_git_commit(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
+                  commit=_git_commit(), source_digest=source_digest(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
                   dispatch_us=dispatch_us,
                   rows=rows_out, group_step=group_rows)
     if args.json:

@@ -23,7 +23,8 @@ report=$OUT/report.md
 status=0
 section() { printf '\n## %s\n' "$1" | tee -a "$report"; }
 {
-  echo "# jaxquant GPU report ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  # the source digest names the measured code: a working tree copied here may keep a stale git HEAD
+  echo "# jaxquant GPU report ($(date -u +%Y-%m-%dT%H:%MZ), sources $(bash scripts/source_digest.sh), git HEAD here $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   echo '```'
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"

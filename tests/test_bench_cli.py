@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import jax
+import pytest
 
 from jaxquant import bench, cli
 
@@ -16,6 +20,7 @@ def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["backend"] == jax.default_backend() and result["compute_dtype"] == "bfloat16"
+    assert result["source_digest"] == bench.source_digest()
     assert result["copy"][0]["shape"] == "32x64" and result["copy"][0]["copy_gbps"] > 0
     rows = [r for r in result["rows"] if r["dtype"] == "float32"]   # (GPUs also time bfloat16 input)
     assert [r["op"] for r in rows] == ["quantize_fp8", "quantize_fp8+T", "quantize_nvfp4", "quantize_nvfp4+T"]
@@ -81,3 +86,23 @@ def test_kernel_time_counts_overlapping_events_once():
     assert bench._covered_ns(events) == 15 + 10
     assert bench._covered_ns([]) == 0
     assert bench._covered_ns([(3, 4, "one")]) == 1
+
+
+def test_source_digest_matches_the_shell_script_and_follows_the_sources(tmp_path):
+    """scripts/source_digest.sh (in GPU reports) and bench.source_digest() (in the JSON) name the
+    same code; any edit of a source file changes the digest, a non-source file does not."""
+    root = Path(bench.__file__).resolve().parent.parent
+    script = root / "scripts" / "source_digest.sh"
+    if not script.is_file() or shutil.which("sha1sum") is None:
+        pytest.skip("needs a source checkout (scripts/) and sha1sum")
+    shell = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    assert shell == bench.source_digest() and len(shell) == 12
+    (tmp_path / "jaxquant").mkdir()
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "jaxquant" / "a.py").write_text("x = 1\n")
+    (tmp_path / "csrc" / "k.cu").write_text("// kernel\n")
+    before = bench.source_digest(tmp_path)
+    (tmp_path / "jaxquant" / "notes.txt").write_text("not a source")
+    assert bench.source_digest(tmp_path) == before
+    (tmp_path / "csrc" / "k.cu").write_text("// kernel, edited\n")
+    assert bench.source_digest(tmp_path) != before
