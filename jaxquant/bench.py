@@ -250,10 +250,11 @@ def print_timeline(label, fn, arg, iters: int = 20) -> dict | None:
 
 def gather_summary(prof: dict, received_bytes: float) -> str | None:
     """One line on :func:`kernel_profile`'s NCCL all-gather kernels: their time per call summed over
-    every stream, their launches, the NCCL kernel variants (protocol in the name: ``RING_LL``,
-    ``RING_SIMPLE``, ...) and ``received_bytes`` (per device per call) over that time. None where
-    the profile has no all-gather kernel (one device, the CPU). Pieces on two streams may overlap, so
-    the bandwidth is a lower bound."""
+    every stream, their launches, their kernel names and ``received_bytes`` (per device per call)
+    over that time. None where the profile has no all-gather kernel (one device, the CPU). Pieces on
+    two streams may overlap, so the bandwidth is a lower bound. The names do not tell the protocol:
+    NCCL's ring all-gather kernel is named ``..._RING_LL`` whatever protocol it runs (NVIDIA/nccl
+    issue 2196); ``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING`` prints the choice."""
     us, launches, variants = 0.0, 0.0, set()
     for line, events in prof.items():
         if not line.startswith("Stream"):

@@ -9,7 +9,7 @@
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
 # runs under it; DIST=1 runs the multi-GPU distributed
-# benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default "--profile --pieces 1,2,8": per-kernel breakdown and other gather piece counts; DIST_NCCL_PROTOS, e.g. "default Simple", repeats it per NCCL protocol); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
+# benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default "--profile --pieces 1,2,8": per-kernel breakdown and other gather piece counts; DIST_NCCL_PROTOS, e.g. "default Simple", repeats it per NCCL protocol; DIST_NCCL_TUNING=1 logs NCCL's protocol choice); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size, TRAIN_BATCH its sequences per GPU, default "2 8"; TRAIN_DEMO=0
 # skips the demo runs) and benchmarks/bench_dense.py. SKIP_BUILD=1 reuses the
 # extension a previous call built on this (still warm) machine.
@@ -100,12 +100,16 @@ fi
 ngpu=$(nvidia-smi -L | wc -l)
 if [ "${DIST:-0}" = 1 ]; then
   # DIST_NCCL_PROTOS="default Simple" runs it once per NCCL protocol (NCCL_PROTO; "default" leaves NCCL's
-  # choice): NCCL picked its LL ring for the bf16 gather on 2 H200s (s7-1: 218 MB received in 845 µs). The profile's
-  # kernel names (AllGather_RING_LL / _SIMPLE) say which protocol ran.
+  # choice). The profile's kernel names do not tell the protocol (NCCL names its ring all-gather kernel
+  # _RING_LL whatever it runs); DIST_NCCL_TUNING=1 writes NCCL's tuning log (its choice per call size)
+  # to $OUT/nccl_tuning<proto>.log.
   for proto in ${DIST_NCCL_PROTOS:-default}; do
     tag=${proto/default/}
+    tuning=()
+    [ "${DIST_NCCL_TUNING:-0}" = 1 ] && tuning=(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING
+                                            "NCCL_DEBUG_FILE=$OUT/nccl_tuning${tag:+-$tag}.log")
     section "bench_distributed ($ngpu GPUs${tag:+, NCCL_PROTO=$tag})"
-    { echo '```'; env ${tag:+NCCL_PROTO=$tag} timeout "${DIST_TIMEOUT:-240}" python3 benchmarks/bench_distributed.py \
+    { echo '```'; env ${tag:+NCCL_PROTO=$tag} "${tuning[@]}" timeout "${DIST_TIMEOUT:-240}" python3 benchmarks/bench_distributed.py \
         ${DIST_ARGS:---profile --pieces 1,2,8} 2>&1 | tee "$OUT/bench_distributed${tag:+-$tag}.txt"; echo '```'; } | tee -a "$report"
   done
 fi
