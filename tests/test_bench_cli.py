@@ -106,3 +106,27 @@ def test_source_digest_matches_the_shell_script_and_follows_the_sources(tmp_path
     assert bench.source_digest(tmp_path) == before
     (tmp_path / "csrc" / "k.cu").write_text("// kernel, edited\n")
     assert bench.source_digest(tmp_path) != before
+
+
+def test_bench_alternating_times_both_loops_and_names_a_bad_op():
+    """benchmarks/bench_alternating.py (the wall-clock A/B of docs/decisions.md 26) on a tiny tensor:
+    one line per loop with both times and their ratio; an unknown op is refused by name."""
+    import os
+    import sys
+
+    root = Path(bench.__file__).resolve().parent.parent
+    script = root / "benchmarks" / "bench_alternating.py"
+    if not script.is_file():
+        pytest.skip("needs a source checkout (benchmarks/)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    run = lambda *a: subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True, timeout=300,
+                                    env=env)
+    ok = run("fp8_quantize:32x64:float32", "--rounds", "2", "--iters", "1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    lines = [l for l in ok.stdout.splitlines() if l.startswith("fp8_quantize:32x64:float32")]
+    assert [l.split()[1] for l in lines] == ["rebind", "keep"], ok.stdout
+    for line in lines:
+        custom, xla, ratio = (float(line.split()[i]) for i in (3, 6, 9))
+        assert custom > 0 and xla > 0 and abs(ratio - custom / xla) < 0.002 * max(1.0, ratio), line
+    bad = run("no_such_op:32x64:float32")
+    assert bad.returncode != 0 and "unknown op 'no_such_op'" in bad.stderr
