@@ -344,10 +344,10 @@ def source_digest(root: Path | None = None) -> str:
     import hashlib
 
     root = root or Path(__file__).resolve().parent.parent
-    paths = sorted(str(p.relative_to(root)) for d in ("csrc", "jaxquant") if (root / d).is_dir()
-                   for p in (root / d).rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
+    paths = [str(p.relative_to(root)) for d in ("csrc", "jaxquant") if (root / d).is_dir()
+             for p in (root / d).rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES]
     digest = hashlib.sha1()
-    for path in sorted(paths, key=lambda s: s.encode()):
+    for path in sorted(paths, key=str.encode):   # byte order, like `LC_ALL=C sort`
         digest.update((root / path).read_bytes())
     return digest.hexdigest()[:12]
 
@@ -424,8 +424,8 @@ def run(args) -> int:
                   if args.group else [])
     result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  commit=_git_commit(), source_digest=source_digest(), compute_dtype="bfloat16", iters=iters, repeats=repeats, copy=copies,
-                  dispatch_us=dispatch_us,
+                  commit=_git_commit(), source_digest=source_digest(), compute_dtype="bfloat16", iters=iters,
+                  repeats=repeats, copy=copies, dispatch_us=dispatch_us,
                   rows=rows_out, group_step=group_rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
