@@ -10,27 +10,11 @@ Used for the A/B in docs/decisions.md 26 (through scripts/ab_bench.sh's BENCH_CM
 """
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from jaxquant import bench
-
-
-def rebind(fn, x, iters):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(x)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters
-
-
-def keep(fn, x, iters):
-    t0 = time.perf_counter()
-    outs = [fn(x) for _ in range(iters)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t0) / iters
 
 
 def main():
@@ -50,13 +34,13 @@ def main():
         for fn in fns.values():  # compile, then one untimed call
             jax.block_until_ready(fn(x))
             jax.block_until_ready(fn(x))
-        for loop in (rebind, keep):
+        for loop, keep in (("rebind", False), ("keep", True)):
             times = {impl: [] for impl in fns}
             for r in range(args.rounds):
                 for impl in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                    times[impl].append(loop(fns[impl], x, args.iters))
+                    times[impl].append(bench.batch_seconds(fns[impl], x, iters=args.iters, keep=keep))
             custom, xla = (statistics.median(times[i]) * 1e6 for i in ("custom_call", "reference"))
-            print(f"{case:36s} {loop.__name__:7s} custom {custom:8.1f} us  xla {xla:8.1f} us  "
+            print(f"{case:36s} {loop:7s} custom {custom:8.1f} us  xla {xla:8.1f} us  "
                   f"custom/xla {custom / xla:.3f}", flush=True)
 
 

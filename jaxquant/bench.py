@@ -51,20 +51,28 @@ LLAMA3_8B_LAYER = (("q_proj", (4096, 4096)), ("k_proj", (1024, 4096)), ("v_proj"
 DEVICE_FIELDS = ("dev_us", "dev_floor_us", "dev_x_floor", "xla_dev_us", "dev_x_xla")
 
 
+def batch_seconds(fn, *args, iters: int, keep: bool = False) -> float:
+    """Seconds per call of one batch of ``iters`` back-to-back dispatches of ``fn(*args)``, waited
+    for at the end. Each output is freed by the next call, or with ``keep`` all are held until the end."""
+    import jax
+
+    t0 = time.perf_counter()
+    if keep:
+        jax.block_until_ready([fn(*args) for _ in range(iters)])
+    else:
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
 def median_seconds(fn, *args, iters: int, repeats: int) -> float:
     """Median seconds per call over ``repeats`` batches of ``iters`` dispatches, after a warm-up."""
     import jax
 
     jax.block_until_ready(fn(*args))  # compile
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    return statistics.median(batch_seconds(fn, *args, iters=iters) for _ in range(repeats))
 
 
 def copy_bandwidth(numel: int, *, iters: int, repeats: int, device_time: bool = False):
@@ -332,6 +340,8 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
     return rows
 
 
+# The source checkout this module lies in (jaxquant/ and csrc/ below it in an editable install).
+_CHECKOUT = Path(__file__).resolve().parent.parent
 # Sources hashed by source_digest(), relative to the checkout root; scripts/gpu_suite.sh runs the same
 # digest in shell (sha1 of the files' contents concatenated in byte-sorted path order).
 SOURCE_SUFFIXES = (".py", ".cc", ".cu", ".cuh", ".h")
@@ -343,7 +353,7 @@ def source_digest(root: Path | None = None) -> str:
     tree copied onto a device machine keeps whatever HEAD its ``.git`` had."""
     import hashlib
 
-    root = root or Path(__file__).resolve().parent.parent
+    root = root or _CHECKOUT
     paths = [str(p.relative_to(root)) for d in ("csrc", "jaxquant") if (root / d).is_dir()
              for p in (root / d).rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES]
     digest = hashlib.sha1()
@@ -354,8 +364,7 @@ def source_digest(root: Path | None = None) -> str:
 
 def _git_commit() -> str | None:
     try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+        return subprocess.run(["git", "-C", str(_CHECKOUT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None

@@ -356,21 +356,20 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
                         stages=_split_stages(len(gathered), S, 2), impl=impl), counts
 
 
-def _check_gather_pieces(pieces):
+def _check_gather_pieces(pieces) -> int:
+    """``gather_pieces`` as an int; None (automatic) is one piece: on 2 x H100 one gather beat 2, 4
+    and 8 pieces for every recipe (docs/decisions.md 27)."""
     if pieces is None:
-        return None
+        return 1
     if isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer)) or pieces < 1:
         raise ValueError(f"gather_pieces: must be None (automatic) or an int >= 1, got {pieces!r}")
     return int(pieces)
 
 
-def gather_piece_bounds(size: int, pieces=None) -> tuple:
+def gather_piece_bounds(size: int, pieces: int = 1) -> tuple:
     """``(start, length)`` of each gather piece of a shard's ``size``-byte chunk (NVFP4 packed bytes,
     FP8 elements): ``pieces`` equal parts (starts multiples of 128, so the casts keep their vector
-    stores); None is one piece: on 2 x H100 one gather beat 2, 4 and 8 pieces for every recipe
-    (docs/decisions.md 27)."""
-    if pieces is None:
-        pieces = 1
+    stores)."""
     if size == 0:
         return ((0, 0),)
     step = max(128, -(-size // (pieces * 128)) * 128)   # ceil(size / pieces), rounded up to 128

@@ -12,6 +12,8 @@ import pytest
 
 from jaxquant import bench, cli
 
+ROOT = Path(__file__).resolve().parent.parent   # the checkout these tests belong to
+
 
 def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -88,15 +90,13 @@ def test_kernel_time_counts_overlapping_events_once():
     assert bench._covered_ns([(3, 4, "one")]) == 1
 
 
+@pytest.mark.skipif(shutil.which("sha1sum") is None, reason="scripts/source_digest.sh needs sha1sum (coreutils)")
 def test_source_digest_matches_the_shell_script_and_follows_the_sources(tmp_path):
     """scripts/source_digest.sh (in GPU reports) and bench.source_digest() (in the JSON) name the
     same code; any edit of a source file changes the digest, a non-source file does not."""
-    root = Path(bench.__file__).resolve().parent.parent
-    script = root / "scripts" / "source_digest.sh"
-    if not script.is_file() or shutil.which("sha1sum") is None:
-        pytest.skip("needs a source checkout (scripts/) and sha1sum")
+    script = ROOT / "scripts" / "source_digest.sh"
     shell = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True).stdout.strip()
-    assert shell == bench.source_digest() and len(shell) == 12
+    assert shell == bench.source_digest(ROOT) and len(shell) == 12
     (tmp_path / "jaxquant").mkdir()
     (tmp_path / "csrc").mkdir()
     (tmp_path / "jaxquant" / "a.py").write_text("x = 1\n")
@@ -114,11 +114,8 @@ def test_bench_alternating_times_both_loops_and_names_a_bad_op():
     import os
     import sys
 
-    root = Path(bench.__file__).resolve().parent.parent
-    script = root / "benchmarks" / "bench_alternating.py"
-    if not script.is_file():
-        pytest.skip("needs a source checkout (benchmarks/)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    script = ROOT / "benchmarks" / "bench_alternating.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     run = lambda *a: subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True, timeout=300,
                                     env=env)
     ok = run("fp8_quantize:32x64:float32", "--rounds", "2", "--iters", "1")

@@ -383,7 +383,7 @@ def test_gather_piece_bounds():
     assert D.gather_piece_bounds(1000, 3) == ((0, 384), (384, 384), (768, 232))
     assert D.gather_piece_bounds(100, 3) == ((0, 100),)            # pieces of at least 128 bytes
     assert D.gather_piece_bounds(0) == ((0, 0),)
-    assert D.gather_piece_bounds(1 << 30) == ((0, 1 << 30),)                 # automatic: one piece
+    assert D.gather_piece_bounds(1 << 30) == ((0, 1 << 30),)                 # default: one piece
     with pytest.raises(ValueError, match="gather_pieces"):
         D.quantize_master_weights(jnp.zeros(16 * 16), FlatLayout([(16, 16)], 1), mesh=_mesh(1), gather_pieces=0)
 
