@@ -4,7 +4,8 @@
    o 4096x4096, gate/up 14336x4096, down 4096x14336; 218M parameters), fp32 master sharded over
    "fsdp": NVFP4 and FP8, rowwise and rowwise + columnwise (built in the step), against the plain-JAX
    baseline ``all_gather(shard.astype(bf16))`` (issue 7 targets: NVFP4 <= 0.5x, + columnwise <= 0.6x,
-   FP8 <= 0.7x, + columnwise <= 0.8x of the baseline).
+   FP8 <= 0.7x, + columnwise <= 0.8x of the baseline). Each step also with ``split=False`` (it returns
+   the gathered buffers, as the baseline does, and each weight is cut out where it is read).
 2. A group of 300 small tensors whose total is one 8192x8192 tensor against that one tensor, both
    through quantize_master_weights on the same mesh (target: <= 1.25x): the weights returned to Python
    (one buffer per output array: ~900 for 300 tensors); "step in jit": one element of the first
@@ -12,7 +13,8 @@
    else does (the step's own cost); "all read in jit": one element of every output array summed
    inside jit, which adds XLA's cost of a consumer taking ~900 buffers (s11-4 measured 35 µs for 900
    slices of one buffer against ~700 µs pipelined for 900 separate buffers: the consumer's launches,
-   not the step). Each blocked and pipelined.
+   not the step); "split=False returned": the GatheredWeights returned (a few buffers whatever the
+   number of tensors). Each blocked and pipelined.
 
 Times: "blocked" waits for each call (latency: host dispatch and the launch of every custom call
 included); "pipelined" dispatches ``--iters`` calls back to back and waits once (device throughput, as
@@ -72,15 +74,18 @@ def time_fn(fn, arg, iters, warmup=2):
     return statistics.median(times), statistics.median(batches)
 
 
-def step(layout, mesh, recipe, columnwise, impl, consume=False, pieces=None):
+def step(layout, mesh, recipe, columnwise, impl, consume=False, pieces=None, split=True):
     """The jitted step. ``consume``: return one scalar read inside jit instead of the outputs (as a
     training step that uses the weights inside jit does), from every output (True or "all") or from
     the first weight's data only ("first": the step's custom calls still write every result, and
     no consumer of ~900 buffers is added); the difference to the plain step is the host's cost of
-    handing each output buffer back (one per data / scale / amax array)."""
+    handing each output buffer back (one per data / scale / amax array). ``split=False``: the step
+    returns a GatheredWeights (the gathered buffers; each weight cut out where it is read), as the
+    bf16 baseline returns its gathered buffer."""
     def run(x):
         weights = quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, impl=impl, columnwise=columnwise,
-                                          manual_post_all_gather_processing=False, gather_pieces=pieces)
+                                          manual_post_all_gather_processing=False, gather_pieces=pieces,
+                                          split=split)
         if not consume:
             return weights
         leaves = jax.tree.leaves(weights)
@@ -98,6 +103,10 @@ def main():
     ap.add_argument("--skip-group", action="store_true", help="skip the 300-tensor comparison")
     ap.add_argument("--pieces", default="",
                     help="comma-separated gather_pieces values to time besides the automatic choice (e.g. 1,2,8)")
+    ap.add_argument("--recipes", default="nvfp4,fp8", help="comma-separated recipes to time (nvfp4, fp8)")
+    ap.add_argument("--columnwise", default="off,on", help="comma-separated: off (rowwise), on (+ columnwise)")
+    ap.add_argument("--profile-pieces", type=int, default=None,
+                    help="gather_pieces of the profiled steps (default: the automatic choice)")
     ap.add_argument("--profile", action="store_true",
                     help="also print a per-kernel breakdown of each step (jax.profiler trace, GPU only)")
     args = ap.parse_args()
@@ -118,12 +127,16 @@ def main():
     print(f"\n{'step':<26} {'blocked us':>10} {'x bf16':>7} {'pipelined us':>12} {'x bf16':>7} {'gathered MB':>12}")
     print(f"{'bf16 cast + all_gather':<26} {base * 1e6:10.1f} {1.0:7.3f} {base_p * 1e6:12.1f} {1.0:7.3f} "
           f"{2 * layout.total_size / 2**20:12.2f}")
-    for recipe in ("nvfp4", "fp8"):
-        for columnwise in (False, True):
+    recipes = [r for r in args.recipes.split(",") if r]
+    colwise = [{"off": False, "on": True}[c] for c in args.columnwise.split(",") if c]
+    for recipe in recipes:
+        for columnwise in colwise:
             t, tp = time_fn(step(layout, mesh, recipe, columnwise, args.impl), master, args.iters)
             label = recipe + (" + columnwise" if columnwise else "")
             print(f"{label:<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} {tp / base_p:7.3f} "
                   f"{gathered_bytes(layout, recipe) / 2**20:12.2f}")
+            t, tp = time_fn(step(layout, mesh, recipe, columnwise, args.impl, split=False), master, args.iters)
+            print(f"{'  split=False':<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} {tp / base_p:7.3f}")
             for pieces in [int(v) for v in args.pieces.split(",") if v]:
                 t, tp = time_fn(step(layout, mesh, recipe, columnwise, args.impl, pieces=pieces), master, args.iters)
                 print(f"{'  gather_pieces=' + str(pieces):<26} {t * 1e6:10.1f} {t / base:7.3f} {tp * 1e6:12.1f} "
@@ -134,10 +147,13 @@ def main():
                 print("  " + line)
 
         profile("bf16 cast + all_gather", bf16_gather(mesh), 2 * layout.total_size)
-        for recipe in ("nvfp4", "fp8"):
-            for columnwise in (False, True):
-                profile(recipe + (" + columnwise" if columnwise else ""),
-                        step(layout, mesh, recipe, columnwise, args.impl, consume=True), gathered_bytes(layout, recipe))
+        for recipe in recipes:
+            for columnwise in colwise:
+                for split in (True, False):
+                    profile(recipe + (" + columnwise" if columnwise else "") + ("" if split else ", split=False"),
+                            step(layout, mesh, recipe, columnwise, args.impl, consume=True,
+                                 pieces=args.profile_pieces, split=split),
+                            gathered_bytes(layout, recipe))
 
     if args.skip_group:
         return
@@ -145,8 +161,9 @@ def main():
     groups = {"one tensor": [(side, side)], f"{len(many_small_shapes(side))} tensors": many_small_shapes(side)}
     print(f"\n{'group (' + str(side) + '^2 elements)':<22} {'recipe':<6} {'returned':>9} {'x one':>6} | step in jit: "
           f"{'blocked':>8} {'x one':>6} {'pipelined':>9} {'x one':>6} | all read in jit: {'blocked':>8} {'x one':>6} "
-          f"{'pipelined':>9} {'x one':>6}   (µs)")
-    for recipe in ("nvfp4", "fp8"):
+          f"{'pipelined':>9} {'x one':>6} | split=False returned: {'blocked':>8} {'x one':>6} {'pipelined':>9} "
+          f"{'x one':>6}   (µs)")
+    for recipe in recipes:
         first = None
         for label, group_shapes in groups.items():
             lay = FlatLayout(group_shapes, S, align=args.align)
@@ -155,9 +172,11 @@ def main():
             times = [t]
             for consume in ("first", "all"):
                 times += time_fn(step(lay, mesh, recipe, False, args.impl, consume=consume), master_g, args.iters)
+            times += time_fn(step(lay, mesh, recipe, False, args.impl, split=False), master_g, args.iters)
             first = first or times
-            cells = [f"{v * 1e6:{w}.1f} {v / f:6.3f}" for v, f, w in zip(times, first, (9, 8, 9, 8, 9))]
-            print(f"{label:<22} {recipe:<6} {cells[0]} | {'':12} {cells[1]} {cells[2]} | {'':16} {cells[3]} {cells[4]}")
+            cells = [f"{v * 1e6:{w}.1f} {v / f:6.3f}" for v, f, w in zip(times, first, (9, 8, 9, 8, 9, 8, 9))]
+            print(f"{label:<22} {recipe:<6} {cells[0]} | {'':12} {cells[1]} {cells[2]} | {'':16} {cells[3]} {cells[4]}"
+                  f" | split=False returned: {cells[5]} {cells[6]}")
             if args.profile:
                 print_kernel_profile(f"{label}, {recipe}, step in jit", step(lay, mesh, recipe, False, args.impl,
                                                                               consume="first"), master_g, top=8)

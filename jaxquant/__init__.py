@@ -18,6 +18,7 @@ from jaxquant.distributed import (
     quantize_master_weights,
     quantize_master_weights_local,
 )
+from jaxquant.group_split import GatheredWeights
 from jaxquant.layout import FlatLayout
 from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
@@ -34,6 +35,7 @@ __all__ = [
     "fp8_columnwise",
     "nvfp4_columnwise",
     "FlatLayout",
+    "GatheredWeights",
     "quantize_master_weights",
     "quantize_master_weights_local",
     "post_all_gather_processing",

@@ -308,8 +308,10 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
     from jaxquant.distributed import gathered_bytes, quantize_master_weights
     from jaxquant.layout import FlatLayout
 
-    steps = [(f"step_{recipe}" + ("+T" if columnwise else ""), recipe, columnwise)
-             for recipe in ("nvfp4", "fp8") for columnwise in (False, True)]
+    # "-gathered": split=False, the step returns the gathered buffers (as the baseline does) and each
+    # weight is cut out where it is read
+    steps = [(f"step_{recipe}" + ("+T" if columnwise else "") + ("" if split else "-gathered"), recipe, columnwise, split)
+             for recipe in ("nvfp4", "fp8") for columnwise in (False, True) for split in (True, False)]
     steps = [s for s in steps if not ops or any(fnmatch.fnmatchcase(s[0], pat) for pat in ops.split(","))]
     if not steps:
         return []
@@ -324,17 +326,17 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
     if len(devices) == 1:
         print("(one device: nothing is gathered, so the baseline is the bf16 cast alone and the step has no "
               "bytes to save; its targets are for 2+ devices)")
-    print(f"{'op':18s} {'us':>9s} {'x bf16 gather':>14s} {'gathered MB':>12s}")
-    print(f"{'bf16 cast+gather':18s} {base * 1e6:9.1f} {1.0:14.3f} {2 * layout.total_size / 2**20:12.2f}")
+    print(f"{'op':22s} {'us':>9s} {'x bf16 gather':>14s} {'gathered MB':>12s}")
+    print(f"{'bf16 cast+gather':22s} {base * 1e6:9.1f} {1.0:14.3f} {2 * layout.total_size / 2**20:12.2f}")
     rows = []
-    for name, recipe, columnwise in steps:
-        fn = jax.jit(lambda x, r=recipe, c=columnwise: quantize_master_weights(
-            x, layout, mesh=mesh, recipe=r, columnwise=c, manual_post_all_gather_processing=False))
+    for name, recipe, columnwise, split in steps:
+        fn = jax.jit(lambda x, r=recipe, c=columnwise, sp=split: quantize_master_weights(
+            x, layout, mesh=mesh, recipe=r, columnwise=c, manual_post_all_gather_processing=False, split=sp))
         t = median_seconds(fn, master, iters=iters, repeats=repeats)
         mb = gathered_bytes(layout, recipe) / 2**20
         rows.append(dict(op=name, devices=len(devices), params=layout.total_size, us=t * 1e6,
                          bf16_gather_us=base * 1e6, x_bf16_gather=t / base, gathered_mb=mb))
-        print(f"{name:18s} {t * 1e6:9.1f} {t / base:14.3f} {mb:12.2f}", flush=True)
+        print(f"{name:22s} {t * 1e6:9.1f} {t / base:14.3f} {mb:12.2f}", flush=True)
         if timeline:
             rows[-1]["timeline"] = print_timeline(name, fn, master)
     return rows
@@ -462,7 +464,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the master-weight step on one Llama-3-8B layer against the bf16 cast + "
                              "all-gather, fsdp over every device (ops step_nvfp4, step_nvfp4+T, step_fp8, "
-                             "step_fp8+T; default on)")
+                             "step_fp8+T, each also -gathered: split=False; default on)")
     parser.add_argument("--timeline", action="store_true",
                         help="on a GPU, also print each row's device timeline of back-to-back calls (custom "
                              "calls and XLA; the master-weight steps): span per call, busy and idle time, and "

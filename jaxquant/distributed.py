@@ -232,7 +232,8 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
                                   recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
                                   manual_post_all_gather_processing: bool = True, check_finite: bool = False,
                                   fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
-                                  force_pow_2_scales: bool = False, gather_pieces=None, impl: str = "auto"):
+                                  force_pow_2_scales: bool = False, gather_pieces=None, split: bool = True,
+                                  impl: str = "auto"):
     """The per-device body of :func:`quantize_master_weights`, for use inside your own ``shard_map``.
 
     ``shard``: this device's ``[layout.shard_size]`` slice of its (TP rank's) flat master buffer
@@ -252,16 +253,19 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     if size != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has {size} devices")
     _check_tp(layout, tp_axis, _axis_size)
+    _check_split(split, tp_axis)
     cd = None if compute_dtype is None else jnp.dtype(compute_dtype)   # rounded inside the grouped ops
     build_columnwise = columnwise and not manual_post_all_gather_processing
     mesh_axes = _MeshAxes(axis, tp_axis, layout.tp_size)
     if layout.num_params == 0:
-        weights, counts = [], jnp.zeros(_counts_shape(layout, tp_axis), jnp.int32)
+        weights = [] if split else group_split.GatheredWeights(sources=(), recipe=recipe)
+        counts = jnp.zeros(_counts_shape(layout, tp_axis), jnp.int32)
     elif recipe == "nvfp4":
-        weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, pieces, impl)
+        weights, counts = _nvfp4_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, pieces, split,
+                                        impl)
     else:
         weights, counts = _fp8_local(shard, cd, layout, mesh_axes, check_finite, build_columnwise, jnp.dtype(fp8_dtype),
-                                     float(amax_epsilon), bool(force_pow_2_scales), pieces, impl)
+                                     float(amax_epsilon), bool(force_pow_2_scales), pieces, split, impl)
     if not check_finite:
         return weights
     return weights, NonFiniteReport(counts=counts, names=layout.names)
@@ -317,7 +321,7 @@ def _gather(chunk, axis):
     return jax.lax.all_gather(chunk, axis, tiled=True, to="invarying")
 
 
-def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, pieces, impl):
+def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, pieces, split, impl):
     S = layout.num_shards
     table = layout_group_table(layout, True)
     rows = gtable.rows_of(table)
@@ -346,14 +350,22 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
         data_t = scale_inv_t = None
         if build_columnwise:
             data_t, scale_inv_t = ops.nvfp4_group_columnwise(data, scale_inv, table=table, impl=impl)
-        return _split_nvfp4(rows, [data], scale_inv, amax, data_t, scale_inv_t, impl=impl), counts
+        return _split_nvfp4(rows, [data], scale_inv, amax, data_t, scale_inv_t, split=split, impl=impl), counts
     # Each weight's bytes (and the transpose's input) straight from the gathered pieces: no assembled
     # copy of the space, and one split call a piece, each waiting only for its own piece's gather.
     data_t = scale_inv_t = None
     if build_columnwise:
         data_t, scale_inv_t = ops.nvfp4_group_columnwise(gathered, scale_inv, table=table, space=space, impl=impl)
     return _split_nvfp4(rows, gathered, scale_inv, amax, data_t, scale_inv_t, plan=plan, bounds=bounds,
-                        stages=_split_stages(len(gathered), S, 2), impl=impl), counts
+                        stages=_split_stages(len(gathered), S, 2), split=split, impl=impl), counts
+
+
+def _check_split(split, tp_axis):
+    if not isinstance(split, (bool, np.bool_)):
+        raise TypeError(f"split: must be a bool, got {type(split).__name__}")
+    if not split and tp_axis is not None:
+        raise ValueError("split: False (GatheredWeights) is for 1-D meshes; with tp_axis the weights are split "
+                         "(pass split=True)")
 
 
 def _check_gather_pieces(pieces) -> int:
@@ -418,32 +430,37 @@ def _split_stages(num_pieces: int, num_shards: int, num_other: int):
 
 
 def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
-                 stages=None, impl="auto"):
+                 stages=None, split=True, impl="auto"):
     """Per-parameter tensors from the group's packed vectors, one ``group_split`` call (or one per
     gather piece, ``stages``). ``data``: a list holding the param-byte space, or with ``plan`` the
     gathered pieces (``bounds``) that hold it. ``data_t`` / ``scale_inv_t``: the per-parameter
     columnwise arrays (``ops.nvfp4_group_columnwise``), or None."""
     k = len(data)
     shards = None if plan is None else tuple(zip(plan.lo, plan.length))
-    sources = list(data) + [scale_inv, amax]
-    pieces = []
+    results = []
     for p, row in enumerate(rows):
         m, c = row.rows, row.cols
         sr, sc = formats.nvfp4_scale_shape(m, c)
-        pieces += [((m, c // 2), _space_segments(0, row.byte_base, m * c // 2, shards, bounds)),
-                   ((sr, sc), ((k, row.scale_base, sr * sc),)),
-                   ((1,), ((k + 1, p, 1),))]
-    arrays = group_split.split(sources, pieces, stage_of_source=stages, impl=impl)
-    out = []
-    for p, row in enumerate(rows):
-        a = arrays[3 * p:3 * (p + 1)]
-        out.append(NVFP4Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=None if data_t is None else data_t[p],
-                               scale_inv_t=None if scale_inv_t is None else scale_inv_t[p], shape=(row.rows, row.cols)))
-    return out
+        results.append((((m, c // 2), _space_segments(0, row.byte_base, m * c // 2, shards, bounds)),
+                        ((sr, sc), ((k, row.scale_base, sr * sc),)),
+                        ((1,), ((k + 1, p, 1),))))
+    return _per_parameter("nvfp4", list(data) + [scale_inv, amax], results, [(row.rows, row.cols) for row in rows],
+                          data_t, scale_inv_t, split, stages, impl)
+
+
+def _per_parameter(recipe, sources, results, shapes, data_t, scale_inv_t, split, stages, impl):
+    """The weights from the group's packed vectors: a ``GatheredWeights`` (``split`` False: each weight
+    cut out where it is read), or the list of weights written by ``group_split`` (one call, or one per
+    gather piece with ``stages``)."""
+    weights = group_split.GatheredWeights(
+        sources=tuple(sources), data_t=None if data_t is None else tuple(data_t),
+        scale_inv_t=None if scale_inv_t is None else tuple(scale_inv_t), recipe=recipe, results=tuple(results),
+        shapes=tuple(tuple(int(d) for d in s) for s in shapes))
+    return weights.materialize(stage_of_source=stages, impl=impl) if split else weights
 
 
 def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_columnwise, dtype, amax_epsilon,
-               force_pow_2_scales, pieces, impl):
+               force_pow_2_scales, pieces, split, impl):
     S, n = layout.num_shards, layout.shard_size
     fmax = formats.fp8_max(dtype)
     table = layout_group_table(layout, False)
@@ -471,14 +488,11 @@ def _fp8_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_co
             ts = ops.fp8_group_transpose(space.assemble(gathered_u8), table=table, dtype=dtype, impl=impl)
         data_t = [t.reshape(tuple(shape)[::-1]) for t, shape in zip(ts, layout.local_shapes)]
     k = len(gathered)
-    sources = gathered + [scale_inv, amax]
     shards = None if k == 1 else tuple((r * n, n) for r in range(S))   # one piece: the flat buffer itself
-    split_pieces = []
-    for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes)):
-        split_pieces += [(shape, _space_segments(0, o, numel, shards, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),))]
-    arrays = group_split.split(sources, split_pieces, stage_of_source=_split_stages(k, S, 2), impl=impl)
-    weights = [Float8Tensor(data=a[0], scale_inv=a[1], amax=a[2], data_t=t)
-               for a, t in zip((arrays[3 * p:3 * (p + 1)] for p in range(layout.num_params)), data_t)]
+    results = [((shape, _space_segments(0, o, numel, shards, bounds)), ((), ((k, p, 1),)), ((), ((k + 1, p, 1),)))
+               for p, (o, numel, shape) in enumerate(zip(layout.param_offsets, layout.numels, layout.local_shapes))]
+    weights = _per_parameter("fp8", gathered + [scale_inv, amax], results, layout.local_shapes,
+                             data_t if build_columnwise else None, None, split, _split_stages(k, S, 2), impl)
     return weights, counts
 
 
@@ -511,7 +525,7 @@ def _build(layout, mesh, axis, tp_axis, options):
     opts = dict(options)
     body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, tp_axis=tp_axis, **opts)
     specs = weight_partition_specs(layout, opts["recipe"], opts["columnwise"] and not opts["manual_post_all_gather_processing"],
-                          tp_axis)
+                          tp_axis) if opts["split"] else P()   # GatheredWeights: every leaf replicated
     out_specs = (specs, NonFiniteReport(counts=P(), names=layout.names)) if opts["check_finite"] else specs
     in_spec = P(axis) if tp_axis is None else P(tp_axis, axis)
     # 1-D: the results are replicated over ``axis`` (pmax / all_gather), which check_vma verifies.
@@ -538,7 +552,8 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                             recipe: str = "nvfp4", compute_dtype=jnp.bfloat16, columnwise: bool = False,
                             manual_post_all_gather_processing: bool = True, check_finite: bool = False,
                             fp8_dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
-                            force_pow_2_scales: bool = False, gather_pieces=None, impl: str = "auto"):
+                            force_pow_2_scales: bool = False, gather_pieces=None, split: bool = True,
+                            impl: str = "auto"):
     """Quantize a ZeRO-sharded flat fp32 master buffer into full (gathered) FP8 / NVFP4 weights.
 
     ``master_flat``: global ``[layout.total_size]`` array sharded ``P(axis)`` on ``mesh`` (replicated
@@ -562,6 +577,11 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ``gather_pieces``: cast and all-gather each shard's bytes in this many pieces, so that the gather
     of one can overlap the cast of the next (None: 1, which measured fastest on 2 x H100,
     docs/decisions.md 27); the bytes do not depend on it.
+    ``split=False`` (1-D meshes, no ``tp_axis``): return a :class:`jaxquant.GatheredWeights` instead of
+    the list: the gathered bytes, with each weight cut out where it is read (``weights[i]``,
+    ``weights.tensors()``; the same bytes). Inside the ``jit`` that consumes the weights this skips the
+    split pass over every weight's bytes (XLA fuses the slices into the readers), as a bf16 gather
+    whose caller slices its weights out of the gathered buffer pays none (docs/distributed.md).
     Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
@@ -578,6 +598,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has "
                          f"{mesh.shape[axis]} devices")
     _check_tp(layout, tp_axis, lambda a: mesh.shape[a])
+    _check_split(split, tp_axis)
     if layout.tp_dims is None:
         _check_flat("master_flat", master_flat, (layout.total_size,), "layout.total_size = num_shards * shard_size")
     else:
@@ -591,7 +612,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                ("manual_post_all_gather_processing", bool(manual_post_all_gather_processing)),
                ("check_finite", bool(check_finite)), ("fp8_dtype", jnp.dtype(fp8_dtype)),
                ("amax_epsilon", float(amax_epsilon)), ("force_pow_2_scales", bool(force_pow_2_scales)),
-               ("gather_pieces", pieces), ("impl", impl))
+               ("gather_pieces", pieces), ("split", bool(split)), ("impl", impl))
     return _build(layout, mesh, axis, tp_axis, options)(master_flat)
 
 

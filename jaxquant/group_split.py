@@ -1,13 +1,16 @@
-"""Per-parameter arrays cut out of a group's packed arrays in one custom call.
+"""Per-parameter arrays cut out of a group's packed arrays: in one custom call, or deferred.
 
 The grouped ops produce every parameter's bytes in a few packed vectors; the caller wants one
 array per parameter. Slicing them in JAX costs one XLA copy kernel per result (three per NVFP4
 parameter), which dominates a step over hundreds of small parameters; ``split`` writes every
 result in one call (on GPU one launch per 1,000 copy segments, docs/distributed.md).
+``GatheredWeights`` holds the packed vectors and cuts a parameter out only when it is read, so that
+inside the consumer's ``jit`` the slices fuse into whatever reads them and no split pass runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -15,6 +18,72 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _ffi, ops, reference
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+
+
+def take(sources, shape, segments) -> jax.Array:
+    """One result of a split: its ``segments`` (source, first element, count) of the flattened
+    ``sources`` laid end to end, reshaped to ``shape`` (static slices and at most one concatenate)."""
+    parts = [sources[src].reshape(-1)[first:first + count] for src, first, count in segments]
+    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatheredWeights:
+    """A group's quantized weights as the all-gather left them: the gathered buffers plus the packed
+    scales and amaxes, with the per-parameter split deferred to the reader.
+
+    ``quantize_master_weights(..., split=False)`` returns it. ``weights[i]`` (or ``.tensors()``) cuts
+    parameter ``i``'s ``NVFP4Tensor`` / ``Float8Tensor`` out with static slices, bit-identical to the
+    split result. Read inside the ``jit`` that consumes the weights, XLA fuses those slices into the
+    consumers (an NVFP4 dequantize reads the gathered bytes in place; a GEMM operand gets a copy of
+    just its weight), instead of one split pass over every weight's bytes before anything runs: the
+    same footing as a plain bf16 gather whose caller slices ``layout.unflatten``-style. Read outside
+    ``jit``, each access copies.
+
+    ``sources``: the arrays the weights are cut from; ``data_t`` / ``scale_inv_t``: per-parameter
+    columnwise arrays (already one per weight) or None. Static: ``recipe`` ("nvfp4" / "fp8"),
+    ``results`` (per parameter, the ``(shape, segments)`` of its data, scale_inv and amax, as
+    ``split`` takes them), ``shapes`` (each weight's logical shape).
+    """
+
+    sources: tuple
+    data_t: tuple | None = None
+    scale_inv_t: tuple | None = None
+    recipe: str = dataclasses.field(default="nvfp4", metadata=dict(static=True))
+    results: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    shapes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, p: int):
+        if not -len(self) <= p < len(self):
+            raise IndexError(f"p: parameter {p} of a group of {len(self)}")
+        p %= len(self)
+        return self.tensor(p, [take(self.sources, shape, segments) for shape, segments in self.results[p]])
+
+    def tensors(self) -> list:
+        """Every weight, in the layout's order (what ``split=True`` returns)."""
+        return [self[p] for p in range(len(self))]
+
+    def tensor(self, p: int, arrays):
+        """Weight ``p`` from its three cut arrays (data, scale_inv, amax)."""
+        data, scale_inv, amax = arrays
+        data_t = None if self.data_t is None else self.data_t[p]
+        if self.recipe == "nvfp4":
+            return NVFP4Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t,
+                               scale_inv_t=None if self.scale_inv_t is None else self.scale_inv_t[p],
+                               shape=tuple(self.shapes[p]))
+        return Float8Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t)
+
+    def materialize(self, *, stage_of_source=None, impl: str = "auto") -> list:
+        """Every weight as its own arrays, written by one ``split`` custom call (or one per stage)."""
+        pieces = [result for per_param in self.results for result in per_param]
+        arrays = split(self.sources, pieces, stage_of_source=stage_of_source, impl=impl)
+        return [self.tensor(p, arrays[3 * p:3 * p + 3]) for p in range(len(self))]
+
 def split(sources, pieces, *, stage_of_source=None, impl: str = "auto") -> list:
     """Per-parameter arrays cut from a group's packed arrays, all in one call (one launch on GPU
     instead of one XLA copy per result, whatever the number of parameters).

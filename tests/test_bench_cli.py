@@ -40,7 +40,8 @@ def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     assert rows[0]["bytes"] == 2 * n * 4 + n and rows[1]["bytes"] == 2 * n * 4 + 2 * n
     # the master-weight step on the Llama-3-8B layer (dims / 32 off the GPU) against the bf16 gather
     steps = result["group_step"]
-    assert [r["op"] for r in steps] == ["step_nvfp4", "step_nvfp4+T", "step_fp8", "step_fp8+T"]
+    assert [r["op"] for r in steps] == ["step_nvfp4", "step_nvfp4-gathered", "step_nvfp4+T", "step_nvfp4+T-gathered",
+                                          "step_fp8", "step_fp8-gathered", "step_fp8+T", "step_fp8+T-gathered"]
     params = sum(m * k for _, (m, k) in bench.LLAMA3_8B_LAYER) // (1 if jax.default_backend() == "gpu" else 32 * 32)
     for row in steps:
         assert set(bench.STEP_FIELDS) <= set(row), row
@@ -48,7 +49,7 @@ def test_bench_cli_writes_table_and_json(tmp_path, capsys):
         assert abs(row["x_bf16_gather"] - row["us"] / row["bf16_gather_us"]) < 1e-6 * row["x_bf16_gather"]
         assert f"{row['op']:18s}" in printed
     # NVFP4 gathers half a byte per weight plus its scales, FP8 one byte: a quarter / half of bf16's bytes
-    assert steps[0]["gathered_mb"] < steps[2]["gathered_mb"] < 2 * params / 2**20
+    assert steps[0]["gathered_mb"] == steps[1]["gathered_mb"] < steps[4]["gathered_mb"] < 2 * params / 2**20
 
 
 def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
@@ -61,7 +62,8 @@ def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
     assert cli.main(["bench", "--sizes", "32x64", "--iters", "1", "--repeats", "1", "--dtypes", "float32",
                      "--no-device-time", "--ops", "step_fp8*", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["rows"] == [] and [r["op"] for r in result["group_step"]] == ["step_fp8", "step_fp8+T"]
+    assert result["rows"] == [] and [r["op"] for r in result["group_step"]] == ["step_fp8", "step_fp8-gathered", "step_fp8+T",
+                                                                          "step_fp8+T-gathered"]
 
 
 def test_gather_summary_sums_all_gather_kernels_over_streams():

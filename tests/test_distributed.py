@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import distributed as D, ops
+from jaxquant.group_split import GatheredWeights
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
@@ -652,3 +653,71 @@ def test_custom_call_count_independent_of_parameter_count(recipe):
     assert calls[7] == calls[300] == want, calls
     # No per-parameter slice / copy kernels either: the weights come out of the one split call.
     assert kernels[7] == kernels[300], kernels
+
+
+# ----------------------------------------------------------------------------------------------
+# split=False: GatheredWeights (each weight cut out where it is read)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("kind,S,pieces", [("align1", 4, 1), ("odd", 3, 3), ("te", 8, 3), ("align1", 1, 1)])
+def test_split_false_same_bytes_without_a_split_pass(kind, S, pieces, recipe):
+    """split=False returns a GatheredWeights whose weights, cut out inside jit (and outside), are the
+    single-tensor bytes, rowwise and columnwise, for odd boundaries and gather pieces; the step
+    itself has no split call and hands back only the gathered buffers and packed vectors."""
+    rng = np.random.default_rng(40 + S)
+    shapes = [(64, 96), (32, 80), (48, 64), (16, 160)]
+    layout = _layout(kind, shapes, S, rng)
+    ws = _weights(rng, shapes)
+    mesh = _mesh(S)
+    flat = _put(layout, ws, mesh)
+    for columnwise in (False, True):
+        f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=columnwise,
+                                                        manual_post_all_gather_processing=False,
+                                                        gather_pieces=pieces, split=False, impl=IMPL))
+        gathered = f(flat)
+        assert isinstance(gathered, GatheredWeights) and len(gathered) == len(ws)
+        assert _jaxquant_split_calls(f.lower(flat).as_text()) == 0
+        per_weight = 2 if recipe == "nvfp4" else 1    # columnwise arrays: one per weight, built in the step
+        assert len(jax.tree.leaves(gathered)) == len(gathered.sources) + (per_weight * len(ws) if columnwise else 0)
+        cut = jax.jit(lambda g: g.tensors())(gathered)
+        for q, w in zip(cut, ws):
+            _assert_same(q, _reference(w, recipe, columnwise=columnwise))
+        _assert_same(gathered[-1], _reference(ws[-1], recipe, columnwise=columnwise))   # outside jit
+    with pytest.raises(IndexError, match="parameter 4 of a group of 4"):
+        gathered[4]
+
+
+def test_split_false_buffers_do_not_grow_with_parameters_and_check_finite():
+    """The GatheredWeights of 7 and of 300 parameters hold the same number of arrays (the split is
+    what hands back one array per result); check_finite still returns the report."""
+    mesh = _mesh(4)
+    counts = {}
+    for n in (7, 300):
+        shapes = [(16, 16 * (1 + p % 3)) for p in range(n)]
+        layout = FlatLayout(shapes, 4)
+        flat = jax.ShapeDtypeStruct((layout.total_size,), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+        out = jax.eval_shape(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, split=False, check_finite=True,
+                                                                 impl=IMPL), flat)
+        gathered, report = out
+        assert isinstance(gathered, GatheredWeights) and isinstance(report, D.NonFiniteReport) and len(gathered) == n
+        counts[n] = len(jax.tree.leaves(gathered))
+    assert counts[7] == counts[300], counts
+
+
+def test_split_false_errors_and_per_device_form():
+    layout = FlatLayout([(32, 32), (16, 48)], 4)
+    mesh = _mesh(4)
+    ws = _weights(np.random.default_rng(3), [(32, 32), (16, 48)])
+    flat = _put(layout, ws, mesh)
+    with pytest.raises(TypeError, match="split: must be a bool"):
+        D.quantize_master_weights(flat, layout, mesh=mesh, split="no")
+    tp_layout = FlatLayout([(32, 32)], 2, tp_size=2, tp_dims=[0])
+    with pytest.raises(ValueError, match="split: False .* 1-D meshes"):
+        D.quantize_master_weights(jnp.zeros((2, tp_layout.total_size)), tp_layout, mesh=_mesh(2, 2), tp_axis="tp",
+                                  split=False)
+    body = functools.partial(D.quantize_master_weights_local, layout=layout, recipe="fp8", split=False, impl=IMPL)
+    gathered = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P()))(flat)
+    for q, w in zip(gathered.tensors(), ws):
+        _assert_same(q, _reference(w, "fp8"))
