@@ -19,6 +19,8 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
     assert ns["q4"].data.shape == (4096, 512) and ns["q4"].scale_inv.shape == (4096, 64)
     assert ns["w_hat"].dtype == np.dtype("bfloat16")
     assert ns["weights"][0].data_t is not None
+    np.testing.assert_array_equal(np.asarray(ns["rows"][0]),                 # split=False: same weights
+                                  np.asarray(ns["weights"][0].dequantize(ns["jnp"].bfloat16)[0]))
     np.testing.assert_array_equal(np.asarray(ns["weights"][0].data), np.asarray(ns["q4"].data))
     w2 = ns["weights2"]                                 # FSDP x TP: aligned splits equal whole-tensor bytes
     np.testing.assert_array_equal(np.asarray(w2[0].data), np.asarray(ns["weights"][0].data))
