@@ -345,11 +345,11 @@ class TrainStep:
                                              tiled=True, to="invarying"),
                 mesh=self.mesh, in_specs=P(self.fsdp_axis), out_specs=P())
             return layout.unflatten(gather(master_mat))
-        # split=False: each weight is cut out of the gathered bytes where the step reads it, so XLA
-        # fuses those slices into the readers instead of running a split pass (docs/distributed.md)
+        # split=True (not split=False, whose slices XLA fuses into the GEMMs): on 2 x H100 that changed
+        # the GEMM fusions the step's strategies agree on, and the step was no faster (decisions 28)
         return quantize_master_weights(master_mat, layout, mesh=self.mesh, axis=self.fsdp_axis, recipe=cw,
                                        compute_dtype=COMPUTE_DTYPE, columnwise=True,
-                                       manual_post_all_gather_processing=False, split=False).tensors()
+                                       manual_post_all_gather_processing=False)
 
     def _gather_tp_weights(self, master_mat, plan):
         """FSDP x TP: gathered over ``fsdp_axis`` only. ``no_shard`` masters are replicated over FSDP: the

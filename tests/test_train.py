@@ -5,7 +5,6 @@ The strategy x compute-weights equivalence matrix is in tests/test_train_strateg
 single-device reference used there live here.
 """
 
-import os
 import re
 
 import jax
@@ -191,19 +190,6 @@ def test_grad_comm_dtype_in_lowered_module(strategy, collective, comm):
         assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{m}xbf16>\) -> tensor<{m}xf32>", text)
     else:
         assert (f"tensor<{n}xbf16>", f"tensor<{m}xbf16>") not in collective_types(text, collective)
-
-
-@pytest.mark.skipif(os.environ.get("JAXQUANT_TEST_IMPL") == "reference", reason="counts jaxquant's custom calls")
-@pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
-def test_train_step_reads_weights_from_the_gathered_bytes_without_a_split_call(recipe):
-    """FSDP: the step cuts each weight out of the gathered bytes where it reads it (split=False), so
-    its module has the quantizer's custom calls but no jq_group_split pass over every weight."""
-    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8),
-                              policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
-    text = step.lower(step.init(init_params()), make_batch()).as_text()
-    cast = "jq_nvfp4_group_cast" if recipe == "nvfp4" else "jq_fp8_group_cast"
-    assert f"stablehlo.custom_call @{cast}(" in text
-    assert "jq_group_split" not in text
 
 
 def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
