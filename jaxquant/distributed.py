@@ -11,7 +11,10 @@ layouts, the tensor-parallel axis ``tp_axis``):
 3. **one** ``lax.pmax`` of one packed int32 vector (fp32 statistics are non-negative, so their bit
    patterns order as int32 do), over ``axis`` and ``tp_axis`` together: the amaxes are max-reduced
    over the whole weight; TP-local tile amaxes travel in a ``[tp_size, T]`` block in which each TP
-   rank fills its own row, non-finite counts in a ``[tp_size, num_shards, P]`` block likewise;
+   rank fills its own row, non-finite counts in a ``[tp_size, num_shards, P]`` block likewise.
+   NVFP4 on a 1-D mesh: that pmax carries the amaxes and only the tiles cut by a shard boundary
+   (``cut_tiles``), which is all the cast needs; every tile amax (for the output scales) goes in a
+   second pmax that runs beside the cast;
 4. scales of every parameter from the reduced statistics in one grouped op (``ops.nvfp4_group_scale``;
    FP8: vectorized jnp), identical on every rank of ``axis``;
 5. cast of the shard into a fixed-size byte chunk (``ops.nvfp4_group_cast`` / ``ops.fp8_group_cast``);
@@ -299,7 +302,7 @@ def _own_row(value, rows: int, row):
 
 
 def _reduce_stats(parts_f32, counts, layout, axes: _MeshAxes, check_finite):
-    """ONE pmax over the weight mesh of one int32 vector holding ``parts_f32`` (fp32, >= 0: their
+    """One pmax over the weight mesh of one int32 vector holding ``parts_f32`` (fp32, >= 0: their
     bits order as int32 do) and, with ``check_finite``, the counts block. Returns the reduced parts
     and counts ([S, P], or [tp, S, P] with a TP axis)."""
     vecs = [_f32_bits(v).reshape(-1) for v in parts_f32]
@@ -308,7 +311,7 @@ def _reduce_stats(parts_f32, counts, layout, axes: _MeshAxes, check_finite):
         if axes.tp_axis is not None:
             block = _own_row(block, axes.tp_size, axes.tp_index())
         vecs.append(block.reshape(-1))
-    packed = jax.lax.pmax(jnp.concatenate(vecs), axes.reduce)     # the one all-reduce of the group
+    packed = jax.lax.pmax(jnp.concatenate(vecs), axes.reduce)
     out, pos = [], 0
     for v in parts_f32:
         out.append(_bits_f32(packed[pos:pos + v.size]).reshape(v.shape))
@@ -329,14 +332,26 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
     r = jax.lax.axis_index(axes.axis)
     tiles, amax, counts = ops.nvfp4_group_tile_amax(x, r, table=table, num_shards=S, return_nonfinite=True,
                                                     compute_dtype=compute_dtype, impl=impl)
-    if axes.tp_axis is None:
-        (tiles, amax), counts = _reduce_stats([tiles, amax], counts, layout, axes, check_finite)
-    else:   # TP-local tiles: each TP rank its own row; amaxes over the whole weight
-        j = axes.tp_index()
-        (block, amax), counts = _reduce_stats([_own_row(tiles, axes.tp_size, j), amax], counts, layout, axes,
-                                              check_finite)
-        tiles = jax.lax.dynamic_index_in_dim(block, j, keepdims=False)
-    scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
+    if axes.tp_axis is None and S > 1:
+        # The cast needs only this shard's tiles, complete here except those cut by a shard boundary:
+        # the all-reduce it waits for carries the amaxes and the cut tiles (small). Every tile's
+        # amax (the output scales only) is reduced beside the cast. docs/distributed.md, step 3.
+        cut = cut_tiles(rows, layout.shard_size, S)
+        (amax, cut_amax), counts = _reduce_stats([amax, tiles[cut]], counts, layout, axes, check_finite)
+        _, enc = ops.nvfp4_group_scale(tiles.at[cut].set(cut_amax), amax, table=table, impl=impl)
+        # after enc: XLA would otherwise combine the two all-reduces into one on the cast's path
+        tiles, enc = jax.lax.optimization_barrier((tiles, enc))
+        (tiles,), _ = _reduce_stats([tiles], None, layout, axes, False)
+        scale_inv, _ = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
+    else:
+        if axes.tp_axis is None:
+            (tiles, amax), counts = _reduce_stats([tiles, amax], counts, layout, axes, check_finite)
+        else:   # TP-local tiles: each TP rank its own row; amaxes over the whole weight
+            j = axes.tp_index()
+            (block, amax), counts = _reduce_stats([_own_row(tiles, axes.tp_size, j), amax], counts, layout, axes,
+                                                  check_finite)
+            tiles = jax.lax.dynamic_index_in_dim(block, j, keepdims=False)
+        scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
     # The chunk is cast and gathered in pieces (one by default): XLA can run each piece's all-gather
     # (its own stream) while the next piece is cast.
     bounds = gather_piece_bounds(plan.size, pieces)
@@ -358,6 +373,25 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
         data_t, scale_inv_t = ops.nvfp4_group_columnwise(gathered, scale_inv, table=table, space=space, impl=impl)
     return _split_nvfp4(rows, gathered, scale_inv, amax, data_t, scale_inv_t, plan=plan, bounds=bounds,
                         stages=_split_stages(len(gathered), S, 2), split=split, impl=impl), counts
+
+
+def cut_tiles(rows, shard_size: int, num_shards: int) -> np.ndarray:
+    """Indices into the packed tile vector (``rows``: the group table's) of the NVFP4 tiles that have
+    elements on two or more shards (shard r owns flat ``[r * shard_size, (r + 1) * shard_size)``).
+    Only the tile row holding a boundary ``b`` can be cut, and its tile ``(ti, tj)`` is cut exactly
+    when its first element lies before ``b`` and its last at or after it."""
+    out = []
+    offsets = np.asarray([row.offset for row in rows], np.int64)
+    for b in range(shard_size, shard_size * num_shards, shard_size):
+        p = int(np.searchsorted(offsets, b, side="right")) - 1
+        if p < 0 or not rows[p].offset < b < rows[p].offset + rows[p].numel:
+            continue   # in a gap between parameters, or at a parameter's start
+        row, tile = rows[p], gtable.TILE
+        ti, tj = (b - row.offset) // row.cols // tile, np.arange(row.cols // tile, dtype=np.int64)
+        first = row.offset + tile * ti * row.cols + tile * tj
+        last = first + (tile - 1) * row.cols + tile - 1
+        out.append(row.tile_base + ti * (row.cols // tile) + tj[(first < b) & (b <= last)])
+    return np.unique(np.concatenate(out)).astype(np.int32) if out else np.zeros((0,), np.int32)
 
 
 def _check_split(split, tp_axis):

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import distributed as D, ops
+from jaxquant import group_table as gtable
 from jaxquant.group_split import GatheredWeights
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
@@ -283,7 +284,9 @@ def _collectives(hlo_text):
     gathers = re.findall(r"= (\w+)\[(\d+)\]\{0\} all-gather\((?:\w+)\[(\d+)\]", hlo_text)
     if not gathers:   # operand shapes are not always printed inline
         gathers = [(t, n, None) for t, n in re.findall(r"= (\w+)\[(\d+)\]\{0\} all-gather\(", hlo_text)]
-    reduces = re.findall(r"= (\w+)\[(\d+)\]\{0\} all-reduce\(.*to_apply=%?([\w.]+)", hlo_text)
+    reduces = []   # (type, length, reduction) of every reduced vector; XLA may combine all-reduces into a tuple
+    for shapes, comp in re.findall(r"= \(?((?:\w+\[\d+\]\{0\}(?:, )?)+)\)? all-reduce\(.*to_apply=%?([\w.]+)", hlo_text):
+        reduces += [(t, n, comp) for t, n in re.findall(r"(\w+)\[(\d+)\]", shapes)]
     return gathers, reduces
 
 
@@ -308,12 +311,14 @@ def test_hlo_nvfp4_gathers_half_numel_bytes_and_one_pmax(check_finite):
     assert len(gathers) == 1, gathers
     dtype, out_len, _ = gathers[0]
     assert dtype == "u8" and int(out_len) == numel // 2          # sum over weights of numel/2 bytes
-    assert len(reduces) == 1, reduces                              # one all-reduce for the whole group
-    rtype, rlen, comp = reduces[0]
+    # two reduced vectors (XLA:CPU combines them into one all-reduce): what the cast waits for (one amax
+    # per parameter, the tiles cut by a shard boundary, the [S, P] non-finite block) and every tile amax
     n_tiles = sum(m * k // 256 for m, k in shapes)
-    # tile amaxes, then one amax per parameter, then the [S, P] non-finite block
-    assert rtype == "s32" and int(rlen) == n_tiles + len(shapes) + (S * len(shapes) if check_finite else 0)
-    assert _reduction_is_max(hlo, comp)
+    n_cut = len(D.cut_tiles(gtable.rows_of(D.layout_group_table(layout, True)), layout.shard_size, S))
+    assert 0 < n_cut < n_tiles
+    want = sorted([len(shapes) + n_cut + (S * len(shapes) if check_finite else 0), n_tiles])
+    assert sorted(int(n) for _, n, _ in reduces) == want, reduces
+    assert all(t == "s32" and _reduction_is_max(hlo, comp) for t, _, comp in reduces)
     assert "all-to-all" not in hlo and "collective-permute" not in hlo
     # No branch on the shard index: XLA:GPU runs a conditional with a device-to-host copy.
     assert " conditional(" not in hlo
@@ -332,7 +337,7 @@ def test_hlo_odd_layout_gather_size():
     hlo = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, impl=IMPL)).lower(flat).compile().as_text()
     gathers, reduces = _collectives(hlo)
     assert [(g[0], int(g[1])) for g in gathers] == [("u8", expect)]
-    assert len(reduces) == 1
+    assert len(reduces) == 2        # the cast's statistics, and every tile amax
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
@@ -356,7 +361,7 @@ def test_gather_pieces_same_bytes(kind, S, recipe):
                                                             gather_pieces=pieces, impl=IMPL))
             lowered = f.lower(flat)
             gathers, reduces = _collectives(lowered.compile().as_text())
-            assert len(gathers) == pieces and len(reduces) == 1, (gathers, reduces)
+            assert len(gathers) == pieces and len(reduces) == (2 if recipe == "nvfp4" else 1), (gathers, reduces)
             if IMPL != "reference":   # weights and transposes read from the pieces: one split call a piece
                 in_place = recipe == "fp8" or not D.nvfp4_chunks(layout).fix_pos
                 text = lowered.as_text()
@@ -636,9 +641,11 @@ def _entry_kernel_ops(compiled_text):
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_custom_call_count_independent_of_parameter_count(recipe):
     calls, kernels = {}, {}
-    for n in (7, 300):
+    for n in (7, 301):
         shapes = [(16, 16 * (1 + p % 3)) for p in range(n)]
         layout = FlatLayout(shapes, 4, align=1 if n == 7 else 3)
+        # NVFP4: both layouts have tiles cut by a shard boundary (reducing them adds ops, not per parameter)
+        assert len(D.cut_tiles(gtable.rows_of(D.layout_group_table(layout, True)), layout.shard_size, 4)) > 0
         mesh = _mesh(4)
         flat = jax.ShapeDtypeStruct((layout.total_size,), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
         f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=True,
@@ -648,11 +655,11 @@ def test_custom_call_count_independent_of_parameter_count(recipe):
         calls[n] = sorted(_jaxquant_custom_calls(lowered.as_text()))
         kernels[n] = _entry_kernel_ops(lowered.compile().as_text())
     want = (["jq_group_split", "jq_nvfp4_group_cast", "jq_nvfp4_group_columnwise", "jq_nvfp4_group_scale",
-             "jq_nvfp4_group_tile_amax"]
+             "jq_nvfp4_group_scale", "jq_nvfp4_group_tile_amax"]   # scales: the cast's, then the output's
             if recipe == "nvfp4" else ["jq_fp8_group_amax", "jq_fp8_group_cast", "jq_fp8_group_transpose", "jq_group_split"])
-    assert calls[7] == calls[300] == want, calls
+    assert calls[7] == calls[301] == want, calls
     # No per-parameter slice / copy kernels either: the weights come out of the one split call.
-    assert kernels[7] == kernels[300], kernels
+    assert kernels[7] == kernels[301], kernels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -721,3 +728,22 @@ def test_split_false_errors_and_per_device_form():
     gathered = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P()))(flat)
     for q, w in zip(gathered.tensors(), ws):
         _assert_same(q, _reference(w, "fp8"))
+
+
+@pytest.mark.parametrize("kind,S", [("align1", 2), ("align1", 3), ("odd", 3), ("te", 8), ("sparse", 8), ("align128", 4)])
+def test_cut_tiles_are_the_tiles_on_two_or_more_shards(kind, S):
+    """cut_tiles (the tiles whose amaxes the cast's all-reduce carries) against brute force: every
+    tile whose elements lie on two or more shards, and no other."""
+    rng = np.random.default_rng(60 + S)
+    shapes = _random_shapes(rng, 6)
+    layout = _layout(kind, shapes, S, rng)
+    rows = gtable.rows_of(D.layout_group_table(layout, True))
+    want = []
+    for row in rows:
+        i, j = np.meshgrid(np.arange(row.rows), np.arange(row.cols), indexing="ij")
+        shard = ((row.offset + i * row.cols + j) // layout.shard_size).reshape(row.rows // 16, 16, row.cols // 16, 16)
+        spread = shard.max(axis=(1, 3)) != shard.min(axis=(1, 3))
+        want += list(row.tile_base + np.flatnonzero(spread.reshape(-1)))
+    got = D.cut_tiles(rows, layout.shard_size, S)
+    assert got.dtype == np.int32 and list(got) == want, (list(got), want)
+    assert len(want) > 0 or kind == "sparse"
