@@ -282,7 +282,7 @@ class _MeshAxes:
 
     @property
     def reduce(self):
-        """The axes of the one all-reduce: the whole weight mesh."""
+        """The axes of the statistics' all-reduce: the whole weight mesh."""
         return self.axis if self.tp_axis is None else (self.axis, self.tp_axis)
 
     def tp_index(self):
