@@ -14,13 +14,14 @@ layouts, the tensor-parallel axis ``tp_axis``):
    rank fills its own row, non-finite counts in a ``[tp_size, num_shards, P]`` block likewise.
    NVFP4 on a 1-D mesh: that pmax carries the amaxes and only the tiles cut by a shard boundary
    (``cut_tiles``), which is all the cast needs; every tile amax (for the output scales) goes in a
-   second pmax that runs beside the cast;
+   second pmax that need not finish before the cast;
 4. scales of every parameter from the reduced statistics in one grouped op (``ops.nvfp4_group_scale``;
    FP8: vectorized jnp), identical on every rank of ``axis``;
 5. cast of the shard into a fixed-size byte chunk (``ops.nvfp4_group_cast`` / ``ops.fp8_group_cast``);
 6. ``lax.all_gather`` over ``axis`` only of that chunk (quantized bytes only); the chunks are laid out
    so that their concatenation is every parameter's bytes in order (NVFP4: one OR per odd shard
-   boundary); one ``group_split`` call writes every per-parameter output from them;
+   boundary); one ``group_split`` call writes every per-parameter output from them (with
+   ``split=False`` none: a ``GatheredWeights`` holds them, each weight cut out where it is read);
 7. with ``columnwise`` (and ``manual_post_all_gather_processing=False``), one grouped transpose for
    the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``) that reads the gathered
    pieces in place (``group_table.GatheredSpace``) and writes each parameter's own columnwise arrays.
@@ -335,7 +336,7 @@ def _nvfp4_local(x, compute_dtype, layout, axes: _MeshAxes, check_finite, build_
     if axes.tp_axis is None and S > 1:
         # The cast needs only this shard's tiles, complete here except those cut by a shard boundary:
         # the all-reduce it waits for carries the amaxes and the cut tiles (small). Every tile's
-        # amax (the output scales only) is reduced beside the cast. docs/distributed.md, step 3.
+        # amax (the output scales only) is reduced after, off the cast's path. docs/distributed.md, step 3.
         cut = cut_tiles(rows, layout.shard_size, S)
         (amax, cut_amax), counts = _reduce_stats([amax, tiles[cut]], counts, layout, axes, check_finite)
         _, enc = ops.nvfp4_group_scale(tiles.at[cut].set(cut_amax), amax, table=table, impl=impl)
@@ -465,8 +466,8 @@ def _split_stages(num_pieces: int, num_shards: int, num_other: int):
 
 def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
                  stages=None, split=True, impl="auto"):
-    """Per-parameter tensors from the group's packed vectors, one ``group_split`` call (or one per
-    gather piece, ``stages``). ``data``: a list holding the param-byte space, or with ``plan`` the
+    """Per-parameter tensors from the group's packed vectors (``_per_parameter``: one ``group_split``
+    call, one per gather piece with ``stages``, or a ``GatheredWeights`` without ``split``). ``data``: a list holding the param-byte space, or with ``plan`` the
     gathered pieces (``bounds``) that hold it. ``data_t`` / ``scale_inv_t``: the per-parameter
     columnwise arrays (``ops.nvfp4_group_columnwise``), or None."""
     k = len(data)
@@ -614,8 +615,9 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ``split=False`` (1-D meshes, no ``tp_axis``): return a :class:`jaxquant.GatheredWeights` instead of
     the list: the gathered bytes, with each weight cut out where it is read (``weights[i]``,
     ``weights.tensors()``; the same bytes). Inside the ``jit`` that consumes the weights this skips the
-    split pass over every weight's bytes (XLA fuses the slices into the readers), as a bf16 gather
-    whose caller slices its weights out of the gathered buffer pays none (docs/distributed.md).
+    split pass over every weight's bytes (the slices are plain XLA ops, free to fuse into their
+    readers), as a bf16 gather whose caller slices its weights out of the gathered buffer pays none
+    (docs/distributed.md).
     Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
     """
     _check_options(layout, recipe, compute_dtype, columnwise)

@@ -4,8 +4,8 @@ The grouped ops produce every parameter's bytes in a few packed vectors; the cal
 array per parameter. Slicing them in JAX costs one XLA copy kernel per result (three per NVFP4
 parameter), which dominates a step over hundreds of small parameters; ``split`` writes every
 result in one call (on GPU one launch per 1,000 copy segments, docs/distributed.md).
-``GatheredWeights`` holds the packed vectors and cuts a parameter out only when it is read, so that
-inside the consumer's ``jit`` the slices fuse into whatever reads them and no split pass runs.
+``GatheredWeights`` holds the packed vectors and cuts a parameter out only when it is read (static
+slices inside the consumer's ``jit``, which XLA may fuse into the readers), so no split pass runs.
 """
 
 from __future__ import annotations
@@ -21,13 +21,6 @@ from jaxquant import _ffi, ops, reference
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
 
-def take(sources, shape, segments) -> jax.Array:
-    """One result of a split: its ``segments`` (source, first element, count) of the flattened
-    ``sources`` laid end to end, reshaped to ``shape`` (static slices and at most one concatenate)."""
-    parts = [sources[src].reshape(-1)[first:first + count] for src, first, count in segments]
-    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(shape)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GatheredWeights:
@@ -36,11 +29,10 @@ class GatheredWeights:
 
     ``quantize_master_weights(..., split=False)`` returns it. ``weights[i]`` (or ``.tensors()``) cuts
     parameter ``i``'s ``NVFP4Tensor`` / ``Float8Tensor`` out with static slices, bit-identical to the
-    split result. Read inside the ``jit`` that consumes the weights, XLA fuses those slices into the
-    consumers (an NVFP4 dequantize reads the gathered bytes in place; a GEMM operand gets a copy of
-    just its weight), instead of one split pass over every weight's bytes before anything runs: the
-    same footing as a plain bf16 gather whose caller slices ``layout.unflatten``-style. Read outside
-    ``jit``, each access copies.
+    split result. Read inside the ``jit`` that consumes the weights, the slices are ordinary XLA ops
+    that XLA may fuse into their readers, instead of one split custom call over every weight's bytes
+    before anything runs: the same footing as a plain bf16 gather whose caller slices its weights out
+    of the gathered buffer. Read outside ``jit``, each access copies.
 
     ``sources``: the arrays the weights are cut from; ``data_t`` / ``scale_inv_t``: per-parameter
     columnwise arrays (already one per weight) or None. Static: ``recipe`` ("nvfp4" / "fp8"),
@@ -62,7 +54,7 @@ class GatheredWeights:
         if not -len(self) <= p < len(self):
             raise IndexError(f"p: parameter {p} of a group of {len(self)}")
         p %= len(self)
-        return self.tensor(p, [take(self.sources, shape, segments) for shape, segments in self.results[p]])
+        return self.tensor(p, reference.group_split(self.sources, self.results[p]))   # static slices
 
     def tensors(self) -> list:
         """Every weight, in the layout's order (what ``split=True`` returns)."""
@@ -83,6 +75,7 @@ class GatheredWeights:
         pieces = [result for per_param in self.results for result in per_param]
         arrays = split(self.sources, pieces, stage_of_source=stage_of_source, impl=impl)
         return [self.tensor(p, arrays[3 * p:3 * p + 3]) for p in range(len(self))]
+
 
 def split(sources, pieces, *, stage_of_source=None, impl: str = "auto") -> list:
     """Per-parameter arrays cut from a group's packed arrays, all in one call (one launch on GPU

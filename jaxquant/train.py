@@ -345,8 +345,8 @@ class TrainStep:
                                              tiled=True, to="invarying"),
                 mesh=self.mesh, in_specs=P(self.fsdp_axis), out_specs=P())
             return layout.unflatten(gather(master_mat))
-        # split=True (not split=False, whose slices XLA fuses into the GEMMs): on 2 x H100 that changed
-        # the GEMM fusions the step's strategies agree on, and the step was no faster (decisions 28)
+        # split=True, not split=False: on 2 x H100 split=False made the strategies disagree on the GPU
+        # (likely other GEMM fusions; bytes equal) and the step was no faster (decisions 28)
         return quantize_master_weights(master_mat, layout, mesh=self.mesh, axis=self.fsdp_axis, recipe=cw,
                                        compute_dtype=COMPUTE_DTYPE, columnwise=True,
                                        manual_post_all_gather_processing=False)
