@@ -18,6 +18,7 @@ from jaxquant.distributed import (
     quantize_master_weights,
     quantize_master_weights_local,
 )
+from jaxquant.fsdp import ShardedWeight
 from jaxquant.group_split import GatheredWeights
 from jaxquant.layout import FlatLayout
 from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
@@ -47,6 +48,7 @@ __all__ = [
     "reference",
     "dense",
     "straight_through",
+    "ShardedWeight",
     "MixedPrecisionPolicy",
     "make_train_step",
     "raise_if_nonfinite",

@@ -34,62 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import ops
+from jaxquant import fsdp, ops
 from jaxquant.gemm import (BWD_FP8, FWD_FP8, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
                            quantize_current, scaled_gemm)
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
 
 RECIPES = ("fp8", "nvfp4")
-
-
-# ----------------------------------------------------------------------------------------------
-# Quantized tensors that carry their straight-through gradient target
-# ----------------------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Float8WithMaster(Float8Tensor):
-    master: Optional[jax.Array] = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _NVFP4WithMaster(NVFP4Tensor):
-    master: Optional[jax.Array] = None
-
-
-def straight_through(q, master):
-    """``q`` (a ``Float8Tensor`` or ``NVFP4Tensor``) whose ``dense`` weight gradient goes to ``master``.
-
-    The result is still a ``Float8Tensor`` / ``NVFP4Tensor`` (a subclass that also holds ``master``); the
-    forward never reads ``master``, and differentiating with respect to it gives ``dW`` in
-    ``master.dtype``. ``master`` may be a zeros placeholder of the weight's shape (XLA never builds it).
-    """
-    if not isinstance(q, (Float8Tensor, NVFP4Tensor)):
-        raise TypeError(f"q: must be a Float8Tensor or NVFP4Tensor, got {type(q).__name__}")
-    if not hasattr(master, "shape") or tuple(master.shape) != tuple(q.shape):
-        raise ValueError(f"master: must have the weight's shape {tuple(q.shape)}, got "
-                         f"{getattr(master, 'shape', type(master).__name__)}")
-    if not jnp.issubdtype(master.dtype, jnp.floating):
-        raise TypeError(f"master: must be a floating array, got {master.dtype}")
-    if isinstance(q, Float8Tensor):
-        return _Float8WithMaster(data=q.data, scale_inv=q.scale_inv, amax=q.amax, data_t=q.data_t, master=master)
-    return _NVFP4WithMaster(data=q.data, scale_inv=q.scale_inv, amax=q.amax, data_t=q.data_t,
-                            scale_inv_t=q.scale_inv_t, shape=q.shape, master=master)
-
-
-def split_master(w):
-    """(the weight as a plain array / ``Float8Tensor`` / ``NVFP4Tensor``, its straight-through
-    ``master`` or None). The plain tensor goes through ``custom_vjp`` and gets no cotangent; the
-    master gets ``dW``."""
-    if isinstance(w, _Float8WithMaster):
-        return Float8Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t), w.master
-    if isinstance(w, _NVFP4WithMaster):
-        return (NVFP4Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t,
-                            scale_inv_t=w.scale_inv_t, shape=w.shape), w.master)
-    return w, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,33 +81,40 @@ def _weight_operands(w, cfg: _Config):
 
 
 def _forward(x2, wops, cfg: _Config):
-    """(y fp32 [B, N], residuals for the backward)."""
+    """(y fp32 [B, N], the activation's residuals for the backward)."""
     if cfg.kind == "array":
         xc = x2.astype(wops["w"].dtype)
-        return scaled_gemm(xc, None, wops["w"], None), (xc, wops["w"])
+        return scaled_gemm(xc, None, wops["w"], None), (xc,)
     if cfg.kind == "fp8":
         xq, sx, _ = quantize_current(x2, FWD_FP8, cfg.amax_axes)
-        y = scaled_gemm(xq, sx, wops["data"], wops["scale_inv"])
-        return y, (xq, sx, wops["data_t"], wops["scale_inv"])
+        return scaled_gemm(xq, sx, wops["data"], wops["scale_inv"]), (xq, sx)
     xb = x2.astype(jnp.bfloat16)
-    y = scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"])
-    return y, (xb, wops["data_t"], wops["scale_inv_t"], wops["dec"])   # packed bytes, not a bf16 copy
+    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"]), (xb,)
 
 
-def _backward(res, g, cfg: _Config):
+BACKWARD_OPERANDS = {"array": ("w",), "fp8": ("data_t", "scale_inv"), "nvfp4": ("data_t", "scale_inv_t", "dec")}
+
+
+def backward_operands(wops, kind: str) -> dict:
+    """The part of the weight operands the backward reads (the columnwise copy, not a bf16 one)."""
+    return {k: wops[k] for k in BACKWARD_OPERANDS[kind]}
+
+
+def _backward(act, wops, g, cfg: _Config):
     """(dx fp32 [B, K], dW fp32 [N, K]) from the output gradient ``g [B, N]``."""
     if cfg.kind == "array":
-        xc, w = res
+        (xc,), w = act, wops["w"]
         gc = g.astype(w.dtype)
         # dx = g @ W; dW = g.T @ x, both written TN.
         return scaled_gemm(gc, None, w.T, None), scaled_gemm(gc.T, None, xc.T, None)
     if cfg.kind == "fp8":
-        xq, sx, w_t, sw = res
+        xq, sx = act
         gq, sg, _ = quantize_current(g, BWD_FP8, cfg.amax_axes)
-        return scaled_gemm(gq, sg, w_t, sw), scaled_gemm(gq.T, sg, xq.T, sx)
-    xb, data_t, scale_inv_t, dec = res
+        return scaled_gemm(gq, sg, wops["data_t"], wops["scale_inv"]), scaled_gemm(gq.T, sg, xq.T, sx)
+    (xb,) = act
     gb = g.astype(jnp.bfloat16)
-    return scaled_gemm(gb, None, nvfp4_operand(data_t, scale_inv_t), dec), scaled_gemm(gb.T, None, xb.T, None)
+    w_t = nvfp4_operand(wops["data_t"], wops["scale_inv_t"])
+    return scaled_gemm(gb, None, w_t, wops["dec"]), scaled_gemm(gb.T, None, xb.T, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -166,18 +124,43 @@ def _dense2d(x2, w, target, cfg: _Config):
 
 
 def _dense2d_fwd(x2, w, target, cfg: _Config):
-    y, res = _forward(x2, _weight_operands(w, cfg), cfg)
-    return y.astype(cfg.out_dtype), res
+    wops = _weight_operands(w, cfg)
+    y, act = _forward(x2, wops, cfg)
+    return y.astype(cfg.out_dtype), (act, backward_operands(wops, cfg.kind))   # packed bytes, not a bf16 copy
 
 
 def _dense2d_bwd(cfg: _Config, res, g):
-    dx, dw = _backward(res, g, cfg)
+    dx, dw = _backward(*res, g, cfg)
     w_ct = None if cfg.w_grad_dtype is None else dw.astype(cfg.w_grad_dtype)      # arrays: the weight itself
     target_ct = None if cfg.target_dtype is None else dw.astype(cfg.target_dtype)  # straight_through master
     return dx.astype(cfg.x_dtype), w_ct, target_ct
 
 
 _dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dense_sharded(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
+    return _dense_sharded_fwd(x2, shard, grad, cfg, spec)[0]
+
+
+def _dense_sharded_fwd(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
+    """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation, the shard and
+    its statistics (the gathered weight is not kept: the backward gathers again)."""
+    stats = None if spec.recipe == "bf16" else fsdp.statistics(shard, spec)
+    y, act = _forward(x2, fsdp.gathered_operands(shard, spec, stats, columnwise=False), cfg)
+    return y.astype(cfg.out_dtype), (act, shard, stats)
+
+
+def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
+    act, shard, stats = res
+    dx, dw = _backward(act, fsdp.gathered_operands(shard, spec, stats, columnwise=True), g, cfg)
+    # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
+    dw = fsdp.round_to(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer, as straight_through's
+    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False)
+
+
+_dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,17 +202,11 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
     FP8 activation/gradient amax is max-reduced (inside ``shard_map``; default: none).
     A quantized weight gets no gradient unless it comes from :func:`straight_through`.
     """
+    if isinstance(w, fsdp.ShardedWeight):
+        return _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes)
     kind, on_the_fly = _check_recipe(w, recipe)
-    ops._check_input("x", x)
-    if x.ndim < 1:
-        raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
     n_out, n_in = (int(d) for d in w.shape)
-    if x.shape[-1] != n_in:
-        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is [out, in] = "
-                         f"{tuple(w.shape)}), got x of shape {tuple(x.shape)}")
-    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        raise TypeError(f"out_dtype: must be a floating dtype, got {out_dtype}")
+    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype)
     if isinstance(amax_axes, str):
         amax_axes = (amax_axes,)
     w, target = split_master(w)
@@ -237,5 +214,40 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
                   jnp.dtype(w.dtype) if kind == "array" or on_the_fly else None,
                   None if target is None else jnp.dtype(target.dtype))
     lead = x.shape[:-1]
-    y = _dense2d(x.reshape(-1, n_in), w, target, cfg)
+    x2 = x.reshape(-1, n_in)
+    if target is not None:   # dW varies over every axis x does: a target replicated over one sums over it
+        target = fsdp.vary_like(target, x2)
+    y = _dense2d(x2, w, target, cfg)
     return y.reshape(*lead, n_out)
+
+
+def _check_x_out(x, n_in, w_shape, out_dtype):
+    ops._check_input("x", x)
+    if x.ndim < 1:
+        raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
+    if x.shape[-1] != n_in:
+        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is [out, in] = "
+                         f"{tuple(w_shape)}), got x of shape {tuple(x.shape)}")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype: must be a floating dtype, got {out_dtype}")
+    return out_dtype
+
+
+def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
+    """``dense`` with a layer-wise FSDP weight (``jaxquant.fsdp``): gathered here, re-gathered in the backward."""
+    fsdp._check_layer(w, "w")
+    if recipe in RECIPES and w.spec.recipe == "bf16":   # bf16 weights quantized on the fly, as for an array
+        return dense(x, w.gather(), recipe=recipe, out_dtype=out_dtype, amax_axes=amax_axes)
+    if recipe is not None and recipe != w.spec.recipe:
+        raise ValueError(f"recipe: {recipe!r} does not match the ShardedWeight's recipe {w.spec.recipe!r} "
+                         f"(use None)")
+    n_out, n_in = w.shape
+    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype)
+    if isinstance(amax_axes, str):
+        amax_axes = (amax_axes,)
+    kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
+    cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None)
+    x2 = x.reshape(-1, n_in)
+    y = _dense_sharded(x2, w.shard, fsdp.vary_like(w.grad, x2), cfg, w.spec)
+    return y.reshape(*x.shape[:-1], n_out)

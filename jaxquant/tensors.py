@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Float8Tensor:
@@ -80,3 +79,52 @@ class NVFP4Tensor:
 
         m, k = self.shape
         return reference.nvfp4_dequantize(self.data_t, self.scale_inv_t, self.amax, (k, m)).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantized tensors that carry their straight-through gradient target (``jq.dense``, ``jq.sp_*``)
+# ----------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Float8WithMaster(Float8Tensor):
+    master: Optional[jax.Array] = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _NVFP4WithMaster(NVFP4Tensor):
+    master: Optional[jax.Array] = None
+
+
+def straight_through(q, master):
+    """``q`` (a ``Float8Tensor`` or ``NVFP4Tensor``) whose ``dense`` weight gradient goes to ``master``.
+
+    The result is still a ``Float8Tensor`` / ``NVFP4Tensor`` (a subclass that also holds ``master``); the
+    forward never reads ``master``, and differentiating with respect to it gives ``dW`` in
+    ``master.dtype``. ``master`` may be a zeros placeholder of the weight's shape (XLA never builds it).
+    """
+    if not isinstance(q, (Float8Tensor, NVFP4Tensor)):
+        raise TypeError(f"q: must be a Float8Tensor or NVFP4Tensor, got {type(q).__name__}")
+    if not hasattr(master, "shape") or tuple(master.shape) != tuple(q.shape):
+        raise ValueError(f"master: must have the weight's shape {tuple(q.shape)}, got "
+                         f"{getattr(master, 'shape', type(master).__name__)}")
+    if not jnp.issubdtype(master.dtype, jnp.floating):
+        raise TypeError(f"master: must be a floating array, got {master.dtype}")
+    if isinstance(q, Float8Tensor):
+        return _Float8WithMaster(data=q.data, scale_inv=q.scale_inv, amax=q.amax, data_t=q.data_t, master=master)
+    return _NVFP4WithMaster(data=q.data, scale_inv=q.scale_inv, amax=q.amax, data_t=q.data_t,
+                            scale_inv_t=q.scale_inv_t, shape=q.shape, master=master)
+
+
+def split_master(w):
+    """(the weight as a plain array / ``Float8Tensor`` / ``NVFP4Tensor``, its straight-through
+    ``master`` or None). The plain tensor goes through ``custom_vjp`` and gets no cotangent; the
+    master gets ``dW``."""
+    if isinstance(w, _Float8WithMaster):
+        return Float8Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t), w.master
+    if isinstance(w, _NVFP4WithMaster):
+        return (NVFP4Tensor(data=w.data, scale_inv=w.scale_inv, amax=w.amax, data_t=w.data_t,
+                            scale_inv_t=w.scale_inv_t, shape=w.shape), w.master)
+    return w, None

@@ -57,57 +57,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxquant import formats, ops
 from jaxquant.dense import pcast_varying, straight_through
 from jaxquant.distributed import layout_group_table, quantize_master_weights, weight_partition_specs
+from jaxquant.layerwise import LayerwiseTrainStep, default_compiler_options
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
-
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
-MASTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)   # dtype of compute weights and of their gradients
-
-
-# ----------------------------------------------------------------------------------------------
-# Policy
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """Dtypes of a training step (Megatron-FSDP's mixed-precision controls).
-
-    ``main_params_dtype``: master weights and optimizer inputs (float32 or bfloat16);
-    ``main_grads_dtype``: gradient accumulation over microbatches and the optimizer's gradient;
-    ``grad_comm_dtype``: dtype gradients travel in (None: ``main_grads_dtype``);
-    ``compute_weights``: what ``loss_fn`` receives for 2-D parameters, ``"bf16"``, ``"fp8"`` or ``"nvfp4"``.
-    """
-
-    main_params_dtype: Any = jnp.float32
-    main_grads_dtype: Any = jnp.float32
-    grad_comm_dtype: Any = None
-    compute_weights: str = "bf16"
-
-    def __post_init__(self):
-        for name, allowed in (("main_params_dtype", MASTER_DTYPES), ("main_grads_dtype", GRAD_DTYPES),
-                              ("grad_comm_dtype", GRAD_DTYPES)):
-            value = getattr(self, name)
-            if value is None and name == "grad_comm_dtype":
-                continue
-            try:
-                dt = jnp.dtype(value)
-            except TypeError:
-                raise TypeError(f"{name}: must be a dtype, got {value!r}") from None
-            if dt not in allowed:
-                raise ValueError(f"{name}: must be one of {[str(a) for a in allowed]}, got {dt}")
-            object.__setattr__(self, name, dt)
-        if self.compute_weights not in COMPUTE_WEIGHTS:
-            raise ValueError(f"compute_weights: must be one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
-
-    @property
-    def comm_dtype(self):
-        return self.main_grads_dtype if self.grad_comm_dtype is None else self.grad_comm_dtype
-
+from jaxquant.policy import (COMPUTE_DTYPE, STRATEGIES, MixedPrecisionPolicy, TrainState,  # noqa: F401
+                             _explain_tp_errors, _leaf_name, _round_to, raise_if_nonfinite)
 
 # ----------------------------------------------------------------------------------------------
 # Static plan and state
@@ -136,54 +91,6 @@ class _Plan:
 
     def tp_dim(self, p: int):
         return self.matrices.tp_dims[p] if self.tp else None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """``master``: ``{"matrices": flat, "others": flat}`` main params (sharded over ``fsdp_axis`` except
-    with ``no_shard``); ``opt_state``: the optimizer's state (sharded like ``master``); ``weights``: the
-    gathered compute weights (``optim`` / ``optim_grads``) or None; ``step``: int32 steps taken."""
-
-    master: dict
-    opt_state: Any
-    weights: Any
-    step: jax.Array
-    plan: _Plan = dataclasses.field(metadata=dict(static=True))
-
-
-def _round_to(x, dtype):
-    """``x.astype(dtype)`` with the rounding kept. XLA's excess precision (on by default on GPU) may
-    drop an fp32 -> bf16 convert whose result is widened again (a gradient "sent" in bf16 on one rank,
-    a bf16 main-grads cast), so bf16 rounding and overflow to inf would differ between backends and
-    rank counts; ``reduce_precision`` is never dropped and rounds the same way (nearest even)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16 and x.dtype == jnp.float32:
-        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
-    return x.astype(dtype)
-
-
-def _explain_tp_errors(fn, tp_axis):
-    """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
-    if tp_axis is None:
-        return fn
-
-    def wrapped(*args):
-        try:
-            return fn(*args)
-        except ValueError as e:
-            if "manual axis types do not match" not in str(e):
-                raise
-            raise ValueError(f"loss_fn: a TP-split weight met an activation that is the same on every {tp_axis!r} "
-                             f"rank; mark the input of a column-parallel dense as varying over {tp_axis!r} first "
-                             f"(jax.lax.pcast(x, {tp_axis!r}, to='varying')) and psum row-parallel outputs over "
-                             f"it ({e})") from e
-
-    return wrapped
-
-
-def _leaf_name(path) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
 
 
 def _tp_dims(param_specs, treedef, names, shapes):
@@ -240,23 +147,6 @@ def _make_plan(params, num_shards: int, compute_weights: str, tp_size: int = 1, 
     local = FlatLayout.from_param_offsets(matrices.local_shapes, matrices.param_offsets, num_shards,
                                           matrices.shard_size, names=matrices.names)
     return _Plan(treedef, tuple(names), tuple(shapes), tuple(mats), tuple(others), matrices, layout(others), local)
-
-
-# ----------------------------------------------------------------------------------------------
-# Non-finite report
-# ----------------------------------------------------------------------------------------------
-
-
-def raise_if_nonfinite(metrics) -> None:
-    """Raise ``FloatingPointError`` naming every parameter whose gradient was non-finite in the step
-    that produced ``metrics`` (``make_train_step(..., report_nan=True)``). Reads device values."""
-    if not isinstance(metrics, dict) or "nonfinite" not in metrics:
-        raise ValueError("metrics: has no 'nonfinite' entry; build the step with make_train_step(..., report_nan=True)")
-    flags = jax.tree_util.tree_flatten_with_path(jax.device_get(metrics["nonfinite"]))[0]
-    bad = [_leaf_name(path) for path, flag in flags if bool(flag)]
-    if bad:
-        raise FloatingPointError(f"non-finite (NaN or ±inf) gradient in parameter(s) {', '.join(bad)}; "
-                                 f"the update of this step was skipped")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,18 +470,32 @@ class TrainStep:
                                  f"= {n}, got shape {tuple(np.shape(leaf))}")
 
 
+_DEFAULT = object()
+
+
 def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecisionPolicy] = None,
                     strategy: str = "optim_grads_params", microbatches: int = 1, report_nan: bool = False,
-                    param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None) -> TrainStep:
-    """A jitted data-parallel training step; see the module docstring for what it does.
+                    param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None,
+                    replicate_axis: Optional[str] = None, quantize_mask=None, compiler_options=_DEFAULT):
+    """A jitted data-parallel training step.
 
-    ``loss_fn(weights, batch) -> scalar``: ``weights`` is a pytree like ``params`` whose 2-D leaves are the
-    policy's compute weights (call ``jq.dense`` with them) and other leaves main-params arrays; ``batch``
-    is the rank's microbatch. ``optimizer``: an optax ``GradientTransformation``. ``mesh`` must have
-    ``fsdp_axis``; ``tp_axis`` (optional) is the tensor-parallel axis and ``param_specs`` (a pytree like
-    ``params``, leaves ``"col"`` / ``"row"`` / None, or 0 / 1 / None) splits 2-D weights over it: see the
-    module docstring for what ``loss_fn`` then receives and the TP collectives it must do. Other mesh axes
-    must have size 1.
+    ``loss_fn(weights, batch) -> scalar``: ``weights`` is a pytree like ``params``; ``batch`` is the rank's
+    microbatch. ``optimizer``: an optax ``GradientTransformation``. ``mesh`` must have ``fsdp_axis``;
+    ``tp_axis`` (optional) is the tensor-parallel axis and ``param_specs`` (a pytree like ``params``, leaves
+    ``"col"`` / ``"row"`` / None, or 0 / 1 / None) splits weights over it; ``loss_fn`` does the TP
+    collectives itself (module docstring).
+
+    ``strategy="optim_grads_params"`` (default) is layer-wise FSDP (``jaxquant.layerwise``): quantized
+    leaves reach ``loss_fn`` as ``jq.ShardedWeight`` (one layer's weight, or a stack to ``jax.lax.scan``
+    over) that ``jq.dense`` gathers where it is used. ``quantize_mask`` (optax's mask convention: a pytree
+    of bools like ``params`` or a callable ``params -> pytree``) keeps leaves masked False unquantized:
+    they arrive as bf16 arrays (matrices) or main-dtype arrays. ``replicate_axis`` adds HSDP.
+    ``compiler_options``: XLA options of the step's executable (default: on GPU, cuBLAS GEMMs instead of
+    Triton fusions; None: XLA's defaults).
+
+    The other strategies (``no_shard``, ``optim``, ``optim_grads``) keep whole-model compute weights
+    (this module's docstring); their ``loss_fn`` receives every 2-D leaf as a compute weight.
+    Mesh axes other than these must have size 1.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
@@ -614,9 +518,20 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         raise ValueError(f"tp_axis: must differ from fsdp_axis ({fsdp_axis!r})")
     if param_specs is not None and tp_axis is None:
         raise ValueError("param_specs: given without tp_axis; name the tensor-parallel mesh axis as tp_axis")
+    if replicate_axis is not None and (replicate_axis not in mesh.axis_names
+                                       or replicate_axis in (fsdp_axis, tp_axis)):
+        raise ValueError(f"replicate_axis: {replicate_axis!r} must be a mesh axis other than the fsdp and tp axes "
+                         f"(axes {mesh.axis_names})")
+    if strategy != "optim_grads_params" and (replicate_axis is not None or quantize_mask is not None):
+        raise ValueError(f"replicate_axis / quantize_mask: only with strategy='optim_grads_params', got {strategy!r}")
     for axis in mesh.axis_names:
-        if axis not in (fsdp_axis, tp_axis) and mesh.shape[axis] != 1:
-            raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} (data parallel)"
-                             f" and the tp_axis may be larger than 1")
+        if axis not in (fsdp_axis, tp_axis, replicate_axis) and mesh.shape[axis] != 1:
+            raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} (data parallel),"
+                             f" the tp_axis and the replicate_axis may be larger than 1")
+    if compiler_options is _DEFAULT:
+        compiler_options = default_compiler_options(mesh)
+    if strategy == "optim_grads_params":
+        return LayerwiseTrainStep(loss_fn, optimizer, mesh, policy, int(microbatches), bool(report_nan), fsdp_axis,
+                                  tp_axis, param_specs, replicate_axis, quantize_mask, compiler_options)
     return TrainStep(loss_fn, optimizer, mesh, policy, strategy, int(microbatches), bool(report_nan), fsdp_axis,
                      tp_axis, param_specs)

@@ -171,25 +171,37 @@ def collective_types(text, name):
     return out
 
 
-@pytest.mark.parametrize("strategy,collective", [("optim_grads_params", "reduce_scatter"), ("optim", "all_reduce")])
 @pytest.mark.parametrize("comm", [None, jnp.bfloat16])
-def test_grad_comm_dtype_in_lowered_module(strategy, collective, comm):
-    """Gradients travel in grad_comm_dtype and reach the optimizer in main_grads_dtype (fp32)."""
+def test_grad_comm_dtype_in_lowered_module_flat(comm):
+    """optim: the flat gradient is all-reduced in grad_comm_dtype and reaches the optimizer in fp32."""
     policy = jq.MixedPrecisionPolicy(compute_weights="nvfp4", grad_comm_dtype=comm)
-    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, strategy=strategy,
+    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, strategy="optim",
                               microbatches=2)
     text = step.lower(step.init(init_params()), make_batch()).as_text()
     t = "bf16" if comm is not None else "f32"
-    n = D_HID * D_IN + D_OUT * D_HID                   # the matrices' flat gradient (8 | n)
-    m = n // 8 if collective == "reduce_scatter" else n
-    assert (f"tensor<{n}x{t}>", f"tensor<{m}x{t}>") in collective_types(text, collective), \
-        collective_types(text, collective)
-    assert f"tensor<{n}x{'f32' if comm is None else 'bf16'}>" in text
+    n = D_HID * D_IN + D_OUT * D_HID                   # the matrices' flat gradient
+    assert (f"tensor<{n}x{t}>", f"tensor<{n}x{t}>") in collective_types(text, "all_reduce")
     if comm is not None:   # accumulated in fp32, sent in bf16, back to fp32 for the optimizer
         assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{n}xf32>\) -> tensor<{n}xbf16>", text)
-        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{m}xbf16>\) -> tensor<{m}xf32>", text)
-    else:
-        assert (f"tensor<{n}xbf16>", f"tensor<{m}xbf16>") not in collective_types(text, collective)
+        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{n}xbf16>\) -> tensor<{n}xf32>", text)
+
+
+@pytest.mark.parametrize("comm", [None, jnp.bfloat16])
+def test_grad_comm_dtype_in_lowered_module_layerwise(comm):
+    """optim_grads_params: each weight's gradient is reduce-scattered on its own, in grad_comm_dtype, from
+    the full [out, in] gradient of this rank to its rows; the optimizer reads fp32 shards."""
+    policy = jq.MixedPrecisionPolicy(compute_weights="fp8", grad_comm_dtype=comm)
+    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, microbatches=2)
+    text = step.lower(step.init(init_params()), make_batch()).as_text()
+    t = "bf16" if comm is not None else "f32"
+    scattered = collective_types(text, "reduce_scatter")
+    for rows, cols in ((D_HID, D_IN), (D_OUT, D_HID)):          # w1, w2: rows split over 8 ranks
+        assert (f"tensor<{rows}x{cols}x{t}>", f"tensor<{rows // 8}x{cols}x{t}>") in scattered, scattered
+    assert (f"tensor<{D_HID}x{t}>", f"tensor<{D_HID // 8}x{t}>") in scattered, scattered       # b1
+    if comm is not None:
+        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{D_HID // 8}x{D_IN}xbf16>\) -> "
+                         rf"tensor<{D_HID // 8}x{D_IN}xf32>", text)
+        assert not any("f32" in a for a, _ in scattered), scattered
 
 
 def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
@@ -249,7 +261,7 @@ def test_state_is_donated_and_params_round_trip():
                               policy=jq.MixedPrecisionPolicy(compute_weights="bf16"))
     state = step.init(params)
     assert_tree_close(step.params(state), params, rtol=0, atol=0)
-    old = state.master["matrices"]
+    old = state.master["w1"]
     assert len(old.sharding.device_set) == 8 and old.addressable_shards[0].data.shape[0] == old.shape[0] // 8
     state2, _ = step(state, make_batch())
     assert old.is_deleted()

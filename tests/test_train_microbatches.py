@@ -1,5 +1,6 @@
 """Every strategy x compute_weights with 4 microbatches on 8 simulated devices equals the single-device
-computation of the same math after 3 SGD steps, bitwise (see tests/test_train_strategies.py)."""
+computation of the same math after 3 SGD steps, bitwise, or within fp32 reordering for the layer-wise step (see
+tests/test_train_strategies.py)."""
 
 import jax
 import pytest

@@ -1,7 +1,8 @@
 """Every strategy x compute_weights with one microbatch (four: tests/test_train_microbatches.py) on 8 simulated devices equals a single-device
 computation of the same math after 3 SGD steps (tests/test_train.py: ``reference_sgd``).
 
-With fp32 gradient communication the parameters are bitwise equal (the reference adds the ranks'
+With fp32 gradient communication the parameters are bitwise equal (layer-wise FSDP with several
+microbatches: within fp32 reordering, see check_strategy_equals_single_device) (the reference adds the ranks'
 contributions in rank order, as XLA:CPU's all-reduce and reduce-scatter do); the reported loss is
 within 1e-6 relative (the reference averages the microbatch losses on the host in float64). bf16 gradient communication after one step within bf16 rounding of the 8 contributions and of
 their sum (2^-6 of the largest update: the reference adds in bf16 in rank order, XLA:CPU adds in fp32).
@@ -40,7 +41,13 @@ def check_strategy_equals_single_device(strategy, cw, microbatches):
     ref_params, ref_losses = reference(cw, microbatches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for name in ref_params:
-        np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
+        if strategy == "optim_grads_params" and microbatches > 1:
+            # layer-wise FSDP reduce-scatters each microbatch's gradient (no full-size accumulator): the sum
+            # over ranks comes before the sum over microbatches, an fp32 reordering of the same terms
+            update = float(jnp.max(jnp.abs(ref_params[name] - init_params()[name])))
+            np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-6 * update, err_msg=name)
+        else:
+            np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
     moved = float(jnp.max(jnp.abs(params["w1"] - init_params()["w1"])))
     assert moved > 1e-2, "the parameters did not train"
 

@@ -1,0 +1,248 @@
+"""Layer-wise FSDP: a master weight shard that is quantized and all-gathered where a layer reads it.
+
+``ShardedWeight`` is what ``make_train_step`` (strategy ``"optim_grads_params"``) hands ``loss_fn`` for a
+quantized parameter: this rank's rows of the fp32 master (``shard``), a gradient sink (``grad``) and
+static rules (``WeightSpec``). It is a pytree, so ``jax.lax.scan`` over a stacked ``[L, out, in]`` leaf
+hands the body one layer's ``ShardedWeight``. A layer uses it in one of two ways:
+
+* ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
+  the GEMM and keeps only the shard and the amax as residuals; the backward quantizes and gathers again
+  (the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
+  No layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward);
+* ``w.gather()``: the gathered compute weight (bf16 array, ``Float8Tensor`` or ``NVFP4Tensor`` with its
+  straight-through gradient target), for layers that take quantized tensors (``jq.sp_*``, your own).
+
+Quantizing rows: per-tensor FP8 scaling needs the whole weight's amax (one scalar ``pmax`` over the
+axes that split the weight); NVFP4 16x16 tiles are whole inside a shard whose row count is a multiple
+of 16, so each rank derives the same tile scales it would from the whole weight (docs/numerics.md §2.2-
+§2.5) and the gathered bytes equal ``quantize_fp8`` / ``quantize_nvfp4`` of the whole weight.
+
+Gradients (``GradReduce``): ``dW`` (the fp32 GEMM output rounded to bf16, the weight gradient of a bf16
+layer; a gathered array's gradient in its own dtype) is rounded to the main-grads dtype, scaled by ``1/(data-parallel ranks x microbatches)``,
+rounded to the comm dtype and reduce-scattered over the FSDP axis; ``grad`` holds the comm dtype and
+``make_train_step`` converts it to the main-grads dtype. Axes the weight is replicated over while the
+activations vary (the FSDP axis of an unsharded leaf, an HSDP replicate axis, the TP axis of a TP-replicated
+weight) are summed by JAX's own transpose of the broadcast (``psum`` in the comm dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import formats, ops
+from jaxquant.gemm import FWD_FP8, nvfp4_global_decode, pcast_varying
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor, straight_through
+
+RECIPES = ("bf16", "fp8", "nvfp4")
+COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)
+
+
+class GradReduce(NamedTuple):
+    """How a weight gradient reaches the master shard (static)."""
+
+    scale: float                 # 1 / (data-parallel ranks x microbatches): the full-batch mean loss
+    main_dtype: np.dtype         # the optimizer's gradient dtype (rounded to it before scaling)
+    comm_dtype: np.dtype         # the dtype on the wire (and of ``ShardedWeight.grad``)
+
+
+class WeightSpec(NamedTuple):
+    """Static rules of a ``ShardedWeight``.
+
+    ``recipe``: compute weight, ``"bf16"``, ``"fp8"`` or ``"nvfp4"``; ``gather_axis``: the FSDP mesh axis
+    the rows are sharded over (None: this rank holds every row); ``num_shards``: its size;
+    ``amax_axes``: the mesh axes that split the weight (the FP8/NVFP4 amax is max-reduced over them);
+    ``grad``: the gradient's way back; ``vary_axes``: axes the gathered weight is marked varying over
+    although replicated (the unsharded FSDP axis, the replicate axis), so its gradient is reduced here.
+    """
+
+    recipe: str
+    gather_axis: Optional[str]
+    num_shards: int
+    amax_axes: tuple
+    grad: GradReduce
+    vary_axes: tuple = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedWeight:
+    """This rank's rows of a master weight ``[..., out, in]`` (``shard``: ``[..., out / num_shards, in]``) and
+    its gradient sink ``grad`` (zeros of the shard's shape in the comm dtype; differentiate with respect to
+    it). ``shape`` is the logical (gathered) shape, ``dtype`` the compute dtype the layer sees."""
+
+    shard: jax.Array
+    grad: jax.Array
+    spec: WeightSpec = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple:
+        s = tuple(self.shard.shape)
+        return s[:-2] + (s[-2] * self.spec.num_shards, s[-1]) if len(s) >= 2 else s
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return COMPUTE_DTYPE
+
+    def gather(self):
+        """The gathered compute weight of one layer: a bf16 array, or a ``Float8Tensor`` / ``NVFP4Tensor``
+        (rowwise and columnwise) whose ``jq.dense`` / ``jq.sp_*`` weight gradient reaches ``grad``. Unlike
+        ``jq.dense(x, w)``, a layer that keeps the result keeps the gathered weight for its backward."""
+        _check_layer(self, "w")
+        if self.spec.recipe == "bf16":
+            return gather_array(self.shard, self.grad, self.spec)
+        q = jax.lax.stop_gradient(gathered_tensor(self.shard, self.spec))
+        return straight_through(q, _grad_funnel(self.grad, self.spec, q.shape))
+
+
+def _check_layer(w: ShardedWeight, name: str) -> None:
+    if w.shard.ndim != 2:
+        raise ValueError(f"{name}: a ShardedWeight of shape {w.shape} is a stack of layers; use one layer "
+                         f"(index it, or jax.lax.scan over the stack) as a [out, in] weight")
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantize and gather
+# ----------------------------------------------------------------------------------------------
+
+
+def _all_gather(a, spec: WeightSpec):
+    """Rows of every FSDP rank in order; marked varying (not invariant) so that the consumers' gradients
+    arrive per rank and are reduce-scattered here, in the comm dtype."""
+    if spec.gather_axis is not None:
+        a = jax.lax.all_gather(a, spec.gather_axis, tiled=True)
+    return pcast_varying(a, spec.vary_axes) if spec.vary_axes else a
+
+
+def statistics(shard, spec: WeightSpec):
+    """(amax of the whole weight, NVFP4 tile amaxes of the shard or None): one scalar ``pmax``."""
+    if spec.recipe == "fp8":
+        amax, tiles = ops.fp8_stats(shard, compute_dtype=COMPUTE_DTYPE)[0], None
+    else:
+        tiles, amax, _ = ops.nvfp4_stats(shard, compute_dtype=COMPUTE_DTYPE)
+    if spec.amax_axes:
+        # varying again after the reduction: ops' custom-call and reference branches must agree on it
+        amax = pcast_varying(jax.lax.pmax(amax, spec.amax_axes), spec.amax_axes)
+    return amax, tiles
+
+
+def gathered_operands(shard, spec: WeightSpec, stats, columnwise: bool) -> dict:
+    """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7):
+    bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``; NVFP4 ``data``, ``scale_inv`` [``data_t``,
+    ``scale_inv_t``], ``dec``. ``stats`` comes from :func:`statistics` (None for bf16)."""
+    if spec.recipe == "bf16":
+        return {"w": _all_gather(formats.to_compute_dtype(shard, COMPUTE_DTYPE), spec)}
+    amax, tiles = stats
+    if spec.recipe == "fp8":
+        local, scale_inv, _ = ops.fp8_quantize(shard, amax, dtype=FWD_FP8, compute_dtype=COMPUTE_DTYPE)
+        data = _all_gather(local, spec)
+        out = {"data": data, "scale_inv": jnp.reshape(scale_inv, ())}
+        if columnwise:
+            out["data_t"] = data.T
+        return out
+    rows, cols = shard.shape
+    local, scale_local, _, _ = ops.nvfp4_quantize(shard, tiles, amax, compute_dtype=COMPUTE_DTYPE)
+    data = _all_gather(local, spec)
+    full_rows = rows * spec.num_shards
+    pr, pc = formats.nvfp4_scale_shape(full_rows, cols)
+    scales = _all_gather(scale_local[:rows, : cols // formats.TILE], spec)
+    scale_inv = jnp.pad(scales, ((0, pr - full_rows), (0, pc - cols // formats.TILE)))   # §2.7 padding: zeros
+    out = {"data": data, "scale_inv": scale_inv, "dec": nvfp4_global_decode(amax)}
+    if columnwise:
+        out["data_t"] = ops.nvfp4_transpose(data)
+        out["scale_inv_t"] = ops.nvfp4_scale_transpose(scale_inv, rows=full_rows, cols=cols)
+    return out
+
+
+def gathered_tensor(shard, spec: WeightSpec):
+    """The whole (TP-local) weight as ``quantize_fp8`` / ``quantize_nvfp4`` with ``columnwise=True`` gives it."""
+    stats = statistics(shard, spec)
+    o = gathered_operands(shard, spec, stats, columnwise=True)
+    amax = stats[0]
+    if spec.recipe == "fp8":
+        return Float8Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(amax, ()), data_t=o["data_t"])
+    rows, cols = o["data"].shape[0], o["data"].shape[1] * 2
+    return NVFP4Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(amax, (1,)), data_t=o["data_t"],
+                       scale_inv_t=o["scale_inv_t"], shape=(rows, cols))
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradients
+# ----------------------------------------------------------------------------------------------
+
+
+def round_to(x, dtype):
+    """``x.astype(dtype)`` that XLA cannot widen away (see ``formats.to_compute_dtype``)."""
+    return formats.to_compute_dtype(x, dtype) if jnp.dtype(dtype) == COMPUTE_DTYPE else x.astype(dtype)
+
+
+def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
+    """This rank's share of ``dW`` [rows, in] (in the gradient dtype of what the layer read: bf16 for compute
+    weights, the array's dtype for gathered arrays) -> its rows of the reduced gradient, comm dtype.
+    ``sum_vary_axes=False`` leaves the sum over ``spec.vary_axes`` to the caller's broadcast
+    (:func:`vary_like`)."""
+    g = spec.grad
+    x = round_to(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
+    x = round_to(round_to(x, g.main_dtype), g.comm_dtype)
+    if spec.gather_axis is not None:
+        x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=0, tiled=True)
+    if spec.vary_axes and sum_vary_axes:
+        x = jax.lax.psum(x, spec.vary_axes)
+    return x
+
+
+def vary_like(sink, x):
+    """``sink`` marked varying over every mesh axis ``x`` varies over (a no-op on values): where a weight is
+    replicated over an axis its activations vary over (e.g. a TP-replicated weight under sequence-parallel
+    activations), JAX's transpose of this broadcast sums the gradient over that axis."""
+    zero = jax.lax.stop_gradient(jnp.sum(x.reshape(-1)[:0])).astype(sink.dtype)
+    return sink + zero
+
+
+def gather_array(shard, grad, spec: WeightSpec):
+    """The gathered array: bf16 (``recipe="bf16"``) or in the shard's own dtype (any other recipe name,
+    e.g. ``"keep"``); its gradient is reduced into ``grad`` as for a weight."""
+    return _gather_array(shard, grad, spec)
+
+
+def _gathered_array(shard, spec):
+    a = formats.to_compute_dtype(shard, COMPUTE_DTYPE) if spec.recipe == "bf16" else shard
+    return _all_gather(a, spec)
+
+
+def _gather_array_fwd(shard, grad, spec):
+    return _gathered_array(shard, spec), None
+
+
+def _gather_array_bwd(spec, _, ct):
+    return None, reduce_grad(ct, spec)
+
+
+_gather_array = jax.custom_vjp(lambda shard, grad, spec: _gathered_array(shard, spec), nondiff_argnums=(2,))
+_gather_array.defvjp(_gather_array_fwd, _gather_array_bwd)
+
+
+def _funnel_zeros(grad, spec, shape):
+    """The straight-through target of a gathered weight: zeros (never built) varying as the gathered weight."""
+    z = vary_like(jnp.zeros(shape, COMPUTE_DTYPE), grad)   # grad, a shard, varies over the gather axis
+    return pcast_varying(z, spec.vary_axes) if spec.vary_axes else z
+
+
+def _funnel_fwd(grad, spec, shape):
+    return _funnel_zeros(grad, spec, shape), None
+
+
+def _funnel_bwd(spec, shape, _, ct):
+    return (reduce_grad(ct, spec),)
+
+
+_grad_funnel = jax.custom_vjp(_funnel_zeros, nondiff_argnums=(1, 2))
+_grad_funnel.defvjp(_funnel_fwd, _funnel_bwd)

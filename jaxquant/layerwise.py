@@ -1,0 +1,337 @@
+"""The layer-wise FSDP training step (``make_train_step(strategy="optim_grads_params")``, the default).
+
+The fp32 (main) parameters stay a pytree like ``params``; each leaf is sharded on its own:
+
+* quantized leaves (``quantize_mask`` True; default every 2-D ``[out, in]`` and stacked 3-D ``[L, out, in]``
+  leaf) are split by rows over ``fsdp_axis`` and reach ``loss_fn`` as :class:`jaxquant.fsdp.ShardedWeight`:
+  ``jq.dense`` quantizes and all-gathers one layer's weight where it reads it and reduce-scatters its
+  gradient right after the weight-gradient GEMM (see ``jaxquant.fsdp``). ``jax.lax.scan`` over a stacked
+  leaf hands the body one layer; each layer is quantized with its own scales;
+* other leaves (masked matrices: bf16; everything else: the main-params dtype) are split by rows too and
+  all-gathered as arrays when ``loss_fn`` starts (embeddings, norms, routers); their gradients are
+  reduce-scattered the same way.
+
+A leaf whose rows do not split evenly (NVFP4: into multiples of 16 rows) over ``fsdp_axis`` stays whole on
+every rank (its gradient is all-reduced), so small models still train; real models' leaves split.
+
+No whole-model gathered copy, no full-size gradient buffer: per device the state is the shards of the
+master and of the optimizer state; the step holds one layer's gathered weight at a time (two with XLA's
+prefetch of the next) and shard-sized gradient accumulators.
+
+Mesh axes: ``fsdp_axis`` (required), ``tp_axis`` (tensor parallel, ``param_specs`` say which leaves split
+over it, as in ``jaxquant.train``) and ``replicate_axis`` (HSDP: parameters and optimizer state replicated
+over it, the batch split over ``(replicate_axis, fsdp_axis)``, gradients reduce-scattered over FSDP and
+summed over the replicate axis). The amax of a quantized weight is max-reduced over the axes that split
+it (FSDP rows, TP), never over the replicate axis (each replica holds the same master).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxquant import formats
+from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array
+from jaxquant.policy import TrainState, _explain_tp_errors, _leaf_name, _round_to
+
+TP_SPLITS = {"col": 0, "row": 1, None: None}     # param_specs leaf -> the matrix dimension split over tp
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRule:
+    """How one parameter is stored and what ``loss_fn`` receives for it (static)."""
+
+    name: str
+    shape: tuple
+    quantized: bool              # a ShardedWeight (else an array gathered at the start of loss_fn)
+    recipe: str                  # weights: the policy's compute weights; arrays: "bf16" or "keep"
+    spec: Any                    # PartitionSpec of the master leaf (global array)
+    weight: WeightSpec           # gather / amax / gradient rules
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    treedef: Any
+    rules: tuple
+
+    @property
+    def names(self):
+        return tuple(r.name for r in self.rules)
+
+    @property
+    def shapes(self):
+        return tuple(r.shape for r in self.rules)
+
+
+def _mask_leaves(quantize_mask, params, treedef, n):
+    if quantize_mask is None:
+        return [None] * n
+    mask = quantize_mask(params) if callable(quantize_mask) else quantize_mask
+    try:
+        leaves = treedef.flatten_up_to(mask)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"quantize_mask: must be a pytree of bools with the structure of params, or a callable "
+                         f"params -> such a pytree ({e})") from None
+    for v in leaves:
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"quantize_mask: leaves must be True or False, got {v!r}")
+    return [bool(v) for v in leaves]
+
+
+def _split_leaves(param_specs, treedef, n):
+    if param_specs is None:
+        return [None] * n
+    try:
+        specs = treedef.flatten_up_to(param_specs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"param_specs: must be a pytree with the structure of params ({e})") from None
+    out = []
+    for spec in specs:
+        if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+            spec = {0: "col", 1: "row"}.get(int(spec), spec)
+        out.append(spec)
+    return out
+
+
+def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, microbatches, param_specs=None,
+              quantize_mask=None) -> LayerPlan:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if not leaves_with_path:
+        raise ValueError("params: the parameter tree has no leaves")
+    n = len(leaves_with_path)
+    masks, splits = _mask_leaves(quantize_mask, params, treedef, n), _split_leaves(param_specs, treedef, n)
+    S = int(mesh.shape[fsdp_axis])
+    T = 1 if tp_axis is None else int(mesh.shape[tp_axis])
+    R = 1 if replicate_axis is None else int(mesh.shape[replicate_axis])
+    grad = GradReduce(float(np.float32(1.0 / (R * S * microbatches))), policy.main_grads_dtype, policy.comm_dtype)
+    rules = []
+    for (path, leaf), mask, split in zip(leaves_with_path, masks, splits):
+        name = _leaf_name(path)
+        if not hasattr(leaf, "shape") or not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"params{name}: every leaf must be a floating array, got {type(leaf).__name__}")
+        shape = tuple(int(d) for d in np.shape(leaf))
+        matrix = len(shape) in (2, 3)
+        quantized = matrix if mask is None else mask
+        if quantized and not matrix:
+            raise ValueError(f"quantize_mask{name}: only 2-D [out, in] or stacked 3-D [L, out, in] leaves can be "
+                             f"quantized, got shape {shape}")
+        if not isinstance(split, (str, type(None))) or split not in TP_SPLITS:
+            raise ValueError(f"param_specs{name}: must be 'col', 'row' or None, got {split!r}")
+        if split is not None and not matrix:
+            raise ValueError(f"param_specs{name}: only [out, in] (or stacked [L, out, in]) weights can be split "
+                             f"over TP, got shape {shape}")
+        tp_dim = TP_SPLITS[split] if T > 1 else None
+        recipe = policy.compute_weights if quantized else ("bf16" if matrix else "keep")
+        rules.append(_leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis,
+                                grad))
+    return LayerPlan(treedef, tuple(rules))
+
+
+def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis, grad):
+    lead = len(shape) - 2 if len(shape) >= 2 else 0    # stacked leaves: the layer axis is never split
+    rows_dim = lead if len(shape) >= 2 else 0
+    local = list(shape)
+    if tp_dim is not None:
+        d = lead + tp_dim
+        if shape[d] % T:
+            raise ValueError(f"param_specs{name}: dimension {d} of shape {shape} is not divisible by the tp axis "
+                             f"size {T}")
+        local[d] //= T
+    if quantized and recipe == "nvfp4" and (local[-2] % formats.TILE or local[-1] % formats.TILE):
+        raise ValueError(f"params{name}: NVFP4 compute weights need (TP-local) dimensions that are multiples of "
+                         f"16, got {tuple(local[-2:])}")
+    rows = local[rows_dim] if local else 1
+    unit = formats.TILE if quantized and recipe == "nvfp4" else 1
+    sharded = len(shape) > 0 and rows % S == 0 and (rows // S) % unit == 0
+    spec = [None] * len(shape)
+    if tp_dim == 0:
+        spec[rows_dim] = (tp_axis, fsdp_axis) if sharded else tp_axis
+    elif sharded:
+        spec[rows_dim] = fsdp_axis
+    if tp_dim == 1:
+        spec[lead + 1] = tp_axis
+    amax_axes = ((fsdp_axis,) if sharded else ()) + ((tp_axis,) if tp_dim is not None else ())
+    vary = (() if sharded else (fsdp_axis,)) + ((replicate_axis,) if replicate_axis is not None else ())
+    weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary)
+    return LeafRule(name, shape, quantized, recipe, P(*spec), weight)
+
+
+def _varying_over(x, axes):
+    """``x`` marked varying over ``axes`` whatever it varies over already (a no-op on values): a zero that
+    varies over each axis is added, and JAX broadcasts the rest."""
+    for a in axes:
+        x = x + (jax.lax.axis_index(a) * 0).astype(x.dtype)
+    return x
+
+
+def _spec_axes(spec) -> tuple:
+    out = []
+    for entry in spec:
+        out += [entry] if isinstance(entry, str) else list(entry or ())
+    return tuple(out)
+
+
+class LayerwiseTrainStep:
+    """``make_train_step(..., strategy="optim_grads_params")``: ``init``, ``__call__``, ``params``, ``lower``."""
+
+    strategy = "optim_grads_params"
+
+    def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
+                 param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None):
+        self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
+        self.microbatches, self.report_nan, self.fsdp_axis = microbatches, report_nan, fsdp_axis
+        self.tp_axis = tp_axis if tp_axis is not None and int(mesh.shape[tp_axis]) > 1 else None
+        self.replicate_axis = replicate_axis
+        self.param_specs, self.quantize_mask = param_specs, quantize_mask
+        self.num_shards = int(mesh.shape[fsdp_axis])
+        self.replicas = 1 if replicate_axis is None else int(mesh.shape[replicate_axis])
+        self.compiler_options = compiler_options
+        self._steps = {}
+
+    # -- shardings ---------------------------------------------------------------------------
+
+    @property
+    def _batch_axes(self):
+        return (self.fsdp_axis,) if self.replicate_axis is None else (self.replicate_axis, self.fsdp_axis)
+
+    def _master_shardings(self, plan):
+        return jax.tree_util.tree_unflatten(plan.treedef, [NamedSharding(self.mesh, r.spec) for r in plan.rules])
+
+    def _opt_shardings(self, plan, opt_state):
+        """The optimizer state's shardings: every subtree shaped like params is sharded like the master."""
+        master = self._master_shardings(plan)
+        replicated = NamedSharding(self.mesh, P())
+        like_params = lambda node: jax.tree_util.tree_structure(node) == plan.treedef
+        return jax.tree.map(lambda node: master if like_params(node) else replicated, opt_state,
+                            is_leaf=like_params)
+
+    # -- per rank ----------------------------------------------------------------------------
+
+    def _body(self, plan, masters, batch):
+        """Inside shard_map over every mesh axis: (mean loss, gradient shards[, non-finite flags])."""
+        pol, k = self.policy, self.microbatches
+        sinks = [_varying_over(jnp.zeros(m.shape, pol.comm_dtype), _spec_axes(r.spec))
+                 for m, r in zip(masters, plan.rules)]
+
+        def loss_of(sinks, mb):
+            leaves = [ShardedWeight(m, s, r.weight) if r.quantized else gather_array(m, s, r.weight)
+                      for m, s, r in zip(masters, sinks, plan.rules)]
+            loss = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb)
+            if jnp.shape(loss) != ():
+                raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(loss)}")
+            return loss.astype(jnp.float32)
+
+        grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis)
+        to_main = lambda g: [_round_to(a, pol.main_grads_dtype) for a in g]
+        if k == 1:
+            loss, grads = grad_fn(sinks, batch)
+            grads = to_main(grads)
+        else:
+            mbs = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
+
+            def accumulate(carry, mb):
+                loss_sum, acc = carry
+                l, g = grad_fn(sinks, mb)
+                return (loss_sum + l, [a + b for a, b in zip(acc, to_main(g))]), None
+
+            zeros = [s.astype(pol.main_grads_dtype) for s in sinks]
+            loss0 = _varying_over(jnp.float32(0), self._batch_axes)
+            (loss, grads), _ = jax.lax.scan(accumulate, (loss0, zeros), mbs)
+            loss = loss / k
+        axes = tuple(self.mesh.axis_names)
+        if self.tp_axis is not None:   # the loss is the same on every TP rank: count TP rank 0's
+            loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
+        parts = [loss]
+        if self.report_nan:   # each rank checks its shard of the reduced gradient (only > 0 is read)
+            parts += [jnp.any(~jnp.isfinite(g)).astype(jnp.float32) for g in grads]
+        stats = jax.lax.psum(jnp.stack([_varying_over(p, axes) for p in parts]), axes)
+        out = (stats[0] / (self.num_shards * self.replicas), grads)
+        return out + ((stats[1:] > 0,) if self.report_nan else ())
+
+    def _grads(self, plan, master, batch):
+        out_specs = (P(), [r.spec for r in plan.rules]) + ((P(),) if self.report_nan else ())
+        fn = jax.shard_map(functools.partial(self._body, plan), mesh=self.mesh,
+                           in_specs=([r.spec for r in plan.rules], P(self._batch_axes)), out_specs=out_specs)
+        return fn(jax.tree_util.tree_leaves(master), batch)
+
+    def _step_fn(self, plan, state: TrainState, batch):
+        master = state.master
+        loss, grads, *flags = self._grads(plan, master, batch)
+        grads = jax.tree_util.tree_unflatten(plan.treedef, grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
+        new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
+        new_master = jax.lax.with_sharding_constraint(new_master, self._master_shardings(plan))
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self._opt_shardings(plan, opt_state))
+        metrics = {"loss": loss}
+        if self.report_nan:
+            ok = jnp.logical_not(jnp.any(flags[0]))
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
+            metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, list(flags[0]))
+            metrics["update_skipped"] = jnp.logical_not(ok)
+        return TrainState(new_master, opt_state, None, state.step + 1, plan), metrics
+
+    def _compiled(self, plan):
+        if plan not in self._steps:
+            self._steps[plan] = jax.jit(functools.partial(self._step_fn, plan), donate_argnums=0,
+                                        compiler_options=self.compiler_options)
+        return self._steps[plan]
+
+    # -- public ------------------------------------------------------------------------------
+
+    def plan(self, params) -> LayerPlan:
+        return make_plan(params, policy=self.policy, mesh=self.mesh, fsdp_axis=self.fsdp_axis,
+                         tp_axis=self.tp_axis, replicate_axis=self.replicate_axis, microbatches=self.microbatches,
+                         param_specs=self.param_specs, quantize_mask=self.quantize_mask)
+
+    def init(self, params) -> TrainState:
+        """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
+        plan = self.plan(params)
+        dtype = self.policy.main_params_dtype
+        master = jax.jit(lambda p: jax.tree.map(lambda a: jnp.asarray(a, dtype), p),
+                         out_shardings=self._master_shardings(plan))(params)
+        opt_shape = jax.eval_shape(self.optimizer.init, master)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
+        return TrainState(master, opt_state, None, jnp.int32(0), plan)
+
+    def __call__(self, state: TrainState, batch):
+        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan)(state, batch)
+
+    def lower(self, state: TrainState, batch):
+        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan).lower(state, batch)
+
+    def params(self, state: TrainState):
+        """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: must be the TrainState from step.init, got {type(state).__name__}")
+        replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state.master)
+        return jax.jit(lambda m: m, out_shardings=replicated)(state.master)
+
+    def _check_call(self, state, batch):
+        if not isinstance(state, TrainState) or not isinstance(state.plan, LayerPlan):
+            raise TypeError(f"state: must be the TrainState from this step's init, got {type(state).__name__}")
+        if not jax.tree_util.tree_leaves(batch):
+            raise ValueError("batch: has no arrays")
+        n = self.num_shards * self.replicas * self.microbatches
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            if np.ndim(leaf) < 1 or np.shape(leaf)[0] % n:
+                axes = " x ".join(self._batch_axes)
+                raise ValueError(f"batch{_leaf_name(path)}: the leading (batch) axis must be a multiple of {axes} "
+                                 f"size x microbatches = {n}, got shape {tuple(np.shape(leaf))}")
+
+
+def default_compiler_options(mesh) -> Optional[dict]:
+    """XLA options of the step's executable: on GPU, GEMMs go to cuBLAS(Lt) instead of Triton fusions whose
+    autotuning made the FP8 step compile for minutes (no process-wide flag needed)."""
+    platforms = {d.platform for d in mesh.devices.flat}
+    return {"xla_gpu_enable_triton_gemm": False} if platforms & {"gpu", "cuda", "rocm"} else None

@@ -1,0 +1,117 @@
+"""What every training step shares: the mixed-precision policy, the train state, the non-finite report
+and small helpers (``jaxquant.train`` and ``jaxquant.layerwise`` build the steps)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
+MASTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)   # dtype of compute weights and of their gradients
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of a training step (Megatron-FSDP's mixed-precision controls).
+
+    ``main_params_dtype``: master weights and optimizer inputs (float32 or bfloat16);
+    ``main_grads_dtype``: gradient accumulation over microbatches and the optimizer's gradient;
+    ``grad_comm_dtype``: dtype gradients travel in (None: ``main_grads_dtype``);
+    ``compute_weights``: what ``loss_fn`` receives for 2-D parameters, ``"bf16"``, ``"fp8"`` or ``"nvfp4"``.
+    """
+
+    main_params_dtype: Any = jnp.float32
+    main_grads_dtype: Any = jnp.float32
+    grad_comm_dtype: Any = None
+    compute_weights: str = "bf16"
+
+    def __post_init__(self):
+        for name, allowed in (("main_params_dtype", MASTER_DTYPES), ("main_grads_dtype", GRAD_DTYPES),
+                              ("grad_comm_dtype", GRAD_DTYPES)):
+            value = getattr(self, name)
+            if value is None and name == "grad_comm_dtype":
+                continue
+            try:
+                dt = jnp.dtype(value)
+            except TypeError:
+                raise TypeError(f"{name}: must be a dtype, got {value!r}") from None
+            if dt not in allowed:
+                raise ValueError(f"{name}: must be one of {[str(a) for a in allowed]}, got {dt}")
+            object.__setattr__(self, name, dt)
+        if self.compute_weights not in COMPUTE_WEIGHTS:
+            raise ValueError(f"compute_weights: must be one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
+
+    @property
+    def comm_dtype(self):
+        return self.main_grads_dtype if self.grad_comm_dtype is None else self.grad_comm_dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """``master``: ``{"matrices": flat, "others": flat}`` main params (sharded over ``fsdp_axis`` except
+    with ``no_shard``); ``opt_state``: the optimizer's state (sharded like ``master``); ``weights``: the
+    gathered compute weights (``optim`` / ``optim_grads``) or None; ``step``: int32 steps taken."""
+
+    master: dict
+    opt_state: Any
+    weights: Any
+    step: jax.Array
+    plan: _Plan = dataclasses.field(metadata=dict(static=True))
+
+
+def _round_to(x, dtype):
+    """``x.astype(dtype)`` with the rounding kept. XLA's excess precision (on by default on GPU) may
+    drop an fp32 -> bf16 convert whose result is widened again (a gradient "sent" in bf16 on one rank,
+    a bf16 main-grads cast), so bf16 rounding and overflow to inf would differ between backends and
+    rank counts; ``reduce_precision`` is never dropped and rounds the same way (nearest even)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return x.astype(dtype)
+
+
+def _explain_tp_errors(fn, tp_axis):
+    """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
+    if tp_axis is None:
+        return fn
+
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            if "manual axis types do not match" not in str(e):
+                raise
+            raise ValueError(f"loss_fn: a TP-split weight met an activation that is the same on every {tp_axis!r} "
+                             f"rank; mark the input of a column-parallel dense as varying over {tp_axis!r} first "
+                             f"(jax.lax.pcast(x, {tp_axis!r}, to='varying')) and psum row-parallel outputs over "
+                             f"it ({e})") from e
+
+    return wrapped
+
+
+def _leaf_name(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def raise_if_nonfinite(metrics) -> None:
+    """Raise ``FloatingPointError`` naming every parameter whose gradient was non-finite in the step
+    that produced ``metrics`` (``make_train_step(..., report_nan=True)``). Reads device values."""
+    if not isinstance(metrics, dict) or "nonfinite" not in metrics:
+        raise ValueError("metrics: has no 'nonfinite' entry; build the step with make_train_step(..., report_nan=True)")
+    flags = jax.tree_util.tree_flatten_with_path(jax.device_get(metrics["nonfinite"]))[0]
+    bad = [_leaf_name(path) for path, flag in flags if bool(flag)]
+    if bad:
+        raise FloatingPointError(f"non-finite (NaN or ±inf) gradient in parameter(s) {', '.join(bad)}; "
+                                 f"the update of this step was skipped")
