@@ -11,7 +11,7 @@
 # runs under it; DIST=1 runs the multi-GPU distributed
 # benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default "--profile --pieces 1,2,8": per-kernel breakdown and other gather piece counts; DIST_NCCL_PROTOS, e.g. "default Simple", repeats it per NCCL protocol; DIST_NCCL_TUNING=1 logs NCCL's protocol choice); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size, TRAIN_BATCH its sequences per GPU, default "2 8"; TRAIN_DEMO=0
-# skips the demo runs) and benchmarks/bench_dense.py. SKIP_BUILD=1 reuses the
+# skips the demo runs) and benchmarks/bench_dense.py; E2E=1 runs benchmarks/bench_e2e.py (E2E_ARGS). SKIP_BUILD=1 reuses the
 # extension a previous call built on this (still warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,5 +136,12 @@ if [ "${TRAIN:-0}" = 1 ]; then
   section "bench_dense (FP8 vs bf16 dense, forward + backward)"
   { echo '```'; timeout 120 python3 benchmarks/bench_dense.py --json "$OUT/bench_dense.json" 2>&1 | tail -8
     echo '```'; } | tee -a "$report"
+fi
+# The training step end to end: plain JAX bf16 beside make_train_step (bf16 / FP8 / NVFP4), every GPU,
+# each config in its own process; E2E_ARGS overrides the model / flag sets (benchmarks/bench_e2e.py --help).
+if [ "${E2E:-0}" = 1 ]; then
+  section "bench_e2e ($ngpu GPUs)"
+  { echo '```'; timeout "${E2E_TIMEOUT:-500}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} --json "$OUT/e2e.json" \
+      2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tee "$OUT/e2e.txt"; echo '```'; } | tee -a "$report"
 fi
 exit $status

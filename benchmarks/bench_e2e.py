@@ -1,0 +1,341 @@
+"""End-to-end training step: plain JAX bf16 (what a user writes without jaxquant) beside ``make_train_step``
+with bf16 / FP8 / NVFP4 weights, on Llama-shaped decoder blocks, each configuration in its own process.
+
+Model: ``--layers`` pre-norm decoder blocks (RMSNorm, attention with ``--heads`` query and ``--kv-heads``
+key/value heads of 128, cuDNN flash attention on GPU, SwiGLU MLP of width ``--ffn``), MSE loss on the
+last block's output, fp32 master weights + optax Adam, FSDP over every device (``--batch`` sequences of
+``--seq`` tokens per device). No embedding (the issue's model; ``jaxquant demo`` has one).
+
+Configurations:
+* ``plain-loop``: fp32 params, one leaf per layer and matrix, ``NamedSharding(mesh, P("fsdp", None))``,
+  cast to bf16 inside the loss, ``jax.jit`` (XLA inserts the gathers and reduce-scatters);
+* ``plain-scan``: the same with stacked ``[L, out, in]`` params sharded ``P(None, "fsdp", None)`` under
+  ``jax.lax.scan`` (MaxText's form);
+* ``jq-bf16`` / ``jq-fp8`` / ``jq-nvfp4``: ``make_train_step`` (layer-wise FSDP) over stacked params under
+  ``scan``; ``jq-*-loop`` the same with per-layer leaves.
+
+``× plain`` divides the fastest plain form's step time (same XLA flags) by the config's. TFLOP/s per GPU
+counts model FLOPs: 6 x matrix parameters x tokens + 12 x layers x seq x hidden x tokens (attention
+scores and values, forward + backward, causal mask not discounted); recomputation is not counted.
+
+    python benchmarks/bench_e2e.py                       # every config, default XLA flags and MaxText's
+    python benchmarks/bench_e2e.py --configs jq-fp8 --layers 40 --hidden 5120 --heads 40 --kv-heads 40 \\
+        --ffn 13824 --remat                              # Llama-2-13B-shaped
+CPU smoke: ``--tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = ("plain-loop", "plain-scan", "jq-bf16", "jq-fp8", "jq-nvfp4")
+EXTRA_CONFIGS = ("jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop")
+# MaxText's recommended XLA GPU flags (those this XLA still has)
+MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
+                 "--xla_gpu_enable_while_loop_double_buffering=true --xla_gpu_enable_pipelined_all_gather=true "
+                 "--xla_gpu_enable_pipelined_reduce_scatter=true --xla_gpu_enable_pipelined_all_reduce=true "
+                 "--xla_gpu_all_gather_combine_threshold_bytes=134217728 "
+                 "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728")
+FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS + EXTRA_CONFIGS}")
+    p.add_argument("--flags", default="default,maxtext", help=f"comma list of XLA flag sets {tuple(FLAG_SETS)}")
+    p.add_argument("--layers", type=int, default=4, help="decoder blocks")
+    p.add_argument("--hidden", type=int, default=4096, help="model width")
+    p.add_argument("--heads", type=int, default=32, help="query heads (of 128)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (of 128)")
+    p.add_argument("--ffn", type=int, default=14336, help="SwiGLU hidden width")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=2, help="sequences per device")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--remat", action="store_true", help="jax.checkpoint around each block")
+    p.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke test)")
+    p.add_argument("--profile", default=None, help="directory: trace 3 steps of each config; report the exposed "
+                                                   "collective time from the trace")
+    p.add_argument("--json", default=None, help="write every result here")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child process: run this config
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch = 2, 256, 2, 1, 512, 64, 2
+    args.head_dim = 128
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# The model (one definition for both sides: ``matmul(x, w)`` is the only difference)
+# ----------------------------------------------------------------------------------------------
+
+
+def shapes(a):
+    hd, e = a.head_dim, a.hidden
+    return {"wq": (a.heads * hd, e), "wk": (a.kv_heads * hd, e), "wv": (a.kv_heads * hd, e),
+            "wo": (e, a.heads * hd), "w_gate": (a.ffn, e), "w_up": (a.ffn, e), "w_down": (e, a.ffn)}
+
+
+def init_params(a, stacked: bool):
+    import jax
+    import jax.numpy as jnp
+
+    layers = []
+    for i in range(a.layers):
+        ks = jax.random.split(jax.random.key(i), len(shapes(a)))
+        layer = {n: jax.random.normal(k, s, jnp.float32) / math.sqrt(s[1]) for k, (n, s) in zip(ks, shapes(a).items())}
+        layer |= {"attn_norm": jnp.ones((1, a.hidden), jnp.float32), "mlp_norm": jnp.ones((1, a.hidden), jnp.float32)}
+        layers.append(layer)
+    if stacked:
+        return {"blocks": jax.tree.map(lambda *x: jnp.stack(x), *layers)}
+    return {"blocks": layers}
+
+
+def block(a, h, p, matmul):
+    import jax
+    import jax.numpy as jnp
+
+    def norm(x, w):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * w).astype(jnp.bfloat16)
+
+    b, s, _ = h.shape
+    x = norm(h, p["attn_norm"])
+    q = matmul(x, p["wq"]).reshape(b, s, a.heads, a.head_dim)
+    k = matmul(x, p["wk"]).reshape(b, s, a.kv_heads, a.head_dim)
+    v = matmul(x, p["wv"]).reshape(b, s, a.kv_heads, a.head_dim)
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl).reshape(b, s, -1)
+    h = h + matmul(o, p["wo"])
+    x = norm(h, p["mlp_norm"])
+    return h + matmul(jax.nn.silu(matmul(x, p["w_gate"])) * matmul(x, p["w_up"]), p["w_down"])
+
+
+def forward(a, params, x, matmul, scan: bool):
+    import jax
+
+    body = lambda h, p: (block(a, h, p, matmul), None)
+    if a.remat:
+        body = jax.checkpoint(body)
+    if scan:
+        return jax.lax.scan(body, x, params["blocks"])[0]
+    for p in params["blocks"]:
+        x = body(x, p)[0]
+    return x
+
+
+def mse(y, target):
+    import jax.numpy as jnp
+
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - target))
+
+
+def model_flops(a, tokens):
+    matrix_params = a.layers * sum(r * c for r, c in shapes(a).values())
+    return 6 * matrix_params * tokens + 12 * a.layers * a.seq * a.hidden * tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# One config (child process)
+# ----------------------------------------------------------------------------------------------
+
+
+def _make_plain(a, mesh, scan):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    params = init_params(a, stacked=scan)
+    lead = (None,) if scan else ()
+    spec = lambda x: P(*lead, "fsdp", None) if x.shape[-2] % mesh.size == 0 and x.shape[-2] > 1 else P()
+    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), params)
+    opt = optax.adam(1e-4)
+    state = (params, jax.jit(opt.init)(params))
+    matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
+
+    def step(state, batch):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(lambda p: mse(forward(a, p, batch["x"], matmul, scan), batch["y"]))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return jax.jit(step, donate_argnums=0), state
+
+
+def _make_jq(a, mesh, recipe, scan):
+    import jax
+    import optax
+
+    import jaxquant as jq
+
+    params = init_params(a, stacked=scan)
+    mask = jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
+    step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
+                              policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
+    state = step.init(params)
+
+    def run(state, batch):
+        state, metrics = step(state, batch)
+        return state, metrics["loss"]
+
+    return run, state
+
+
+def run_one(a, config):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    n = mesh.size
+    scan = not config.endswith("-loop")
+    if config.startswith("plain"):
+        fn, state = _make_plain(a, mesh, scan)
+    else:
+        fn, state = _make_jq(a, mesh, config.split("-")[1], scan)
+    kx, ky = jax.random.split(jax.random.key(7))
+    shape = (a.batch * n, a.seq, a.hidden)
+    batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}
+    batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
+    t0 = time.perf_counter()
+    state, loss = fn(state, batch)
+    jax.block_until_ready(loss)
+    first = time.perf_counter() - t0
+    state, loss = fn(state, batch)
+    jax.block_until_ready(loss)
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        state, loss = fn(state, batch)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    trace = None
+    if a.profile:
+        path = os.path.join(a.profile, config)
+        with jax.profiler.trace(path, create_perfetto_trace=True):
+            for _ in range(3):
+                state, loss = fn(state, batch)
+            jax.block_until_ready(loss)
+        trace = exposed_collectives(path, steps=3)
+    stats = jax.devices()[0].memory_stats() or {}
+    tokens = a.batch * n * a.seq
+    return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
+            "tflops_per_gpu": model_flops(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
+            "device": jax.devices()[0].device_kind, "trace": trace}
+
+
+def exposed_collectives(path, steps):
+    """From the Perfetto trace of ``steps`` steps: per step, ms of collective (NCCL) kernels on GPU 0 and ms
+    of them not overlapped by any other kernel of GPU 0 (exposed)."""
+    import glob
+    import gzip
+
+    files = glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return None
+    with gzip.open(files[0]) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
+    gpu0 = [pid for pid, name in names.items() if "GPU:0" in name or name.endswith("/device:GPU:0")]
+    if not gpu0:
+        return None
+    comm, comp = [], []
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
+            iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            (comm if "nccl" in e.get("name", "").lower() else comp).append(iv)
+    union = lambda ivs: _merge(sorted(ivs))
+    comm_u, comp_u = union(comm), union(comp)
+    total = sum(b - a for a, b in comm_u)
+    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm_u for c, d in comp_u if c < b and a < d)
+    busy = sum(b - a for a, b in union(comm + comp))
+    return {"collective_ms": total / steps / 1e3, "exposed_collective_ms": (total - hidden) / steps / 1e3,
+            "busy_ms": busy / steps / 1e3}
+
+
+def _merge(ivs):
+    out = []
+    for a, b in ivs:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.one:
+        print("RESULT " + json.dumps(run_one(a, a.one)), flush=True)
+        return 0
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS]
+    flag_sets = [f.strip() for f in a.flags.split(",") if f.strip()]
+    bad += [f for f in flag_sets if f not in FLAG_SETS]
+    if bad:
+        print(f"unknown config or flag set: {bad}", file=sys.stderr)
+        return 2
+    argv = [x for x in (sys.argv[1:] if argv is None else argv)]
+    results = []
+    for flags in flag_sets:
+        for config in configs:
+            env = dict(os.environ)
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]).strip()
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", config]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not line:
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+                print(f"{flags:8s} {config:14s} FAILED (exit {proc.returncode}, {time.perf_counter() - t0:.0f} s):\n{tail}",
+                      flush=True)
+                results.append({"config": config, "flags": flags, "error": tail})
+                continue
+            r = json.loads(line[0][7:]) | {"flags": flags}
+            results.append(r)
+            print(f"{flags:8s} {config:14s} {r['step_ms']:8.1f} ms  {r['tflops_per_gpu']:6.0f} TFLOP/s  "
+                  f"{r['peak_gib']:6.1f} GiB  compile {r['compile_s']:6.1f} s", flush=True)
+    print_table(results, a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "results": results}, f, indent=1)
+    return 1 if any("error" in r for r in results) else 0
+
+
+def print_table(results, a):
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return
+    print(f"\n{ok[0]['device']} x {ok[0]['devices']}, {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, "
+          f"seq {a.seq} x {a.batch} per device{', remat' if a.remat else ''}")
+    print("| flags | config | step ms | tokens/s | x plain | TFLOP/s/GPU | peak GiB | compile s | exposed coll. ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in ok:
+        plains = [p["step_ms"] for p in ok if p["flags"] == r["flags"] and p["config"].startswith("plain")]
+        ratio = f"{min(plains) / r['step_ms']:.2f}" if plains else "-"
+        t = r.get("trace") or {}
+        exposed = f"{t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f}" if t else "-"
+        print(f"| {r['flags']} | {r['config']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+              f"{r['tflops_per_gpu']:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.1f} | {exposed} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
