@@ -286,3 +286,38 @@ def test_inspect_verify_says_what_it_read_and_fails_on_a_flipped_byte(src, tmp_p
         assert f"zip entry archive/{entry}" in r.stdout, r.stdout
     r = cli("inspect", str(tmp_path / "bad_w"))  # without --verify the data is not read, and it says so
     assert r.returncode == 0 and "not verified" in r.stdout
+
+
+# Runs the top-level CLI with Orbax and TensorStore made unimportable (None in sys.modules), as on a machine
+# without the "orbax" extra.
+_WITHOUT_ORBAX = ("import sys\n"
+                  "for name in ('tensorstore', 'orbax', 'orbax.checkpoint'):\n"
+                  "    sys.modules[name] = None\n"
+                  "from jaxquant.cli import main\n"
+                  "sys.exit(main(sys.argv[1:]))\n")
+
+
+def _cli_without_orbax(*args):
+    return subprocess.run([sys.executable, "-c", _WITHOUT_ORBAX, "ckpt"] + [str(a) for a in args], env=common.env(),
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("direction", ["to_orbax", "from_orbax"])
+def test_convert_without_orbax_installed_names_the_extra_in_one_line(src, tmp_path, direction):
+    if direction == "to_orbax":
+        args = (src, tmp_path / "out", "--to", "orbax")
+    else:
+        r = cli("convert", src, tmp_path / "o", "--to", "orbax", "--no-progress")
+        assert r.returncode == 0, r.stderr
+        args = (tmp_path / "o", tmp_path / "out", "--to", "dcp")
+    r = _cli_without_orbax("convert", *args, "--no-progress")
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("jaxquant ckpt convert: error: ")
+    assert 'pip install "jaxquant[orbax]"' in lines[0]
+    assert 'pip install --no-build-isolation -e ".[orbax]"' in lines[0]
+    assert not os.path.exists(tmp_path / "out") and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    r = _cli_without_orbax("inspect", src)  # DCP alone needs no Orbax
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr

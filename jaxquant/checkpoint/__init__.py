@@ -7,8 +7,8 @@ safety model.
 from jaxquant.checkpoint.convert import convert, dcp_to_dcp, dcp_to_orbax, orbax_to_dcp
 from jaxquant.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                         CoverageError, DestinationError, DestinationExistsError,
-                                        IncompleteCheckpointError, KeyMismatchError, UnknownDtypeError,
-                                        UnsafePickleError)
+                                        IncompleteCheckpointError, KeyMismatchError, MissingDependencyError,
+                                        UnknownDtypeError, UnsafePickleError)
 from jaxquant.checkpoint.interrupt import Interrupted
 from jaxquant.checkpoint.inspect import inspect_dcp
 from jaxquant.checkpoint.reader import load_dcp
@@ -20,5 +20,5 @@ __all__ = [
     "inspect_dcp", "LocalShards", "QUANT_INFO_KEY",
     "CheckpointError", "CorruptCheckpointError", "UnsafePickleError", "UnknownDtypeError", "CoverageError",
     "KeyMismatchError", "DestinationError", "DestinationExistsError", "IncompleteCheckpointError",
-    "CheckpointNotFoundError", "Interrupted",
+    "CheckpointNotFoundError", "MissingDependencyError", "Interrupted",
 ]

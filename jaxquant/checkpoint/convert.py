@@ -19,7 +19,7 @@ from jaxquant.checkpoint import fsutil, interrupt, quantnp
 from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from jaxquant.checkpoint.layout import volume
 from jaxquant.checkpoint.metadata import BytesEntry
-from jaxquant.checkpoint.orbax_io import OrbaxSink, OrbaxSource, is_orbax
+from jaxquant.checkpoint.orbax_io import OrbaxSink, OrbaxSource, is_orbax, require_orbax
 from jaxquant.checkpoint.progress import Progress
 from jaxquant.checkpoint.reader import ChunkReader
 from jaxquant.checkpoint.safepickle import safe_loads
@@ -143,6 +143,8 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
         raise CheckpointError(f"to: must be 'dcp' or 'orbax', got {to!r}")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise CheckpointError(f"{dst}: destination is the source")
+    if to == "orbax":
+        require_orbax("convert --to orbax")  # before anything is read or created
     fsutil.check_destination(dst)
     source = _open_source(src, verify)
     if to == "orbax" and isinstance(source, OrbaxSource):

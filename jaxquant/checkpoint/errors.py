@@ -42,5 +42,10 @@ class DestinationExistsError(DestinationError):
     """The destination exists and is not an empty directory."""
 
 
+class MissingDependencyError(CheckpointError):
+    """An optional dependency is not installed (Orbax interop: the ``orbax`` extra); the message says how to
+    install it."""
+
+
 class IncompleteCheckpointError(CheckpointError):
     """The directory is a staging directory left by an interrupted write."""

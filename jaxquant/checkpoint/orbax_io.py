@@ -16,11 +16,24 @@ import numpy as np
 
 from jaxquant.checkpoint import dtypes as dt
 from jaxquant.checkpoint import fsutil, interrupt, orbax_layout
-from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from jaxquant.checkpoint.errors import CheckpointError, CorruptCheckpointError, MissingDependencyError
 from jaxquant.checkpoint.layout import rel_slices, volume
 from jaxquant.checkpoint.safepickle import dumps
 
 EXTRA_KEY = "__jaxquant_dcp__"
+
+INSTALL_ORBAX = 'pip install "jaxquant[orbax]" (from a checkout: pip install --no-build-isolation -e ".[orbax]")'
+
+
+def require_orbax(what: str) -> None:
+    """Import Orbax and TensorStore, or raise :class:`MissingDependencyError` (one line naming the ``orbax``
+    extra). ``what``: the operation that needs them, e.g. "convert --to orbax"."""
+    try:
+        import orbax.checkpoint  # noqa: F401
+        import tensorstore  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise MissingDependencyError(f"{what} needs orbax-checkpoint and tensorstore, and {e.name or e} is not "
+                                     f"installed; install the orbax extra: {INSTALL_ORBAX}") from None
 
 
 def _ocp():
@@ -39,6 +52,7 @@ class OrbaxSource:
 
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
+        require_orbax(f"{path}: reading an Orbax checkpoint")
         ocp = _ocp()
         self._ck = ocp.PyTreeCheckpointer()
         try:
@@ -213,6 +227,7 @@ class OrbaxSink:
     """
 
     def __init__(self, dst: str, staging: str):
+        require_orbax("writing an Orbax checkpoint")
         import tensorstore as ts
 
         orbax_layout.check_version()
