@@ -10,14 +10,14 @@ from jaxquant.checkpoint.errors import (CheckpointError, CheckpointNotFoundError
                                         IncompleteCheckpointError, KeyMismatchError, MissingDependencyError,
                                         UnknownDtypeError, UnsafePickleError)
 from jaxquant.checkpoint.interrupt import Interrupted
-from jaxquant.checkpoint.inspect import inspect_dcp
+from jaxquant.checkpoint.inspect import inspect_checkpoint, inspect_dcp, inspect_orbax
 from jaxquant.checkpoint.reader import load_dcp
 from jaxquant.checkpoint.tree import QUANT_INFO_KEY
 from jaxquant.checkpoint.writer import LocalShards, finalize_dcp, save_dcp
 
 __all__ = [
     "save_dcp", "finalize_dcp", "load_dcp", "dcp_to_orbax", "orbax_to_dcp", "dcp_to_dcp", "convert",
-    "inspect_dcp", "LocalShards", "QUANT_INFO_KEY",
+    "inspect_dcp", "inspect_orbax", "inspect_checkpoint", "LocalShards", "QUANT_INFO_KEY",
     "CheckpointError", "CorruptCheckpointError", "UnsafePickleError", "UnknownDtypeError", "CoverageError",
     "KeyMismatchError", "DestinationError", "DestinationExistsError", "IncompleteCheckpointError",
     "CheckpointNotFoundError", "MissingDependencyError", "Interrupted",

@@ -22,10 +22,10 @@ def _error(command: str, e: Exception) -> int:
 
 def _inspect(args) -> int:
     from jaxquant.checkpoint.errors import CheckpointError
-    from jaxquant.checkpoint.inspect import format_report, inspect_dcp
+    from jaxquant.checkpoint.inspect import format_report, inspect_checkpoint
 
     try:
-        rep = inspect_dcp(args.path, verify=args.verify)
+        rep = inspect_checkpoint(args.path, verify=args.verify)
     except (CheckpointError, OSError) as e:
         return _error("inspect", e)
     except Interrupted as e:
@@ -58,9 +58,11 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     ckpt = subparsers.add_parser("ckpt", help="PyTorch DCP / Orbax checkpoints: inspect and convert")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
 
-    p = sub.add_parser("inspect", help="keys, dtypes, shapes, chunks and soundness of a DCP directory")
+    p = sub.add_parser("inspect", help="keys, dtypes, shapes, chunks and soundness of a DCP checkpoint; "
+                       "keys, dtypes and shapes of an Orbax checkpoint")
     p.add_argument("path")
-    p.add_argument("--verify", action="store_true", help="also check every record's CRC-32 (reads all data)")
+    p.add_argument("--verify", action="store_true", help="also read all data: DCP: check every record's CRC-32; Orbax: "
+                   "restore every key")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_inspect)
 

@@ -1,11 +1,13 @@
-"""``inspect_dcp``: is a DCP directory sound? Keys, dtypes, shapes, chunks, coverage, bytes present."""
+"""``inspect_dcp``: is a DCP directory sound? Keys, dtypes, shapes, chunks, coverage, bytes present.
+``inspect_orbax``: the keys, dtypes and shapes of an Orbax PyTree checkpoint (what ``convert --to orbax``
+writes); ``inspect_checkpoint`` picks one by what the directory holds."""
 
 from __future__ import annotations
 
 import os
 
 from jaxquant.checkpoint import dtypes as dt
-from jaxquant.checkpoint import torchsave
+from jaxquant.checkpoint import fsutil, torchsave
 from jaxquant.checkpoint.errors import CheckpointError
 from jaxquant.checkpoint.layout import coverage_problems, volume
 from jaxquant.checkpoint.metadata import BytesEntry
@@ -72,11 +74,63 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
         problems += [p if f"key {row['key']!r}" in p else f"key {row['key']!r}: {p}" for p in row["problems"]]
     files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
     verified["files"] = len(verified["files"])
-    return {"path": path, "ok": not problems, "problems": problems, "keys": keys, "files": files,
+    return {"path": path, "format": "dcp", "ok": not problems, "problems": problems, "keys": keys, "files": files,
             "total_bytes": sum(k["nbytes"] for k in keys), "verified": verified if verify else None}
 
 
+def inspect_orbax(path: str, *, verify: bool = False) -> dict:
+    """A report on the Orbax PyTree checkpoint at ``path`` (the fields of :func:`inspect_dcp`'s, ``format``
+    "orbax"): per key its kind, dtype, shape, number of zarr chunks (None where Orbax records no chunk shape)
+    and bytes. Nested keys are joined with '.'; DCP byte entries that ``convert --to orbax`` keeps in its
+    metadata leaf are listed as bytes. ``verify`` restores every tensor and value through Orbax, one at a time
+    (memory: the largest tensor); a key that cannot be read is a problem. Needs the ``orbax`` extra."""
+    from jaxquant.checkpoint.orbax_io import OrbaxSource
+
+    fsutil.check_source_dir(path)
+    source = OrbaxSource(path)
+    keys, problems = [], []
+    verified = {"keys": 0, "bytes": 0}
+    for key in source.keys():
+        row = {"key": key, "problems": []}
+        keys.append(row)
+        if source.kind(key) == "value":
+            row.update(kind="bytes", dtype=None, shape=None, chunks=1, nbytes=0)
+            read = lambda: source.value_pickle(key)  # noqa: E731
+        else:
+            dtype, shape = source.tensor_meta(key)
+            chunk = source.chunk_shape(key)
+            nchunks = None if chunk is None else volume(-(-n // max(c, 1)) for n, c in zip(shape, chunk))
+            row.update(kind="tensor", dtype=dtype.name, shape=list(shape), chunks=nchunks,
+                       nbytes=volume(shape) * dtype.itemsize)
+            read = lambda: source.full(key)  # noqa: E731
+        if verify:
+            try:
+                out = read()
+                verified["keys"] += 1
+                verified["bytes"] += getattr(out, "nbytes", 0)
+                del out
+            except Exception as err:  # Orbax/TensorStore raise their own types
+                row["problems"].append(f"cannot be read ({type(err).__name__}: {err})")
+    source.close()
+    problems += [f"key {row['key']!r}: {p}" for row in keys for p in row["problems"]]
+    files = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+    return {"path": path, "format": "orbax", "ok": not problems, "problems": problems, "keys": keys, "files": files,
+            "total_bytes": sum(k["nbytes"] for k in keys), "verified": verified if verify else None}
+
+
+def inspect_checkpoint(path: str, *, verify: bool = False) -> dict:
+    """:func:`inspect_orbax` for an Orbax checkpoint (no DCP ``.metadata``, Orbax's ``_METADATA`` or
+    ``_CHECKPOINT_METADATA`` present), else :func:`inspect_dcp`."""
+    from jaxquant.checkpoint.orbax_io import is_orbax
+
+    if not os.path.exists(os.path.join(path, ".metadata")) and is_orbax(path):
+        return inspect_orbax(path, verify=verify)
+    return inspect_dcp(path, verify=verify)
+
+
 def format_report(rep: dict) -> str:
+    if rep.get("format") == "orbax":
+        return _format_orbax(rep)
     lines = [f"checkpoint {rep['path']}: {len(rep['keys'])} keys, {rep['total_bytes']} bytes in "
              f"{len(rep['files'])} .distcp files"]
     w = max([len(k["key"]) for k in rep["keys"]] + [3])
@@ -94,6 +148,28 @@ def format_report(rep: dict) -> str:
     if rep["ok"]:
         lines.append("OK: every tensor is exactly covered and every chunk's bytes are present"
                      + (", and every CRC-32 matched" if v is not None else ""))
+    else:
+        lines.append(f"NOT SOUND: {len(rep['problems'])} problem(s)")
+        lines += [f"  - {p}" for p in rep["problems"]]
+    return "\n".join(lines)
+
+
+def _format_orbax(rep: dict) -> str:
+    lines = [f"Orbax checkpoint {rep['path']}: {len(rep['keys'])} keys, {rep['total_bytes']} bytes of tensor data"]
+    w = max([len(k["key"]) for k in rep["keys"]] + [3])
+    lines.append(f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks")
+    for k in rep["keys"]:
+        shape = "bytes" if k["kind"] == "bytes" else str(k["shape"])
+        chunks = "-" if k["chunks"] is None else k["chunks"]
+        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {chunks}{'  !' if k['problems'] else ''}")
+    v = rep.get("verified")
+    if v is None:
+        lines.append("not verified: Orbax's metadata read; data not read (--verify restores every key)")
+    else:
+        lines.append(f"verified: restored {v['keys']} of {len(rep['keys'])} keys through Orbax ({v['bytes']} bytes "
+                     f"of tensor data)")
+    if rep["ok"]:
+        lines.append("OK" + (": every key was restored" if v is not None else ""))
     else:
         lines.append(f"NOT SOUND: {len(rep['problems'])} problem(s)")
         lines += [f"  - {p}" for p in rep["problems"]]

@@ -117,6 +117,15 @@ class OrbaxSource:
         meta = self._meta[key][1]
         return np.dtype(meta.dtype), tuple(int(d) for d in meta.shape)
 
+    def chunk_shape(self, key):
+        """The zarr chunk shape of tensor ``key`` as Orbax's metadata records it, or None (not recorded, or a
+        zero-size tensor)."""
+        if key in self.empty or key not in self._meta:
+            return None
+        storage = getattr(self._meta[key][1], "storage", None)
+        shape = getattr(storage, "chunk_shape", None)
+        return tuple(int(c) for c in shape) if shape else None
+
     def value_pickle(self, key) -> bytes:
         if key in self.values:
             return self.values[key]
