@@ -273,7 +273,7 @@ def test_inspect_verify_says_what_it_read_and_fails_on_a_flipped_byte(src, tmp_p
     assert r.returncode == 0 and "not verified" in r.stdout and "--verify" in r.stdout
     r = cli("inspect", src, "--verify")
     assert r.returncode == 0, r.stdout
-    assert "verified: read all" in r.stdout and "zip entries in 3 records (1 file)" in r.stdout
+    assert "verified: 3 of 3 records read (" in r.stdout and "; 1 file)" in r.stdout
     assert "every CRC-32 matched" in r.stdout
     # tensor bytes, a version record of another tensor, and the pickle of a byte entry: each caught by --verify
     for key, entry, delta in (("w", "data/0", 5), ("u", "byteorder", 1), ("step", "data.pkl", 4)):
@@ -284,6 +284,9 @@ def test_inspect_verify_says_what_it_read_and_fails_on_a_flipped_byte(src, tmp_p
         assert r.returncode == 1 and "NOT SOUND" in r.stdout, (key, r.stdout)
         assert "__0_0.distcp" in r.stdout and f"'{key}'" in r.stdout and "CRC-32 mismatch" in r.stdout, r.stdout
         assert f"zip entry archive/{entry}" in r.stdout, r.stdout
+        # says how many records were read of how many, never "all"
+        assert "verified: 2 of 3 records read with matching CRC-32s" in r.stdout, r.stdout
+        assert "1 record failed or could not be read" in r.stdout and "every entry's CRC-32 matched" not in r.stdout
     r = cli("inspect", str(tmp_path / "bad_w"))  # without --verify the data is not read, and it says so
     assert r.returncode == 0 and "not verified" in r.stdout
 
@@ -341,7 +344,8 @@ def test_inspect_orbax_checkpoint_lists_keys_dtypes_shapes(src, tmp_path):
     r = cli("inspect", o, "--verify", "--json")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert rep["format"] == "orbax" and rep["ok"] and rep["verified"] == {"keys": 3, "bytes": 8 * 8 * 2 + 4 * 4}
+    assert rep["format"] == "orbax" and rep["ok"]
+    assert rep["verified"] == {"keys": 3, "keys_total": 3, "bytes": 8 * 8 * 2 + 4 * 4}
     assert {k["key"]: (k["kind"], k["dtype"], k["shape"]) for k in rep["keys"]} == {
         "w": ("tensor", "bfloat16", [8, 8]), "u": ("tensor", "uint8", [4, 4]), "step": ("bytes", None, None)}
     # its data files damaged: refused (Orbax itself may log asyncio noise on stderr after jaxquant's line)
@@ -352,3 +356,45 @@ def test_inspect_orbax_checkpoint_lists_keys_dtypes_shapes(src, tmp_path):
         r = cli("inspect", o, *args)
         assert r.returncode == 1, (r.stdout, r.stderr)
         assert "jaxquant ckpt inspect: error: " in r.stderr or "NOT SOUND" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_inspect_byte_counts_say_what_they_count_and_agree(src, tmp_path):
+    import json
+    r = cli("inspect", src, "--verify", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    tensor_data = 8 * 8 * 2 + 4 * 4  # w: bfloat16[8, 8], u: uint8[4, 4]
+    assert rep["total_bytes"] == sum(k["nbytes"] for k in rep["keys"]) == tensor_data
+    assert rep["disk_bytes"] == os.path.getsize(os.path.join(src, "__0_0.distcp"))
+    assert rep["metadata_bytes"] == os.path.getsize(os.path.join(src, ".metadata"))
+    assert rep["records"] == 3  # w, u, step
+    v = rep["verified"]
+    assert v["records"] == v["records_total"] == 3 and v["files"] == 1
+    assert v["tensor_bytes"] == tensor_data < v["bytes"] < rep["disk_bytes"]  # + pickles < + zip headers, padding
+    r = cli("inspect", src, "--verify")
+    header, verified = r.stdout.splitlines()[0], r.stdout.splitlines()[5]
+    assert f"3 keys in 3 records; {tensor_data} bytes of tensor data (elements x itemsize); on disk " \
+           f"{rep['disk_bytes']:,} bytes in 1 .distcp file" in header, header
+    assert f"and {rep['metadata_bytes']:,} in .metadata" in header, header
+    assert verified.startswith(f"verified: 3 of 3 records read ({v['zip_entries']} zip entries of {v['bytes']:,} "
+                               f"bytes: {tensor_data} of tensor data, the rest pickles"), verified
+    # Orbax: the same two counts
+    o = tmp_path / "o"
+    assert cli("convert", src, o, "--to", "orbax", "--no-progress").returncode == 0
+    rep = json.loads(cli("inspect", o, "--verify", "--json").stdout)
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(o) for f in fs)
+    assert rep["total_bytes"] == tensor_data and rep["disk_bytes"] == on_disk
+    assert rep["verified"] == {"keys": 3, "keys_total": 3, "bytes": tensor_data}
+
+
+def test_inspect_verify_on_a_truncated_file_counts_the_records_it_read(src):
+    f = os.path.join(src, "__0_0.distcp")
+    os.truncate(f, os.path.getsize(f) // 2)
+    import json
+    r = cli("inspect", src, "--verify", "--json")
+    assert r.returncode == 1
+    v = json.loads(r.stdout)["verified"]
+    assert v["records_total"] == 3 and v["records"] < 3
+    r = cli("inspect", src, "--verify")
+    assert r.returncode == 1 and f"verified: {v['records']} of 3 records read with matching CRC-32s" in r.stdout
+    assert "NOT SOUND" in r.stdout

@@ -17,22 +17,33 @@ from jaxquant.checkpoint.reader import ChunkReader
 def inspect_dcp(path: str, *, verify: bool = False) -> dict:
     """A report on the checkpoint at ``path``; ``report["ok"]`` is False when it is not sound.
 
-    Per key: kind, dtype, global shape, number of chunks, stored bytes and problems (coverage gaps,
+    Per key: kind, dtype, global shape, number of chunks, tensor data bytes and problems (coverage gaps,
     overlaps, out-of-bounds chunks, unknown dtype, a chunk whose record is missing, truncated or does not
     match the metadata). ``verify`` also reads every zip entry of every record and checks its CRC-32 (in
-    blocks); ``report["verified"]`` then counts what was read (records, zip entries, bytes, files).
+    blocks).
+
+    Byte counts, each of one thing: ``total_bytes`` is the tensor data (elements x itemsize of every chunk, the
+    sum of the keys' ``nbytes``); ``disk_bytes`` the size on disk of the ``.distcp`` files (each record also
+    holds pickles, torch's version records, zip headers and alignment padding), ``metadata_bytes`` that of
+    ``.metadata``. ``records`` is the number of records ``.metadata`` points to (one per chunk and per byte
+    entry). With ``verify``, ``report["verified"]`` counts the records read whose every CRC-32 matched
+    (``records`` of ``records_total``), their zip entries, the bytes of those entries (``bytes``: tensor data
+    plus pickles and version records; no zip headers), the tensor data among them (``tensor_bytes``) and the
+    files they lie in; a record not read or not matching is also a problem, so the checkpoint is not sound.
     Raises :class:`CheckpointError` when the directory cannot be read at all (missing or unsafe
     ``.metadata``, an interrupted write's staging directory).
     """
     keys, problems = [], []
-    verified = {"records": 0, "zip_entries": 0, "bytes": 0, "files": set()}
+    records = 0
+    verified = {"records": 0, "records_total": 0, "zip_entries": 0, "bytes": 0, "tensor_bytes": 0, "files": set()}
 
-    def check_crcs(r, storage, what):
+    def check_crcs(r, storage, what, tensor_bytes=0):
         n, nbytes = torchsave.verify_record(r._file(storage.relative_path, what), storage.offset, storage.length,
                                             f"{os.path.join(path, storage.relative_path)}: {what}")
         verified["records"] += 1
         verified["zip_entries"] += n
         verified["bytes"] += nbytes
+        verified["tensor_bytes"] += tensor_bytes
         verified["files"].add(storage.relative_path)
 
     with ChunkReader(path, verify) as r:
@@ -40,6 +51,7 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
             row = {"key": key, "problems": []}
             keys.append(row)
             if isinstance(e, BytesEntry):
+                records += 1
                 row.update(kind="bytes", dtype=None, shape=None, chunks=1, nbytes=0)
                 try:
                     if verify and e.storage is not None:
@@ -48,6 +60,7 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
                 except CheckpointError as err:
                     row["problems"].append(str(err))
                 continue
+            records += len(e.chunks)
             row.update(kind="tensor", dtype=e.dtype, shape=list(e.size), chunks=len(e.chunks), nbytes=0)
             try:
                 itemsize = dt.to_numpy(e.dtype, what=f"key {key!r}").itemsize
@@ -67,15 +80,21 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
                         raise CheckpointError(f"{what}: record holds {t.dtype}{list(t.size)}, metadata says "
                                               f"{e.dtype}{list(c.sizes)}")
                     if verify:
-                        check_crcs(r, c.storage, what)
+                        check_crcs(r, c.storage, what, volume(c.sizes) * itemsize)
                 except CheckpointError as err:
                     row["problems"].append(str(err))
     for row in keys:
         problems += [p if f"key {row['key']!r}" in p else f"key {row['key']!r}: {p}" for p in row["problems"]]
-    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
     verified["files"] = len(verified["files"])
+    verified["records_total"] = records
+    if verify and verified["records"] < records and not problems:  # (each unread record has its problem already)
+        problems.append(f"only {verified['records']} of {records} records were read and matched their CRC-32s")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
     return {"path": path, "format": "dcp", "ok": not problems, "problems": problems, "keys": keys, "files": files,
-            "total_bytes": sum(k["nbytes"] for k in keys), "verified": verified if verify else None}
+            "records": records, "total_bytes": sum(k["nbytes"] for k in keys),
+            "disk_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in files),
+            "metadata_bytes": os.path.getsize(os.path.join(path, ".metadata")),
+            "verified": verified if verify else None}
 
 
 def inspect_orbax(path: str, *, verify: bool = False) -> dict:
@@ -83,13 +102,18 @@ def inspect_orbax(path: str, *, verify: bool = False) -> dict:
     "orbax"): per key its kind, dtype, shape, number of zarr chunks (None where Orbax records no chunk shape)
     and bytes. Nested keys are joined with '.'; DCP byte entries that ``convert --to orbax`` keeps in its
     metadata leaf are listed as bytes. ``verify`` restores every tensor and value through Orbax, one at a time
-    (memory: the largest tensor); a key that cannot be read is a problem. Needs the ``orbax`` extra."""
+    (memory: the largest tensor); a key that cannot be read is a problem. Needs the ``orbax`` extra.
+
+    Byte counts: ``total_bytes`` is the tensor data (elements x itemsize), ``disk_bytes`` the size on disk of
+    every file of the checkpoint (zstd-compressed arrays and Orbax's metadata files); with ``verify``,
+    ``report["verified"]`` counts the keys restored (``keys`` of ``keys_total``) and their tensor data (``bytes``).
+    """
     from jaxquant.checkpoint.orbax_io import OrbaxSource
 
     fsutil.check_source_dir(path)
     source = OrbaxSource(path)
     keys, problems = [], []
-    verified = {"keys": 0, "bytes": 0}
+    verified = {"keys": 0, "keys_total": 0, "bytes": 0}
     for key in source.keys():
         row = {"key": key, "problems": []}
         keys.append(row)
@@ -107,15 +131,18 @@ def inspect_orbax(path: str, *, verify: bool = False) -> dict:
             try:
                 out = read()
                 verified["keys"] += 1
-                verified["bytes"] += getattr(out, "nbytes", 0)
+                verified["bytes"] += getattr(out, "nbytes", 0) if row["kind"] == "tensor" else 0
                 del out
             except Exception as err:  # Orbax/TensorStore raise their own types
                 row["problems"].append(f"cannot be read ({type(err).__name__}: {err})")
     source.close()
     problems += [f"key {row['key']!r}: {p}" for row in keys for p in row["problems"]]
+    verified["keys_total"] = len(keys)
     files = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
     return {"path": path, "format": "orbax", "ok": not problems, "problems": problems, "keys": keys, "files": files,
-            "total_bytes": sum(k["nbytes"] for k in keys), "verified": verified if verify else None}
+            "total_bytes": sum(k["nbytes"] for k in keys),
+            "disk_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in files),
+            "verified": verified if verify else None}
 
 
 def inspect_checkpoint(path: str, *, verify: bool = False) -> dict:
@@ -128,11 +155,17 @@ def inspect_checkpoint(path: str, *, verify: bool = False) -> dict:
     return inspect_dcp(path, verify=verify)
 
 
+def _plural(n: int, word: str, words: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else words or word + 's'}"
+
+
 def format_report(rep: dict) -> str:
     if rep.get("format") == "orbax":
         return _format_orbax(rep)
-    lines = [f"checkpoint {rep['path']}: {len(rep['keys'])} keys, {rep['total_bytes']} bytes in "
-             f"{len(rep['files'])} .distcp files"]
+    lines = [f"checkpoint {rep['path']}: {_plural(len(rep['keys']), 'key')} in {_plural(rep['records'], 'record')}; "
+             f"{rep['total_bytes']:,} bytes of tensor data (elements x itemsize); on disk {rep['disk_bytes']:,} bytes "
+             f"in {_plural(len(rep['files']), '.distcp file')} (tensor data, pickles, zip headers, padding) "
+             f"and {rep['metadata_bytes']:,} in .metadata"]
     w = max([len(k["key"]) for k in rep["keys"]] + [3])
     lines.append(f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks")
     for k in rep["keys"]:
@@ -143,8 +176,16 @@ def format_report(rep: dict) -> str:
     if v is None:
         lines.append("not verified: metadata, coverage and record structure checked; data not read (--verify reads it)")
     else:
-        lines.append(f"verified: read all {v['bytes']} bytes of the {v['zip_entries']} zip entries in {v['records']} "
-                     f"records ({v['files']} file{'s' if v['files'] != 1 else ''}); the CRC-32 of each was compared with the one stored in the record")
+        read = f"{v['records']:,} of {_plural(v['records_total'], 'record')} read"
+        counts = (f"{_plural(v['zip_entries'], 'zip entry', 'zip entries')} of {v['bytes']:,} bytes: "
+                  f"{v['tensor_bytes']:,} of tensor data, the rest pickles and torch's version records; "
+                  f"{_plural(v['files'], 'file')}")
+        if v["records"] == v["records_total"]:
+            lines.append(f"verified: {read} ({counts}); every entry's CRC-32 matched the one stored in its record")
+        else:
+            bad = v["records_total"] - v["records"]
+            lines.append(f"verified: {read} with matching CRC-32s ({counts}); {_plural(bad, 'record')} failed "
+                         f"or could not be read (see the problems)")
     if rep["ok"]:
         lines.append("OK: every tensor is exactly covered and every chunk's bytes are present"
                      + (", and every CRC-32 matched" if v is not None else ""))
@@ -155,7 +196,9 @@ def format_report(rep: dict) -> str:
 
 
 def _format_orbax(rep: dict) -> str:
-    lines = [f"Orbax checkpoint {rep['path']}: {len(rep['keys'])} keys, {rep['total_bytes']} bytes of tensor data"]
+    lines = [f"Orbax checkpoint {rep['path']}: {_plural(len(rep['keys']), 'key')}; {rep['total_bytes']:,} bytes of "
+             f"tensor data (elements x itemsize); on disk {rep['disk_bytes']:,} bytes in "
+             f"{_plural(len(rep['files']), 'file')} (compressed arrays and Orbax's metadata)"]
     w = max([len(k["key"]) for k in rep["keys"]] + [3])
     lines.append(f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks")
     for k in rep["keys"]:
@@ -166,8 +209,8 @@ def _format_orbax(rep: dict) -> str:
     if v is None:
         lines.append("not verified: Orbax's metadata read; data not read (--verify restores every key)")
     else:
-        lines.append(f"verified: restored {v['keys']} of {len(rep['keys'])} keys through Orbax ({v['bytes']} bytes "
-                     f"of tensor data)")
+        lines.append(f"verified: restored {v['keys']:,} of {_plural(v['keys_total'], 'key')} through Orbax "
+                     f"({v['bytes']:,} bytes of tensor data)")
     if rep["ok"]:
         lines.append("OK" + (": every key was restored" if v is not None else ""))
     else:
