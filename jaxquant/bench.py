@@ -445,7 +445,7 @@ def run(args) -> int:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__
+    parser.description = __doc__.replace("``", "")  # plain text in --help
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--sizes", default=None,
                         help=f"comma-separated RxC (default {GPU_SIZES} on a GPU, {CPU_SIZES} elsewhere)")

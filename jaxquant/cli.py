@@ -1,5 +1,6 @@
-"""The ``jaxquant`` command: ``demo`` (train a small transformer with quantized weights, jaxquant/demo.py)
-and ``ckpt`` (checkpoint tools)."""
+"""The ``jaxquant`` command: ``demo`` (train a small transformer with quantized weights, jaxquant/demo.py),
+``bench`` (time the quantizers, jaxquant/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/checkpoint/cli.py).
+``DESCRIPTION`` is what ``jaxquant --help`` prints."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ def _force_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+DESCRIPTION = ("FP8 and NVFP4 weights for sharded JAX training. Commands: demo (train a small transformer), "
+               "bench (time the quantizers), ckpt (inspect and convert PyTorch DCP / Orbax checkpoints); "
+               "'jaxquant COMMAND --help' lists a command's options.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxquant.demo import add_demo_parser
 
-    parser = argparse.ArgumentParser(prog="jaxquant", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="jaxquant", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_parser(sub)
     from jaxquant.bench import configure_parser as configure_bench  # sets func=bench.run
     configure_bench(sub.add_parser("bench", help="time the quantizers against the memory floor and XLA"))

@@ -55,27 +55,35 @@ def _convert(args) -> int:
 
 def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``ckpt`` (with ``inspect`` and ``convert``) to an argparse subparsers object."""
-    ckpt = subparsers.add_parser("ckpt", help="PyTorch DCP / Orbax checkpoints: inspect and convert")
-    sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ckpt = subparsers.add_parser("ckpt", help="PyTorch DCP / Orbax checkpoints: inspect and convert",
+                                 description="PyTorch DCP / Orbax checkpoints: inspect and convert (docs/checkpoint.md). "
+                                             "Exit status 0 on success, 1 on an error or an unsound checkpoint, "
+                                             "130/143 when interrupted.")
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("inspect", help="keys, dtypes, shapes, chunks and soundness of a DCP checkpoint; "
-                       "keys, dtypes and shapes of an Orbax checkpoint")
-    p.add_argument("path")
+    text = ("keys, dtypes, shapes, chunks and soundness of a DCP checkpoint; keys, dtypes and shapes of an Orbax "
+            "checkpoint")
+    p = sub.add_parser("inspect", help=text, description=text + " (exit 0 only when it is sound)")
+    p.add_argument("path", help="the checkpoint directory (DCP or Orbax, detected)")
     p.add_argument("--verify", action="store_true", help="also read all data: DCP: check every record's CRC-32; Orbax: "
                    "restore every key")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser("convert", help="convert a DCP or Orbax checkpoint (streaming, atomic)")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=("dcp", "orbax"))
+    text = "convert a DCP or Orbax checkpoint (streaming, atomic)"
+    p = sub.add_parser("convert", help=text, description=text + "; the source is only read, the destination "
+                       "appears complete or not at all")
+    p.add_argument("src", help="the checkpoint to read: a DCP or Orbax directory (detected)")
+    p.add_argument("dst", help="the directory to write; must not exist or be empty")
+    p.add_argument("--to", required=True, choices=("dcp", "orbax"),
+                   help="the format to write (orbax needs the orbax extra: pip install \"jaxquant[orbax]\")")
     p.add_argument("--dequantize", nargs="?", const="bfloat16", choices=("bfloat16", "float32"),
-                   help="store quantized tensors dequantized (default bfloat16)")
+                   help="store quantized tensors dequantized in this dtype (bfloat16 when given without a value; "
+                        "default: keep them quantized)")
     p.add_argument("--transpose-linear", action="append", default=[], metavar="PATTERN",
                    help="fnmatch pattern of 2-D keys to transpose between [out, in] and [in, out] (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-verify", action="store_true", help="skip CRC-32 checks of the source")
+    p.add_argument("--no-verify", action="store_true", help="skip CRC-32 checks of a DCP source")
     p.set_defaults(func=_convert)
     return ckpt
 

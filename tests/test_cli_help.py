@@ -1,0 +1,50 @@
+"""`jaxquant --help` and its subcommands' help: plain text, every command listed, every option explained."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from jaxquant import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _run_help(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "jaxquant", *args, "--help"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_top_level_help_lists_every_subcommand_in_plain_text():
+    out = _run_help()
+    assert "``" not in out, out
+    commands = set(_subparsers(cli.build_parser()))
+    assert commands == {"demo", "bench", "ckpt"}
+    for name in commands:
+        assert f"\n    {name} " in out, (name, out)  # the subcommand list
+        assert f"{name} (" in out, (name, out)       # and the description names it
+    ckpt = _run_help("ckpt")
+    assert "``" not in ckpt and "\n    inspect " in ckpt and "\n    convert " in ckpt, ckpt
+    for sub in (("bench",), ("ckpt", "convert"), ("ckpt", "inspect")):
+        assert "``" not in _run_help(*sub), sub
+
+
+def test_every_option_of_ckpt_convert_inspect_and_bench_has_help():
+    parser = cli.build_parser()
+    commands = _subparsers(parser)
+    ckpt = _subparsers(commands["ckpt"])
+    for name, p in (("ckpt convert", ckpt["convert"]), ("ckpt inspect", ckpt["inspect"]),
+                    ("bench", commands["bench"])):
+        for action in p._actions:
+            label = "/".join(action.option_strings) or action.dest
+            assert action.help and action.help != argparse.SUPPRESS, f"jaxquant {name}: {label} has no help"
+    assert commands["bench"].description and commands["ckpt"].description
