@@ -12,7 +12,8 @@ Configurations:
 * ``plain-scan``: the same with stacked ``[L, out, in]`` params sharded ``P(None, "fsdp", None)`` under
   ``jax.lax.scan`` (MaxText's form);
 * ``jq-bf16`` / ``jq-fp8`` / ``jq-nvfp4``: ``make_train_step`` (layer-wise FSDP) over stacked params under
-  ``scan``; ``jq-*-loop`` the same with per-layer leaves.
+  ``scan``; ``jq-*-loop`` the same with per-layer leaves. Gradients travel in bf16 (``--grad-comm``), as
+  the plain step's do.
 
 ``× plain`` divides the fastest plain form's step time (same XLA flags) by the config's. TFLOP/s per GPU
 counts model FLOPs: 6 x matrix parameters x tokens + 12 x layers x seq x hidden x tokens (attention
@@ -35,8 +36,8 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("plain-loop", "plain-scan", "jq-bf16", "jq-fp8", "jq-nvfp4")
-EXTRA_CONFIGS = ("jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop")
+CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop", "jq-bf16", "jq-fp8", "jq-nvfp4")
+EXTRA_CONFIGS = ()
 # MaxText's recommended XLA GPU flags (those this XLA still has)
 MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
                  "--xla_gpu_enable_while_loop_double_buffering=true --xla_gpu_enable_pipelined_all_gather=true "
@@ -59,11 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2, help="sequences per device")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--remat", action="store_true", help="jax.checkpoint around each block")
+    p.add_argument("--grad-comm", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="jaxquant's grad_comm_dtype (the plain step reduce-scatters bf16 gradients)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke test)")
     p.add_argument("--profile", default=None, help="directory: trace 3 steps of each config; report the exposed "
                                                    "collective time from the trace")
     p.add_argument("--json", default=None, help="write every result here")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child process: run this config
+    p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch = 2, 256, 2, 1, 512, 64, 2
@@ -77,9 +81,10 @@ def parse_args(argv=None):
 
 
 def shapes(a):
+    """Megatron / TransformerEngine layout: Q, K and V in one weight, the SwiGLU gate and up in one."""
     hd, e = a.head_dim, a.hidden
-    return {"wq": (a.heads * hd, e), "wk": (a.kv_heads * hd, e), "wv": (a.kv_heads * hd, e),
-            "wo": (e, a.heads * hd), "w_gate": (a.ffn, e), "w_up": (a.ffn, e), "w_down": (e, a.ffn)}
+    return {"w_qkv": ((a.heads + 2 * a.kv_heads) * hd, e), "w_o": (e, a.heads * hd),
+            "w_gate_up": (2 * a.ffn, e), "w_down": (e, a.ffn)}
 
 
 def init_params(a, stacked: bool):
@@ -107,14 +112,13 @@ def block(a, h, p, matmul):
 
     b, s, _ = h.shape
     x = norm(h, p["attn_norm"])
-    q = matmul(x, p["wq"]).reshape(b, s, a.heads, a.head_dim)
-    k = matmul(x, p["wk"]).reshape(b, s, a.kv_heads, a.head_dim)
-    v = matmul(x, p["wv"]).reshape(b, s, a.kv_heads, a.head_dim)
+    qkv = matmul(x, p["w_qkv"]).reshape(b, s, a.heads + 2 * a.kv_heads, a.head_dim)
+    q, k, v = jnp.split(qkv, [a.heads, a.heads + a.kv_heads], axis=2)
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl).reshape(b, s, -1)
-    h = h + matmul(o, p["wo"])
-    x = norm(h, p["mlp_norm"])
-    return h + matmul(jax.nn.silu(matmul(x, p["w_gate"])) * matmul(x, p["w_up"]), p["w_down"])
+    h = h + matmul(o, p["w_o"])
+    gate, up = jnp.split(matmul(norm(h, p["mlp_norm"]), p["w_gate_up"]), 2, axis=-1)
+    return h + matmul(jax.nn.silu(gate) * up, p["w_down"])
 
 
 def forward(a, params, x, matmul, scan: bool):
@@ -178,8 +182,9 @@ def _make_jq(a, mesh, recipe, scan):
     params = init_params(a, stacked=scan)
     mask = jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
     loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
-    step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
-                              policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
+    # gradients travel in bf16, as the plain step's (the transpose of its bf16 weight gather)
+    policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
+    step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy)
     state = step.init(params)
 
     def run(state, batch):
@@ -221,7 +226,7 @@ def run_one(a, config):
     step_s = statistics.median(times)
     trace = None
     if a.profile:
-        path = os.path.join(a.profile, config)
+        path = os.path.join(a.profile, a.flag_set, config)
         with jax.profiler.trace(path, create_perfetto_trace=True):
             for _ in range(3):
                 state, loss = fn(state, batch)
@@ -241,10 +246,10 @@ def exposed_collectives(path, steps):
     import glob
     import gzip
 
-    files = glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True)
+    files = sorted(glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     if not files:
         return None
-    with gzip.open(files[0]) as f:
+    with gzip.open(files[-1]) as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
@@ -299,7 +304,7 @@ def main(argv=None):
         for config in configs:
             env = dict(os.environ)
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]).strip()
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", config]
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", config, "--flag-set", flags]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

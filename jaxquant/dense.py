@@ -145,16 +145,17 @@ def _dense_sharded(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
 
 
 def _dense_sharded_fwd(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
-    """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation, the shard and
-    its statistics (the gathered weight is not kept: the backward gathers again)."""
+    """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation and this rank's
+    quantized rows (the gathered weight is not kept: the backward gathers again, with no second cast)."""
     stats = None if spec.recipe == "bf16" else fsdp.statistics(shard, spec)
-    y, act = _forward(x2, fsdp.gathered_operands(shard, spec, stats, columnwise=False), cfg)
-    return y.astype(cfg.out_dtype), (act, shard, stats)
+    local = fsdp.quantize_shard(shard, spec, stats)
+    y, act = _forward(x2, fsdp.gathered_operands(local, spec, columnwise=False), cfg)
+    return y.astype(cfg.out_dtype), (act, local)
 
 
 def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
-    act, shard, stats = res
-    dx, dw = _backward(act, fsdp.gathered_operands(shard, spec, stats, columnwise=True), g, cfg)
+    act, local = res
+    dx, dw = _backward(act, fsdp.gathered_operands(local, spec, columnwise=True), g, cfg)
     # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
     dw = fsdp.round_to(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer, as straight_through's
     return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False)

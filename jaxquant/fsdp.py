@@ -6,8 +6,8 @@ static rules (``WeightSpec``). It is a pytree, so ``jax.lax.scan`` over a stacke
 hands the body one layer's ``ShardedWeight``. A layer uses it in one of two ways:
 
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
-  the GEMM and keeps only the shard and the amax as residuals; the backward quantizes and gathers again
-  (the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
+  the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
+  builds the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   No layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward);
 * ``w.gather()``: the gathered compute weight (bf16 array, ``Float8Tensor`` or ``NVFP4Tensor`` with its
   straight-through gradient target), for layers that take quantized tensors (``jq.sp_*``, your own).
@@ -134,38 +134,48 @@ def statistics(shard, spec: WeightSpec):
     return amax, tiles
 
 
-def gathered_operands(shard, spec: WeightSpec, stats, columnwise: bool) -> dict:
-    """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7):
-    bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``; NVFP4 ``data``, ``scale_inv`` [``data_t``,
-    ``scale_inv_t``], ``dec``. ``stats`` comes from :func:`statistics` (None for bf16)."""
+def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
+    """This rank's rows in the compute format, ready to gather (what the backward keeps instead of the
+    gathered weight): bf16 ``w``; FP8 ``data``, ``scale_inv``; NVFP4 ``data``, ``scales`` (the unpadded
+    rows of ``scale_inv``), ``amax``. ``stats`` comes from :func:`statistics` (None for bf16)."""
     if spec.recipe == "bf16":
-        return {"w": _all_gather(formats.to_compute_dtype(shard, COMPUTE_DTYPE), spec)}
+        return {"w": formats.to_compute_dtype(shard, COMPUTE_DTYPE)}
     amax, tiles = stats
     if spec.recipe == "fp8":
-        local, scale_inv, _ = ops.fp8_quantize(shard, amax, dtype=FWD_FP8, compute_dtype=COMPUTE_DTYPE)
-        data = _all_gather(local, spec)
-        out = {"data": data, "scale_inv": jnp.reshape(scale_inv, ())}
+        data, scale_inv, _ = ops.fp8_quantize(shard, amax, dtype=FWD_FP8, compute_dtype=COMPUTE_DTYPE)
+        return {"data": data, "scale_inv": jnp.reshape(scale_inv, ())}
+    rows, cols = shard.shape
+    data, scale_inv, _, _ = ops.nvfp4_quantize(shard, tiles, amax, compute_dtype=COMPUTE_DTYPE)
+    return {"data": data, "scales": scale_inv[:rows, : cols // formats.TILE], "amax": amax}
+
+
+def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
+    """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7),
+    from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``; NVFP4
+    ``data``, ``scale_inv`` [``data_t``, ``scale_inv_t``], ``dec``."""
+    if spec.recipe == "bf16":
+        return {"w": _all_gather(local["w"], spec)}
+    data = _all_gather(local["data"], spec)
+    if spec.recipe == "fp8":
+        out = {"data": data, "scale_inv": local["scale_inv"]}
         if columnwise:
             out["data_t"] = data.T
         return out
-    rows, cols = shard.shape
-    local, scale_local, _, _ = ops.nvfp4_quantize(shard, tiles, amax, compute_dtype=COMPUTE_DTYPE)
-    data = _all_gather(local, spec)
-    full_rows = rows * spec.num_shards
-    pr, pc = formats.nvfp4_scale_shape(full_rows, cols)
-    scales = _all_gather(scale_local[:rows, : cols // formats.TILE], spec)
-    scale_inv = jnp.pad(scales, ((0, pr - full_rows), (0, pc - cols // formats.TILE)))   # §2.7 padding: zeros
-    out = {"data": data, "scale_inv": scale_inv, "dec": nvfp4_global_decode(amax)}
+    rows, cols = data.shape[0], data.shape[1] * 2
+    pr, pc = formats.nvfp4_scale_shape(rows, cols)
+    scales = _all_gather(local["scales"], spec)
+    scale_inv = jnp.pad(scales, ((0, pr - rows), (0, pc - cols // formats.TILE)))   # §2.7 padding: zeros
+    out = {"data": data, "scale_inv": scale_inv, "dec": nvfp4_global_decode(local["amax"])}
     if columnwise:
         out["data_t"] = ops.nvfp4_transpose(data)
-        out["scale_inv_t"] = ops.nvfp4_scale_transpose(scale_inv, rows=full_rows, cols=cols)
+        out["scale_inv_t"] = ops.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols)
     return out
 
 
 def gathered_tensor(shard, spec: WeightSpec):
     """The whole (TP-local) weight as ``quantize_fp8`` / ``quantize_nvfp4`` with ``columnwise=True`` gives it."""
     stats = statistics(shard, spec)
-    o = gathered_operands(shard, spec, stats, columnwise=True)
+    o = gathered_operands(quantize_shard(shard, spec, stats), spec, columnwise=True)
     amax = stats[0]
     if spec.recipe == "fp8":
         return Float8Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(amax, ()), data_t=o["data_t"])
