@@ -16,8 +16,10 @@ columnwise copy, against the plain-JAX ``all_gather(shard.astype(bf16))`` it rep
 gather), timed the same way (``--no-group`` skips it; ``benchmarks/bench_distributed.py`` has the
 profile and the 300-tensor group).
 
-On a GPU the default sizes are 8192² and 16384²; on the CPU a small smoke run (a few seconds, the
-layer's dims / 32) checks that everything runs and the JSON has its fields.
+On a GPU the defaults are sizes 8192² and 16384², 5 x 20 dispatches. On any other backend they are a
+smoke run that checks that everything runs and the JSON has its fields: 128x256, 3 x 3 dispatches, the
+layer's dims / 32 (about 5 s and 0.3 GB on 2 CPU cores). The GPU sizes on the CPU take minutes and GBs.
+The JSON is written only with --json PATH.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from pathlib import Path
 
 GPU_SIZES = "8192x8192,16384x16384"
 CPU_SIZES = "128x256"
+GPU_ITERS, GPU_REPEATS = 20, 5
+CPU_ITERS, CPU_REPEATS = 3, 3  # elsewhere than on a GPU (a smoke run)
 # JSON fields of every row (checked by the CPU smoke test).
 ROW_FIELDS = ("op", "shape", "dtype", "us", "floor_us", "x_floor", "xla_us", "x_xla", "bytes")
 # JSON fields of every master-weight step row ("group_step")
@@ -378,7 +382,8 @@ def run(args) -> int:
 
     gpu = jax.default_backend() == "gpu"
     sizes = args.sizes or (GPU_SIZES if gpu else CPU_SIZES)
-    iters, repeats = (args.iters, args.repeats) if gpu else (min(args.iters, 3), min(args.repeats, 3))
+    iters = args.iters or (GPU_ITERS if gpu else CPU_ITERS)
+    repeats = args.repeats or (GPU_REPEATS if gpu else CPU_REPEATS)
     dtypes = args.dtypes or ("float32,bfloat16" if gpu else "float32")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
@@ -441,6 +446,8 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
+    else:
+        print("no JSON written (--json PATH writes one)")
     return 0
 
 
@@ -454,8 +461,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default=None,
                         help="comma-separated op names or shell patterns to time (default: all), "
                              "e.g. 'quantize_fp8*,fp8_*'")
-    parser.add_argument("--iters", type=int, default=20, help="dispatches per timed batch (default 20)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed batches; the median is reported (default 5)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help=f"dispatches per timed batch (default {GPU_ITERS} on a GPU, {CPU_ITERS} elsewhere)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed batches; the median is reported (default {GPU_REPEATS} on a GPU, "
+                             f"{CPU_REPEATS} elsewhere)")
     parser.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,
                         help="also time each pass (stats, quantize) on its own (default: on a GPU)")
     parser.add_argument("--device-time", action=argparse.BooleanOptionalAction, default=None,
@@ -469,8 +479,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="on a GPU, also print each row's device timeline of back-to-back calls (custom "
                              "calls and XLA; the master-weight steps): span per call, busy and idle time, and "
                              "one call's events with the stream's idle gap before each")
-    parser.add_argument("--json", default="jaxquant_bench.json", help="where to write the JSON (default "
-                        "jaxquant_bench.json; empty string: none)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write the results as JSON to PATH (default: no JSON file)")
     parser.set_defaults(func=run)
 
 

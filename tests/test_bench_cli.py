@@ -129,3 +129,28 @@ def test_bench_alternating_times_both_loops_and_names_a_bad_op():
         assert custom > 0 and xla > 0 and abs(ratio - custom / xla) < 0.002 * max(1.0, ratio), line
     bad = run("no_such_op:32x64:float32")
     assert bad.returncode != 0 and "unknown op 'no_such_op'" in bad.stderr
+
+
+def test_bench_defaults_are_the_ones_help_names_and_no_json_unless_asked(tmp_path, monkeypatch, capsys):
+    """The iteration counts that run are the defaults --help names for this backend, and without --json no
+    file is written (in the working directory or anywhere)."""
+    parser = cli.build_parser()
+    bench_parser = next(a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict)).choices["bench"]
+    helps = {a.dest: a.help for a in bench_parser._actions}
+    gpu = jax.default_backend() == "gpu"
+    assert f"default {bench.GPU_ITERS} on a GPU, {bench.CPU_ITERS} elsewhere" in helps["iters"]
+    assert f"default {bench.GPU_REPEATS} on a GPU, {bench.CPU_REPEATS} elsewhere" in helps["repeats"]
+    assert f"default {bench.GPU_SIZES} on a GPU, {bench.CPU_SIZES} elsewhere" in helps["sizes"]
+    assert "no JSON file" in helps["json"] and bench_parser.get_default("json") is None
+    iters, repeats = (bench.GPU_ITERS, bench.GPU_REPEATS) if gpu else (bench.CPU_ITERS, bench.CPU_REPEATS)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--sizes", "32x64", "--dtypes", "float32", "--ops", "quantize_fp8", "--no-group",
+                     "--no-device-time"]) == 0
+    printed = capsys.readouterr().out
+    assert f"times: median of {repeats} x {iters} dispatches" in printed
+    assert "no JSON written (--json PATH writes one)" in printed
+    assert list(tmp_path.iterdir()) == []
+    # explicit counts are used as given, on every backend
+    assert cli.main(["bench", "--sizes", "32x64", "--dtypes", "float32", "--ops", "quantize_fp8", "--no-group",
+                     "--no-device-time", "--iters", "4", "--repeats", "2"]) == 0
+    assert "times: median of 2 x 4 dispatches" in capsys.readouterr().out
