@@ -85,7 +85,8 @@ def main():
         nbytes = n_tensors * rows * cols * 2
         chunk_mb = step * cols * 2 / 2 ** 20
         print(f"checkpoint: {nbytes / 1e9:.2f} GB, {n_tensors} bf16 tensors [{rows}, {cols}], "
-              f"{args.chunks} chunks each (largest chunk {chunk_mb:.0f} MiB); save_dcp {nbytes / 1e9 / save_s:.2f} GB/s")
+              f"{args.chunks} chunks each (largest chunk {chunk_mb:.0f} MiB); "
+              f"save_dcp {nbytes / 1e9 / save_s:.2f} GB/s")
         base_s, base_rss = _run(["-c", "import jaxquant.checkpoint, orbax.checkpoint"])
         print(f"baseline (python + jax + orbax import): {base_rss:.0f} MiB RSS, {base_s:.1f} s")
         cli = ["-m", "jaxquant.checkpoint.cli", "ckpt", "convert", "--no-progress"]

@@ -36,7 +36,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, gather_summary, print_kernel_profile, random_master
 from jaxquant.distributed import gathered_bytes, quantize_master_weights

@@ -68,7 +68,8 @@ def main():
         fn = step(layout, mesh, args.recipe, False, "auto", consume=args.consume)
         blocked, pipelined = time_fn(fn, master, args.iters)
         first = first or (blocked, pipelined)
-        print(f"\n{label}, {args.recipe}, consumed ({args.consume}): blocked {blocked * 1e6:.1f} µs ({blocked / first[0]:.3f}x), "
+        print(f"\n{label}, {args.recipe}, consumed ({args.consume}): "
+              f"blocked {blocked * 1e6:.1f} µs ({blocked / first[0]:.3f}x), "
               f"pipelined {pipelined * 1e6:.1f} µs ({pipelined / first[1]:.3f}x)")
         print_kernel_profile(f"{label}, pipelined", fn, master, args.iters, args.top, pipelined=True, host=True)
 

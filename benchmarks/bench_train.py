@@ -161,7 +161,8 @@ def main():
     cost = nan["step_ms"] / plain["step_ms"] - 1
     cost_pipelined = p_nan / p_plain - 1
     print(f"report_nan cost (nvfp4, timed interleaved): {cost * 100:+.2f}% of step time (each step waited for); "
-          f"{cost_pipelined * 100:+.2f}% with steps dispatched back to back ({p_plain * 1e3:.3f} -> {p_nan * 1e3:.3f} ms)")
+          f"{cost_pipelined * 100:+.2f}% with steps dispatched back to back "
+          f"({p_plain * 1e3:.3f} -> {p_nan * 1e3:.3f} ms)")
     if gemms is not None:
         print(f"fp8 step GEMMs: {gemms}")
     if args.json:

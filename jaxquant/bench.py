@@ -314,7 +314,8 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
 
     # "-gathered": split=False, the step returns the gathered buffers (as the baseline does) and each
     # weight is cut out where it is read
-    steps = [(f"step_{recipe}" + ("+T" if columnwise else "") + ("" if split else "-gathered"), recipe, columnwise, split)
+    steps = [(f"step_{recipe}" + ("+T" if columnwise else "") + ("" if split else "-gathered"),
+              recipe, columnwise, split)
              for recipe in ("nvfp4", "fp8") for columnwise in (False, True) for split in (True, False)]
     steps = [s for s in steps if not ops or any(fnmatch.fnmatchcase(s[0], pat) for pat in ops.split(","))]
     if not steps:
@@ -390,7 +391,8 @@ def run(args) -> int:
           f"compute dtype bfloat16; times: median of {repeats} x {iters} dispatches")
     dev_time = gpu if args.device_time is None else args.device_time
     header = (f"{'op':18s} {'shape':>12s} {'dtype':>9s} {'us':>9s} {'x floor':>8s} {'xla us':>9s} "
-              f"{'x xla':>7s}" + (f" | {'dev us':>8s} {'x floor':>8s} {'xla dev':>8s} {'x xla':>6s}" if dev_time else ""))
+              f"{'x xla':>7s}"
+              + (f" | {'dev us':>8s} {'x floor':>8s} {'xla dev':>8s} {'x xla':>6s}" if dev_time else ""))
     if dev_time:
         print("left: wall clock per call (back-to-back dispatches); right of |: GPU kernel time per call "
               "(profiler), floor at the copy kernel's bandwidth")

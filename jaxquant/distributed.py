@@ -467,9 +467,9 @@ def _split_stages(num_pieces: int, num_shards: int, num_other: int):
 def _split_nvfp4(rows, data, scale_inv, amax, data_t=None, scale_inv_t=None, *, plan=None, bounds=None,
                  stages=None, split=True, impl="auto"):
     """Per-parameter tensors from the group's packed vectors (``_per_parameter``: one ``group_split``
-    call, one per gather piece with ``stages``, or a ``GatheredWeights`` without ``split``). ``data``: a list holding the param-byte space, or with ``plan`` the
-    gathered pieces (``bounds``) that hold it. ``data_t`` / ``scale_inv_t``: the per-parameter
-    columnwise arrays (``ops.nvfp4_group_columnwise``), or None."""
+    call, one per gather piece with ``stages``, or a ``GatheredWeights`` without ``split``). ``data``: a list
+    holding the param-byte space, or with ``plan`` the gathered pieces (``bounds``) that hold it. ``data_t`` /
+    ``scale_inv_t``: the per-parameter columnwise arrays (``ops.nvfp4_group_columnwise``), or None."""
     k = len(data)
     shards = None if plan is None else tuple(zip(plan.lo, plan.length))
     results = []
@@ -559,8 +559,9 @@ def weight_partition_specs(layout, recipe, columnwise_in_step, tp_axis):
 def _build(layout, mesh, axis, tp_axis, options):
     opts = dict(options)
     body = functools.partial(quantize_master_weights_local, layout=layout, axis=axis, tp_axis=tp_axis, **opts)
-    specs = weight_partition_specs(layout, opts["recipe"], opts["columnwise"] and not opts["manual_post_all_gather_processing"],
-                          tp_axis) if opts["split"] else P()   # GatheredWeights: every leaf replicated
+    columnwise_in_step = opts["columnwise"] and not opts["manual_post_all_gather_processing"]
+    # GatheredWeights (split=False): every leaf replicated
+    specs = weight_partition_specs(layout, opts["recipe"], columnwise_in_step, tp_axis) if opts["split"] else P()
     out_specs = (specs, NonFiniteReport(counts=P(), names=layout.names)) if opts["check_finite"] else specs
     in_spec = P(axis) if tp_axis is None else P(tp_axis, axis)
     # 1-D: the results are replicated over ``axis`` (pmax / all_gather), which check_vma verifies.
@@ -680,7 +681,8 @@ def post_all_gather_processing(weights, *, impl: str = "auto"):
                 raise TypeError(f"weights: must be an NVFP4Tensor, a Float8Tensor or a list of them, "
                                 f"got an element of type {type(w).__name__}")
         out = list(weights)
-        nv = [i for i, w in enumerate(out) if isinstance(w, NVFP4Tensor) and (w.data_t is None or w.scale_inv_t is None)]
+        nv = [i for i, w in enumerate(out)
+              if isinstance(w, NVFP4Tensor) and (w.data_t is None or w.scale_inv_t is None)]
         f8 = [i for i, w in enumerate(out) if isinstance(w, Float8Tensor) and w.data_t is None]
         for i, w in zip(nv, _nvfp4_group_columnwise([out[i] for i in nv], impl)):
             out[i] = w

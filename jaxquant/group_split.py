@@ -102,11 +102,12 @@ def split(sources, pieces, *, stage_of_source=None, impl: str = "auto") -> list:
         shape = tuple(int(d) for d in shape)
         dtypes = {jnp.dtype(flats[src].dtype) for src, _, _ in segments}
         if len(dtypes) != 1:
-            raise ValueError(f"pieces[{i}]: its segments must come from sources of one dtype, got {sorted(map(str, dtypes))}")
+            raise ValueError(f"pieces[{i}]: its segments must come from sources of one dtype, "
+                             f"got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop()
         if sum(int(n) for _, _, n in segments) != math.prod(shape):
-            raise ValueError(f"pieces[{i}]: segments hold {sum(int(n) for _, _, n in segments)} elements, shape {shape} "
-                             f"needs {math.prod(shape)}")
+            raise ValueError(f"pieces[{i}]: segments hold {sum(int(n) for _, _, n in segments)} elements, "
+                             f"shape {shape} needs {math.prod(shape)}")
         pos = 0
         for src, first, count in segments:
             if not 0 <= src < len(flats) or first < 0 or first + count > flats[src].shape[0]:

@@ -14,9 +14,9 @@ FP8 (recipe "fp8"): every quantized tensor is a per-tensor
 current-scaled value (docs/numerics.md §1) whose amax is max-reduced over ``tp_axis`` before the local
 block is quantized once; its bytes and the one ``scale_inv`` travel together as a ``_Scaled`` pytree
 through every collective, so a receiver multiplies by the scale that came with the bytes. Forward
-operands are E4M3, gradients E5M2. GEMMs and quantizers are those of ``jq.dense`` (jaxquant/gemm.py). Residuals for the backward pass are values returned by this
-forward call (no quantizer state), so interleaving forward passes of several microbatches cannot
-change what a backward pass reads.
+operands are E4M3, gradients E5M2. GEMMs and quantizers are those of ``jq.dense`` (jaxquant/gemm.py).
+Residuals for the backward pass are values returned by this forward call (no quantizer state), so
+interleaving forward passes of several microbatches cannot change what a backward pass reads.
 
 Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "xla"
 (plain GSPMD einsums with sharding constraints, which XLA's windowed-einsum / collective-matmul

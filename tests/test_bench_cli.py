@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent   # the checkout these tests belon
 def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # --no-stages: the per-stage rows are on by default on GPUs only
-    assert cli.main(["bench", "--sizes", "32x64", "--iters", "1", "--repeats", "1", "--no-stages", "--json", str(out)]) == 0
+    assert cli.main(["bench", "--sizes", "32x64", "--iters", "1", "--repeats", "1", "--no-stages",
+                     "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["backend"] == jax.default_backend() and result["compute_dtype"] == "bfloat16"
@@ -29,7 +30,8 @@ def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     for row in rows:
         assert set(bench.ROW_FIELDS) <= set(row) and set(bench.DEVICE_FIELDS) <= set(row), row
         if jax.default_backend() == "gpu":   # kernel time from the profiler: no host dispatch in it
-            assert 0 < row["dev_us"] and abs(row["dev_x_floor"] - row["dev_us"] / row["dev_floor_us"]) < 1e-6 * row["dev_x_floor"]
+            assert 0 < row["dev_us"]
+            assert abs(row["dev_x_floor"] - row["dev_us"] / row["dev_floor_us"]) < 1e-6 * row["dev_x_floor"]
         else:
             assert row["dev_us"] is None and row["dev_x_floor"] is None
         assert row["shape"] == "32x64" and row["dtype"] == "float32" and row["us"] > 0 and row["xla_us"] > 0
@@ -62,8 +64,9 @@ def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
     assert cli.main(["bench", "--sizes", "32x64", "--iters", "1", "--repeats", "1", "--dtypes", "float32",
                      "--no-device-time", "--ops", "step_fp8*", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["rows"] == [] and [r["op"] for r in result["group_step"]] == ["step_fp8", "step_fp8-gathered", "step_fp8+T",
-                                                                          "step_fp8+T-gathered"]
+    assert result["rows"] == []
+    assert [r["op"] for r in result["group_step"]] == ["step_fp8", "step_fp8-gathered", "step_fp8+T",
+                                                       "step_fp8+T-gathered"]
 
 
 def test_gather_summary_sums_all_gather_kernels_over_streams():
@@ -135,7 +138,8 @@ def test_bench_defaults_are_the_ones_help_names_and_no_json_unless_asked(tmp_pat
     """The iteration counts that run are the defaults --help names for this backend, and without --json no
     file is written (in the working directory or anywhere)."""
     parser = cli.build_parser()
-    bench_parser = next(a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict)).choices["bench"]
+    subparsers = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict))
+    bench_parser = subparsers.choices["bench"]
     helps = {a.dest: a.help for a in bench_parser._actions}
     gpu = jax.default_backend() == "gpu"
     assert f"default {bench.GPU_ITERS} on a GPU, {bench.CPU_ITERS} elsewhere" in helps["iters"]

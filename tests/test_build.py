@@ -1,5 +1,5 @@
-"""build.py: one line per extension before its (long) compile (on the terminal too when pip captures it); JAXQUANT_CUDA=off removes a stale CUDA module.
-No compiler runs here (the commands are recorded)."""
+"""build.py: one line per extension before its (long) compile (on the terminal too when pip captures it);
+JAXQUANT_CUDA=off removes a stale CUDA module. No compiler runs here (the commands are recorded)."""
 
 import importlib.util
 from pathlib import Path

@@ -58,7 +58,8 @@ def test_jax_save_loads_in_torch_single_process_bit_identical(tmp_path, request)
     tree["q"] = q
     ck.save_dcp(str(tmp_path / "ck"), tree)
 
-    sd = {f"layers.{n}.weight": torch.zeros(a.shape, dtype=getattr(torch, np.dtype(a.dtype).name)) for n, a, _ in TENSORS}
+    sd = {f"layers.{n}.weight": torch.zeros(a.shape, dtype=getattr(torch, np.dtype(a.dtype).name))
+          for n, a, _ in TENSORS}
     sd.update({"step": torch.tensor(0, dtype=torch.int32), "host_step": 0, "lr": 0.0,
                "a.b": torch.zeros(4), "q": torch.zeros(16, 32, dtype=torch.float8_e4m3fn),
                "q.scale_inv": torch.zeros(()), "q.amax": torch.zeros(()),

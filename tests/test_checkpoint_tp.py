@@ -241,8 +241,8 @@ def test_tp_quantized_dequantized_by_save_or_convert_loads_as_tp_sharded_bf16(tm
     target = {"layers": {n: {"weight": jax.ShapeDtypeStruct(q.shape, jnp.bfloat16, sharding=NamedSharding(
         mesh, MASTER_SPECS["col" if d == 0 else "row"]))} for n, (q, d) in quant.items()}}
     # the unsharded tensors' dequantization
-    want = {n: np.asarray(w) for n, w in jax.jit(lambda qs: {n: q.dequantize(jnp.bfloat16) for n, (q, _) in qs.items()})(
-        quant).items()}
+    dequantized = jax.jit(lambda qs: {n: q.dequantize(jnp.bfloat16) for n, (q, _) in qs.items()})(quant)
+    want = {n: np.asarray(w) for n, w in dequantized.items()}
     for path in ("saved", "converted"):
         md = read_metadata(str(tmp_path / path))
         assert "layers.nv_col.weight.scale_inv" not in md.entries and "__jaxquant__" not in md.entries

@@ -38,7 +38,8 @@ def test_array_weight_is_x_at_w_transposed():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     yb = jq.dense(x, w.astype(jnp.bfloat16))              # bf16 operands, fp32 accumulation
     assert yb.dtype == jnp.float32 and yb.shape == (2, B // 2, N)
-    ref = jnp.einsum("bsk,nk->bsn", x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
+    ref = jnp.einsum("bsk,nk->bsn", x.astype(jnp.bfloat16).astype(jnp.float32),
+                     w.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_allclose(yb, ref, rtol=1e-5, atol=1e-5)
 
 

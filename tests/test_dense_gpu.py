@@ -46,7 +46,8 @@ def test_nvfp4_dense_gpu_matches_dequantized_math():
     x = jax.random.normal(kx, (256, 512), jnp.bfloat16)
     q = jq.quantize_nvfp4(jax.random.normal(kw, (384, 512), jnp.float32) * 0.05, columnwise=True)
     fwd = lambda v, w: jq.dense(v, w, out_dtype=jnp.float32)
-    y, dx = jax.jit(lambda v, w: (fwd(v, w), jax.grad(lambda u: jnp.sum(fwd(u, w)))(v)))(x, q)   # q an argument, not a constant
+    # q an argument, not a constant
+    y, dx = jax.jit(lambda v, w: (fwd(v, w), jax.grad(lambda u: jnp.sum(fwd(u, w)))(v)))(x, q)
     xf = x.astype(jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(xf @ q.dequantize().T), rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(jnp.ones((256, 384)) @ q.dequantize_t().T),

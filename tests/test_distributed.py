@@ -285,7 +285,8 @@ def _collectives(hlo_text):
     if not gathers:   # operand shapes are not always printed inline
         gathers = [(t, n, None) for t, n in re.findall(r"= (\w+)\[(\d+)\]\{0\} all-gather\(", hlo_text)]
     reduces = []   # (type, length, reduction) of every reduced vector; XLA may combine all-reduces into a tuple
-    for shapes, comp in re.findall(r"= \(?((?:\w+\[\d+\]\{0\}(?:, )?)+)\)? all-reduce\(.*to_apply=%?([\w.]+)", hlo_text):
+    all_reduce = r"= \(?((?:\w+\[\d+\]\{0\}(?:, )?)+)\)? all-reduce\(.*to_apply=%?([\w.]+)"
+    for shapes, comp in re.findall(all_reduce, hlo_text):
         reduces += [(t, n, comp) for t, n in re.findall(r"(\w+)\[(\d+)\]", shapes)]
     return gathers, reduces
 
@@ -399,7 +400,8 @@ def test_hlo_fp8_gathers_one_byte_per_element():
     layout = FlatLayout(shapes, 2)
     mesh = _mesh(2)
     flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
-    hlo = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe="fp8", impl=IMPL)).lower(flat).compile().as_text()
+    step = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe="fp8", impl=IMPL))
+    hlo = step.lower(flat).compile().as_text()
     gathers, reduces = _collectives(hlo)
     assert [(g[0], int(g[1])) for g in gathers] == [("u8", layout.total_size)]
     assert len(reduces) == 1 and reduces[0][0] == "s32" and int(reduces[0][1]) == 2
@@ -656,7 +658,8 @@ def test_custom_call_count_independent_of_parameter_count(recipe):
         kernels[n] = _entry_kernel_ops(lowered.compile().as_text())
     want = (["jq_group_split", "jq_nvfp4_group_cast", "jq_nvfp4_group_columnwise", "jq_nvfp4_group_scale",
              "jq_nvfp4_group_scale", "jq_nvfp4_group_tile_amax"]   # scales: the cast's, then the output's
-            if recipe == "nvfp4" else ["jq_fp8_group_amax", "jq_fp8_group_cast", "jq_fp8_group_transpose", "jq_group_split"])
+            if recipe == "nvfp4"
+            else ["jq_fp8_group_amax", "jq_fp8_group_cast", "jq_fp8_group_transpose", "jq_group_split"])
     assert calls[7] == calls[301] == want, calls
     # No per-parameter slice / copy kernels either: the weights come out of the one split call.
     assert kernels[7] == kernels[301], kernels
@@ -730,7 +733,8 @@ def test_split_false_errors_and_per_device_form():
         _assert_same(q, _reference(w, "fp8"))
 
 
-@pytest.mark.parametrize("kind,S", [("align1", 2), ("align1", 3), ("odd", 3), ("te", 8), ("sparse", 8), ("align128", 4)])
+@pytest.mark.parametrize("kind,S", [("align1", 2), ("align1", 3), ("odd", 3), ("te", 8), ("sparse", 8),
+                                    ("align128", 4)])
 def test_cut_tiles_are_the_tiles_on_two_or_more_shards(kind, S):
     """cut_tiles (the tiles whose amaxes the cast's all-reduce carries) against brute force: every
     tile whose elements lie on two or more shards, and no other."""

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 def test_e2m1_magnitude_bits_equals_float_to_e2m1_for_every_fp32(tmp_path):
     exe = tmp_path / "check"
-    subprocess.run(["c++", "-std=c++17", "-O2", f"-I{ROOT / 'csrc'}", str(ROOT / "tests/cpp/e2m1_magnitude_exhaustive.cc"),
-                    "-o", str(exe)], check=True)
+    subprocess.run(["c++", "-std=c++17", "-O2", f"-I{ROOT / 'csrc'}",
+                    str(ROOT / "tests/cpp/e2m1_magnitude_exhaustive.cc"), "-o", str(exe)], check=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("0 mismatches"), run.stdout
 

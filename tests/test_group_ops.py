@@ -495,7 +495,8 @@ def test_group_split_handler_rejects_bad_plan():
 
 
 @pytest.mark.parametrize("impl", [
-    pytest.param("custom_call", marks=pytest.mark.skipif(not _ffi.built_platforms(), reason="no jaxquant extension built")),
+    pytest.param("custom_call",
+                 marks=pytest.mark.skipif(not _ffi.built_platforms(), reason="no jaxquant extension built")),
     "reference"])
 def test_group_split_stages_same_bytes(rng, impl):
     """Staged copies (one call per stage, results aliased from one call to the next) give the bytes

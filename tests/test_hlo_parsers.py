@@ -18,7 +18,7 @@ ENTRY %main {
   %gemm_fusion_dot_general.18 = bf16[16,1024]{1,0} fusion(%get-tuple-element.36.0, %get-tuple-element.22.0, %get-tuple-element.37.0, %get-tuple-element.23.0), kind=kCustom, calls=%gemm_fusion_dot_general.18_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
   %cublas-gemm.1 = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(bf16[64,32]{1,0} %a, bf16[32,64]{1,0} %b), custom_call_target="__cublas$gemm"
 }
-"""
+"""  # noqa: E501 (verbatim HLO)
 
 
 def test_replica_group_sizes_in_every_spelling():

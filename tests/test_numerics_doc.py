@@ -32,11 +32,14 @@ def test_every_citation_names_an_existing_rule():
         for m in CITE.finditer(path.read_text(errors="replace")):
             rule = (int(m.group(1)), int(m.group(2)) if m.group(2) else None)
             cited.append(rule)
-            assert rule in sections, f"{path.relative_to(ROOT)} cites docs/numerics.md §{m.group(0)[14:]}, which does not exist"
+            assert rule in sections, \
+                f"{path.relative_to(ROOT)} cites docs/numerics.md §{m.group(0)[14:]}, which does not exist"
     assert len(cited) > 20   # the code does cite the contract
 
 
 def test_no_citation_of_a_file_outside_the_repository():
-    for path in [*ROOT.glob("jaxquant/**/*.py"), *ROOT.glob("csrc/**/*.*"), *ROOT.glob("docs/*.md"), ROOT / "README.md"]:
+    for path in [*ROOT.glob("jaxquant/**/*.py"), *ROOT.glob("csrc/**/*.*"), *ROOT.glob("docs/*.md"),
+                 ROOT / "README.md"]:
         text = path.read_text(errors="replace")
-        assert not re.search(r"\bSPEC(\.md)? §", text), f"{path.relative_to(ROOT)} cites SPEC instead of docs/numerics.md"
+        assert not re.search(r"\bSPEC(\.md)? §", text), \
+            f"{path.relative_to(ROOT)} cites SPEC instead of docs/numerics.md"

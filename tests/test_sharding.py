@@ -308,7 +308,8 @@ def _loops(jaxpr) -> bool:
 def _assert_batch_equals_loop(f, xb, what):
     out, one = jax.jit(jax.vmap(f))(xb), jax.jit(f)
     for i in range(xb.shape[0]):
-        for j, (a, b) in enumerate(zip(jax.tree.leaves(jax.tree.map(lambda o: o[i], out)), jax.tree.leaves(one(xb[i])))):
+        item = jax.tree.leaves(jax.tree.map(lambda o: o[i], out))
+        for j, (a, b) in enumerate(zip(item, jax.tree.leaves(one(xb[i])))):
             assert_bytes_equal_nan_aware(a, b, f"{what} item {i} output {j}") if a.dtype != jnp.uint8 else \
                 assert_bytes_equal(a, b, f"{what} item {i} output {j}")
 

@@ -56,9 +56,9 @@ def _convert(args) -> int:
 def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``ckpt`` (with ``inspect`` and ``convert``) to an argparse subparsers object."""
     ckpt = subparsers.add_parser("ckpt", help="PyTorch DCP / Orbax checkpoints: inspect and convert",
-                                 description="PyTorch DCP / Orbax checkpoints: inspect and convert (docs/checkpoint.md). "
-                                             "Exit status 0 on success, 1 on an error or an unsound checkpoint, "
-                                             "130/143 when interrupted.")
+                                 description="PyTorch DCP / Orbax checkpoints: inspect and convert "
+                                             "(docs/checkpoint.md). Exit status 0 on success, 1 on an error or an "
+                                             "unsound checkpoint, 130/143 when interrupted.")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="COMMAND")
 
     text = ("keys, dtypes, shapes, chunks and soundness of a DCP checkpoint; keys, dtypes and shapes of an Orbax "

@@ -7,9 +7,9 @@ then finishes as if no signal had come; CI saw both). So inside a *write section
 ``deferred`` blocks the handler only records the first signal; :func:`check` raises it as :class:`Interrupted`
 (a ``KeyboardInterrupt``) at points the write chooses (between chunks, before the commit's rename), and leaving
 the outermost section raises one that came after the last check point. Once :func:`check` has raised it, later
-signals are ignored while the exception unwinds, so the write's cleanup is never cut short. Outside those sections (the demo's training
-loop, ``inspect``) a command's handler raises at once, as Python's own SIGINT handling does; one that Python
-drops there stays pending, unprinted, for the next check point or signal.
+signals are ignored while the exception unwinds, so the write's cleanup is never cut short. Outside those sections
+(the demo's training loop, ``inspect``) a command's handler raises at once, as Python's own SIGINT handling
+does; one that Python drops there stays pending, unprinted, for the next check point or signal.
 
 A SIGKILL cannot be handled: it leaves a marked staging directory that the next write to the same destination
 removes (``fsutil.remove_stale_staging``).

@@ -232,7 +232,8 @@ class OrbaxSink:
     Each tensor is a zarr array in the checkpoint's OCDBT store (the spec Orbax would use), with a zarr chunk
     grid aligned to the incoming chunks when they are known (``declare_tensor(..., boxes=...)``). Chunks are
     staged in a TensorStore transaction that is committed every ``FLUSH_BYTES``, so memory stays a few times
-    the largest chunk (the largest tensor when its grid cannot be aligned). ``commit`` adds Orbax's metadata files and renames.
+    the largest chunk (the largest tensor when its grid cannot be aligned). ``commit`` adds Orbax's metadata files
+    and renames.
     """
 
     def __init__(self, dst: str, staging: str):

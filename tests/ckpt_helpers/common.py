@@ -65,8 +65,8 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, key=lambda name: 
     for name, arr, style in tensors:
         fn = f"{name}.bin"
         np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tofile(os.path.join(workdir, fn))
-        specs.append({"name": name, "key": key(name), "shape": list(arr.shape), "dtype": to_torch_name(arr.dtype, what=name),
-                      "style": style, "file": fn})
+        specs.append({"name": name, "key": key(name), "shape": list(arr.shape),
+                      "dtype": to_torch_name(arr.dtype, what=name), "style": style, "file": fn})
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump({"tensors": specs, "step": step}, f)

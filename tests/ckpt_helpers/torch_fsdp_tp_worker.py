@@ -4,7 +4,8 @@ Usage: python torch_fsdp_tp_worker.py {save,load} CKPT SPEC_JSON RESULT_DIR
 env: RANK, WORLD_SIZE (4), MASTER_PORT.
 
 SPEC_JSON: {"step": int, "tensors": [{"name", "key", "shape", "dtype", "style", "file"}]}; "key" is the
-checkpoint key, "file" holds the full tensor's raw bytes. Each 2-D entry is the (frozen) weight of its own nn.Linear, placed by "style":
+checkpoint key, "file" holds the full tensor's raw bytes. Each 2-D entry is the (frozen) weight of its own
+nn.Linear, placed by "style":
   "col"  ColwiseParallel on "tp", then fully_shard on "dp"  -> (_StridedShard(0, tp), Shard(0))
   "row"  RowwiseParallel on "tp", then fully_shard on "dp"  -> (Shard(0), Shard(1))
   "rep"  no TP plan (replicated over tp), fully_shard on "dp" -> Shard(0) on the dp mesh
