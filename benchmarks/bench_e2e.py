@@ -310,8 +310,8 @@ def main(argv=None):
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not line:
                 tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-                print(f"{flags:8s} {config:14s} FAILED (exit {proc.returncode}, {time.perf_counter() - t0:.0f} s):\n{tail}",
-                      flush=True)
+                took = time.perf_counter() - t0
+                print(f"{flags:8s} {config:14s} FAILED (exit {proc.returncode}, {took:.0f} s):\n{tail}", flush=True)
                 results.append({"config": config, "flags": flags, "error": tail})
                 continue
             r = json.loads(line[0][7:]) | {"flags": flags}

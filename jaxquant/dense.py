@@ -26,7 +26,6 @@ out unless a caller names it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import fsdp, ops
-from jaxquant.gemm import (BWD_FP8, FWD_FP8, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
+from jaxquant.gemm import (BWD_FP8, FWD_FP8, NN, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
                            quantize_current, scaled_gemm)
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
@@ -113,8 +112,11 @@ def _backward(act, wops, g, cfg: _Config):
         return scaled_gemm(gq, sg, wops["data_t"], wops["scale_inv"]), scaled_gemm(gq.T, sg, xq.T, sx)
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
-    w_t = nvfp4_operand(wops["data_t"], wops["scale_inv_t"])
-    return scaled_gemm(gb, None, w_t, wops["dec"]), scaled_gemm(gb.T, None, xb.T, None)
+    if "data_t" in wops:
+        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), wops["dec"])
+    else:   # the rowwise bytes read transposed: the same bf16 values (a 16x16 tile's scale is its transpose's)
+        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN)
+    return dx, scaled_gemm(gb.T, None, xb.T, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -155,7 +157,8 @@ def _dense_sharded_fwd(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
 
 def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     act, local = res
-    dx, dw = _backward(act, fsdp.gathered_operands(local, spec, columnwise=True), g, cfg)
+    # FP8 GEMMs need the transposed bytes (TN); NVFP4's bf16 GEMM reads the rowwise bytes transposed
+    dx, dw = _backward(act, fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8"), g, cfg)
     # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
     dw = fsdp.round_to(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer, as straight_through's
     return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False)

@@ -18,11 +18,12 @@ of 16, so each rank derives the same tile scales it would from the whole weight 
 §2.5) and the gathered bytes equal ``quantize_fp8`` / ``quantize_nvfp4`` of the whole weight.
 
 Gradients (``GradReduce``): ``dW`` (the fp32 GEMM output rounded to bf16, the weight gradient of a bf16
-layer; a gathered array's gradient in its own dtype) is rounded to the main-grads dtype, scaled by ``1/(data-parallel ranks x microbatches)``,
-rounded to the comm dtype and reduce-scattered over the FSDP axis; ``grad`` holds the comm dtype and
-``make_train_step`` converts it to the main-grads dtype. Axes the weight is replicated over while the
-activations vary (the FSDP axis of an unsharded leaf, an HSDP replicate axis, the TP axis of a TP-replicated
-weight) are summed by JAX's own transpose of the broadcast (``psum`` in the comm dtype).
+layer; a gathered array's gradient in its own dtype) is rounded to the main-grads dtype, scaled by
+``1/(data-parallel ranks x microbatches)``, rounded to the comm dtype and reduce-scattered over the FSDP
+axis; ``grad`` holds the comm dtype and ``make_train_step`` converts it to the main-grads dtype. Axes the
+weight is replicated over while the activations vary (the FSDP axis of an unsharded leaf, an HSDP replicate
+axis, the TP axis of a TP-replicated weight) are summed by JAX's own transpose of the broadcast (``psum``
+in the comm dtype).
 """
 
 from __future__ import annotations

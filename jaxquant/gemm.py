@@ -17,6 +17,7 @@ from jaxquant import formats, ops, reference
 FWD_FP8 = jnp.dtype(jnp.float8_e4m3fn)     # activations (and weights) in the forward
 BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
 TN = (((1,), (1,)), ((), ()))              # a [M, K] x b [N, K]: both contracted on their minor axis
+NN = (((1,), (0,)), ((), ()))              # a [M, K] x b [K, N]
 
 
 def scaled_gemm(a, a_scale, b, b_scale, dims=TN):

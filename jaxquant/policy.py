@@ -68,7 +68,7 @@ class TrainState:
     opt_state: Any
     weights: Any
     step: jax.Array
-    plan: _Plan = dataclasses.field(metadata=dict(static=True))
+    plan: Any = dataclasses.field(metadata=dict(static=True))
 
 
 def _round_to(x, dtype):

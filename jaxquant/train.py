@@ -39,8 +39,8 @@ Megatron style: mark the input of a column-parallel ``dense`` as varying over ``
 ``psum`` the output of a row-parallel ``dense`` over ``tp_axis``, so that the loss it returns is the same on
 every TP rank (or use the ``jq.sp_*`` layers); with FP8 weights pass ``amax_axes=tp_axis`` to ``dense`` so
 that TP-split activations and gradients are scaled by the whole tensor's amax. Gradients of split weights
-stay TP-local and are reduced over ``fsdp_axis`` only; replicated leaves enter ``loss_fn`` TP-invariant, so JAX's transpose of their
-implicit broadcast psums their gradient over ``tp_axis`` (the whole gradient on every TP rank).
+stay TP-local and are reduced over ``fsdp_axis`` only; replicated leaves enter ``loss_fn`` TP-invariant, so
+JAX's transpose of their implicit broadcast psums their gradient over ``tp_axis`` (the whole gradient on every TP rank).
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ class TrainStep:
     def __init__(self, loss_fn, optimizer, mesh, policy, strategy, microbatches, report_nan, fsdp_axis,
                  tp_axis=None, param_specs=None):
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
-        self.strategy, self.microbatches, self.report_nan, self.fsdp_axis = strategy, microbatches, report_nan, fsdp_axis
+        self.strategy, self.microbatches, self.report_nan = strategy, microbatches, report_nan
+        self.fsdp_axis = fsdp_axis
         self.num_shards = int(mesh.shape[fsdp_axis])
         # TP is on when the tp axis has more than one device; a size-1 tp axis is plain FSDP
         self.tp_size = 1 if tp_axis is None else int(mesh.shape[tp_axis])
@@ -500,7 +501,8 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(f"optimizer: must be an optax GradientTransformation (init/update), got {type(optimizer).__name__}")
+        raise TypeError(f"optimizer: must be an optax GradientTransformation (init/update), got "
+                        f"{type(optimizer).__name__}")
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     policy = MixedPrecisionPolicy() if policy is None else policy

@@ -1,11 +1,13 @@
-"""Every strategy x compute_weights with one microbatch (four: tests/test_train_microbatches.py) on 8 simulated devices equals a single-device
-computation of the same math after 3 SGD steps (tests/test_train.py: ``reference_sgd``).
+"""Every strategy x compute_weights with one microbatch (four: tests/test_train_microbatches.py) on 8 simulated
+devices equals a single-device computation of the same math after 3 SGD steps (tests/test_train.py:
+``reference_sgd``).
 
-With fp32 gradient communication the parameters are bitwise equal (layer-wise FSDP with several
-microbatches: within fp32 reordering, see check_strategy_equals_single_device) (the reference adds the ranks'
-contributions in rank order, as XLA:CPU's all-reduce and reduce-scatter do); the reported loss is
-within 1e-6 relative (the reference averages the microbatch losses on the host in float64). bf16 gradient communication after one step within bf16 rounding of the 8 contributions and of
-their sum (2^-6 of the largest update: the reference adds in bf16 in rank order, XLA:CPU adds in fp32).
+With fp32 gradient communication the parameters are bitwise equal (the reference adds the ranks'
+contributions in rank order, as XLA:CPU's all-reduce and reduce-scatter do; layer-wise FSDP with several
+microbatches: within fp32 reordering, see check_strategy_equals_single_device); the reported loss is within
+1e-6 relative (the reference averages the microbatch losses on the host in float64). bf16 gradient
+communication after one step within bf16 rounding of the 8 contributions and of their sum (2^-6 of the
+largest update: the reference adds in bf16 in rank order, XLA:CPU adds in fp32).
 """
 
 import functools
@@ -17,7 +19,7 @@ import optax
 import pytest
 
 import jaxquant as jq
-from test_train import init_params, make_batch, mesh_of, reference_sgd, run_step
+from test_train import init_params, make_batch, reference_sgd, run_step
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

@@ -123,7 +123,8 @@ def test_fsdp_tp_other_strategies_and_microbatches(strategy, microbatches):
 @pytest.mark.parametrize("bad", ["w2", "b2"])
 def test_fsdp_tp_nan_report_names_parameter(bad):
     def poisoned(w, b):   # the extra term is 0 normally, NaN in the gradient of `bad` when b["p"] is NaN
-        extra = (jnp.sum(jq.dense(tp_varying(b["p"][:, :w["w2"].shape[1]], "tp"), w["w2"], out_dtype=jnp.float32)) if bad == "w2"
+        p2 = tp_varying(b["p"][:, :w["w2"].shape[1]], "tp")
+        extra = (jnp.sum(jq.dense(p2, w["w2"], out_dtype=jnp.float32)) if bad == "w2"
                  else jnp.sum(w["b2"] * b["p"][:, :D_OUT]))
         if bad == "w2":   # TP-local: summed over tp so that the loss stays the same on every TP rank
             extra = jax.lax.psum(extra, "tp")
