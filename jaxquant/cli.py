@@ -47,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cli_handlers():
             args = build_parser().parse_args(argv)
-            if getattr(args, "devices", None):
-                _force_host_devices(args.devices)
+            devices = getattr(args, "devices", None)
+            if devices is not None and devices < 1:
+                print(f"jaxquant {args.command}: error: --devices: must be at least 1, got {devices}", file=sys.stderr)
+                return 2
+            if devices:
+                _force_host_devices(devices)
             return int(args.func(args) or 0)
     except Interrupted as e:
         return report(f"jaxquant: interrupted by {e.signame}", e)

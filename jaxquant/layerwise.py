@@ -53,6 +53,7 @@ class LeafRule:
     recipe: str                  # weights: the policy's compute weights; arrays: "bf16" or "keep"
     spec: Any                    # PartitionSpec of the master leaf (global array)
     weight: WeightSpec           # gather / amax / gradient rules
+    tp_size: int = 1             # TP ranks the leaf is split over (1: replicated over TP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,7 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
     amax_axes = ((fsdp_axis,) if sharded else ()) + ((tp_axis,) if tp_dim is not None else ())
     vary = (() if sharded else (fsdp_axis,)) + ((replicate_axis,) if replicate_axis is not None else ())
     weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary)
-    return LeafRule(name, shape, quantized, recipe, P(*spec), weight)
+    return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1)
 
 
 def _varying_over(x, axes):

@@ -17,8 +17,9 @@ def test_demo_trains_and_checkpoints(tmp_path, capsys):
     rc = cli.main(["demo", "--steps", "30", "--mesh", "8x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "weights nvfp4" in out and "mesh fsdp=8 x tp=1" in out
-    assert "0.25x" in out                                  # NVFP4 gathers a quarter of the bf16 bytes
+    assert "weights nvfp4" in out and "mesh fsdp=8 x tp=1" in out and "under scan" in out
+    ratio = float(out.split(" per device (")[1].split("x bf16")[0])
+    assert 0.25 < ratio < 0.35, out      # NVFP4 layers: 0.5 + 1/16 bytes an element; the bf16 embedding dilutes
     first, last = _loss_range(out)
     assert last < first - 0.5, out
     ckpt = tmp_path / "nvfp4-step30"
@@ -47,8 +48,8 @@ def test_demo_default_mesh_is_fsdp_x_tp_and_trains(tmp_path, capsys):
 def test_demo_refuses_tp_split_the_model_cannot_take(tmp_path, capsys):
     rc = cli.main(["demo", "--steps", "1", "--mesh", "1x8", "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2
-    out = capsys.readouterr().out
-    assert "tp=8 must divide the 4 heads" in out
+    err = capsys.readouterr().err
+    assert "tp=8 must divide the 4 heads" in err
     assert not os.listdir(tmp_path)
 
 
@@ -57,6 +58,33 @@ def test_demo_without_optax_says_how_to_install_it(tmp_path, capsys, monkeypatch
     monkeypatch.setitem(sys.modules, "optax", None)  # `import optax` now raises ImportError
     rc = cli.main(["demo", "--steps", "1", "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2
-    out = capsys.readouterr().out
-    assert 'pip install "jaxquant[train]"' in out and "optax" in out
+    err = capsys.readouterr().err
+    assert 'pip install "jaxquant[train]"' in err and "optax" in err
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps: must be at least 1, got 0"),
+                                          (["--devices", "0"], "--devices: must be at least 1, got 0"),
+                                          (["--batch-per-device", "0"], "--batch-per-device: must be at least 1")])
+def test_demo_refuses_bad_counts_on_stderr(tmp_path, capsys, argv, message):
+    rc = cli.main(["demo", *argv, "--ckpt-dir", str(tmp_path), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 2 and message in captured.err and "Traceback" not in captured.err
+    assert not os.listdir(tmp_path)
+
+
+def test_demo_says_when_the_loss_did_not_fall(monkeypatch, capsys):
+    from jaxquant import demo
+
+    monkeypatch.setattr(demo, "run", lambda **kw: {"losses": [2.0, 2.5]})
+    args = cli.build_parser().parse_args(["demo", "--steps", "2"])
+    assert demo.main(args) == 1
+    assert "the loss did not fall (2.000 -> 2.500 over 2 steps)" in capsys.readouterr().err
+
+
+def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
+    """--steps 1: no step after the compile one to time, still a result and a checkpoint."""
+    rc = cli.main(["demo", "--steps", "1", "--mesh", "8x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "over 1 steps" in out and (tmp_path / "nvfp4-step1" / ".metadata").is_file()
