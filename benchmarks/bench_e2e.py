@@ -156,10 +156,12 @@ def _make_plain(a, mesh, scan):
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    params = init_params(a, stacked=scan)
     lead = (None,) if scan else ()
     spec = lambda x: P(*lead, "fsdp", None) if x.shape[-2] % mesh.size == 0 and x.shape[-2] > 1 else P()
-    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), params)
+    shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
+    # built sharded (a large model does not fit one device whole)
+    params = jax.jit(lambda: init_params(a, stacked=scan),
+                     out_shardings=jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), shapes_))()
     opt = optax.adam(1e-4)
     state = (params, jax.jit(opt.init)(params))
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
@@ -179,13 +181,15 @@ def _make_jq(a, mesh, recipe, scan):
 
     import jaxquant as jq
 
-    params = init_params(a, stacked=scan)
-    mask = jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
+    mask = jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), shapes_)
     loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
     # gradients travel in bf16, as the plain step's (the transpose of its bf16 weight gather)
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
     step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy)
+    params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=step.master_shardings(shapes_))()
     state = step.init(params)
+    del params
 
     def run(state, batch):
         state, metrics = step(state, batch)

@@ -291,6 +291,12 @@ class LayerwiseTrainStep:
                          tp_axis=self.tp_axis, replicate_axis=self.replicate_axis, microbatches=self.microbatches,
                          param_specs=self.param_specs, quantize_mask=self.quantize_mask)
 
+    def master_shardings(self, params):
+        """``NamedSharding`` of each master leaf (a pytree like ``params``, which may hold
+        ``jax.ShapeDtypeStruct``): build a large model directly sharded, ``jax.jit(init, out_shardings=...)``,
+        instead of on one device."""
+        return self._master_shardings(self.plan(params))
+
     def init(self, params) -> TrainState:
         """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
         plan = self.plan(params)
