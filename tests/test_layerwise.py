@@ -6,6 +6,7 @@ gathers quantized bytes and reduce-scatters per layer inside the loop.
 
 import functools
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -200,3 +201,49 @@ def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
         assert (f"tensor<{rows}x{c}xf32>", f"tensor<{rows // 8}x{c}xf32>") in s3, s3
     assert not any("f32" in a and a.count("x") == 3 for a, _ in g3), g3      # no stacked fp32 weights gathered
     assert len(g3) == len(g6) and len(s3) == len(s6)
+
+
+def _plain_scan_step_temp_bytes(layers):
+    """Compiled temp bytes of what a JAX user writes without jaxquant: fp32 params sharded over fsdp, bf16 casts
+    inside the loss, the same blocks under scan, XLA's gathers and reduce-scatters."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    params = init_params()
+    spec = lambda x: P(*([None] * (x.ndim - 2)), "fsdp", None) if x.shape[-2] % 8 == 0 else P()
+    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), params)
+    mm = lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16).T
+
+    def loss(p, b):
+        h = jnp.take(p["embed"].astype(jnp.bfloat16), b["tokens"], axis=0).astype(jnp.float32)
+
+        def body(h, layer):
+            x = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6) * layer["norm"]
+            return h + mm(jax.nn.gelu(mm(x, layer["w1"])), layer["w2"]).astype(jnp.float32), None
+
+        h, _ = jax.lax.scan(body, h, p["blocks"])
+        logp = jax.nn.log_softmax(mm(h, p["head"]).astype(jnp.float32), -1)
+        return -jnp.mean(jnp.take_along_axis(logp, b["targets"][:, None], axis=-1))
+
+    step = jax.jit(lambda p, b: jax.tree.map(lambda a, d: a - LR * d, p, jax.grad(loss)(p, b)))
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("fsdp")))
+    return step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
+def test_temp_memory_grows_per_layer_like_plain_fsdp(cw, monkeypatch):
+    """The compiled step's temporary memory grows with the layer count about as plain JAX FSDP's does (activation
+    residuals), not by a layer's gathered weights and full-size gradients (XLA:CPU's memory analysis)."""
+    def temp(layers, fn):
+        monkeypatch.setattr(sys.modules[__name__], "L", layers)
+        return fn(layers)
+
+    def jq_temp(layers):
+        _, _, step, state = train(loss_scan, init_params(), cw=cw, steps=0)
+        return step.lower(state, make_batch()).compile().memory_analysis().temp_size_in_bytes
+
+    jq_growth = (temp(8, jq_temp) - temp(2, jq_temp)) / 6
+    plain_growth = (temp(8, _plain_scan_step_temp_bytes) - temp(2, _plain_scan_step_temp_bytes)) / 6
+    layer_weights_and_grads = (2 + 4) * 2 * F * D      # bf16 gathered w1 + w2 and their fp32 gradients
+    assert jq_growth < 2 * plain_growth, (jq_growth, plain_growth)
+    assert jq_growth < layer_weights_and_grads / 2, (jq_growth, layer_weights_and_grads)
