@@ -1,0 +1,46 @@
+"""Multi-host layer-wise FSDP: 2 JAX processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo CPU
+collectives) train the stacked model of test_layerwise.py to the same parameters as 1 process x 8 devices;
+each process feeds host arrays and reads back replicated params (no non-addressable array on the host)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from test_layerwise import assert_close_to, init_params, loss_scan, train
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("cw", ["fp8", "nvfp4"])
+def test_two_processes_equal_one(tmp_path, cw):
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path / f"p{i}.npz"), cw],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    got = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
+    ref_params, ref_losses, _, _ = train(loss_scan, init_params(), cw=cw)
+    flat_ref = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(ref_params)[0]}
+    for g in got:
+        np.testing.assert_allclose(g["losses"], ref_losses, rtol=1e-6)
+        params = {k: g[k] for k in flat_ref}
+        assert_close_to(params, flat_ref, {k: np.asarray(v) for k, v in zip(flat_ref, jax.tree.leaves(init_params()))},
+                        1e-3)
