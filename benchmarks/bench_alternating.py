@@ -6,7 +6,8 @@ runs on a GPU the other has just warmed. Two loops per op: each output freed by 
     python3 benchmarks/bench_alternating.py quantize_fp8:16384x16384:float32 fp8_quantize:8192x8192:bfloat16
 
 Each argument is OP:ROWSxCOLS:DTYPE with OP one of `jaxquant bench`'s ops (stages included).
-Used for the A/B in docs/decisions.md 26 (through scripts/ab_bench.sh's BENCH_CMD).
+Used for the A/B that chose the FP8 rowwise cast's grid (docs/decisions.md, "The FP8 rowwise cast launches
+one warp span per warp"), through scripts/ab_bench.sh's BENCH_CMD.
 """
 import argparse
 import statistics

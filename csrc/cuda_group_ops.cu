@@ -63,7 +63,7 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m);
 // One table column (GroupTable::kOffset, kTileBase, ...) of the first kSharedKeys parameters, copied
 // to shared memory by the block: a thread's search for its parameter (at its start, and at each
 // parameter change) then reads shared memory instead of log2(P) dependent global loads, which with
-// 300 weights cost the grouped stats and cast kernels 15-19 µs a launch (s11-5). Larger tables
+// 300 weights cost the grouped stats and cast kernels 15-19 µs a launch (one H200). Larger tables
 // search the global table as before; the answer is the same (GroupTable::find).
 constexpr int kSharedKeys = 1024;
 struct BlockKeys {

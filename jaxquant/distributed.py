@@ -405,7 +405,7 @@ def _check_split(split, tp_axis):
 
 def _check_gather_pieces(pieces) -> int:
     """``gather_pieces`` as an int; None (automatic) is one piece: on 2 x H100 one gather beat 2, 4
-    and 8 pieces for every recipe (docs/decisions.md 27)."""
+    and 8 pieces for every recipe (docs/decisions.md, "One gather piece by default")."""
     if pieces is None:
         return 1
     if isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer)) or pieces < 1:
@@ -612,7 +612,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
     ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (docs/numerics.md §1).
     ``gather_pieces``: cast and all-gather each shard's bytes in this many pieces, so that the gather
     of one can overlap the cast of the next (None: 1, which measured fastest on 2 x H100,
-    docs/decisions.md 27); the bytes do not depend on it.
+    docs/decisions.md, "One gather piece by default"); the bytes do not depend on it.
     ``split=False`` (1-D meshes, no ``tp_axis``): return a :class:`jaxquant.GatheredWeights` instead of
     the list: the gathered bytes, with each weight cut out where it is read (``weights[i]``,
     ``weights.tensors()``; the same bytes). Inside the ``jit`` that consumes the weights this skips the

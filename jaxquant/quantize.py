@@ -28,7 +28,7 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_e
     model's compute dtype first) casts ``x`` with RNE before quantizing; None quantizes ``x`` as is.
 
     Non-finite input: NaN is ignored by the amax and stays NaN in ``data`` (the format's NaN with
-    the input's sign, docs/decisions.md item 1); ±inf makes the amax inf, so the scale is 1
+    the input's sign, docs/decisions.md, "FP8 NaN encoding"); ±inf makes the amax inf, so the scale is 1
     (docs/numerics.md §1.3) and ±inf saturates to ±max (§1.6). Values that overflow the compute
     dtype (fp32 beyond bfloat16's range) count as ±inf. With ``check_finite=True`` returns
     ``(tensor, count)``: ``count`` is the int32 number of NaN/±inf elements (after the compute-dtype
@@ -49,8 +49,8 @@ def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=jnp.bfloat16, c
 
     ``compute_dtype`` as in ``quantize_fp8`` (default bfloat16; None quantizes ``x`` as is).
 
-    Non-finite input is outside the bit-exact contract (docs/numerics.md §2.6, docs/decisions.md
-    item 2) and is NOT reported unless asked: NaN is ignored by the amaxes and its element becomes
+    Non-finite input is outside the bit-exact contract (docs/numerics.md §2.6, docs/decisions.md,
+    "NVFP4 NaN input") and is NOT reported unless asked: NaN is ignored by the amaxes and its element becomes
     a finite ±6 x tile scale (code 7 / 15, the NaN's sign; the hardware conversion on sm_100a may
     differ). ±inf makes its tile amax and the amax inf: the global scales fall back to 1 (§2 step 2),
     the element saturates to ±6 x 448, and since the stored amax is inf the whole tensor dequantizes

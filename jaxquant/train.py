@@ -237,7 +237,8 @@ class TrainStep:
                 mesh=self.mesh, in_specs=P(self.fsdp_axis), out_specs=P())
             return layout.unflatten(gather(master_mat))
         # split=True, not split=False: on 2 x H100 split=False made the strategies disagree on the GPU
-        # (likely other GEMM fusions; bytes equal) and the step was no faster (decisions 28)
+        # (likely other GEMM fusions; bytes equal) and the step was no faster (docs/decisions.md,
+        # "`split=False` exists; `split=True` stays the default")
         return quantize_master_weights(master_mat, layout, mesh=self.mesh, axis=self.fsdp_axis, recipe=cw,
                                        compute_dtype=COMPUTE_DTYPE, columnwise=True,
                                        manual_post_all_gather_processing=False)
@@ -337,9 +338,10 @@ class TrainStep:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
             flat = _round_to(flat, pol.main_grads_dtype)
             if self.report_nan and S == 1:
-                # no reduction: one XLA reduction per gradient leaf, in its own shape (docs/decisions.md
-                # #16: a count over the flat buffer, one custom call over all leaves, grouped or
-                # flattened leaves all measured slower on one H200)
+                # no reduction: one XLA reduction per gradient leaf, in its own shape. A count over the flat
+                # buffer made XLA write the flat gradient it had fused into the update; one custom call over
+                # all leaves, grouped or flattened leaves all measured slower on one H200 (docs/decisions.md,
+                # "`report_nan` checks the reduced gradient")
                 flags.append(jnp.stack([jnp.any(~jnp.isfinite(as_sent(g))) for g in grads[group]])
                              .astype(jnp.float32))
             elif self.report_nan:

@@ -33,7 +33,7 @@ for i in "${!names[@]}"; do
 done
 wait
 # clocks and power beside the name: the same kernels ran 6-16% slower against the same copy bandwidth on
-# one H200 machine than on another (RESULTS.md, s9-5), which memory alone does not explain
+# one H200 machine than on another (2026-11-25), which memory alone does not explain
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu --format=csv
 for i in "${!names[@]}"; do
   cuobjdump --dump-sass "${dirs[$i]}"/jaxquant/_jaxquant_cuda*.so 2> /dev/null | gzip > "$OUT/sass_${names[$i]}.txt.gz"

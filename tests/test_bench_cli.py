@@ -70,7 +70,7 @@ def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
 
 
 def test_gather_summary_sums_all_gather_kernels_over_streams():
-    """The s7-1 NVFP4 step's profile (2 x H200): one gather piece on the compute stream, three on another."""
+    """An NVFP4 step's profile with 4 gather pieces (2 x H200): one piece on the compute stream, three on another."""
     kernel = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
     prof = {
         "XLA Ops": {"all-gather-start": (400.0, 4.0)},        # HLO ops: not kernels, not counted
@@ -114,7 +114,7 @@ def test_source_digest_matches_the_shell_script_and_follows_the_sources(tmp_path
 
 
 def test_bench_alternating_times_both_loops_and_names_a_bad_op():
-    """benchmarks/bench_alternating.py (the wall-clock A/B of docs/decisions.md 26) on a tiny tensor:
+    """benchmarks/bench_alternating.py (the wall-clock A/B behind the FP8 cast grid) on a tiny tensor:
     one line per loop with both times and their ratio; an unknown op is refused by name."""
     import os
     import sys

@@ -658,7 +658,8 @@ def test_large_shapes_custom_equals_reference_gpu():
 @pytest.mark.parametrize("dtype,compute", [(jnp.float32, None), (jnp.float32, jnp.bfloat16), (jnp.bfloat16, None)])
 def test_fp8_quantize_nan_keeps_the_input_sign(fmt, dtype, compute):
     """A NaN element becomes the byte sign | 0x7F with the sign of the input NaN, in data and data_t, on
-    every backend's custom call (docs/numerics.md §1 only asks that NaN stays NaN; docs/decisions.md #21):
+    every backend's custom call (docs/numerics.md §1 only asks that NaN stays NaN; docs/decisions.md, "FP8 casts
+    take the sign bit from the input"):
     exact bytes, which the NaN-aware comparisons elsewhere do not check. 64 x 256 takes the vector paths
     of the CUDA kernels (the GPU's multiply drops a NaN's sign; the kernels put it back)."""
     x = np.linspace(-3, 3, 64 * 256, dtype=np.float32).reshape(64, 256)

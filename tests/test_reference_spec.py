@@ -466,7 +466,7 @@ def test_fp8_dequantize_formula(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# Subnormals (docs/decisions.md #8): XLA:CPU runs with FTZ/DAZ, so the reference on the CPU may flush
+# Subnormals (docs/decisions.md, "Subnormals"): XLA:CPU runs with FTZ/DAZ, so the reference on the CPU may flush
 # them; the C++/CUDA handlers must follow IEEE and are checked against the oracle here.
 # ----------------------------------------------------------------------------------------------
 

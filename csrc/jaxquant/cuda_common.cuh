@@ -304,7 +304,8 @@ __device__ __forceinline__ uint32_t fp8_pair(float lo, float hi, bool e5m2) {
 // FP8 bytes q with bit 7 of each byte taken from bit 7 of the same byte of `signs`, the sign of the
 // input element. That bit already is the byte's sign for every non-NaN input (a positive scale keeps
 // the sign, -0 included); for a NaN it keeps the input's sign, which the GPU's multiply drops
-// (docs/decisions.md #21; docs/numerics.md §1 only asks that NaN stays NaN). One select for 4 bytes
+// (docs/decisions.md, "FP8 casts take the sign bit from the input"; docs/numerics.md §1 only asks
+// that NaN stays NaN). One select for 4 bytes
 // instead of a NaN test and fix-up an element: the FP8 casts are ALU-bound on Hopper.
 __device__ __forceinline__ uint32_t fp8_with_signs(uint32_t q, uint32_t signs) {
   return (q & 0x7F7F7F7Fu) | (signs & 0x80808080u);
