@@ -52,6 +52,17 @@ def nvfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
     return round_up(rows, 128), round_up(cols // TILE, 4)
 
 
+def check_nvfp4_shape(rows: int, cols: int, name: str = "shape") -> None:
+    """Raise ValueError (naming ``name``) unless [rows, cols] is a valid NVFP4 2D-block-scaled shape:
+    both positive multiples of 16. The one shape rule of every NVFP4 path (ops, group tables)."""
+    for what, n in (("M (rows)", rows), ("K (cols)", cols)):
+        if not isinstance(n, (int, np.integer)) or n <= 0 or n % TILE:
+            raise ValueError(
+                f"{name}: NVFP4 2D block scaling needs {what} to be a positive multiple of 16, "
+                f"got {rows}x{cols}"
+            )
+
+
 def nvfp4_byte_range(start: int, length: int) -> tuple[int, int]:
     """Bytes [lo, hi) of the packed data that hold flat elements [start, start+length)."""
     return start // 2, (start + length + 1) // 2

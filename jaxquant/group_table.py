@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats
-from jaxquant.formats import TILE
+from jaxquant.formats import TILE, check_nvfp4_shape
 
 GROUP_TABLE_FIELDS = ("offset", "numel", "rows", "cols", "tile_base", "byte_base", "scale_base",
                       "scale_t_base", "block_base")
@@ -47,8 +47,6 @@ def build(offsets, shapes, *, num_shards: int, shard_size: int, nvfp4: bool) -> 
     flat buffer of ``num_shards * shard_size`` elements (rank-1 / scalar parameters: rows = numel,
     cols = 1). Raises ValueError naming the parameter when they overlap, leave the buffer or (NVFP4)
     break the 16x16 grid."""
-    from jaxquant.ops import check_nvfp4_shape   # the shared shape rule and its message
-
     if len(offsets) != len(shapes):
         raise ValueError(f"offsets: {len(offsets)} offsets for {len(shapes)} shapes")
     if not isinstance(num_shards, (int, np.integer)) or num_shards <= 0:

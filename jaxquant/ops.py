@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxquant import _ffi, formats, reference
 from jaxquant import group_table as gtable
+from jaxquant.formats import check_nvfp4_shape  # re-exported: ops.check_nvfp4_shape
 from jaxquant.group_table import GROUP_TABLE_FIELDS  # noqa: F401  (re-exported)
 from jaxquant.partitioning import Rule, sharded
 from jaxquant.formats import TILE
@@ -69,15 +70,6 @@ def _check_fp8_cast_args(x, amax_value, dtype, amax_epsilon, columnwise):
     if not np.isfinite(np.float32(amax_epsilon)) or amax_epsilon < 0:
         raise ValueError(f"amax_epsilon: must be finite in float32 and >= 0, got {amax_epsilon}")
     return jnp.dtype(dtype)
-
-
-def check_nvfp4_shape(rows: int, cols: int, name: str = "shape") -> None:
-    for what, n in (("M (rows)", rows), ("K (cols)", cols)):
-        if not isinstance(n, (int, np.integer)) or n <= 0 or n % TILE:
-            raise ValueError(
-                f"{name}: NVFP4 2D block scaling needs {what} to be a positive multiple of 16, "
-                f"got {rows}x{cols}"
-            )
 
 
 def _check_range(start: int, length: int, rows: int, cols: int) -> None:
