@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import fsdp, ops
+from jaxquant import formats, fsdp, ops
 from jaxquant.gemm import (BWD_FP8, FWD_FP8, NN, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
                            quantize_current, scaled_gemm)
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
@@ -160,7 +160,7 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     # FP8 GEMMs need the transposed bytes (TN); NVFP4's bf16 GEMM reads the rowwise bytes transposed
     dx, dw = _backward(act, fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8"), g, cfg)
     # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
-    dw = fsdp.round_to(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer, as straight_through's
+    dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
     return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False)
 
 

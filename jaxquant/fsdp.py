@@ -190,19 +190,14 @@ def gathered_tensor(shard, spec: WeightSpec):
 # ----------------------------------------------------------------------------------------------
 
 
-def round_to(x, dtype):
-    """``x.astype(dtype)`` that XLA cannot widen away (see ``formats.to_compute_dtype``)."""
-    return formats.to_compute_dtype(x, dtype) if jnp.dtype(dtype) == COMPUTE_DTYPE else x.astype(dtype)
-
-
 def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
     """This rank's share of ``dW`` [rows, in] (in the gradient dtype of what the layer read: bf16 for compute
     weights, the array's dtype for gathered arrays) -> its rows of the reduced gradient, comm dtype.
     ``sum_vary_axes=False`` leaves the sum over ``spec.vary_axes`` to the caller's broadcast
     (:func:`vary_like`)."""
     g = spec.grad
-    x = round_to(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
-    x = round_to(round_to(x, g.main_dtype), g.comm_dtype)
+    x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
+    x = formats.to_compute_dtype(formats.to_compute_dtype(x, g.main_dtype), g.comm_dtype)
     if spec.gather_axis is not None:
         x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=0, tiled=True)
     if spec.vary_axes and sum_vary_axes:

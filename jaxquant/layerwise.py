@@ -38,7 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
 from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array
-from jaxquant.policy import TrainState, _explain_tp_errors, _leaf_name, _round_to
+from jaxquant.formats import to_compute_dtype
+from jaxquant.policy import StepCalls, TrainState, _explain_tp_errors, _leaf_name
 
 TP_SPLITS = {"col": 0, "row": 1, None: None}     # param_specs leaf -> the matrix dimension split over tp
 
@@ -178,7 +179,7 @@ def _spec_axes(spec) -> tuple:
     return tuple(out)
 
 
-class LayerwiseTrainStep:
+class LayerwiseTrainStep(StepCalls):
     """``make_train_step(..., strategy="optim_grads_params")``: ``init``, ``__call__``, ``params``, ``lower``."""
 
     strategy = "optim_grads_params"
@@ -229,7 +230,7 @@ class LayerwiseTrainStep:
             return loss.astype(jnp.float32)
 
         grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis)
-        to_main = lambda g: [_round_to(a, pol.main_grads_dtype) for a in g]
+        to_main = lambda g: [to_compute_dtype(a, pol.main_grads_dtype) for a in g]
         if k == 1:
             loss, grads = grad_fn(sinks, batch)
             grads = to_main(grads)
@@ -306,16 +307,6 @@ class LayerwiseTrainStep:
         opt_shape = jax.eval_shape(self.optimizer.init, master)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
         return TrainState(master, opt_state, None, jnp.int32(0), plan)
-
-    def __call__(self, state: TrainState, batch):
-        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan)(state, batch)
-
-    def lower(self, state: TrainState, batch):
-        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan).lower(state, batch)
 
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
 MASTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -71,17 +72,6 @@ class TrainState:
     plan: Any = dataclasses.field(metadata=dict(static=True))
 
 
-def _round_to(x, dtype):
-    """``x.astype(dtype)`` with the rounding kept. XLA's excess precision (on by default on GPU) may
-    drop an fp32 -> bf16 convert whose result is widened again (a gradient "sent" in bf16 on one rank,
-    a bf16 main-grads cast), so bf16 rounding and overflow to inf would differ between backends and
-    rank counts; ``reduce_precision`` is never dropped and rounds the same way (nearest even)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16 and x.dtype == jnp.float32:
-        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
-    return x.astype(dtype)
-
-
 def _explain_tp_errors(fn, tp_axis):
     """``fn`` whose JAX type error for a TP-local weight applied to a TP-replicated activation names the fix."""
     if tp_axis is None:
@@ -115,3 +105,18 @@ def raise_if_nonfinite(metrics) -> None:
     if bad:
         raise FloatingPointError(f"non-finite (NaN or ±inf) gradient in parameter(s) {', '.join(bad)}; "
                                  f"the update of this step was skipped")
+
+
+class StepCalls:
+    """What both training steps share: ``__call__`` and ``lower`` over ``self._check_call`` and
+    ``self._compiled(plan)`` (a jitted ``(state, batch) -> (state, metrics)``)."""
+
+    def __call__(self, state: TrainState, batch):
+        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan)(state, batch)
+
+    def lower(self, state: TrainState, batch):
+        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan).lower(state, batch)

@@ -61,8 +61,9 @@ from jaxquant.layerwise import LayerwiseTrainStep, default_compiler_options
 from jaxquant.layout import FlatLayout
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
-from jaxquant.policy import (COMPUTE_DTYPE, STRATEGIES, MixedPrecisionPolicy, TrainState,  # noqa: F401
-                             _explain_tp_errors, _leaf_name, _round_to, raise_if_nonfinite)
+
+from jaxquant.policy import (COMPUTE_DTYPE, STRATEGIES, MixedPrecisionPolicy, StepCalls, TrainState,  # noqa: F401
+                             _explain_tp_errors, _leaf_name, raise_if_nonfinite)
 
 # ----------------------------------------------------------------------------------------------
 # Static plan and state
@@ -154,7 +155,7 @@ def _make_plan(params, num_shards: int, compute_weights: str, tp_size: int = 1, 
 # ----------------------------------------------------------------------------------------------
 
 
-class TrainStep:
+class TrainStep(StepCalls):
     """What :func:`make_train_step` returns: ``init``, ``__call__``, ``params``, ``lower``."""
 
     def __init__(self, loss_fn, optimizer, mesh, policy, strategy, microbatches, report_nan, fsdp_axis,
@@ -303,7 +304,7 @@ class TrainStep:
             return loss.astype(jnp.float32)
 
         grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis if plan.tp else None)
-        to_main = lambda g: jax.tree.map(lambda a: _round_to(a, pol.main_grads_dtype), g)
+        to_main = lambda g: jax.tree.map(lambda a: formats.to_compute_dtype(a, pol.main_grads_dtype), g)
         if k == 1:
             loss, grads = grad_fn(diff, batch)
             grads = to_main(grads)
@@ -322,21 +323,22 @@ class TrainStep:
         out, flags = [], []   # flags: with report_nan, one per parameter
         scale = np.float32(1.0 / (S * k)).astype(pol.main_grads_dtype)
         # x * scale in the main dtype, rounded once (the product of a bf16 and the scale is exact in fp32)
-        scaled = lambda x: _round_to(x.astype(jnp.float32) * np.float32(scale), pol.main_grads_dtype)
+        scaled = lambda x: formats.to_compute_dtype(x.astype(jnp.float32) * np.float32(scale), pol.main_grads_dtype)
         # what the optimizer reads, element by element: scaled, in the comm dtype, back in the main dtype
-        as_sent = lambda g: _round_to(scaled(_round_to(g, pol.main_grads_dtype)), pol.comm_dtype)
+        as_sent = lambda g: formats.to_compute_dtype(scaled(formats.to_compute_dtype(g, pol.main_grads_dtype)),
+                                                     pol.comm_dtype)
         for group, layout in (("m", plan.matrices_local), ("o", plan.others)):
             if layout.total_size == 0:
                 out.append(jnp.zeros((0,), pol.main_grads_dtype))
                 if self.report_nan:
                     flags.append(jnp.zeros((layout.num_params,), jnp.float32))
                 continue
-            flat = _round_to(scaled(layout.flatten(grads[group], pol.main_grads_dtype)), pol.comm_dtype)
+            flat = formats.to_compute_dtype(scaled(layout.flatten(grads[group], pol.main_grads_dtype)), pol.comm_dtype)
             if self.strategy in ("no_shard", "optim"):
                 flat = jax.lax.psum(flat, axes)
             else:
                 flat = jax.lax.psum_scatter(flat, axes, tiled=True)
-            flat = _round_to(flat, pol.main_grads_dtype)
+            flat = formats.to_compute_dtype(flat, pol.main_grads_dtype)
             if self.report_nan and S == 1:
                 # no reduction: one XLA reduction per gradient leaf, in its own shape. A count over the flat
                 # buffer made XLA write the flat gradient it had fused into the update; one custom call over
@@ -432,16 +434,6 @@ class TrainStep:
             return TrainState(master, opt_state, weights, jnp.int32(0), plan)
 
         return jax.jit(build)(leaves)
-
-    def __call__(self, state: TrainState, batch):
-        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan)(state, batch)
-
-    def lower(self, state: TrainState, batch):
-        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan).lower(state, batch)
 
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""

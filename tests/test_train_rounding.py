@@ -1,6 +1,6 @@
 """make_train_step keeps the bf16 rounding of gradients on every backend and at every rank count: one
 data-parallel rank, so no collective, and XLA:GPU's excess precision (on by default) would drop a
-plain fp32 -> bf16 -> fp32 cast (train._round_to). Runs on the CPU in CI and on one GPU in
+plain fp32 -> bf16 -> fp32 cast (formats.to_compute_dtype). Runs on the CPU in CI and on one GPU in
 scripts/gpu_suite.sh."""
 
 import jax.numpy as jnp
