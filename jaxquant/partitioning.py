@@ -27,13 +27,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import itertools
 import math
 import re
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -248,25 +248,79 @@ def _as_named(sharding, mesh, shape) -> NamedSharding:
 
     The partitioner hands shardings over undecoded (decoding a result split over a sub-axis of a
     mesh axis, which Shardy may choose for a block off the scale grid, fails inside JAX); operand
-    shardings that matter here are plain mesh-axis splits, found by comparing device placements.
+    shardings that matter here are plain mesh-axis splits, decoded axis by axis from the device
+    placements (``_decode_split``).
     """
     if isinstance(sharding, NamedSharding):
         return sharding
     shape = tuple(shape)
     if tuple(sharding.shard_shape(shape)) == shape:
         return NamedSharding(mesh, P())
-    want = sharding.devices_indices_map(shape)
-    names = tuple(mesh.axis_names)
-    for order in itertools.permutations(names):
-        for dims in itertools.product(range(len(shape) + 1), repeat=len(order)):
-            spec = [tuple(a for a, d in zip(order, dims) if d == i) for i in range(len(shape))]
-            candidate = NamedSharding(mesh, P(*(e if e else None for e in spec)))
-            if candidate.devices_indices_map(shape) == want:
-                return candidate
+    named = _decode_split(sharding, mesh, shape)
+    if named is not None:
+        return named
     local = tuple(sharding.shard_shape(shape))
     raise ValueError(f"input sharding of a {shape} array into {local} blocks is not a split over "
                      f"whole axes of the mesh {dict(mesh.shape)}; jaxquant's ops need NamedSharding splits "
                      f"whose blocks are multiples of the 16x16 scale grid (NVFP4).")
+
+
+def _decode_split(sharding, mesh, shape) -> Optional[NamedSharding]:
+    """The split of ``shape`` over whole axes of ``mesh`` that places it as ``sharding`` does, or None.
+
+    Linear in the number of mesh axes (plus one comparison of device placements): stepping one
+    device along mesh axis ``a`` moves its block along the one dimension ``a`` splits, by the
+    product of the sizes of the axes minor to ``a`` in that dimension's split. The spec returned is
+    the one a search over every order of the mesh axes (lexicographic, in mesh order) and every
+    assignment of axes to dimensions (dimension 0 first, "unused" last) finds first: each
+    dimension's axes major to minor, the axes ordered as in the mesh where the splits leave it
+    free, size-1 axes (which place nothing) on dimension 0.
+    """
+    want = sharding.devices_indices_map(shape)
+    devices = np.asarray(mesh.devices)
+    if set(want) != set(devices.flat):
+        return None
+    names = tuple(mesh.axis_names)
+    block = tuple(sharding.shard_shape(shape))
+
+    def blocks(device):
+        return tuple(s.indices(n)[0] // b if b else 0 for s, n, b in zip(want[device], shape, block))
+
+    origin = blocks(devices[(0,) * devices.ndim])
+    unused = len(shape)
+    dim_of, stride = {}, {}
+    for k, name in enumerate(names):
+        if devices.shape[k] == 1:
+            dim_of[name] = 0  # places nothing: the search puts it on dimension 0
+            continue
+        step = blocks(devices[tuple(int(j == k) for j in range(devices.ndim))])
+        moved = [d for d, (i, j) in enumerate(zip(origin, step)) if i != j]
+        if len(moved) > 1:
+            return None
+        dim_of[name] = moved[0] if moved else unused
+        if moved:
+            stride[name] = step[moved[0]] - origin[moved[0]]
+    # Each dimension's axes, major (largest stride) to minor; the smallest order of all axes (by
+    # mesh position) that keeps every such chain in order.
+    chains = [sorted((a for a in names if a in stride and dim_of[a] == d), key=lambda a: -stride[a])
+              for d in range(len(shape))]
+    chain_of = {a: c for c, chain in enumerate(chains) for a in chain}
+    heads = [0] * len(chains)
+    order, left = [], list(names)
+    while left:
+        for a in left:
+            c = chain_of.get(a)
+            if c is None or chains[c][heads[c]] == a:
+                break
+        else:  # unreachable: a chain's head is always free
+            return None
+        if a in chain_of:
+            heads[chain_of[a]] += 1
+        order.append(a)
+        left.remove(a)
+    spec = [tuple(a for a in order if dim_of[a] == d) for d in range(len(shape))]
+    candidate = NamedSharding(mesh, P(*(e if e else None for e in spec)))
+    return candidate if candidate.devices_indices_map(shape) == want else None
 
 
 def _partition(fn, rule: Rule, layout: _Layout, kwargs, mesh, arg_shapes, result_shape):

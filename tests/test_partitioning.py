@@ -1,0 +1,160 @@
+"""jaxquant.partitioning internals (issue 30): decoding an undecoded sharding into mesh-axis names
+axis by axis, same names as the former search over every axis order and assignment."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxquant import partitioning
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: run with "
+                                "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
+
+
+class Undecoded:
+    """A sharding as the partitioner hands it over: not a NamedSharding, only its placement."""
+
+    def __init__(self, named: NamedSharding):
+        self._named = named
+
+    def shard_shape(self, shape):
+        return self._named.shard_shape(shape)
+
+    def devices_indices_map(self, shape):
+        return self._named.devices_indices_map(shape)
+
+
+def brute_force_as_named(sharding, mesh, shape):
+    """The former ``_as_named`` search (every order of the mesh axes x every assignment of axes to
+    dimensions, first match wins); None where nothing matches."""
+    shape = tuple(shape)
+    if tuple(sharding.shard_shape(shape)) == shape:
+        return NamedSharding(mesh, P())
+    want = sharding.devices_indices_map(shape)
+    names = tuple(mesh.axis_names)
+    for order in itertools.permutations(names):
+        for dims in itertools.product(range(len(shape) + 1), repeat=len(order)):
+            spec = [tuple(a for a, d in zip(order, dims) if d == i) for i in range(len(shape))]
+            candidate = NamedSharding(mesh, P(*(e if e else None for e in spec)))
+            if candidate.devices_indices_map(shape) == want:
+                return candidate
+    return None
+
+
+def _mesh(sizes, names, devices=None):
+    devices = np.asarray(jax.devices()[:8] if devices is None else devices)
+    return Mesh(devices.reshape(sizes), names)
+
+
+def _every_spec(mesh, ndim):
+    """Every PartitionSpec splitting ``ndim`` dimensions over whole axes of ``mesh`` (each axis used at
+    most once, in any order within a dimension)."""
+    names = tuple(mesh.axis_names)
+    specs = set()
+    for order in itertools.permutations(names):
+        for dims in itertools.product(range(ndim + 1), repeat=len(order)):
+            specs.add(tuple(tuple(a for a, d in zip(order, dims) if d == i) for i in range(ndim)))
+    return [P(*(e if e else None for e in spec)) for spec in sorted(specs)]
+
+
+SMALL_MESHES = [
+    ((2, 4), ("x", "y")),
+    ((4, 2), ("y", "x")),
+    ((2, 2, 2), ("a", "b", "c")),
+    ((2, 1, 4), ("a", "one", "b")),
+    ((1, 8), ("one", "fsdp")),
+    ((2, 1, 2, 2), ("a", "one", "b", "c")),
+]
+
+
+@pytest.mark.parametrize("sizes,names", SMALL_MESHES, ids=[str(s) for s, _ in SMALL_MESHES])
+@pytest.mark.parametrize("shape", [(16, 32), (8, 16, 24)], ids=["rank2", "rank3"])
+def test_as_named_matches_the_former_search(sizes, names, shape):
+    mesh = _mesh(sizes, names)
+    if len(shape) + len(names) > 6:
+        pytest.skip("the brute-force reference takes minutes here")
+    for spec in _every_spec(mesh, len(shape)):
+        given = Undecoded(NamedSharding(mesh, spec))
+        got = partitioning._as_named(given, mesh, shape)
+        want = brute_force_as_named(given, mesh, shape)
+        assert want is not None
+        assert got.spec == want.spec, f"{spec}: {got.spec} != former {want.spec}"
+        assert got.devices_indices_map(shape) == given.devices_indices_map(shape)
+
+
+# Devices in an order no split over whole axes of a 2 x 2 x 2 (or 2 x 4, 8) mesh gives: the first
+# half is the devices of even bit parity.
+PARITY = [0, 3, 5, 6, 1, 2, 4, 7]
+
+
+def _unmatched(mesh):
+    """Placements that are not splits over whole axes of ``mesh``: a split over a sub-axis (the major
+    half of an axis of size 4), and splits over a mesh with the devices in another order."""
+    out = []
+    sizes, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
+    if 4 in sizes:
+        k = sizes.index(4)
+        sub = _mesh(sizes[:k] + (2, 2) + sizes[k + 1:], names[:k] + ("major", "minor") + names[k + 1:],
+                    mesh.devices.flat)
+        out.append(Undecoded(NamedSharding(sub, P("major"))))
+    shuffled = _mesh(sizes, names, np.asarray(mesh.devices.flat)[PARITY])
+    big = tuple(a for a, n in zip(names, sizes) if n > 1)
+    out += [Undecoded(NamedSharding(shuffled, P(big[0]))), Undecoded(NamedSharding(shuffled, P(big)))]
+    return out
+
+
+@pytest.mark.parametrize("sizes,names", SMALL_MESHES, ids=[str(s) for s, _ in SMALL_MESHES])
+def test_unmatched_sharding_is_an_error_like_before(sizes, names):
+    mesh, shape = _mesh(sizes, names), (16, 32)
+    for given in _unmatched(mesh):
+        assert brute_force_as_named(given, mesh, shape) is None
+        with pytest.raises(ValueError, match="is not a split over whole axes of the mesh"):
+            partitioning._as_named(given, mesh, shape)
+
+
+TEN_AXES = ((2, 1, 1, 2, 1, 1, 1, 2, 1, 1), tuple(f"a{i}" for i in range(10)))
+
+
+def test_ten_axis_mesh_unmatched_errors_quickly():
+    """10 mesh axes (a MaxText-sized mesh; 8 devices, so 7 axes of size 1): the former search went
+    through 10! orders x 3^10 assignments before its error."""
+    mesh = _mesh(*TEN_AXES)
+    shape = (16, 32)
+    shuffled = _mesh(*TEN_AXES, devices=np.asarray(jax.devices()[:8])[PARITY])
+    unmatched = [Undecoded(NamedSharding(shuffled, P("a0", "a3"))),
+                 Undecoded(NamedSharding(shuffled, P(("a0", "a3", "a7")))),
+                 Undecoded(NamedSharding(shuffled, P("a7", ("a3", "a0"))))]
+    for given in unmatched:
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="is not a split over whole axes of the mesh"):
+            partitioning._as_named(given, mesh, shape)
+        assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("spec,want", [
+    # size-1 axes land on dimension 0, in mesh order (where the former search put them first)
+    (P("a0", "a3"), P(("a0", "a1", "a2", "a4", "a5", "a6", "a8", "a9"), "a3")),
+    (P(None, ("a7", "a0")), P(("a1", "a2", "a4", "a5", "a6", "a8", "a9"), ("a7", "a0"))),
+    (P(("a7", "a0"), "a3"), P(("a1", "a2", "a4", "a5", "a6", "a7", "a0", "a8", "a9"), "a3")),
+])
+def test_ten_axis_mesh_matched_quickly(spec, want):
+    mesh, shape = _mesh(*TEN_AXES), (16, 32)
+    given = Undecoded(NamedSharding(mesh, spec))
+    start = time.perf_counter()
+    got = partitioning._as_named(given, mesh, shape)
+    assert time.perf_counter() - start < 1.0
+    assert got.spec == want
+    assert got.devices_indices_map(shape) == given.devices_indices_map(shape)
+
+
+def test_as_named_passes_named_and_replicated_through():
+    mesh = _mesh(*TEN_AXES)
+    named = NamedSharding(mesh, P("a3"))
+    assert partitioning._as_named(named, mesh, (16, 32)) is named
+    assert partitioning._as_named(Undecoded(NamedSharding(mesh, P())), mesh, (16, 32)).spec == P()
