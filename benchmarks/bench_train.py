@@ -105,8 +105,8 @@ def main():
     ap.add_argument("--seq", type=int, default=base.seq)
     ap.add_argument("--vocab", type=int, default=base.vocab)
     ap.add_argument("--batch-per-device", type=int, default=2)
-    ap.add_argument("--strategy", default="optim_grads_params",
-                    choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    # the demo's model (scan over stacked blocks, embedding lookup) needs the layer-wise step
+    ap.add_argument("--strategy", default="optim_grads_params", choices=("optim_grads_params",))
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="GPU: the kernels whose device time report_nan changes most (jax.profiler traces)")
@@ -123,12 +123,12 @@ def main():
 
     def make(recipe, report_nan):
         step = jq.make_train_step(demo.loss_fn(cfg), optax.adam(1e-3), mesh=mesh, strategy=args.strategy,
-                                  tp_axis="tp", report_nan=report_nan,
+                                  tp_axis="tp", report_nan=report_nan, quantize_mask=demo.quantize_mask(cfg),
                                   policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
         return step, step.init(params)
 
     def row(recipe, report_nan, state, t):
-        sent, sent_bf16 = (demo.bytes_gathered(state.plan, recipe) if args.strategy != "no_shard" else (0, 0))
+        sent, sent_bf16 = demo.bytes_gathered(state.plan, recipe)
         return {"recipe": recipe, "report_nan": report_nan, "step_ms": t * 1e3, "tokens_per_s": tokens / t,
                 "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16}
 
@@ -149,7 +149,7 @@ def main():
         if recipe == "fp8" and devices[0].platform == "gpu":
             gemms = fp8_gemm_kinds(step, state, batch)
         del state
-    n_params = sum(int(np.prod(p.shape)) for p in params.values())
+    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     print(f"{len(devices)} x {devices[0].device_kind}, strategy {args.strategy}, {cfg}, {n_params:,} parameters, "
           f"batch {batch_size} x {cfg.seq} tokens")
     print(f"{'weights':8s} {'report_nan':>10s} {'step ms':>9s} {'tokens/s':>12s} {'gathered':>12s} {'vs bf16':>8s}")
