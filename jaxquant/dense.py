@@ -199,7 +199,9 @@ def _check_recipe(w, recipe) -> tuple[str, bool]:
 def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
     """``y = x @ W.T`` for ``x [..., in]`` and a weight ``W [out, in]`` (PyTorch convention).
 
-    ``w``: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3) or an ``NVFP4Tensor``.
+    ``w``: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3), an ``NVFP4Tensor``, or one layer's
+    ``jq.ShardedWeight`` (layer-wise FSDP, ``make_train_step``: quantized and all-gathered here, gathered
+    again in the backward, its gradient reduce-scattered into ``w.grad``; docs/fsdp.md).
     ``recipe``: None (follow the weight's type), ``"fp8"`` or ``"nvfp4"``; with an array weight it is
     quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
     ``out_dtype``: dtype of ``y`` (default ``x.dtype``). ``amax_axes``: mesh axis name(s) over which the
