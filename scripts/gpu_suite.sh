@@ -49,7 +49,7 @@ sel=("$@")
 # The default selection takes over 520 s on one H100, past a device call's 600 s with the build:
 # TEST_PART=1 runs its first half (~350 s), TEST_PART=2 (with SKIP_BUILD=1 on the warm machine) the rest.
 part1=(tests/test_ops.py tests/test_reference_spec.py tests/test_e2m1_magnitude.py tests/test_group_ops.py)
-part2=(tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py
+part2=(tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py tests/test_layerwise_gpu.py
        tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
        tests/test_train_gpu.py tests/test_sp_gpu.py tests/test_train_rounding.py)
 if [ ${#sel[@]} -eq 0 ]; then
