@@ -1,12 +1,13 @@
 """Train an MLP with NVFP4 / FP8 weights cast each step from ZeRO-sharded fp32 master weights.
 
-``jq.make_train_step`` keeps the fp32 master weights (and the optax state) in flat buffers sharded over
-the ``fsdp`` mesh axis. Each step it casts the master shards to NVFP4 (or FP8) bytes and all-gathers
-only those bytes (``quantize_master_weights``), runs ``loss_fn`` on each rank's slice of the batch, where
-``jq.dense`` multiplies with the quantized weights (FP8: float8 GEMMs; NVFP4: bf16 GEMMs on the exactly
-dequantized blocks), reduce-scatters the straight-through gradients and updates the master shards.
+``jq.make_train_step`` keeps the fp32 master weights (and the optax state) sharded over the ``fsdp`` mesh
+axis (layer-wise FSDP by default; ``--strategy optim`` etc. keep flat ZeRO buffers). Each layer's ``jq.dense``
+casts its master shard to NVFP4 (or FP8) bytes and all-gathers only those bytes, multiplies (FP8: float8
+GEMMs; NVFP4: bf16 GEMMs on the exactly dequantized blocks), and its backward reduce-scatters the
+straight-through gradient; then the master shards are updated.
 
-Run (8 simulated CPU devices):
+Run on 8 simulated CPU devices (without the XLA flag a CPU shows one device, and the mesh has one rank;
+the script prints how many devices it uses):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python3 examples/train_loop.py --steps 50
 """
 
@@ -57,6 +58,9 @@ def train(steps=50, num_shards=None, recipe="nvfp4", dims=(64, 128, 96, 32), bat
     devices = jax.devices()
     num_shards = num_shards or len(devices)
     mesh = jax.sharding.Mesh(np.array(devices[:num_shards]), ("fsdp",))
+    if verbose:
+        print(f"{num_shards} of {len(devices)} {devices[0].platform} devices on the fsdp axis, {recipe} weights, "
+              f"strategy {strategy}")
     k_data, k_init = jax.random.split(jax.random.key(seed))
     data = make_problem(k_data, dims, batch)
     step = jq.make_train_step(loss_fn, optax.adam(lr), mesh=mesh, strategy=strategy,
