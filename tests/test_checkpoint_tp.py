@@ -121,7 +121,7 @@ def _assert_same_layout_and_bytes(got, want_sharding, full, what):
 # JAXQUANT_REQUIRE_TORCH=1 (CI): a missing torch fails these tests instead of skipping them
 torch_required = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None and os.environ.get("JAXQUANT_REQUIRE_TORCH") != "1",
-    reason="needs PyTorch for the FSDP2 x TP gloo processes: pip install torch==2.13.0 (a CPU build)")
+    reason="the FSDP2 x TP gloo processes " + common.TORCH_SKIP_REASON)
 
 
 @torch_required
