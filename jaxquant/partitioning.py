@@ -2,7 +2,7 @@
 
 An FFI custom call has no sharding rule of its own: under ``jax.jit`` on a sharded input XLA
 would all-gather the input and replicate the result. ``@sharded(rule)`` on an op function wraps
-it, per call, in
+it in (objects built once per op and static configuration, then reused)
 
 * ``jax.experimental.custom_partitioning`` with a Shardy rule derived from ``rule``: each device
   runs the op on its local block, results with a ``reduce`` entry are max/sum all-reduced over
@@ -412,13 +412,49 @@ def _result_shardings(fn, rule, arrays, kwargs, sharding):
 
 
 def _call(fn, op, rule: Rule, arrays, kwargs):
+    """``op``'s call on ``arrays`` under its batching and partitioning rules. The custom_vmap and
+    custom_partitioning objects are built once per op and static configuration (keyword arguments;
+    operand shapes and dtypes for the latter) and reused, so that every trace of the same call binds
+    the same rule objects."""
+    del fn, rule  # op.unpartitioned and op.rule: the cache keys on op
+    static = _static_key(kwargs)
+    batched = _batched(op, static) if static is not None else _build_batched(op, kwargs, None)
+    return batched(*arrays)
+
+
+def _typed(value):
+    """``value`` with the type of each of its parts: 1, 1.0 and True hash alike but are distinct
+    configurations."""
+    if isinstance(value, tuple):
+        return (tuple, tuple(_typed(v) for v in value))
+    return type(value)
+
+
+def _static_key(kwargs) -> Optional[tuple]:
+    """A hashable key of the keyword arguments (and their types), or None where one is unhashable."""
+    items = tuple(sorted(kwargs.items()))
+    key = (items, tuple(_typed(v) for _, v in items))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+_CACHE_SIZE = 4096  # op x static configurations x operand shapes held at once
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _batched(op, static: tuple):
+    return _build_batched(op, dict(static[0]), static)
+
+
+def _build_batched(op, kwargs, static: Optional[tuple]):
+    rule = op.rule
+
     def run(*xs):
-        bound = lambda *a: fn(*a, **kwargs)
-        layout = _unsharded_layout(fn, rule, xs, kwargs)
-        cp = custom_partitioning(bound)
-        cp.def_partition(
-            partition=functools.partial(_partition, fn, rule, layout, kwargs),
-            sharding_rule=_sdy_rule(layout), decode_shardings=False)
+        avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in xs)
+        cp = _partitioned(op, static, avals) if static is not None else _build_partitioned(op, kwargs, avals)
         return cp(*xs)
 
     batched = custom_vmap(run)
@@ -430,7 +466,23 @@ def _call(fn, op, rule: Rule, arrays, kwargs):
             out = _sequential(op, in_batched, xs, kwargs)
         return out, jax.tree.map(lambda _: True, out)
 
-    return batched(*arrays)
+    return batched
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _partitioned(op, static: tuple, avals: tuple):
+    return _build_partitioned(op, dict(static[0]), avals)
+
+
+def _build_partitioned(op, kwargs, avals: tuple):
+    fn, rule = op.unpartitioned, op.rule
+    bound = lambda *a: fn(*a, **kwargs)
+    layout = _unsharded_layout(fn, rule, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals], kwargs)
+    cp = custom_partitioning(bound)
+    cp.def_partition(
+        partition=functools.partial(_partition, fn, rule, layout, kwargs),
+        sharding_rule=_sdy_rule(layout), decode_shardings=False)
+    return cp
 
 
 def _sequential(op, in_batched, xs, kwargs):

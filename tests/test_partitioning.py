@@ -7,6 +7,7 @@ import itertools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -158,3 +159,76 @@ def test_as_named_passes_named_and_replicated_through():
     named = NamedSharding(mesh, P("a3"))
     assert partitioning._as_named(named, mesh, (16, 32)) is named
     assert partitioning._as_named(Undecoded(NamedSharding(mesh, P())), mesh, (16, 32)).spec == P()
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_partitioning / custom_vmap objects: built once per op and static configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Lists of the custom_partitioning / custom_vmap objects partitioning builds, caches emptied."""
+    made = {"cp": [], "vmap": []}
+
+    def counting(kind, cls):
+        def make(*args, **kwargs):
+            obj = cls(*args, **kwargs)
+            made[kind].append(obj)
+            return obj
+        return make
+
+    monkeypatch.setattr(partitioning, "custom_partitioning", counting("cp", partitioning.custom_partitioning))
+    monkeypatch.setattr(partitioning, "custom_vmap", counting("vmap", partitioning.custom_vmap))
+    partitioning._batched.cache_clear()
+    partitioning._partitioned.cache_clear()
+    yield made
+    partitioning._batched.cache_clear()
+    partitioning._partitioned.cache_clear()
+
+
+def test_same_static_config_reuses_the_partitioning_objects(built):
+    from jaxquant import ops
+    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    x = jax.device_put(np.ones((64, 128), np.float32), NamedSharding(mesh, P("tp", "fsdp")))
+    stats = lambda v: ops.nvfp4_stats(v, compute_dtype=None, impl="reference")
+    first = jax.make_jaxpr(stats)(x)
+    second = jax.make_jaxpr(stats)(x)   # a second trace of the same call
+    assert len(built["cp"]) == 1 and len(built["vmap"]) == 1
+    assert str(first) == str(second)
+    # the compiled, sharded call runs on the cached objects and keeps its result
+    out = jax.jit(stats)(x)
+    ref = ops.nvfp4_stats(np.ones((64, 128), np.float32), compute_dtype=None, impl="reference")
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(built["cp"]) == 1 and len(built["vmap"]) == 1
+
+    jax.make_jaxpr(lambda v: ops.nvfp4_stats(v, compute_dtype=None, impl="reference"))(x[:32])  # new shape
+    assert len(built["cp"]) == 2 and len(built["vmap"]) == 1
+    jax.make_jaxpr(lambda v: ops.nvfp4_stats(v, compute_dtype=jnp.bfloat16, impl="reference"))(x)  # new kwargs
+    assert len(built["cp"]) == 3 and len(built["vmap"]) == 2
+    jax.make_jaxpr(stats)(x)
+    assert len(built["cp"]) == 3 and len(built["vmap"]) == 2
+
+
+def test_static_key_tells_types_apart_and_refuses_unhashable():
+    key = partitioning._static_key
+    assert key({"a": 1, "b": "x"}) == key({"b": "x", "a": 1})
+    assert key({"eps": 0}) != key({"eps": 0.0}) and key({"flag": True}) != key({"flag": 1})
+    assert key({"shape": (1, 2)}) != key({"shape": (1.0, 2)})
+    assert key({"xs": [1, 2]}) is None
+
+
+def test_unhashable_static_config_still_runs(built):
+    """A keyword argument that cannot key the cache: the objects are built per call, as before."""
+    from jaxquant import ops
+    x = np.ones((64, 128), np.float32)
+    calls = []
+    original = partitioning._static_key
+    try:
+        partitioning._static_key = lambda kwargs: calls.append(kwargs) or None
+        jax.make_jaxpr(lambda v: ops.nvfp4_stats(v, compute_dtype=None, impl="reference"))(x)
+        jax.make_jaxpr(lambda v: ops.nvfp4_stats(v, compute_dtype=None, impl="reference"))(x)
+    finally:
+        partitioning._static_key = original
+    assert len(calls) == 2 and len(built["cp"]) == 2 and len(built["vmap"]) == 2
