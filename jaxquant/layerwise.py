@@ -308,6 +308,25 @@ class LayerwiseTrainStep(StepCalls):
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
         return TrainState(master, opt_state, None, jnp.int32(0), plan)
 
+    def state_dict(self, state: TrainState, *, hyperparams=None) -> dict:
+        """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``jaxquant.state_dict``):
+        sharded arrays, ready for ``jaxquant.checkpoint.save_dcp``."""
+        from jaxquant import state_dict as sd
+
+        return sd.state_dict(self, state, hyperparams=hyperparams)
+
+    def state_dict_target(self, like: TrainState) -> dict:
+        """``load_dcp``'s target for :meth:`state_dict` on this step's mesh (any saved mesh size loads)."""
+        from jaxquant import state_dict as sd
+
+        return sd.state_dict_target(self, like)
+
+    def load_state_dict(self, state_dict: dict, *, like: TrainState) -> TrainState:
+        """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout; ``like``: ``self.init(params)``."""
+        from jaxquant import state_dict as sd
+
+        return sd.load_state_dict(self, state_dict, like=like)
+
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""
         if not isinstance(state, TrainState):

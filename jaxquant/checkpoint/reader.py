@@ -14,7 +14,7 @@ from jaxquant.checkpoint.errors import CorruptCheckpointError, CoverageError, Ke
 from jaxquant.checkpoint.layout import coverage_problems, intersect, index_to_box, rel_slices, volume
 from jaxquant.checkpoint.metadata import BytesEntry, DcpMetadata, TensorEntry, read_metadata
 from jaxquant.checkpoint.progress import Progress
-from jaxquant.checkpoint.tree import TransposeMap, components, flatten, is_quantized, rebuild_quantized
+from jaxquant.checkpoint.tree import TransposeMap, components, flatten, is_quantized, is_value_list, rebuild_quantized
 
 
 class ChunkReader:
@@ -165,7 +165,10 @@ def _load_value(r: ChunkReader, key: str, leaf):
     else:
         v = r.value(r.entry(key, BytesEntry))
     want = leaf if isinstance(leaf, type) else type(leaf)
-    if want in (bool, int, float, str) and not (isinstance(v, want) or (want is float and isinstance(v, int))):
+    if want in (list, tuple) and isinstance(v, (list, tuple)):
+        return want(v)
+    exact = isinstance(v, want) or (want is float and isinstance(v, int))
+    if want in (bool, int, float, str, list, tuple) and not exact:
         raise KeyMismatchError(f"{r.root}: byte entry {key!r} holds a {type(v).__name__}, target asks {want.__name__}")
     return v
 
@@ -195,7 +198,8 @@ def load_dcp(path: str, target, *, transpose: Iterable[str] | str = (), verify: 
                     out.append(rebuild_quantized(leaf, vals))
                 elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
                     out.append(_load_array(r, key, leaf, tmap.check, bar))
-                elif isinstance(leaf, (bool, int, float, str)) or leaf in (bool, int, float, str):
+                elif (leaf is None or isinstance(leaf, (bool, int, float, str)) or is_value_list(leaf)
+                      or leaf in (bool, int, float, str, list, tuple)):
                     out.append(_load_value(r, key, leaf))
                 else:
                     raise KeyMismatchError(f"load_dcp: target leaf {key!r} is a {type(leaf).__name__}; expected "

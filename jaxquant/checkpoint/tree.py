@@ -22,6 +22,15 @@ def is_quantized(x) -> bool:
     return isinstance(x, (Float8Tensor, NVFP4Tensor))
 
 
+SCALARS = (bool, int, float, str)
+
+
+def is_value_list(x) -> bool:
+    """A list or tuple of Python scalars: one DCP byte entry, as torch.distributed.checkpoint stores it (an
+    optimizer's ``param_groups[i]["params"]``, Adam's ``betas``), not one entry per element."""
+    return isinstance(x, (list, tuple)) and all(isinstance(e, SCALARS) or e is None for e in x)
+
+
 def components(q) -> list[tuple[str, str, Any]]:
     """[(attribute, key suffix, value)] of the present components of a quantized tensor."""
     spec = NVFP4_COMPONENTS if isinstance(q, NVFP4Tensor) else FP8_COMPONENTS
@@ -51,9 +60,12 @@ def _part(k) -> str:
 def flatten(tree, what: str = "tree"):
     """[(dotted key, path parts, leaf)] and the treedef; quantized tensors are leaves here.
 
-    ``{"a": {"b": x}}`` and ``{"a.b": x}`` both give key ``a.b`` (DCP's flattening); lists give indices.
+    ``{"a": {"b": x}}`` and ``{"a.b": x}`` both give key ``a.b`` (DCP's flattening); lists give indices,
+    except lists and tuples of Python scalars, which are one value (:func:`is_value_list`); None is a value
+    too (torch's ``foreach=None``), not an empty subtree.
     """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or is_quantized(x)
+                                                           or is_value_list(x))
     items, seen = [], {}
     for path, leaf in leaves:
         parts = tuple(_part(k) for k in path)

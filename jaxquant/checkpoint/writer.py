@@ -20,7 +20,8 @@ from jaxquant.checkpoint.metadata import (METADATA_FILE, BytesEntry, Chunk, DcpM
 from jaxquant.checkpoint.progress import Progress
 from jaxquant.checkpoint.quantnp import check_nvfp4_scale_layout
 from jaxquant.checkpoint.safepickle import dumps
-from jaxquant.checkpoint.tree import QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized, quant_info
+from jaxquant.checkpoint.tree import (QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized,
+                                      is_value_list, quant_info)
 from jaxquant.tensors import NVFP4Tensor
 
 _PLAN_SUFFIX = ".jaxquant-plan.json"
@@ -119,7 +120,7 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
             out.append((key, parts, leaf))
     plan = []
     for key, parts, leaf in out:
-        if isinstance(leaf, (bool, int, float, str)) or leaf is None:
+        if isinstance(leaf, (bool, int, float, str)) or leaf is None or is_value_list(leaf):
             plan.append((key, parts, "value", dumps(leaf)))
             continue
         if isinstance(leaf, np.generic):
@@ -157,6 +158,7 @@ def _host(x) -> np.ndarray:
 
 def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
     for key, parts, kind, payload in plan:
+        interrupt.stage("entry")
         interrupt.check()  # between entries and between chunks: nothing is in flight there
         if kind == "value":
             if rank == 0:
@@ -169,6 +171,7 @@ def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
             if tr:  # JAX [in, out] -> stored [out, in]
                 arr, offsets = np.ascontiguousarray(arr.T), offsets[::-1]
             progress.update(w.write_chunk(key, offsets, arr))
+            interrupt.stage("chunk")
             interrupt.check()
 
 

@@ -1,0 +1,161 @@
+"""The layer-wise step's training state as PyTorch names it (jaxquant/state_dict.py), through DCP: the layout
+torch's get_state_dict gives, resume on the same mesh continuing bitwise, resharding to 4 and 2 devices,
+optax states it cannot map, and (with torch) the checkpoint loaded by torch.distributed.checkpoint +
+set_state_dict into torch.optim.Adam, whose next step equals optax's on the same gradient, and back."""
+
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import jaxquant as jq
+from ckpt_helpers import common
+from jaxquant import checkpoint as ck
+from test_layerwise import D, F, L, MASK, VOCAB, init_params, loss_scan, make_batch
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def make(n, opt=None):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("fsdp",))
+    return jq.make_train_step(loss_scan, opt or optax.adam(ADAM["lr"]), mesh=mesh, quantize_mask=MASK,
+                              policy=jq.MixedPrecisionPolicy(compute_weights="fp8"))
+
+
+def trained(step, steps=3):
+    state = step.init(init_params())
+    for _ in range(steps):
+        state, _ = step(state, make_batch())
+    return state
+
+
+def test_layout_is_torchs():
+    step = make(8)
+    sd = step.state_dict(trained(step), hyperparams=ADAM)
+    names = {"embed", "head"} | {f"blocks.{i}.{n}" for i in range(L) for n in ("w1", "w2", "norm")}
+    assert set(sd["model"]) == names and set(sd["optim"]["state"]) == names
+    w1 = sd["model"]["blocks.1.w1"]
+    assert w1.shape == (F, D) and w1.sharding.spec[0] == "fsdp"          # one layer, still row-sharded
+    entry = sd["optim"]["state"]["blocks.1.w1"]
+    assert set(entry) == {"exp_avg", "exp_avg_sq", "step"} and entry["step"].dtype == np.float32
+    assert float(entry["step"]) == 3.0
+    group = sd["optim"]["param_groups"][0]
+    assert group["betas"] == (0.9, 0.999) and group["lr"] == 1e-2 and sorted(group["params"]) == sorted(names)
+    assert group["foreach"] is None and group["amsgrad"] is False
+
+
+def test_save_resume_same_mesh_continues_bitwise(tmp_path):
+    step = make(8)
+    state = trained(step)
+    path = ck.save_dcp(str(tmp_path / "ckpt"), step.state_dict(state, hyperparams=ADAM))
+    cont, m_cont = step(state, make_batch())
+    like = step.init(init_params())
+    resumed = step.load_state_dict(ck.load_dcp(path, step.state_dict_target(like)), like=like)
+    assert int(resumed.step) == 3
+    resumed, m_res = step(resumed, make_batch())
+    assert float(m_res["loss"]) == float(m_cont["loss"])
+    jax.tree.map(np.testing.assert_array_equal, step.params(resumed), step.params(cont))
+
+
+@pytest.mark.parametrize("devices", [4, 2])
+def test_reshard_on_load(tmp_path, devices):
+    """Saved on 8 FSDP ranks, loaded on fewer: identical params and optimizer state."""
+    step = make(8)
+    state = trained(step)
+    sd = step.state_dict(state, hyperparams=ADAM)
+    path = ck.save_dcp(str(tmp_path / "ckpt"), sd)
+    small = make(devices)
+    like = small.init(init_params())
+    loaded = small.load_state_dict(ck.load_dcp(path, small.state_dict_target(like)), like=like)
+    assert len(loaded.master["blocks"]["w1"].sharding.device_set) == devices
+    again = small.state_dict(loaded, hyperparams=ADAM)
+    for name, a in sd["model"].items():
+        np.testing.assert_array_equal(np.asarray(again["model"][name]), np.asarray(a), err_msg=name)
+        for k, v in sd["optim"]["state"][name].items():
+            np.testing.assert_array_equal(np.asarray(again["optim"]["state"][name][k]), np.asarray(v), err_msg=k)
+
+
+def test_hyperparams_from_inject_hyperparams_and_sgd_momentum():
+    step = make(8, optax.inject_hyperparams(optax.adam)(learning_rate=3e-3, b1=0.8))
+    group = step.state_dict(trained(step, 1))["optim"]["param_groups"][0]
+    assert group["lr"] == pytest.approx(3e-3) and group["betas"][0] == pytest.approx(0.8)
+    sgd = make(8, optax.sgd(0.1, momentum=0.9))
+    sd = sgd.state_dict(trained(sgd, 1), hyperparams=dict(lr=0.1, momentum=0.9, weight_decay=0.0))
+    assert set(sd["optim"]["state"]["head"]) == {"momentum_buffer"}
+
+
+def test_unmappable_states_are_named():
+    step = make(8)
+    with pytest.raises(ValueError, match=r"hyperparams: PyTorch's param_groups need \['lr', 'betas', 'eps'"):
+        step.state_dict(trained(step, 1))
+    lion = make(8, optax.lion(1e-3))
+    with pytest.raises(ValueError, match="optimizer: its state ScaleByLionState has no PyTorch counterpart"):
+        lion.state_dict(trained(lion, 1), hyperparams=ADAM)
+
+
+torch_required = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None and os.environ.get("JAXQUANT_REQUIRE_TORCH") != "1",
+    reason="torch Adam interop " + common.TORCH_SKIP_REASON)
+
+
+@torch_required
+def test_torch_adam_loads_it_and_steps_like_optax(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    step = make(8)
+    state = trained(step)
+    path = ck.save_dcp(str(tmp_path / "jax"), step.state_dict(state, hyperparams=ADAM))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.zeros(F, D))
+            self.w2 = torch.nn.Parameter(torch.zeros(D, F))
+            self.norm = torch.nn.Parameter(torch.zeros(1, D))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Parameter(torch.zeros(VOCAB, D))
+            self.head = torch.nn.Parameter(torch.zeros(VOCAB, D))
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(L)])
+
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)          # lr and betas come from the checkpoint
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    assert opt.param_groups[0]["lr"] == ADAM["lr"]
+
+    # one more Adam step on the same (random) gradient in torch and in optax
+    grads = jax.tree.map(lambda a: np.asarray(jax.random.normal(jax.random.key(5), a.shape), np.float32), state.master)
+    updates, _ = optax.adam(ADAM["lr"]).update(grads, state.opt_state, state.master)
+    after = jax.device_get(optax.apply_updates(state.master, updates))
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        g = grads[parts[0]] if len(parts) == 1 else grads["blocks"][parts[2]][int(parts[1])]
+        p.grad = torch.from_numpy(np.ascontiguousarray(g))
+    opt.step()
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        want = after[parts[0]] if len(parts) == 1 else after["blocks"][parts[2]][int(parts[1])]
+        np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+    # and back: torch saves its state, JAX resumes from it
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    like = step.init(init_params())
+    back = step.load_state_dict(ck.load_dcp(str(tmp_path / "torch"), step.state_dict_target(like)), like=like)
+    assert int(back.step) == 4
+    got = jax.device_get(back.master)
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        have = got[parts[0]] if len(parts) == 1 else got["blocks"][parts[2]][int(parts[1])]
+        np.testing.assert_array_equal(have, p.detach().numpy(), err_msg=name)
