@@ -35,8 +35,8 @@ import numpy as np
 
 from jaxquant import formats, fsdp, ops
 from jaxquant.gemm import (BWD_FP8, FWD_FP8, NN, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
-                           quantize_current, scaled_gemm)
-from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
+                           quantize_current, resolve_recipe, scaled_gemm, weight_operands)
+from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
 
 RECIPES = ("fp8", "nvfp4")
@@ -64,14 +64,7 @@ def _weight_operands(w, cfg: _Config):
     if cfg.on_the_fly:
         fn = quantize_fp8 if cfg.kind == "fp8" else quantize_nvfp4
         w = fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
-    if cfg.kind == "fp8":
-        if w.data_t is None:
-            w = fp8_columnwise(w)
-        return {"data": w.data, "data_t": w.data_t, "scale_inv": jnp.reshape(w.scale_inv, ())}
-    if w.data_t is None or w.scale_inv_t is None:
-        w = nvfp4_columnwise(w)
-    return {"data": w.data, "scale_inv": w.scale_inv, "data_t": w.data_t, "scale_inv_t": w.scale_inv_t,
-            "dec": nvfp4_global_decode(w.amax)}
+    return weight_operands(w)   # jaxquant/gemm.py, shared with jaxquant.sp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,19 +166,15 @@ _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
 
 
 def _check_recipe(w, recipe) -> tuple[str, bool]:
-    """(kind, on_the_fly) from the weight's type and ``recipe``."""
-    if recipe is not None and recipe not in RECIPES:
-        raise ValueError(f"recipe: must be None or one of {RECIPES}, got {recipe!r}")
+    """(kind, on_the_fly) from the weight's type and ``recipe`` (gemm.resolve_recipe: one vocabulary with
+    jaxquant.sp; "bf16" with an array weight is None's no quantization)."""
+    recipe = resolve_recipe(w, recipe, {"array": ("bf16", "fp8", "nvfp4"), "fp8": ("fp8",), "nvfp4": ("nvfp4",)})
     if isinstance(w, Float8Tensor):
-        if recipe not in (None, "fp8"):
-            raise ValueError(f"recipe: {recipe!r} does not match the weight, a Float8Tensor (use None or 'fp8')")
         if w.data.ndim != 2 or jnp.dtype(w.data.dtype) != FWD_FP8:
             raise ValueError(f"w: a Float8Tensor weight must hold float8_e4m3fn data of rank 2, got "
                              f"{w.data.dtype} {tuple(w.data.shape)}")
         return "fp8", False
     if isinstance(w, NVFP4Tensor):
-        if recipe not in (None, "nvfp4"):
-            raise ValueError(f"recipe: {recipe!r} does not match the weight, an NVFP4Tensor (use None or 'nvfp4')")
         return "nvfp4", False
     if not hasattr(w, "dtype") or not hasattr(w, "shape"):
         raise TypeError(f"w: must be an array, a Float8Tensor or an NVFP4Tensor, got {type(w).__name__}")
@@ -193,7 +182,7 @@ def _check_recipe(w, recipe) -> tuple[str, bool]:
         raise ValueError(f"w: must have rank 2 ([out, in]), got shape {tuple(w.shape)}")
     if jnp.dtype(w.dtype) not in ops.INPUT_DTYPES:
         raise TypeError(f"w: dtype must be float32 or bfloat16, got {w.dtype}")
-    return ("array", False) if recipe is None else (recipe, True)
+    return ("array", False) if recipe == "bf16" else (recipe, True)
 
 
 def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):

@@ -62,8 +62,9 @@ class NonFiniteReport:
 
     ``counts[r, p]`` (or ``counts[j, r, p]`` for an FSDP x TP layout, ``j`` the TP rank): int32
     number of non-finite elements of parameter ``p`` in shard ``r``, the same on every rank.
-    ``names``: the parameter names (static). Call :meth:`raise_if_nonfinite` (outside ``jit``; it
-    reads the counts to the host) or test :meth:`any` inside.
+    ``names``: the parameter names (static). Call :meth:`raise_if_nonfinite` or
+    ``jq.raise_if_nonfinite(report)`` (the same; outside ``jit``: it reads the counts to the host) or
+    test :meth:`any` inside.
     """
 
     counts: jax.Array

@@ -1,4 +1,6 @@
-"""GEMMs and GEMM operands shared by the quantized layers (``jq.dense``, ``jaxquant.sp``).
+"""GEMMs and GEMM operands shared by the quantized layers (``jq.dense``, ``jaxquant.sp``): the GEMM, the
+current-scaling quantizer, a quantized weight's operands (:func:`weight_operands`) and the one recipe
+vocabulary (:func:`resolve_recipe`).
 
 Every GEMM is a ``lax.dot_general`` accumulated in fp32 whose per-tensor factors (the FP8
 ``scale_inv`` of each operand, the NVFP4 global decode factor) multiply the fp32 output, never the
@@ -13,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats, ops, reference
+from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
 FWD_FP8 = jnp.dtype(jnp.float8_e4m3fn)     # activations (and weights) in the forward
 BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
@@ -67,3 +71,63 @@ def nvfp4_operand(data, scale_inv):
 def nvfp4_global_decode(amax):
     """docs/numerics.md §2.8: the global factor ``amax * (1/2688)`` of the dequantization."""
     return jnp.reshape(amax, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
+
+
+# ----------------------------------------------------------------------------------------------
+# One vocabulary for both layer families: recipe names, and a quantized weight's GEMM operands
+# ----------------------------------------------------------------------------------------------
+
+RECIPE_NAMES = ("bf16", "fp8", "nvfp4")   # "bf16": no quantization (an array weight's GEMMs in its dtype)
+
+
+def weight_kind(w) -> str:
+    """"fp8" (a ``Float8Tensor``), "nvfp4" (an ``NVFP4Tensor``) or "array" (anything else)."""
+    return "fp8" if isinstance(w, Float8Tensor) else "nvfp4" if isinstance(w, NVFP4Tensor) else "array"
+
+
+_KIND_WORDS = {"fp8": "a Float8Tensor", "nvfp4": "an NVFP4Tensor", "array": "a float array"}
+
+
+def _choices(names) -> str:
+    quoted = ["None", *(repr(n) for n in names)]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def resolve_recipe(w, recipe, fits: dict, name: str = "w") -> str:
+    """The recipe name for weight ``name`` = ``w`` under the argument ``recipe``: None follows the weight's
+    type (``fits[kind][0]``, :func:`weight_kind`); a name must be one of :data:`RECIPE_NAMES` and one of
+    ``fits[kind]`` (what the calling layer does with that kind of weight). One error style for every
+    layer: the argument, the allowed values and what was given."""
+    if recipe is not None and recipe not in RECIPE_NAMES:
+        raise ValueError(f"recipe: must be {_choices(RECIPE_NAMES)}, got {recipe!r}")
+    kind = weight_kind(w)
+    if recipe is None:
+        return fits[kind][0]
+    if recipe not in fits[kind]:
+        raise ValueError(f"recipe: {recipe!r} does not match {name}, {_KIND_WORDS[kind]} (use "
+                         f"{_choices(fits[kind])})")
+    return recipe
+
+
+def weight_operands(w, *, fill_columnwise: bool = True) -> dict:
+    """The arrays the GEMMs read from a ``Float8Tensor`` / ``NVFP4Tensor`` weight ``[out, in]``.
+
+    FP8: ``data``, ``data_t``, ``scale_inv`` (a scalar). NVFP4: ``data``, ``scale_inv``, ``data_t``,
+    ``scale_inv_t`` and ``dec`` (the global decode factor, :func:`nvfp4_global_decode`); the packed bytes
+    as stored (:func:`nvfp4_operand` decodes them next to the GEMM). A missing columnwise copy is built
+    from the rowwise bytes with ``fill_columnwise``, else its keys are left out (the caller reads the
+    rowwise operand transposed)."""
+    if isinstance(w, Float8Tensor):
+        if w.data_t is None and fill_columnwise:
+            w = fp8_columnwise(w)
+        out = {"data": w.data, "data_t": w.data_t, "scale_inv": jnp.reshape(w.scale_inv, ())}
+        return {k: v for k, v in out.items() if v is not None}
+    if not isinstance(w, NVFP4Tensor):
+        raise TypeError(f"w: must be a Float8Tensor or an NVFP4Tensor, got {type(w).__name__}")
+    if (w.data_t is None or w.scale_inv_t is None) and fill_columnwise:
+        w = nvfp4_columnwise(w)
+    out = {"data": w.data, "scale_inv": w.scale_inv}
+    if w.data_t is not None and w.scale_inv_t is not None:
+        out.update(data_t=w.data_t, scale_inv_t=w.scale_inv_t)
+    out["dec"] = nvfp4_global_decode(w.amax)
+    return out

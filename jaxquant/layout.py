@@ -58,6 +58,16 @@ class Piece:
         return self.start + self.length
 
 
+TP_SPLITS = {"col": 0, "row": 1}   # a TP split's public name -> the dimension of ``[out, in]`` it cuts
+
+
+def _tp_dims(tp_dims):
+    """``tp_dims`` with the names "col"/"row" replaced by their dimensions 0/1 (other entries as given)."""
+    if tp_dims is None or isinstance(tp_dims, (str, bytes)) or not hasattr(tp_dims, "__iter__"):
+        return tp_dims
+    return [TP_SPLITS.get(d, d) if isinstance(d, str) else d for d in tp_dims]
+
+
 class FlatLayout:
     """Parameters laid end to end in one flat buffer, cut into ``num_shards`` equal shards.
 
@@ -67,16 +77,17 @@ class FlatLayout:
     TransformerEngine-style per-rank start offsets.
 
     **Tensor parallelism** (docs/distributed.md, "FSDP x TP"): with ``tp_dims`` (one entry per
-    parameter: 0 = TP splits rows, i.e. ``out`` of a column-parallel ``[out, in]`` weight; 1 = TP
-    splits columns, row-parallel; None = replicated over TP) every TP rank's flat buffer holds its
-    TP-local slices, laid out and ZeRO-cut as above; all TP ranks share one layout of the local
+    parameter, the names of ``make_train_step``'s ``param_specs``: ``"col"`` = TP splits rows, i.e.
+    ``out`` of a column-parallel ``[out, in]`` weight; ``"row"`` = TP splits columns, row-parallel;
+    None = replicated over TP; 0 and 1 are accepted for "col" and "row") every TP rank's flat buffer
+    holds its TP-local slices, laid out and ZeRO-cut as above; all TP ranks share one layout of the local
     shapes. :meth:`flatten` then returns the global master ``[tp_size, total_size]`` (even with
     ``tp_size=1``) and :meth:`unflatten` inverts it.
 
     Attributes: ``shapes`` (global), ``local_shapes`` (TP-local; = ``shapes`` without TP),
     ``numels`` (TP-local), ``names``, ``num_params``, ``num_shards``, ``shard_size``, ``total_size``
     (``num_shards * shard_size``), ``param_offsets``, ``align`` (None for layouts built from explicit
-    offsets), ``tp_size``, ``tp_dims`` (None without TP).
+    offsets), ``tp_size``, ``tp_dims`` (None without TP; stored as dimensions, 0 for "col", 1 for "row").
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], num_shards: int, align: int = 1, *,
@@ -85,6 +96,7 @@ class FlatLayout:
         num_shards = _as_int("num_shards", num_shards, minimum=1)
         align = _as_int("align", align, minimum=1)
         tp_size = _as_int("tp_size", tp_size, minimum=1)
+        tp_dims = _tp_dims(tp_dims)
         local = self._tp_local_shapes(shapes, tp_size, tp_dims)
         offsets, pos = [], 0
         for s in local:
@@ -103,7 +115,7 @@ class FlatLayout:
         if tp_dims is None:
             if tp_size != 1:
                 raise ValueError(f"tp_dims: needed when tp_size > 1 (got tp_size={tp_size}); one entry per "
-                                 f"parameter: 0 (rows split), 1 (columns split) or None (replicated)")
+                                 f"parameter: 'col' (rows split), 'row' (columns split) or None (replicated)")
             return shapes
         tp_dims = list(tp_dims)
         if len(tp_dims) != len(shapes):
@@ -114,7 +126,7 @@ class FlatLayout:
                 local.append(s)
                 continue
             if isinstance(d, bool) or d not in (0, 1):
-                raise ValueError(f"tp_dims[{p}]: must be 0, 1 or None, got {d!r}")
+                raise ValueError(f"tp_dims[{p}]: must be 'col', 'row', None, 0 or 1, got {d!r}")
             if len(s) != 2:
                 raise ValueError(f"tp_dims[{p}]: a TP-split parameter must have rank 2, got shape {s}")
             if s[d] % tp_size:

@@ -97,7 +97,11 @@ def _leaf_name(path) -> str:
 
 def raise_if_nonfinite(metrics) -> None:
     """Raise ``FloatingPointError`` naming every parameter whose gradient was non-finite in the step
-    that produced ``metrics`` (``make_train_step(..., report_nan=True)``). Reads device values."""
+    that produced ``metrics`` (``make_train_step(..., report_nan=True)``), or, given a
+    ``NonFiniteReport`` (``quantize_master_weights``), every non-finite master weight (its method
+    ``raise_if_nonfinite``). Reads device values."""
+    if callable(getattr(metrics, "raise_if_nonfinite", None)):   # a NonFiniteReport (duck typed: no import cycle)
+        return metrics.raise_if_nonfinite()
     if not isinstance(metrics, dict) or "nonfinite" not in metrics:
         raise ValueError("metrics: has no 'nonfinite' entry; build the step with make_train_step(..., report_nan=True)")
     flags = jax.tree_util.tree_flatten_with_path(jax.device_get(metrics["nonfinite"]))[0]

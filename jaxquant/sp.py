@@ -10,13 +10,15 @@ Layout on the mesh axis ``tp_axis`` (size n); activations are ``[..., S, H]`` wi
 
 Weights are ``[out, in]`` (PyTorch convention, as ``jq.dense`` and ``quantize_master_weights``), read as
 ``data`` in the forward GEMM and as ``data_t`` in the dgrad GEMM, both contracted on their minor axis.
-FP8 (recipe "fp8"): every quantized tensor is a per-tensor
-current-scaled value (docs/numerics.md §1) whose amax is max-reduced over ``tp_axis`` before the local
-block is quantized once; its bytes and the one ``scale_inv`` travel together as a ``_Scaled`` pytree
-through every collective, so a receiver multiplies by the scale that came with the bytes. Forward
-operands are E4M3, gradients E5M2. GEMMs and quantizers are those of ``jq.dense`` (jaxquant/gemm.py).
-Residuals for the backward pass are values returned by this forward call (no quantizer state), so
-interleaving forward passes of several microbatches cannot change what a backward pass reads.
+Recipes (``recipe=``, the names of ``jq.dense``): None follows the weight's type, "bf16" (no quantization),
+"fp8", "nvfp4" (an ``NVFP4Tensor``, read as bf16 blockwise values). FP8 (recipe "fp8"): every quantized
+tensor is a per-tensor current-scaled value (docs/numerics.md §1) whose amax is max-reduced over
+``tp_axis`` before the local block is quantized once; its bytes and the one ``scale_inv`` travel together
+as a ``_Scaled`` pytree through every collective, so a receiver multiplies by the scale that came with
+the bytes. Forward operands are E4M3, gradients E5M2. GEMMs, quantizers and the weight operands are
+those of ``jq.dense`` (jaxquant/gemm.py). Residuals for the backward pass are values returned by this
+forward call (no quantizer state), so interleaving forward passes of several microbatches cannot change
+what a backward pass reads.
 
 Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "xla"
 (plain GSPMD einsums with sharding constraints, which XLA's windowed-einsum / collective-matmul
@@ -40,7 +42,10 @@ from jaxquant.dense import split_master
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
 OVERLAPS = ("ring", "xla", "off")
-RECIPES = ("bf16", "fp8")
+RECIPES = ("bf16", "fp8", "nvfp4")   # recipe= (or None: follow the weight's type), as jq.dense
+# per weight kind (gemm.weight_kind), the recipes these layers run, the default first: an array weight is
+# not quantized to NVFP4 on the fly here; an NVFP4Tensor also accepts "bf16", its former spelling
+_FITS = {"array": ("bf16", "fp8"), "fp8": ("fp8",), "nvfp4": ("nvfp4",)}
 FWD_DTYPE = gemm.FWD_FP8
 GRAD_DTYPE = gemm.BWD_FP8
 COMPUTE_DTYPE = jnp.bfloat16
@@ -337,18 +342,20 @@ def _nvfp4_value(ctx, data, scale_inv, shape, tp_dim, name):
 
 
 def _weight_operands(ctx, recipe, w, tp_dim) -> _Weight:
-    """GEMM operands of the global weight ``w [out, in]``, sharded on ``tp_dim`` over tp."""
-    if isinstance(w, Float8Tensor):
-        scale_inv = jnp.reshape(w.scale_inv, ())
-        fwd = _Scaled(w.data, scale_inv)
-        return _Weight(fwd, _Scaled(w.data_t, scale_inv)) if w.data_t is not None else _Weight(fwd, fwd, 0)
-    if isinstance(w, NVFP4Tensor):
-        dec = gemm.nvfp4_global_decode(w.amax)
-        fwd = _Scaled(_nvfp4_value(ctx, w.data, w.scale_inv, w.shape, tp_dim, "w"), dec)
-        if w.data_t is None or w.scale_inv_t is None:
-            return _Weight(fwd, fwd, 0)
-        value_t = _nvfp4_value(ctx, w.data_t, w.scale_inv_t, w.shape[::-1], 1 - tp_dim, "w (data_t)")
-        return _Weight(fwd, _Scaled(value_t, dec))
+    """GEMM operands of the global weight ``w [out, in]``, sharded on ``tp_dim`` over tp: a quantized weight's
+    arrays are ``gemm.weight_operands``'s (as ``jq.dense`` reads them; a missing columnwise copy is not
+    built: the dgrad GEMM reads ``fwd`` on dim 0), an NVFP4 weight's bytes decoded per TP rank here."""
+    if isinstance(w, (Float8Tensor, NVFP4Tensor)):
+        arrays = gemm.weight_operands(w, fill_columnwise=False)
+        if isinstance(w, Float8Tensor):
+            fwd = _Scaled(arrays["data"], arrays["scale_inv"])
+            dgrad = _Scaled(arrays["data_t"], arrays["scale_inv"]) if "data_t" in arrays else None
+        else:
+            fwd = _Scaled(_nvfp4_value(ctx, arrays["data"], arrays["scale_inv"], w.shape, tp_dim, "w"), arrays["dec"])
+            dgrad = None if "data_t" not in arrays else _Scaled(
+                _nvfp4_value(ctx, arrays["data_t"], arrays["scale_inv_t"], w.shape[::-1], 1 - tp_dim, "w (data_t)"),
+                arrays["dec"])
+        return _Weight(fwd, fwd, 0) if dgrad is None else _Weight(fwd, dgrad)
     if recipe == "bf16":
         wb = w.astype(COMPUTE_DTYPE)
         return _Weight(wb, wb, 0)
@@ -428,6 +435,7 @@ def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype, wgrad_dtypes):
 
 
 def _check_float(name, a):
+    ops._not_quantized(name, a)   # a quantized tensor has a float dtype (its dequantized one) but is no array
     if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
         raise TypeError(f"{name}: must be a floating-point array, got "
                         f"{getattr(a, 'dtype', type(a).__name__)}")
@@ -452,30 +460,24 @@ def _weight_and_recipe(w, recipe, n_in: int, name: str = "w"):
     """Validate ``w [out, in]``: (plain weight, straight-through master or None, recipe, dtypes of the
     weight cotangents (weight, master), None where none is returned)."""
     w, master = split_master(w)
-    if recipe is None:
-        recipe = "fp8" if isinstance(w, Float8Tensor) else "bf16"
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe: must be None or one of {RECIPES}, got {recipe!r}")
-    if isinstance(w, NVFP4Tensor):
-        if recipe != "bf16":
-            raise ValueError(f"recipe: an NVFP4Tensor {name} is dequantized to bf16, so recipe must be "
-                             f"'bf16' (or None), got {recipe!r}")
-    elif isinstance(w, Float8Tensor):
-        if recipe != "fp8":
-            raise ValueError(f"recipe: a Float8Tensor {name} needs recipe 'fp8' (or None), got {recipe!r}")
+    if recipe == "bf16" and isinstance(w, NVFP4Tensor):
+        recipe = "nvfp4"   # the former spelling for an NVFP4 weight (its GEMMs read bf16 values), still accepted
+    recipe = gemm.resolve_recipe(w, recipe, _FITS, name)
+    if isinstance(w, Float8Tensor):
         if w.data.ndim != 2:
             raise ValueError(f"{name}: Float8Tensor data must be [out, in], got shape {tuple(w.data.shape)}")
-        if jnp.dtype(w.dtype) != jnp.dtype(FWD_DTYPE):
+        if jnp.dtype(w.data.dtype) != jnp.dtype(FWD_DTYPE):
             raise TypeError(f"{name}: a Float8Tensor weight must be {jnp.dtype(FWD_DTYPE)} (its dgrad GEMM "
-                            f"meets E5M2 gradients), got {w.dtype}")
-    else:
+                            f"meets E5M2 gradients), got {w.data.dtype}")
+    elif not isinstance(w, NVFP4Tensor):
         _check_float(name, w)
     shape = tuple(int(d) for d in w.shape)
     if len(shape) != 2 or shape[1] != n_in:
         raise ValueError(f"{name}: must be [out, in] with in = {n_in} (the last dim of x), got shape {shape}")
     quantized = isinstance(w, (Float8Tensor, NVFP4Tensor))
     dtypes = (None if quantized else jnp.dtype(w.dtype), None if master is None else jnp.dtype(master.dtype))
-    return w, master, recipe, dtypes
+    # internally "bf16" = bf16 activations and gradients, which is what an NVFP4 weight's GEMMs take
+    return w, master, "bf16" if recipe == "nvfp4" else recipe, dtypes
 
 
 def _check_divisible(name, what, size, n, tp_axis):
@@ -497,9 +499,11 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
     x: ``[..., S, H]`` sharded on the sequence over ``tp_axis``; gamma, beta: ``[H]``; w: ``[F, H]``
     (``[out, in]``: a float array, ``Float8Tensor`` or ``NVFP4Tensor``, e.g. from
     ``quantize_master_weights(tp_axis=...)`` with tp_dims 0) sharded ``P(tp_axis, None)``. Returns
-    ``[..., S, F]`` in x's dtype, sharded on the features. ``recipe``: "fp8" (E4M3 activations and
-    weight, E5M2 gradients; the default for a Float8Tensor weight) or "bf16" (the default otherwise;
-    NVFP4 weights are read as bf16 blockwise values). Differentiable in x, gamma, beta and a float w;
+    ``[..., S, F]`` in x's dtype, sharded on the features. ``recipe`` (the names of ``jq.dense``): None
+    follows the weight's type; "fp8" (E4M3 activations and weight, E5M2 gradients; a Float8Tensor, or a
+    float weight quantized inside), "nvfp4" (an NVFP4Tensor, read as bf16 blockwise values with bf16
+    activations and gradients; its former spelling "bf16" is still accepted) or "bf16" (a float weight,
+    no quantization). Differentiable in x, gamma, beta and a float w;
     a quantized w passes dW to the master attached with ``jq.straight_through`` (docs/sp.md).
     """
     ctx = _context(mesh, tp_axis, overlap, impl)

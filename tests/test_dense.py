@@ -156,7 +156,47 @@ def test_bad_input():
         jq.dense(x, w, recipe="int8")
     with pytest.raises(ValueError, match="recipe: 'nvfp4' does not match"):
         jq.dense(x, jq.quantize_fp8(w), recipe="nvfp4")
+    # one error style for every layer (jaxquant/gemm.py resolve_recipe): the argument, the allowed values
+    with pytest.raises(ValueError, match=r"^recipe: must be None, 'bf16', 'fp8' or 'nvfp4', got 'int8'$"):
+        jq.dense(x, w, recipe="int8")
+    with pytest.raises(ValueError, match=r"^recipe: 'bf16' does not match w, a Float8Tensor \(use None or 'fp8'\)$"):
+        jq.dense(x, jq.quantize_fp8(w), recipe="bf16")
+    with pytest.raises(ValueError, match=r"^recipe: 'fp8' does not match w, an NVFP4Tensor \(use None or 'nvfp4'\)$"):
+        jq.dense(x, jq.quantize_nvfp4(w), recipe="fp8")
     with pytest.raises(TypeError, match="x: dtype"):
         jq.dense(x.astype(jnp.float16), w)
     with pytest.raises(ValueError, match="master: must have the weight's shape"):
         jq.straight_through(jq.quantize_fp8(w), w.T)
+
+
+def test_recipe_bf16_is_no_quantization_like_none():
+    """recipe="bf16" (the sp layers' name for unquantized GEMMs) with an array weight is None's path:
+    the same output and gradients, bitwise, for float32 and bfloat16 weights."""
+    x, w, ct = _problem()
+    for wd in (w, w.astype(jnp.bfloat16)):
+        plain = jax.jit(lambda x, w, ct: _vjp(lambda x, w: jq.dense(x, w), x, w, ct))(x, wd, ct)
+        named = jax.jit(lambda x, w, ct: _vjp(lambda x, w: jq.dense(x, w, recipe="bf16"), x, w, ct))(x, wd, ct)
+        for a, b in zip(plain, named):
+            assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_weight_operands_are_one_function():
+    """gemm.weight_operands: what jq.dense reads (the columnwise copy built when missing) and, with
+    fill_columnwise=False, what jaxquant.sp reads (no columnwise keys when the tensor lacks them)."""
+    from jaxquant import gemm
+    _, w, _ = _problem()
+    f8 = jq.quantize_fp8(w)
+    assert f8.data_t is None
+    filled, bare = gemm.weight_operands(f8), gemm.weight_operands(f8, fill_columnwise=False)
+    assert sorted(filled) == ["data", "data_t", "scale_inv"] and sorted(bare) == ["data", "scale_inv"]
+    np.testing.assert_array_equal(filled["data_t"].view(np.uint8), f8.data.T.view(np.uint8))
+    assert filled["scale_inv"].shape == ()
+    n4 = jq.quantize_nvfp4(w)
+    assert sorted(gemm.weight_operands(n4, fill_columnwise=False)) == ["data", "dec", "scale_inv"]
+    n4c = jq.quantize_nvfp4(w, columnwise=True)
+    both = gemm.weight_operands(n4c, fill_columnwise=False)
+    assert sorted(both) == ["data", "data_t", "dec", "scale_inv", "scale_inv_t"]
+    for k, v in gemm.weight_operands(n4).items():
+        assert np.asarray(v).tobytes() == np.asarray(both[k]).tobytes(), k
+    with pytest.raises(TypeError, match="w: must be a Float8Tensor or an NVFP4Tensor"):
+        gemm.weight_operands(w)

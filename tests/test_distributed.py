@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jaxquant as jq
 from jaxquant import distributed as D, ops
 from jaxquant import group_table as gtable
 from jaxquant.group_split import GatheredWeights
@@ -265,6 +266,12 @@ def test_check_finite(recipe):
     assert bool(rep.any())
     with pytest.raises(FloatingPointError, match=r"wk in shard 0: 1 element.*wk in shard 3: 1 .*wv in shard 3: 2"):
         rep.raise_if_nonfinite()
+    # one entry point for both reports: jq.raise_if_nonfinite(report) is the report's own method
+    with pytest.raises(FloatingPointError) as by_method:
+        rep.raise_if_nonfinite()
+    with pytest.raises(FloatingPointError) as by_function:
+        jq.raise_if_nonfinite(rep)
+    assert str(by_function.value) == str(by_method.value)
     # finite weights are unaffected
     _assert_same(out[0], _reference(ws[0], recipe))
     # clean weights: no report, no error
@@ -273,6 +280,7 @@ def test_check_finite(recipe):
                                        check_finite=True, impl=IMPL)
     assert not bool(rep.any())
     rep.raise_if_nonfinite()
+    jq.raise_if_nonfinite(rep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,7 +570,7 @@ def test_fsdp_tp_layout_roundtrip_and_errors():
         FlatLayout(shapes, 2, tp_size=3, tp_dims=[0, 1, None])
     with pytest.raises(ValueError, match="tp_dims: needed"):
         FlatLayout(shapes, 2, tp_size=2)
-    with pytest.raises(ValueError, match=r"tp_dims\[2\]: must be 0, 1 or None"):
+    with pytest.raises(ValueError, match=r"tp_dims\[2\]: must be 'col', 'row', None, 0 or 1"):
         FlatLayout(shapes, 2, tp_size=2, tp_dims=[0, 1, 2])
     lay4 = FlatLayout(shapes, 4, tp_size=2, tp_dims=[0, 1, None])
     master = jax.device_put(lay4.flatten(ws), D.master_sharding(mesh, "fsdp", "tp"))

@@ -174,3 +174,24 @@ def test_tp_layout_local_shapes_identity_and_slices():
         FlatLayout([(64,)], 1, tp_size=2, tp_dims=[0])
     with pytest.raises(ValueError, match="tp_dims: expected 3 entries"):
         FlatLayout(shapes, 1, tp_size=2, tp_dims=[0])
+
+
+def test_tp_dims_take_the_split_names_col_and_row():
+    """"col"/"row" (make_train_step's param_specs names) are 0/1, stored as 0/1: the same layout, hash and bytes."""
+    shapes = [(64, 32), (32, 64), (16, 16)]
+    by_dim = FlatLayout(shapes, 3, align=5, tp_size=4, tp_dims=[0, 1, None])
+    by_name = FlatLayout(shapes, 3, align=5, tp_size=4, tp_dims=["col", "row", None])
+    assert by_name.tp_dims == (0, 1, None) and by_name == by_dim and hash(by_name) == hash(by_dim)
+    assert by_name.local_shapes == by_dim.local_shapes and by_name.param_offsets == by_dim.param_offsets
+    assert FlatLayout(shapes, 3, tp_size=4, tp_dims=("col", 1, None)) == FlatLayout(shapes, 3, tp_size=4,
+                                                                                  tp_dims=(0, "row", None))
+    ws = [np.arange(np.prod(s), dtype=np.float32).reshape(s) for s in shapes]
+    flat = np.asarray(by_name.flatten(ws))
+    assert flat.tobytes() == np.asarray(by_dim.flatten(ws)).tobytes()
+    for a, b in zip(by_name.unflatten(flat), ws):
+        np.testing.assert_array_equal(a, b)
+    for bad in ("diag", "COL", 2, True):
+        with pytest.raises(ValueError, match=r"tp_dims\[1\]: must be 'col', 'row', None, 0 or 1, got"):
+            FlatLayout(shapes, 1, tp_size=2, tp_dims=["col", bad, None])
+    with pytest.raises(ValueError, match=r"tp_dims: needed when tp_size > 1 .*'col' \(rows split\), 'row'"):
+        FlatLayout(shapes, 1, tp_size=2)

@@ -309,10 +309,16 @@ def test_bad_input_errors():
         jq.sp_layernorm_dense(x, gamma, beta, w2, mesh=mesh)
     with pytest.raises(ValueError, match=r"gamma: must have shape \(32,\)"):
         jq.sp_layernorm_dense(x, gamma[:8], beta, w1, mesh=mesh)
-    with pytest.raises(ValueError, match="recipe: an NVFP4Tensor w is dequantized to bf16"):
+    # the recipe errors of jq.dense (gemm.resolve_recipe): the argument, the allowed values, what was given
+    with pytest.raises(ValueError, match=r"^recipe: 'fp8' does not match w, an NVFP4Tensor \(use None or 'nvfp4'\)$"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), q_nvfp4(w2), mesh=mesh, recipe="fp8")
-    with pytest.raises(ValueError, match="recipe: a Float8Tensor w needs recipe 'fp8'"):
+    with pytest.raises(ValueError, match=r"^recipe: 'bf16' does not match w, a Float8Tensor \(use None or 'fp8'\)$"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), _fp8_weight(w2), mesh=mesh, recipe="bf16")
+    with pytest.raises(ValueError, match=r"^recipe: 'nvfp4' does not match w, a float array "
+                                         r"\(use None, 'bf16' or 'fp8'\)$"):
+        jq.sp_dense_reduce_scatter(jnp.ones((B, S, F)), w2, mesh=mesh, recipe="nvfp4")
+    with pytest.raises(ValueError, match=r"^recipe: must be None, 'bf16', 'fp8' or 'nvfp4', got 'fp4'$"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, recipe="fp4")
     with pytest.raises(ValueError, match="mesh: the sp layers need a mesh with Auto axis types"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=jax.make_mesh(
             (4,), ("tp",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Explicit,)))
@@ -324,6 +330,18 @@ def test_bad_input_errors():
         jq.sp_layernorm_dense(x, gamma, beta, bad_scales, mesh=mesh)
     with pytest.raises(TypeError, match="x: must be a floating-point array"):
         jq.sp_dense_reduce_scatter(jnp.ones((B, S, F), jnp.int32), w2, mesh=mesh)
+
+
+@pytest.mark.parametrize("kind,spellings", [("nvfp4", (None, "nvfp4", "bf16")), ("float8tensor", (None, "fp8")),
+                                            ("float", (None, "bf16"))])
+def test_recipe_spellings_agree_bitwise(kind, spellings):
+    """One vocabulary with jq.dense: None follows the weight's type; an NVFP4Tensor takes "nvfp4" (its
+    former spelling "bf16" still works). Every spelling gives the same outputs and gradients, bitwise."""
+    col_args, row_args = _layer_args(5, "bf16", kind)
+    runs = [_runner(2, "ring", r)(col_args, row_args) for r in spellings]
+    for r, res in zip(spellings[1:], runs[1:]):
+        for a, e in zip(jax.tree.leaves(res), jax.tree.leaves(runs[0])):
+            assert_bytes_equal(a, e, f"recipe={r!r} vs None ({kind})")
 
 
 @pytest.mark.parametrize("overlap", ["ring", "off"])
