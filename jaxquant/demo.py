@@ -70,10 +70,11 @@ def quantize_mask(cfg: ModelConfig):
 
 
 def per_layer(params, cfg: ModelConfig) -> dict:
-    """Flat ``{name: array}`` with one entry per layer (``l{i}.q``, as a PyTorch model names them)."""
+    """Flat ``{name: array}`` with one entry per layer (``blocks.{i}.q``, as a PyTorch model names them and as
+    ``step.state_dict`` does)."""
     flat = {n: params[n] for n in ("embed", "head", "final_norm")}
     for name, stack in params["blocks"].items():
-        flat |= {f"l{i}.{name}": stack[i] for i in range(cfg.layers)}
+        flat |= {f"blocks.{i}.{name}": stack[i] for i in range(cfg.layers)}
     return flat
 
 
@@ -144,12 +145,15 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1):
 
 
 class SyntheticData:
-    """Next-token data: token t+1 = perm[token t], from a random first token; one fresh batch a step."""
+    """Next-token data: token t+1 = perm[token t], from a random first token; one fresh batch a step
+    (``skip``: the batches of steps already taken, so a resumed run sees the data it would have seen)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, batch: int, seed: int = 0, skip: int = 0):
         self.cfg, self.batch = cfg, batch
         self.rng = np.random.default_rng(seed)
         self.perm = self.rng.permutation(cfg.vocab)
+        for _ in range(skip):
+            self.next()
 
     def next(self):
         tokens = np.empty((self.batch, self.cfg.seq + 1), np.int32)
@@ -238,7 +242,7 @@ def peak_memory_gib(devices) -> float | None:
 
 def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, batch_per_device: int = 2,
         lr: float = 3e-3, ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True,
-        cfg: ModelConfig = ModelConfig()):
+        cfg: ModelConfig = ModelConfig(), resume: str | None = None, save_every: int = 0):
     """Train and checkpoint; returns a dict with the losses, the checkpoint path and the throughput."""
     import jax
     try:
@@ -257,6 +261,10 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         raise ValueError(f"--steps: must be at least 1, got {steps}")
     if batch_per_device < 1:
         raise ValueError(f"--batch-per-device: must be at least 1, got {batch_per_device}")
+    if save_every < 0:
+        raise ValueError(f"--save-every: must be 0 (off) or positive, got {save_every}")
+    if resume is not None and not os.path.isfile(os.path.join(resume, ".metadata")):
+        raise ValueError(f"--resume: {resume!r} is not a DCP checkpoint directory (no .metadata)")
     devices = jax.devices()
     fsdp, tp = parse_mesh(mesh_spec, len(devices))
     check_tp(cfg, tp, recipe)
@@ -267,6 +275,11 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
                               param_specs=param_specs(cfg), quantize_mask=quantize_mask(cfg),
                               policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
     state = step.init(init_params(jax.random.key(seed), cfg))
+    adam = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)     # optax.adam's, as torch names them
+    if resume is not None:   # any mesh size: the checkpoint is read into this mesh's shards
+        state = step.load_state_dict(ck.load_dcp(resume, step.state_dict_target(state)), like=state)
+        print(f"resumed from {resume} at step {int(state.step)}")
+    start = int(state.step)
     sent, sent_bf16 = bytes_gathered(state.plan, recipe)
     n_params = sum(math.prod(shape) for shape in state.plan.shapes)
     print(f"model: {cfg.layers} blocks under scan, d_model {cfg.d_model}, vocab {cfg.vocab}, {n_params:,} "
@@ -274,7 +287,16 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
           f"batch {batch} x {cfg.seq} tokens")
     gathered = f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)"
     print(f"weights all-gathered per step (each layer where it is used): {gathered}")
-    data = SyntheticData(cfg, batch, seed)
+    data = SyntheticData(cfg, batch, seed, skip=start)
+
+    def save(total, final):
+        tree = step.state_dict(state, hyperparams=adam)
+        if final and recipe != "bf16":   # the compute weights too, per layer
+            quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
+            params = per_layer(step.params(state), cfg)
+            tree[f"model_{recipe}"] = {n: quant(w) for n, w in params.items() if w.ndim == 2 and n != "embed"}
+        return ck.save_dcp(_fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")), tree | {"step": total})
+
     tokens = batch * cfg.seq
     losses, times = [], []
     bar = tqdm(range(steps), desc=f"train {recipe}", disable=not progress, dynamic_ncols=True)
@@ -287,21 +309,21 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         losses.append(loss)
         tok_s = tokens / (np.median(times[1:]) if len(times) > 1 else times[0])
         bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s")
+        if save_every and (i + 1) % save_every == 0 and i + 1 < steps:
+            bar.write(f"saved {save(start + i + 1, final=False)}")
     bar.close()
-    params = per_layer(step.params(state), cfg)
-    weights = {}
-    if recipe != "bf16":
-        quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
-        weights = {n: quant(w) for n, w in params.items() if w.ndim == 2 and n != "embed"}
-    path = ck.save_dcp(_fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{steps}")),
-                       {"model": params, f"model_{recipe}": weights, "step": steps} if weights
-                       else {"model": params, "step": steps})
+    path = save(start + steps, final=True)
     step_time = float(np.median(times[1:])) if len(times) > 1 else times[0]
     peak = peak_memory_gib(mesh.devices.flat)
     memory = f"; peak device memory {peak:.2f} GiB" if peak is not None else ""
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps; step {step_time * 1e3:.1f} ms "
           f"({tokens / step_time:,.0f} tokens/s){' after the first (compile) step' if steps > 1 else ''}{memory}")
-    print(f"checkpoint: {path}\n  inspect it:  jaxquant ckpt inspect {path}")
+    print(f"checkpoint (parameters, Adam state, step {start + steps}): {path}\n"
+          f"  inspect it:        jaxquant ckpt inspect {path}\n"
+          f"  resume in JAX:     jaxquant demo --resume {path} --steps N   (any --mesh)\n"
+          f"  load in PyTorch:   m, o = get_state_dict(model, torch.optim.Adam(model.parameters())); "
+          f"torch.distributed.checkpoint.load({{'model': m, 'optim': o}}, checkpoint_id='{path}'); "
+          f"set_state_dict(model, optimizer, model_state_dict=m, optim_state_dict=o)")
     return {"losses": losses, "checkpoint": path, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
             "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16, "peak_gib": peak}
 
@@ -320,6 +342,10 @@ def add_demo_parser(sub) -> None:
                            "XLA_FLAGS sets it)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--resume", default=None, metavar="DIR",
+                      help="continue from a checkpoint this demo wrote (parameters, Adam state, step; any mesh)")
+    demo.add_argument("--save-every", type=int, default=0, metavar="N",
+                      help="also save a training checkpoint every N steps (default 0: only at the end)")
     demo.set_defaults(func=main)
 
 
@@ -329,7 +355,8 @@ def main(args) -> int:
 
     try:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, batch_per_device=args.batch_per_device,
-                  lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed, progress=not args.no_progress)
+                  lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed, progress=not args.no_progress,
+                  resume=args.resume, save_every=args.save_every)
     except MissingOptaxError as e:
         print(f"jaxquant demo: error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,8 @@ def test_demo_trains_and_checkpoints(tmp_path, capsys):
     assert f"jaxquant ckpt inspect {ckpt}" in out
     assert cli.main(["ckpt", "inspect", str(ckpt)]) == 0
     listing = capsys.readouterr().out
-    assert "model.l1.down" in listing and "model_nvfp4.l1.down" in listing
+    assert "model.blocks.1.down" in listing and "model_nvfp4.blocks.1.down" in listing
+    assert "optim.state.blocks.1.down.exp_avg_sq" in listing           # the Adam state, as torch names it
 
 
 def _loss_range(out):
@@ -88,3 +89,25 @@ def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "over 1 steps" in out and (tmp_path / "nvfp4-step1" / ".metadata").is_file()
+
+
+def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys):
+    """--save-every writes training checkpoints on the way; --resume continues from one (parameters, Adam
+    state, step, the data stream) on a (4, 2) mesh although it was written on (8, 1)."""
+    rc = cli.main(["demo", "--steps", "12", "--mesh", "8x1", "--save-every", "6", "--ckpt-dir", str(tmp_path),
+                   "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    first, _ = _loss_range(out)
+    assert (tmp_path / "nvfp4-step6" / ".metadata").is_file() and (tmp_path / "nvfp4-step12").is_dir()
+    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step12'}" in out and "set_state_dict" in out
+    rc = cli.main(["demo", "--steps", "6", "--mesh", "4x2", "--resume", str(tmp_path / "nvfp4-step6"),
+                   "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"resumed from {tmp_path / 'nvfp4-step6'} at step 6" in out
+    resumed_first, _ = _loss_range(out)
+    assert resumed_first < first - 1.0, out               # the loss goes on from where step 6 left it
+    assert (tmp_path / "again" / "nvfp4-step12" / ".metadata").is_file()
+    rc = cli.main(["demo", "--resume", str(tmp_path / "nowhere"), "--ckpt-dir", str(tmp_path), "--no-progress"])
+    assert rc == 2 and "--resume: " in capsys.readouterr().err
