@@ -1,6 +1,12 @@
-"""SIGINT / SIGTERM at random moments of `jaxquant ckpt convert` (DCP -> Orbax, Orbax -> DCP, DCP -> DCP) and of
-`save_dcp`: the source is untouched, no staging directory is left, the destination is absent or complete,
-the command prints one line and exits 130 / 143. A SIGKILLed write's staging directory is removed by the next.
+"""SIGINT / SIGTERM at every named stage of `jaxquant ckpt convert` (DCP -> Orbax, Orbax -> DCP, DCP -> DCP) and of
+`save_dcp`: the source is untouched, no staging directory is left, the destination is absent (or complete, when the
+signal came after the rename), the command prints one line and exits 130 / 143. A SIGKILLed write's staging
+directory is removed by the next.
+
+Deterministic: each child stops at the write's named stages (``jaxquant.checkpoint.interrupt.stage``, enabled by
+``JAXQUANT_TEST_STAGES``) and waits for the test, which sends the signal there and lets it go on; the child resets
+SIGINT/SIGTERM to their defaults itself, so what the test runner was started with (a background job of a
+non-interactive shell has SIGINT ignored) changes nothing.
 
 Importing jax + orbax takes seconds on a loaded 2-core machine, so the children are forked from one server
 process that imported everything once (the real `jaxquant.cli.main` runs in each child).
@@ -9,12 +15,10 @@ process that imported everything once (the real `jaxquant.cli.main` runs in each
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -26,10 +30,13 @@ common.setup_devices()
 
 from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.checkpoint import fsutil  # noqa: E402
+from jaxquant.checkpoint.interrupt import STAGES_ENV  # noqa: E402
 
-# Forks one child per request ({"kind": "cli"|"save", "argv"|"path", "log"}) and answers "<pid>", then
-# "<exit status> <seconds>". Signals are blocked across the fork, so one sent before the child's handlers exist
-# is delivered once they do (cli_handlers unblocks them), never lost or handled by the defaults.
+# Forks one child per request ({"kind": "cli"|"save", "argv"|"path", "log"}) and prints "pid <pid>", then
+# "exit <exit status> <seconds>". Between the two, the child prints "stage <pid> <name>" on the same stdout at each
+# stage of its write and reads the test's answer ("go" or a signal number) from this process's stdin, which this
+# process does not read while the child runs; an answer that a killed child left unread is skipped here (not JSON).
+# Signals are blocked across the fork and unblocked once the child's dispositions are set.
 _SERVER = r"""
 import json, os, signal, sys, time, traceback
 import numpy as np
@@ -38,15 +45,19 @@ from jaxquant import checkpoint as ck
 import orbax.checkpoint, tensorstore  # noqa: F401
 SIGS = {signal.SIGINT, signal.SIGTERM}
 rng = np.random.default_rng(1)
-TREE = {f"t{i}": rng.integers(0, 255, (1024, 4096), dtype=np.uint8) for i in range(16)}  # 64 MiB
+TREE = {f"t{i}": rng.integers(0, 255, (1024, 4096), dtype=np.uint8) for i in range(4)}  # 16 MiB
 TREE["step"] = 5
+OUT = os.dup(1)  # the test reads the children's stage lines here, with this process's
 print("ready", flush=True)
 for line in sys.stdin:
+    if not line.startswith("{"):
+        continue
     req = json.loads(line)
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGS)
     t0 = time.time()
     pid = os.fork()
     if pid == 0:
+        os.environ[sys.argv[1]] = f"0,{OUT}"
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1), os.dup2(fd, 2)
         code = 99
@@ -56,6 +67,8 @@ for line in sys.stdin:
                     signal.signal(s, signal.SIG_IGN)
                 code = cli.main(req["argv"])
             else:  # library call with the default dispositions (KeyboardInterrupt, terminate)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGS)
                 try:
                     ck.save_dcp(req["path"], TREE)
@@ -68,38 +81,43 @@ for line in sys.stdin:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGS)
-    print(pid, flush=True)
+    print("pid", pid, flush=True)
     _, status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(status), time.time() - t0, flush=True)
+    print("exit", os.waitstatus_to_exitcode(status), time.time() - t0, flush=True)
 """
 
 
 class Server:
     def __init__(self):
-        self.p = subprocess.Popen([sys.executable, "-c", _SERVER], env=common.env(), stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen([sys.executable, "-c", _SERVER, STAGES_ENV], env=common.env(),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.p.stdout.readline().strip() == "ready"
 
-    def run(self, req, kill=None):
-        """Run ``req`` in a fresh child; ``kill=(signal, when)``, ``when`` a delay in seconds or a predicate
-        polled until true (at most 60 s). Returns (exit status, seconds, log text)."""
+    def run(self, req, signal_at=lambda i, name: None):
+        """Run ``req`` in a fresh child. At its ``i``-th stage ``name`` (from 0), ``signal_at(i, name)`` returns a
+        signal to send it there, or None. Returns (exit status, seconds, log text, the stages' names)."""
         self.p.stdin.write(json.dumps(req) + "\n")
         self.p.stdin.flush()
-        pid = int(self.p.stdout.readline())
-        if kill is not None:
-            if callable(kill[1]):
-                deadline = time.time() + 60
-                while not kill[1]() and time.time() < deadline:
-                    time.sleep(0.001)
-            else:
-                time.sleep(kill[1])
-            try:
-                os.kill(pid, kill[0])
-            except ProcessLookupError:
-                pass  # finished already
-        rc, secs = self.p.stdout.readline().split()
+        stages = []
+        while True:
+            what, *rest = self.p.stdout.readline().split()
+            if what == "pid":
+                continue
+            if what == "exit":
+                rc, secs = int(rest[0]), float(rest[1])
+                break
+            assert what == "stage", (what, rest)
+            pid, name = int(rest[0]), rest[1]
+            sig = signal_at(len(stages), name)
+            stages.append(name)
+            if sig is not None:
+                os.kill(pid, sig)
+                if sig == signal.SIGKILL:
+                    continue  # nothing reads an answer
+            self.p.stdin.write(("go" if sig is None else str(int(sig))) + "\n")
+            self.p.stdin.flush()
         with open(req["log"]) as f:
-            return int(rc), float(secs), f.read()
+            return rc, secs, f.read(), stages
 
     def close(self):
         self.p.stdin.close()
@@ -133,45 +151,55 @@ def _complete(dst, to):
 
 
 def _baseline(server, req, dst, to, said):
-    """How long an uninterrupted run takes (the faster of two: the first may read a cold page cache)."""
-    times = []
-    for _ in range(2):
-        rc, secs, out = server.run(req)
-        assert rc == 0 and out.strip() == said and _complete(dst, to), out
-        shutil.rmtree(dst)
-        times.append(secs)
-    return min(times)
+    """The stages of an uninterrupted run."""
+    rc, _, out, stages = server.run(req)
+    assert rc == 0 and out.strip() == said and _complete(dst, to), out
+    shutil.rmtree(dst)
+    assert "renamed" in stages and "chunk" in stages, stages
+    return stages
 
 
-def _trials(server, tmp, src, to, n, seed, argv_extra=()):
-    """Kill ``n`` conversions src -> <tmp>/dst at random moments, alternating SIGINT and SIGTERM."""
+def _moments(stages):
+    """Indices of the stages to signal at: the first, middle and last occurrence of each name."""
+    at = {}
+    for i, name in enumerate(stages):
+        at.setdefault(name, []).append(i)
+    return sorted({i for idx in at.values() for i in (idx[0], idx[len(idx) // 2], idx[-1])})
+
+
+def _signal_at(k, sig):
+    """At stage ``k``: ``sig``; at a later ``cleanup`` stage (the staging directory going): the other signal,
+    which must change nothing."""
+    other = signal.SIGTERM if sig == signal.SIGINT else signal.SIGINT
+    return lambda i, name: sig if i == k else (other if i > k and name == "cleanup" else None)
+
+
+def _trials(server, tmp, src, to, argv_extra=()):
+    """Signal a conversion src -> <tmp>/dst at its stages (_moments), alternating SIGINT and SIGTERM."""
     before = _snapshot(src)
     dst, log = str(tmp / "dst"), str(tmp / "log.txt")
     argv = ["ckpt", "convert", src, dst, "--to", to, "--no-progress", *argv_extra]
-    full = _baseline(server, {"kind": "cli", "argv": argv, "log": log}, dst, to, f"wrote {dst}")
-    rng = random.Random(seed)
-    outcomes = {"interrupted": 0, "finished": 0}
-    for i in range(n):
-        sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
-        rc, _, out = server.run({"kind": "cli", "argv": argv, "log": log}, kill=(sig, rng.uniform(0, 1.1 * full)))
-        what = f"{to} trial {i}: {signal.Signals(sig).name}, exit {rc}, output {out!r}"
-        assert rc in (0, 128 + sig), what
+    stages = _baseline(server, {"kind": "cli", "argv": argv, "log": log}, dst, to, f"wrote {dst}")
+    moments = _moments(stages)
+    for n, k in enumerate(moments):
+        sig = (signal.SIGINT, signal.SIGTERM)[n % 2]
+        rc, _, out, seen = server.run({"kind": "cli", "argv": argv, "log": log}, _signal_at(k, sig))
+        name = signal.Signals(sig).name
+        what = f"{to}: {name} at stage {k} ({stages[k]}), exit {rc}, output {out!r}"
+        assert seen[:k + 1] == stages[:k + 1], what
+        assert rc == 128 + sig, what
         assert "Traceback" not in out and len(out.strip().splitlines()) == 1, what
-        if rc:
-            assert out.startswith(f"jaxquant ckpt convert: interrupted by {signal.Signals(sig).name}") or \
-                out.startswith(f"jaxquant: interrupted by {signal.Signals(sig).name}"), what
+        assert out.startswith(f"jaxquant ckpt convert: interrupted by {name}; "), what
         left = [n for n in os.listdir(tmp) if ".tmp-" in n]
         assert not left, f"{what}: staging left: {[(n, sorted(_snapshot(tmp / n))) for n in left]}"
-        if os.path.exists(dst):  # only ever a complete checkpoint (the signal came after the rename)
-            assert _complete(dst, to), what
-            assert rc == 0 or "complete already" in out or out.startswith("jaxquant: interrupted"), what
+        if stages[k] == "renamed":  # the signal came after the rename: a complete checkpoint, and said so
+            assert _complete(dst, to) and f"{dst} was complete already" in out, what
             shutil.rmtree(dst)
         else:
-            assert rc != 0, what
-        outcomes["interrupted" if rc else "finished"] += 1
+            assert not os.path.exists(dst) and f"nothing was written to {dst}" in out, what
+            assert "cleanup" in seen[k:], what
         assert _snapshot(src) == before, f"{what}: source changed"
-    assert outcomes["interrupted"] >= n // 4, outcomes  # the moments fell inside the conversion, mostly
-    return full
+    return stages
 
 
 @pytest.fixture(scope="module")
@@ -184,60 +212,57 @@ def server():
 def _make_source(path):
     rng = np.random.default_rng(0)
     tree = {f"layers.{i}.w": ck.LocalShards((1024, 4096), np.uint8, [
-        ((r, 0), rng.integers(0, 255, (512, 4096), dtype=np.uint8)) for r in (0, 512)]) for i in range(16)}  # 64 MiB
+        ((r, 0), rng.integers(0, 255, (512, 4096), dtype=np.uint8)) for r in (0, 512)]) for i in range(4)}  # 16 MiB
     tree["step"] = 3
     ck.save_dcp(path, tree)
 
 
-def test_signals_at_random_moments_of_convert_leave_no_debris(server, tmp_path):
+def test_signals_at_every_stage_of_convert_leave_no_debris(server, tmp_path):
     src = str(tmp_path / "src")
     _make_source(src)
     digest = _digest(src)
-    for to, n, seed, sub in (("orbax", 20, 1, "a"), ("dcp", 10, 3, "c")):
-        (tmp_path / sub).mkdir()
-        _trials(server, tmp_path / sub, src, to, n, seed)
+    (tmp_path / "a").mkdir()
+    stages = _trials(server, tmp_path / "a", src, "orbax")
+    assert {"staging", "entry", "chunk", "tensorstore", "commit", "renamed"} <= set(stages), stages
+    (tmp_path / "c").mkdir()
+    _trials(server, tmp_path / "c", src, "dcp")
     # Orbax -> DCP: from an Orbax checkpoint made by the same code
     orbax_src = str(tmp_path / "orbax_src")
     assert server.run({"kind": "cli", "argv": ["ckpt", "convert", src, orbax_src, "--to", "orbax", "--no-progress"],
                        "log": str(tmp_path / "log.txt")})[0] == 0
     odigest = _digest(orbax_src)
     (tmp_path / "b").mkdir()
-    _trials(server, tmp_path / "b", orbax_src, "dcp", 20, 2)
+    assert "restore" in _trials(server, tmp_path / "b", orbax_src, "dcp")
     assert _digest(src) == digest and _digest(orbax_src) == odigest
 
 
-def test_signals_at_random_moments_of_save_dcp_leave_no_debris(server, tmp_path):
+def test_signals_at_every_stage_of_save_dcp_leave_no_debris(server, tmp_path):
     dst, log = str(tmp_path / "dst"), str(tmp_path / "log.txt")
-    full = _baseline(server, {"kind": "save", "path": dst, "log": log}, dst, "dcp", "")
-    rng = random.Random(4)
-    interrupted = 0
-    for i in range(10):
-        sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
-        rc, _, out = server.run({"kind": "save", "path": dst, "log": log}, kill=(sig, rng.uniform(0, 1.1 * full)))
-        what = f"save trial {i}: {signal.Signals(sig).name}, exit {rc}, output {out!r}"
+    stages = _baseline(server, {"kind": "save", "path": dst, "log": log}, dst, "dcp", "")
+    for n, k in enumerate(_moments(stages)):
+        sig = (signal.SIGINT, signal.SIGTERM)[n % 2]
+        rc, _, out, seen = server.run({"kind": "save", "path": dst, "log": log}, _signal_at(k, sig))
+        what = f"save: {signal.Signals(sig).name} at stage {k} ({stages[k]}), exit {rc}, output {out!r}"
+        assert seen[:k + 1] == stages[:k + 1], what
         # SIGINT: KeyboardInterrupt reaches the caller; SIGTERM: the process still dies of SIGTERM, after cleanup
-        assert rc in ((0, 130) if sig == signal.SIGINT else (0, -signal.SIGTERM)), what
+        assert rc == (130 if sig == signal.SIGINT else -signal.SIGTERM), what
         assert "Traceback" not in out, what
         assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n], f"{what}: staging left: {os.listdir(tmp_path)}"
-        if os.path.exists(dst):
+        if stages[k] == "renamed":
             assert _complete(dst, "dcp"), what
             shutil.rmtree(dst)
-        interrupted += rc != 0
-    assert interrupted >= 3
+        else:
+            assert not os.path.exists(dst) and "cleanup" in seen[k:], what
 
 
 def test_sigkilled_write_is_never_a_checkpoint_and_the_next_write_removes_it(server, tmp_path):
     dst, log = str(tmp_path / "dst"), str(tmp_path / "log.txt")
-    _baseline(server, {"kind": "save", "path": dst, "log": log}, dst, "dcp", "")
-    # killed once its staging directory exists, so mid-write (a fixed delay once outlasted a fast write on
-    # a loaded CI machine); a write that still wins the race is retried
-    staging = lambda: any(n.startswith("dst.tmp-") for n in os.listdir(tmp_path))
-    for _ in range(3):
-        rc, _, _ = server.run({"kind": "save", "path": dst, "log": log}, kill=(signal.SIGKILL, staging))
-        if rc != 0:
-            break
-        shutil.rmtree(dst)
-    assert rc == -signal.SIGKILL and not os.path.exists(dst)
+    stages = _baseline(server, {"kind": "save", "path": dst, "log": log}, dst, "dcp", "")
+    # killed mid-write: after its first chunk
+    k = stages.index("chunk")
+    rc, _, _, seen = server.run({"kind": "save", "path": dst, "log": log},
+                                lambda i, name: signal.SIGKILL if i == k else None)
+    assert rc == -signal.SIGKILL and not os.path.exists(dst) and seen == stages[:k + 1]
     (left,) = [n for n in os.listdir(tmp_path) if n.startswith("dst.tmp-")]
     with pytest.raises(ck.IncompleteCheckpointError, match="interrupted"):
         ck.inspect_dcp(str(tmp_path / left))

@@ -6,6 +6,9 @@ tests in test_checkpoint_interrupt.py find the same failures only now and then).
   CI saw a SIGTERM swallowed that way and the conversion finish with exit status 0).
 - Outside write sections (a command's own code) a signal raises at once, and one lost in a GC callback does
   not disarm the next.
+
+Every test starts from the default dispositions (fixture ``default_dispositions``), so the outcome does not depend
+on how the test runner was started.
 """
 
 import gc
@@ -15,6 +18,19 @@ import pytest
 
 from jaxquant.checkpoint import interrupt
 from jaxquant.checkpoint.interrupt import Interrupted
+
+
+@pytest.fixture(autouse=True)
+def default_dispositions():
+    """Each test starts from the dispositions a program gets in a terminal (SIGINT: KeyboardInterrupt, SIGTERM:
+    terminate), whatever the test runner was started with: a background job of a non-interactive shell starts with
+    SIGINT ignored, and Python then leaves it ignored. Restored afterwards."""
+    before = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
 
 
 @pytest.fixture

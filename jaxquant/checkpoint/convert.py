@@ -168,6 +168,7 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
         sink = DcpSink(dst, staging) if to == "dcp" else OrbaxSink(dst, staging)
         with Progress(total, f"convert -> {to}", enabled=progress) as bar:
             for key in source.keys():
+                interrupt.stage("entry")
                 interrupt.check()  # between keys and between chunks: nothing is in flight there
                 parts = source.parts(key)
                 if dq is not None and (key == QUANT_INFO_KEY or (key in comp_keys and comp_keys[key] != key)):
@@ -196,6 +197,7 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
                     sink.write_chunk(key, off, arr)
                     bar.update(arr.nbytes)
                     del arr
+                    interrupt.stage("chunk")
                     interrupt.check()
         tmap.finish()
         sink.commit()

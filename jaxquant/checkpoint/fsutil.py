@@ -59,6 +59,7 @@ def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
         if not os.path.exists(marker):
             with open(marker, "w") as f:
                 f.write("interrupted or in-progress jaxquant checkpoint write; safe to delete\n")
+        interrupt.stage("staging")
     except OSError as e:
         raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} "
                                f"(creating {e.filename or path})") from e
@@ -90,6 +91,7 @@ def commit(staging: str, dst: str, *, sync: bool = True) -> None:
         fsync_tree(staging)
     marker = os.path.join(staging, INCOMPLETE_MARKER)
     with interrupt.deferred():  # unmarked but not yet renamed: no signal may land in between
+        interrupt.stage("commit")
         interrupt.check()  # the last moment a signal still cancels the write
         if os.path.exists(marker):
             os.unlink(marker)
@@ -100,6 +102,7 @@ def commit(staging: str, dst: str, *, sync: bool = True) -> None:
         except BaseException:
             open(marker, "w").close()
             raise
+        interrupt.stage("renamed")  # complete: a signal from here on is raised when the write returns
     if sync:
         fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
 
@@ -109,6 +112,7 @@ def remove_staging(path: str) -> None:
 
     Best effort and silent (it runs while another error propagates): what cannot be deleted stays marked.
     """
+    interrupt.stage("cleanup")
     for _ in range(5):  # retried: a writer may still add a file while we delete
         try:
             names = os.listdir(path)

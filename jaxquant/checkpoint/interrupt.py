@@ -13,6 +13,8 @@ does; one that Python drops there stays pending, unprinted, for the next check p
 
 A SIGKILL cannot be handled: it leaves a marked staging directory that the next write to the same destination
 removes (``fsutil.remove_stale_staging``).
+
+Tests stop a write at named moments (:func:`stage`) to signal it there; outside tests :func:`stage` does nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Tests only: "<read fd>,<write fd>" makes stage() report each named moment of a write and wait there (see stage)
+STAGES_ENV = "JAXQUANT_TEST_STAGES"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -58,9 +63,11 @@ class _Signals:
 
 
 _STATE = _Signals()
+_HANDLED = [0]  # signals _on_signal has run for in this process (never reset: stage() waits for it to grow)
 
 
 def _on_signal(signum, _frame):
+    _HANDLED[0] += 1
     st = _STATE
     if st.raised:
         return  # unwinding after an interrupt: let the cleanup finish
@@ -206,6 +213,42 @@ def deferred():
             signal.signal(s, h)
         for signum in caught[:1]:
             signal.raise_signal(signum)
+
+
+def stage(name: str) -> None:
+    """A named moment of a write (``staging``, ``entry``, ``chunk``, ``tensorstore``, ``restore``, ``commit``,
+    ``renamed``, ``cleanup``), where a test may signal it.
+
+    Does nothing unless the environment variable ``JAXQUANT_TEST_STAGES`` is ``"<read fd>,<write fd>"`` (tests
+    only): then the process writes ``stage <pid> <name>`` as a line to the write fd and waits for a line on the read
+    fd, ``go`` or the number of a signal the test has sent it meanwhile; for a signal it returns once the signal's
+    handler has run (a handler that raises raises here).
+    """
+    spec = os.environ.get(STAGES_ENV)
+    if spec:
+        _wait_at_stage(spec, name)
+
+
+def _wait_at_stage(spec: str, name: str) -> None:
+    rfd, wfd = (int(v) for v in spec.split(","))
+    handled = _HANDLED[0]
+    os.write(wfd, f"stage {os.getpid()} {name}\n".encode())
+    reply = b""
+    while not reply.endswith(b"\n"):
+        byte = os.read(rfd, 1)
+        if not byte:
+            raise RuntimeError(f"{STAGES_ENV}: the test closed the pipe at stage {name!r}")
+        reply += byte
+    reply = reply.decode().strip()
+    if reply == "go":
+        return
+    signum = int(reply)  # sent to this process: Python runs its handler in the main thread at the next check of
+    deadline = time.monotonic() + 60  # the eval loop, which the sleeps below give it (whichever thread took it)
+    while _ours() and _HANDLED[0] == handled and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    if _ours() and _HANDLED[0] == handled:
+        raise RuntimeError(f"{STAGES_ENV}: {signal.Signals(signum).name} sent at stage {name!r} never reached "
+                           f"the handler")
 
 
 def report(message: str, e: Interrupted) -> int:

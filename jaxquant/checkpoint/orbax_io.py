@@ -90,6 +90,7 @@ class OrbaxSource:
         # Orbax's restore runs an asyncio loop fed by TensorStore threads; cut short it leaves them calling a closed
         # loop. SIGINT/SIGTERM therefore take effect once this key is read.
         with interrupt.deferred():
+            interrupt.stage("restore")
             out = self._ck.restore(self.path, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
                                                                          partial_restore=True))
         for p in parts:
@@ -223,7 +224,9 @@ def _wait(start):
     the staging directory while it is removed: CI once found a lone ``manifest.ocdbt`` written after the cleanup
     by a commit begun just before a SIGTERM. The hold lasts one commit (about FLUSH_BYTES or one chunk)."""
     with interrupt.deferred():
-        return start().result()
+        future = start()
+        interrupt.stage("tensorstore")  # an operation in flight
+        return future.result()
 
 
 class OrbaxSink:
