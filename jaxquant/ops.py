@@ -21,6 +21,7 @@ from jaxquant import group_table as gtable
 from jaxquant.formats import check_nvfp4_shape  # re-exported: ops.check_nvfp4_shape
 from jaxquant.group_table import GROUP_TABLE_FIELDS  # noqa: F401  (re-exported)
 from jaxquant.partitioning import Rule, sharded
+from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 from jaxquant.formats import TILE
 
 IMPLS = ("auto", "reference", "custom_call")
@@ -37,9 +38,22 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"impl: must be one of {IMPLS}, got {impl!r}")
 
 
-def _check_input(name: str, x, *, rank: int | None = None) -> None:
+def _not_quantized(name: str, x) -> None:
+    """TypeError for a quantized tensor, which has an array's ``shape`` and ``dtype`` (the logical
+    tensor's) but is not one."""
+    if isinstance(x, (Float8Tensor, NVFP4Tensor)):
+        raise TypeError(f"{name}: must be an array, got {type(x).__name__}, a quantized tensor "
+                        f"(dequantize() it first)")
+
+
+def _not_an_array(name: str, x) -> None:
+    _not_quantized(name, x)
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"{name}: must be an array, got {type(x).__name__}")
+
+
+def _check_input(name: str, x, *, rank: int | None = None) -> None:
+    _not_an_array(name, x)
     if jnp.dtype(x.dtype) not in INPUT_DTYPES:
         raise TypeError(f"{name}: dtype must be float32 or bfloat16, got {x.dtype}")
     if rank is not None and x.ndim != rank:
@@ -47,8 +61,7 @@ def _check_input(name: str, x, *, rank: int | None = None) -> None:
 
 
 def _check_array(name: str, x, dtype, shape) -> None:
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise TypeError(f"{name}: must be an array, got {type(x).__name__}")
+    _not_an_array(name, x)
     if jnp.dtype(x.dtype) != jnp.dtype(dtype):
         raise TypeError(f"{name}: dtype must be {jnp.dtype(dtype)}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
@@ -312,6 +325,7 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
 @sharded(Rule("nvfp4_transpose", (_NVFP4_DATA[0],), _NVFP4_DATA[2], tile=TILE))
 def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
     """Packed NVFP4 data [M, K/2] -> packed transpose [K, M/2] (uint8)."""
+    _not_quantized("data", data)
     if not hasattr(data, "dtype") or jnp.dtype(data.dtype) != jnp.uint8 or data.ndim != 2:
         raise TypeError(f"data: must be a rank-2 uint8 array, got "
                         f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
@@ -662,6 +676,7 @@ def fp8_group_transpose(data, *, table, space=None, dtype=None, impl: str = "aut
     table, rows = _check_table(table)
     _check_space(space)
     if space is None:
+        _not_quantized("data", data)
         if not hasattr(data, "dtype") or jnp.dtype(data.dtype).itemsize != 1 or data.ndim != 1:
             raise TypeError(f"data: must be a rank-1 array of 1-byte elements (fp8 or uint8), got "
                             f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")

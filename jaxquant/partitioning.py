@@ -103,7 +103,7 @@ def sharded(rule: Rule):
 
         @functools.wraps(fn)
         def op(*arrays, **kwargs):
-            if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in arrays) or (
+            if not all(_is_array(a) for a in arrays) or (
                     rule.applies is not None and not rule.applies(arrays, kwargs)):
                 return fn(*arrays, **kwargs)
             if not any(isinstance(a, jax.core.Tracer) for a in arrays):
@@ -125,6 +125,12 @@ def sharded(rule: Rule):
         return op
 
     return decorate
+
+
+def _is_array(a) -> bool:
+    """An array operand: a pytree leaf with a shape and dtype (not, e.g., a quantized tensor, which has
+    the logical tensor's shape and dtype; the op's own checks reject it)."""
+    return hasattr(a, "shape") and hasattr(a, "dtype") and jax.tree_util.treedef_is_leaf(jax.tree.structure(a))
 
 
 # ----------------------------------------------------------------------------------------------

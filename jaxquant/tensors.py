@@ -1,24 +1,56 @@
 """Quantized tensor types: pytrees that travel through jit, device_put and sharding.
 
 Layouts are exactly docs/numerics.md §1.7 (FP8) and §2.7 (NVFP4). The logical shape is static metadata.
+
+Both types describe the tensor they stand for, like an array (and qwix's ``QArray``): ``shape``,
+``ndim`` and ``size`` are the logical (dequantized) tensor's, and ``dtype`` is the dtype
+``dequantize()`` returns by default, float32 (a fixed property, not pytree metadata, so tensors of the
+same layout always have the same treedef). The stored bytes are the fields: ``data`` (``data.dtype``:
+float8_e4m3fn / float8_e5m2, or uint8 for two packed E2M1 codes), ``scale_inv``, ``amax``, ``data_t``,
+``scale_inv_t``, with their own shapes and dtypes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+# The dtype ``dequantize()`` returns by default, and so the ``dtype`` of every quantized tensor.
+DEQUANTIZED_DTYPE = jnp.dtype(jnp.float32)
+
+
+class _LogicalArray:
+    """``ndim``, ``size`` and ``dtype`` of the logical tensor; subclasses give its ``shape``."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self):
+        """The dequantized dtype, float32 (``dequantize()``'s default); the stored dtype is ``data.dtype``."""
+        return DEQUANTIZED_DTYPE
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Float8Tensor:
+class Float8Tensor(_LogicalArray):
     """FP8 per-tensor current-scaled tensor.
 
     data: fp8 [M, K] (any shape for a 1-D shard); scale_inv, amax: fp32 scalars;
     data_t: fp8 [K, M], the byte transpose of ``data``, or None.
+    ``shape`` (= ``data.shape``: one fp8 element per logical element), ``ndim``, ``size``: the logical
+    tensor's; ``dtype``: float32, the dequantized dtype (the fp8 format is ``data.dtype``).
     """
 
     data: jax.Array
@@ -30,23 +62,21 @@ class Float8Tensor:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
 
-    @property
-    def dtype(self):
-        return self.data.dtype
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    def dequantize(self, dtype=DEQUANTIZED_DTYPE) -> jax.Array:
         """docs/numerics.md §1.8: float(data) * scale_inv."""
         return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NVFP4Tensor:
+class NVFP4Tensor(_LogicalArray):
     """NVFP4 tensor with 2D 16x16 block scales.
 
     data: uint8 [M, K/2] (two E2M1 codes a byte, element 2c in the low nibble);
     scale_inv: uint8 [ru(M,128), ru(K/16,4)] E4M3 bit patterns; amax: fp32 [1];
     data_t: uint8 [K, M/2] and scale_inv_t: uint8 [ru(K,128), ru(M/16,4)], or None.
+    ``shape`` = (M, K) (static; from ``data`` when not given), ``ndim``, ``size``: the logical tensor's;
+    ``dtype``: float32, the dequantized dtype (the packed storage is ``data.dtype``, uint8).
     """
 
     data: jax.Array
@@ -61,17 +91,13 @@ class NVFP4Tensor:
             m, half_k = self.data.shape
             object.__setattr__(self, "shape", (int(m), int(half_k) * 2))
 
-    @property
-    def dtype(self):
-        return jnp.dtype(jnp.uint8)
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    def dequantize(self, dtype=DEQUANTIZED_DTYPE) -> jax.Array:
         """docs/numerics.md §2.8: (value(q) * float(s8)) * (amax * (1/2688))."""
         from jaxquant import reference
 
         return reference.nvfp4_dequantize(self.data, self.scale_inv, self.amax, self.shape).astype(dtype)
 
-    def dequantize_t(self, dtype=jnp.float32) -> jax.Array:
+    def dequantize_t(self, dtype=DEQUANTIZED_DTYPE) -> jax.Array:
         """Dequantize the columnwise copy: returns x̂.T of shape [K, M]."""
         if self.data_t is None or self.scale_inv_t is None:
             raise ValueError("data_t: this NVFP4Tensor has no columnwise data")
