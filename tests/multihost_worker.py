@@ -1,6 +1,7 @@
 """One process of tests/test_layerwise_multihost.py: ``python multihost_worker.py PROCESS_ID PORT OUT.npz``.
 Joins a 2-process JAX cluster on 127.0.0.1 (4 CPU devices each, gloo collectives), trains the stacked test
-model of test_layerwise.py for 3 steps on the 8-device mesh and saves the losses and the full params."""
+model of test_layerwise.py for 3 steps on the 8-device mesh and saves the losses and the full params, and
+the training state as one DCP checkpoint (``ckpt`` beside ``out``, every process writing its own shards)."""
 
 import os
 import sys
@@ -35,3 +36,8 @@ params = step.params(state)
 assert all(a.is_fully_replicated for a in jax.tree.leaves(params))
 flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 np.savez(out, losses=np.asarray(losses), **flat)
+# the training state, each process writing the shards it holds (one DCP checkpoint, process 0 finalises)
+from jaxquant import checkpoint as ck  # noqa: E402
+
+hyper = dict(lr=model.LR, momentum=0.0, weight_decay=0.0)
+ck.save_dcp(os.path.join(os.path.dirname(out), "ckpt"), step.state_dict(state, hyperparams=hyper), save_id="multihost")

@@ -1,6 +1,7 @@
 """Multi-host layer-wise FSDP: 2 JAX processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo CPU
 collectives) train the stacked model of test_layerwise.py to the same parameters as 1 process x 8 devices;
-each process feeds host arrays and reads back replicated params (no non-addressable array on the host)."""
+each process feeds host arrays and reads back replicated params (no non-addressable array on the host); the
+training state they save together (each process its own shards) loads on 1 process x 8 devices."""
 
 import os
 import socket
@@ -14,6 +15,17 @@ import pytest
 from test_layerwise import assert_close_to, init_params, loss_scan, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
+
+
+def _step(cw):
+    import optax
+    from jax.sharding import Mesh
+
+    import jaxquant as jq
+    from test_layerwise import LR, MASK
+
+    return jq.make_train_step(loss_scan, optax.sgd(LR), mesh=Mesh(np.array(jax.devices()), ("fsdp",)),
+                              quantize_mask=MASK, policy=jq.MixedPrecisionPolicy(compute_weights=cw))
 
 
 def _free_port():
@@ -44,3 +56,12 @@ def test_two_processes_equal_one(tmp_path, cw):
         params = {k: g[k] for k in flat_ref}
         assert_close_to(params, flat_ref, {k: np.asarray(v) for k, v in zip(flat_ref, jax.tree.leaves(init_params()))},
                         1e-3)
+    # the checkpoint the two processes wrote together loads on this single process's 8 devices
+    from jaxquant import checkpoint as ck
+    step = _step(cw)
+    like = step.init(init_params())
+    state = step.load_state_dict(ck.load_dcp(str(tmp_path / "ckpt"), step.state_dict_target(like)), like=like)
+    loaded = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(
+        step.params(state))[0]}
+    for k in flat_ref:
+        np.testing.assert_array_equal(loaded[k], got[0][k], err_msg=k)
