@@ -3,7 +3,8 @@
 Every op takes ``impl``:
   "reference"    the pure-JAX reference (``jaxquant.reference``),
   "custom_call"  the XLA FFI custom call (error if the extension is not built),
-  "auto"         the custom call on each platform it is built for, the reference elsewhere.
+  "auto"         the custom call on each platform it is built for, the reference elsewhere; on the CPU the
+                 reference also for the ops whose reference is faster there (``_ffi.CPU_AUTO_REFERENCE``).
 
 Arguments are checked at trace time; errors name the argument and the rule (docs/numerics.md §5).
 """
@@ -100,15 +101,16 @@ def _check_range(start: int, length: int, rows: int, cols: int) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _dispatch(impl: str, custom: Callable, ref: Callable, *args):
-    """Run ``custom`` or ``ref`` on ``args`` according to ``impl`` (see module docstring)."""
+def _dispatch(impl: str, custom: Callable, ref: Callable, *args, target: str | None = None):
+    """Run ``custom`` or ``ref`` on ``args`` according to ``impl`` (see module docstring). ``target``: the FFI
+    target ``custom`` calls, for ``impl="auto"``'s per-op choice on the CPU (``_ffi.auto_platforms``)."""
     _check_impl(impl)
     if impl == "reference":
         return ref(*args)
     if impl == "custom_call":
         _ffi.require()
         return custom(*args)
-    branches = {p: custom for p in _ffi.built_platforms()}
+    branches = {p: custom for p in _ffi.auto_platforms(target)}
     if not branches:
         return ref(*args)
     return jax.lax.platform_dependent(*args, default=ref, **branches)
@@ -233,7 +235,7 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
     def ref(v, a):
         return reference.fp8_cast(v, a, dtype=dtype, columnwise=columnwise, **kw)
 
-    return _dispatch(impl, custom, ref, x, _scalar(amax_value))
+    return _dispatch(impl, custom, ref, x, _scalar(amax_value), target="jq_fp8_cast_t" if columnwise else "jq_fp8_cast")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +271,7 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
         custom = lambda v: tuple(_ffi.call("jq_nvfp4_tile_amax", [out, count], v, rows=np.int64(rows),
                                            cols=np.int64(cols), start=np.int64(start)))
         ref = lambda v: reference.nvfp4_tile_amax(v, rows=rows, cols=cols, start=start)
-        result = _dispatch(impl, custom, ref, flat)
+        result = _dispatch(impl, custom, ref, flat, target="jq_nvfp4_tile_amax")
     return result if return_nonfinite else result[0]
 
 
@@ -283,7 +285,7 @@ def nvfp4_scale(tile_amax, amax_value, *, rows: int, cols: int, impl: str = "aut
     out = jax.ShapeDtypeStruct(formats.nvfp4_scale_shape(rows, cols), jnp.uint8)
     custom = lambda t, a: _ffi.call("jq_nvfp4_scale", [out], t, a)[0]
     ref = lambda t, a: reference.nvfp4_scale(t, a, rows=rows, cols=cols)
-    return _dispatch(impl, custom, ref, tile_amax, _scalar(amax_value))
+    return _dispatch(impl, custom, ref, tile_amax, _scalar(amax_value), target="jq_nvfp4_scale")
 
 
 def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, cols: int,
@@ -319,7 +321,8 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
     def ref(v, b, s, a):
         return reference.nvfp4_cast_partial(v, b, s, a, rows=rows, cols=cols, start=start)
 
-    return _dispatch(impl, custom, ref, flat, data_bytes, scale_inv, _scalar(amax_value))
+    return _dispatch(impl, custom, ref, flat, data_bytes, scale_inv, _scalar(amax_value),
+                     target="jq_nvfp4_cast_partial")
 
 
 @sharded(Rule("nvfp4_transpose", (_NVFP4_DATA[0],), _NVFP4_DATA[2], tile=TILE))
@@ -333,7 +336,7 @@ def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
     check_nvfp4_shape(rows, cols, name="data")
     out = jax.ShapeDtypeStruct((cols, rows // 2), jnp.uint8)
     custom = lambda d: _ffi.call("jq_nvfp4_transpose", [out], d)[0]
-    return _dispatch(impl, custom, reference.nvfp4_transpose, data)
+    return _dispatch(impl, custom, reference.nvfp4_transpose, data, target="jq_nvfp4_transpose")
 
 
 @sharded(Rule("nvfp4_scale_transpose", (_NVFP4_DATA[1],), _NVFP4_DATA[3], tile=TILE,
@@ -346,7 +349,7 @@ def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto"
     custom = lambda s: _ffi.call("jq_nvfp4_scale_transpose", [out], s, rows=np.int64(rows),
                                  cols=np.int64(cols))[0]
     ref = lambda s: reference.nvfp4_scale_transpose(s, rows=rows, cols=cols)
-    return _dispatch(impl, custom, ref, scale_inv)
+    return _dispatch(impl, custom, ref, scale_inv, target="jq_nvfp4_scale_transpose")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,7 +439,8 @@ def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bf
                                  amax_epsilon=float(amax_epsilon), force_pow_2_scales=bool(force_pow_2_scales))
         return tuple(res[:3] if columnwise else res[:2])
 
-    res = _dispatch(impl, custom, ref, x, _scalar(amax_value))
+    res = _dispatch(impl, custom, ref, x, _scalar(amax_value),
+                    target="jq_fp8_quantize_t" if columnwise else "jq_fp8_quantize")
     return res[0], res[1], (res[2] if columnwise else None)
 
 
@@ -486,7 +490,8 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
         return _nvfp4_quantize_reference(_compute_values(v, compute_dtype), t, a, rows=rows, cols=cols,
                                          columnwise=columnwise)
 
-    res = _dispatch(impl, custom, ref, x, tile_amax, _scalar(amax_value))
+    res = _dispatch(impl, custom, ref, x, tile_amax, _scalar(amax_value),
+                    target="jq_nvfp4_quantize_t" if columnwise else "jq_nvfp4_quantize")
     return (res[0], res[1]) + ((res[2], res[3]) if columnwise else (None, None))
 
 

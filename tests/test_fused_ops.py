@@ -292,6 +292,45 @@ def test_quantizers_are_two_custom_calls(columnwise):
         assert "reduce_precision" not in hlo, f"{name}: the bf16 rounding must be fused into the kernels"
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu" or "cpu" not in jq._ffi.built_platforms(),
+                    reason="impl='auto' on the CPU backend with the CPU extension built")
+def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
+    """On the CPU, impl="auto" keeps the stats passes as custom calls and runs the casts, the rowwise NVFP4
+    quantization and the transposes as the pure-JAX reference, which XLA makes faster there
+    (_ffi.CPU_AUTO_REFERENCE): no custom call for them in the lowered module, and the same bytes."""
+    x = jnp.asarray(random_tiled(rng, 64, 128))
+    for name, fn, columnwise, want in (
+            ("fp8", jq.quantize_fp8, False, ["jq_fp8_stats"]),
+            ("fp8", jq.quantize_fp8, True, ["jq_fp8_stats"]),
+            ("nvfp4", jq.quantize_nvfp4, False, ["jq_nvfp4_stats"]),
+            ("nvfp4", jq.quantize_nvfp4, True, ["jq_nvfp4_quantize_t", "jq_nvfp4_stats"])):   # (custom: faster)
+        auto = functools.partial(fn, columnwise=columnwise)
+        assert sorted(_custom_call_targets(auto, x)) == want, (name, columnwise)
+        got, custom = jax.jit(auto)(x), jax.jit(functools.partial(auto, impl="custom_call"))(x)
+        for field in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if name == "nvfp4" else ()):
+            if getattr(custom, field) is not None:
+                assert_bytes_equal_nan_aware(getattr(got, field), getattr(custom, field), f"{name} {field}")
+    q = jq.quantize_nvfp4(x, impl="reference")
+    flat = x.reshape(-1)[8:200]
+    lo, hi = 4, 100
+    primitives = {
+        "fp8_cast": lambda v, impl: ops.fp8_cast(v, q.amax, columnwise=True, impl=impl),
+        "nvfp4_tile_amax": lambda v, impl: ops.nvfp4_tile_amax(flat, rows=64, cols=128, start=8, impl=impl),
+        "nvfp4_scale": lambda v, impl: ops.nvfp4_scale(ops.nvfp4_tile_amax(v, rows=64, cols=128, impl="reference"),
+                                                       q.amax, rows=64, cols=128, impl=impl),
+        "nvfp4_cast_partial": lambda v, impl: ops.nvfp4_cast_partial(flat, q.data.reshape(-1)[lo:hi], q.scale_inv,
+                                                                     q.amax, rows=64, cols=128, start=8, impl=impl),
+        "nvfp4_transpose": lambda v, impl: ops.nvfp4_transpose(q.data, impl=impl),
+        "nvfp4_scale_transpose": lambda v, impl: ops.nvfp4_scale_transpose(q.scale_inv, rows=64, cols=128, impl=impl),
+    }
+    for name, fn in primitives.items():
+        auto, custom_call = functools.partial(fn, impl="auto"), functools.partial(fn, impl="custom_call")
+        assert _custom_call_targets(auto, x) == [], name
+        got, custom = jax.jit(auto)(x), jax.jit(custom_call)(x)
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(custom))):
+            assert_bytes_equal_nan_aware(a, b, f"{name} output {i}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------
