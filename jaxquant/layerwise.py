@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxquant import formats
 from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array
 from jaxquant.formats import to_compute_dtype
-from jaxquant.policy import StepCalls, TrainState, _explain_tp_errors, _leaf_name
+from jaxquant.policy import (StepCalls, TrainState, _explain_tp_errors, _leaf_name,
+                             value_and_grad_over_microbatches)
 
 TP_SPLITS = {"col": 0, "row": 1, None: None}     # param_specs leaf -> the matrix dimension split over tp
 
@@ -231,21 +232,9 @@ class LayerwiseTrainStep(StepCalls):
 
         grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis)
         to_main = lambda g: [to_compute_dtype(a, pol.main_grads_dtype) for a in g]
-        if k == 1:
-            loss, grads = grad_fn(sinks, batch)
-            grads = to_main(grads)
-        else:
-            mbs = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
-
-            def accumulate(carry, mb):
-                loss_sum, acc = carry
-                l, g = grad_fn(sinks, mb)
-                return (loss_sum + l, [a + b for a, b in zip(acc, to_main(g))]), None
-
-            zeros = [s.astype(pol.main_grads_dtype) for s in sinks]
-            loss0 = _varying_over(jnp.float32(0), self._batch_axes)
-            (loss, grads), _ = jax.lax.scan(accumulate, (loss0, zeros), mbs)
-            loss = loss / k
+        loss, grads = value_and_grad_over_microbatches(
+            grad_fn, sinks, batch, k, to_main, zeros=lambda: [s.astype(pol.main_grads_dtype) for s in sinks],
+            loss0=lambda: _varying_over(jnp.float32(0), self._batch_axes))
         axes = tuple(self.mesh.axis_names)
         if self.tp_axis is not None:   # the loss is the same on every TP rank: count TP rank 0's
             loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))

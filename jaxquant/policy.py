@@ -124,3 +124,21 @@ class StepCalls:
         """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
         self._check_call(state, batch)
         return self._compiled(state.plan).lower(state, batch)
+
+
+def value_and_grad_over_microbatches(grad_fn, diff, batch, k: int, to_main, zeros, loss0):
+    """(mean loss, gradients in the main dtype) of ``grad_fn(diff, microbatch)`` over ``k`` microbatches cut
+    from ``batch``'s leading axis, summed in a ``lax.scan``; ``zeros()`` / ``loss0()`` start the sums (called
+    only when ``k > 1``; they carry the mesh axes the sums vary over)."""
+    if k == 1:
+        loss, grads = grad_fn(diff, batch)
+        return loss, to_main(grads)
+    mbs = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
+
+    def accumulate(carry, mb):
+        loss_sum, acc = carry
+        loss, grads = grad_fn(diff, mb)
+        return (loss_sum + loss, jax.tree.map(jnp.add, acc, to_main(grads))), None
+
+    (loss, grads), _ = jax.lax.scan(accumulate, (loss0(), zeros()), mbs)
+    return loss / k, grads

@@ -63,7 +63,7 @@ from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
 
 from jaxquant.policy import (COMPUTE_DTYPE, STRATEGIES, MixedPrecisionPolicy, StepCalls, TrainState,  # noqa: F401
-                             _explain_tp_errors, _leaf_name, raise_if_nonfinite)
+                             _explain_tp_errors, _leaf_name, raise_if_nonfinite, value_and_grad_over_microbatches)
 
 # ----------------------------------------------------------------------------------------------
 # Static plan and state
@@ -305,21 +305,10 @@ class TrainStep(StepCalls):
 
         grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis if plan.tp else None)
         to_main = lambda g: jax.tree.map(lambda a: formats.to_compute_dtype(a, pol.main_grads_dtype), g)
-        if k == 1:
-            loss, grads = grad_fn(diff, batch)
-            grads = to_main(grads)
-        else:
-            mbs = jax.tree.map(lambda a: a.reshape(k, a.shape[0] // k, *a.shape[1:]), batch)
-
-            def accumulate(carry, mb):
-                loss_sum, acc = carry
-                l, g = grad_fn(diff, mb)
-                return (loss_sum + l, jax.tree.map(jnp.add, acc, to_main(g))), None
-
-            zeros = jax.tree.map(lambda a, v: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), v), diff, vary,
-                                 is_leaf=lambda a: isinstance(a, tuple))
-            (loss, grads), _ = jax.lax.scan(accumulate, (pcast_varying(jnp.float32(0), axes), zeros), mbs)
-            loss = loss / k
+        zeros = lambda: jax.tree.map(lambda a, v: pcast_varying(jnp.zeros(a.shape, pol.main_grads_dtype), v), diff,
+                                     vary, is_leaf=lambda a: isinstance(a, tuple))
+        loss, grads = value_and_grad_over_microbatches(grad_fn, diff, batch, k, to_main, zeros,
+                                                       loss0=lambda: pcast_varying(jnp.float32(0), axes))
         out, flags = [], []   # flags: with report_nan, one per parameter
         scale = np.float32(1.0 / (S * k)).astype(pol.main_grads_dtype)
         # x * scale in the main dtype, rounded once (the product of a bf16 and the scale is exact in fp32)
