@@ -38,6 +38,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU backend (skipped elsewhere)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.fast_cases("id", ...)`` on a parametrized test keeps the cases with those ids in the fast
+    tier (``-m "not slow"``) and marks its other cases slow."""
+    for item in items:
+        m = item.get_closest_marker("fast_cases")
+        if m is not None and getattr(getattr(item, "callspec", None), "id", None) not in m.args:
+            item.add_marker(pytest.mark.slow)
+
+
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
 
 

@@ -15,6 +15,7 @@ from jaxquant import bench, cli
 ROOT = Path(__file__).resolve().parent.parent   # the checkout these tests belong to
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # --no-stages: the per-stage rows are on by default on GPUs only
@@ -54,6 +55,7 @@ def test_bench_cli_writes_table_and_json(tmp_path, capsys):
     assert steps[0]["gathered_mb"] == steps[1]["gathered_mb"] < steps[4]["gathered_mb"] < 2 * params / 2**20
 
 
+@pytest.mark.slow
 def test_bench_cli_ops_selects_rows_by_name_or_pattern(tmp_path):
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--sizes", "32x64", "--iters", "1", "--repeats", "1", "--stages", "--dtypes", "float32",
@@ -113,6 +115,7 @@ def test_source_digest_matches_the_shell_script_and_follows_the_sources(tmp_path
     assert bench.source_digest(tmp_path) != before
 
 
+@pytest.mark.slow
 def test_bench_alternating_times_both_loops_and_names_a_bad_op():
     """benchmarks/bench_alternating.py (the wall-clock A/B behind the FP8 cast grid) on a tiny tensor:
     one line per loop with both times and their ratio; an unknown op is refused by name."""

@@ -75,6 +75,7 @@ def test_convert_both_ways_with_transpose_and_source_untouched(src, tmp_path):
     assert out["step"] == 3
 
 
+@pytest.mark.slow
 def test_convert_dequantize_flag(tmp_path):
     import jaxquant
     x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32))
@@ -87,6 +88,7 @@ def test_convert_dequantize_flag(tmp_path):
     assert common.same_bytes(out["w"], q.dequantize(jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_truncated_distcp_is_refused(src, tmp_path):
     f = os.path.join(src, "__0_0.distcp")
     os.truncate(f, os.path.getsize(f) // 2)
@@ -97,6 +99,7 @@ def test_truncated_distcp_is_refused(src, tmp_path):
     assert not os.path.exists(tmp_path / "out") and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
+@pytest.mark.slow
 def test_corrupt_distcp_bytes_are_detected(src, tmp_path):
     f = os.path.join(src, "__0_0.distcp")
     md = mdmod.read_metadata(src)
@@ -115,6 +118,7 @@ def test_corrupt_distcp_bytes_are_detected(src, tmp_path):
     assert r.returncode != 0 and "CRC" in r.stderr and not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_missing_metadata_is_refused(src, tmp_path):
     os.unlink(os.path.join(src, ".metadata"))
     r = cli("inspect", src)
@@ -123,6 +127,7 @@ def test_missing_metadata_is_refused(src, tmp_path):
     assert r.returncode != 0 and not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_missing_chunk_is_a_coverage_gap(tmp_path):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -137,6 +142,7 @@ def test_missing_chunk_is_a_coverage_gap(tmp_path):
         ck.load_dcp(p, {"x": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=NamedSharding(mesh, P()))})
 
 
+@pytest.mark.slow
 def test_overlapping_chunks_are_refused(tmp_path):
     p = str(tmp_path / "c")
     ck.save_dcp(p, {"x": ck.LocalShards((4, 4), np.float32, [((0, 0), np.zeros((2, 4), np.float32)),
@@ -153,6 +159,7 @@ def test_overlapping_chunks_are_refused(tmp_path):
     assert r.returncode != 0 and "overlap" in r.stderr and not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_unknown_dtype_is_refused(src, tmp_path):
     def bad(md):
         md.entries["u"].dtype = "complex32"
@@ -183,6 +190,7 @@ def test_existing_nonempty_destination_is_refused(src, tmp_path):
         ck.save_dcp(str(dst), {"a": jnp.ones(2)})
 
 
+@pytest.mark.slow
 def test_kill_during_convert_leaves_no_destination(tmp_path):
     big = str(tmp_path / "big")
     rng = np.random.default_rng(0)
@@ -210,6 +218,7 @@ def test_kill_during_convert_leaves_no_destination(tmp_path):
     assert r.returncode == 0
 
 
+@pytest.mark.slow
 def test_missing_directory_is_named_as_missing(tmp_path):
     r = cli("inspect", tmp_path / "nope")
     assert r.returncode == 1 and f"{tmp_path / 'nope'}: checkpoint directory does not exist" in r.stderr, r.stderr
@@ -223,6 +232,7 @@ def test_missing_directory_is_named_as_missing(tmp_path):
     pytest.param("chmod", marks=pytest.mark.skipif(
         os.geteuid() == 0, reason="running as root: chmod does not stop root from writing (the other cases cover it)")),
 ])
+@pytest.mark.slow
 def test_unwritable_destination_is_named_with_its_cause(src, tmp_path, case):
     if case == "under_a_file":
         (tmp_path / "afile").write_text("x")
@@ -267,6 +277,7 @@ def _flip_byte(path, key, entry, delta=3):
         fh.write(bytes([b[0] ^ 0x10]))
 
 
+@pytest.mark.slow
 def test_inspect_verify_says_what_it_read_and_fails_on_a_flipped_byte(src, tmp_path):
     import shutil
     r = cli("inspect", src)
@@ -306,6 +317,7 @@ def _cli_without_orbax(*args):
 
 
 @pytest.mark.parametrize("direction", ["to_orbax", "from_orbax"])
+@pytest.mark.slow
 def test_convert_without_orbax_installed_names_the_extra_in_one_line(src, tmp_path, direction):
     if direction == "to_orbax":
         args = (src, tmp_path / "out", "--to", "orbax")
@@ -326,6 +338,7 @@ def test_convert_without_orbax_installed_names_the_extra_in_one_line(src, tmp_pa
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 def test_inspect_orbax_checkpoint_lists_keys_dtypes_shapes(src, tmp_path):
     o = tmp_path / "o"
     r = cli("convert", src, o, "--to", "orbax", "--no-progress")
@@ -358,6 +371,7 @@ def test_inspect_orbax_checkpoint_lists_keys_dtypes_shapes(src, tmp_path):
         assert "jaxquant ckpt inspect: error: " in r.stderr or "NOT SOUND" in r.stdout, (r.stdout, r.stderr)
 
 
+@pytest.mark.slow
 def test_inspect_byte_counts_say_what_they_count_and_agree(src, tmp_path):
     import json
     r = cli("inspect", src, "--verify", "--json")
@@ -387,6 +401,7 @@ def test_inspect_byte_counts_say_what_they_count_and_agree(src, tmp_path):
     assert rep["verified"] == {"keys": 3, "keys_total": 3, "bytes": tensor_data}
 
 
+@pytest.mark.slow
 def test_inspect_verify_on_a_truncated_file_counts_the_records_it_read(src):
     f = os.path.join(src, "__0_0.distcp")
     os.truncate(f, os.path.getsize(f) // 2)

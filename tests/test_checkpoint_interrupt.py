@@ -217,6 +217,7 @@ def _make_source(path):
     ck.save_dcp(path, tree)
 
 
+@pytest.mark.slow
 def test_signals_at_every_stage_of_convert_leave_no_debris(server, tmp_path):
     src = str(tmp_path / "src")
     _make_source(src)

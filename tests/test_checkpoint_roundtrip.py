@@ -153,6 +153,7 @@ ck.save_dcp(path, {"x": ck.LocalShards((24, 8), np.float32, shards), "step": 5},
 """
 
 
+@pytest.mark.slow
 def test_multiprocess_save_simulated_with_two_processes_then_finalize(tmp_path):
     path = str(tmp_path / "mp")
     procs = [subprocess.run([sys.executable, "-c", _MP_WORKER, str(r), path], env=common.env(), capture_output=True,
@@ -195,6 +196,7 @@ print(json.dumps({"base": base, "peak": hwm()}))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc VmHWM")
+@pytest.mark.slow
 def test_dcp_to_orbax_peak_memory_is_bounded_by_a_tensor_not_the_checkpoint(tmp_path):
     import orbax.checkpoint as ocp
 

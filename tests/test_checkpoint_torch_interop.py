@@ -5,6 +5,7 @@ import sys
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import common  # noqa: E402
@@ -76,6 +77,7 @@ def test_jax_save_loads_in_torch_single_process_bit_identical(tmp_path, request)
     assert common.same_bytes(sd["q.amax"].numpy(), np.asarray(q.amax))
 
 
+@pytest.mark.slow
 def test_jax_save_loads_into_fsdp2_tp_dtensors_in_4_processes(tmp_path, request):
     if common.rerun_if_few_devices(request):
         return
@@ -96,6 +98,7 @@ def test_jax_save_loads_into_fsdp2_tp_dtensors_in_4_processes(tmp_path, request)
     assert any(r["checked"]["col_uneven_f32"]["shape"][0] == 2 for r in results)  # uneven 3/2 row split
 
 
+@pytest.mark.slow
 def test_torch_fsdp2_tp_save_loads_into_jax_layouts_bit_identical(tmp_path, request):
     if common.rerun_if_few_devices(request):
         return

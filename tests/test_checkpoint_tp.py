@@ -125,6 +125,7 @@ torch_required = pytest.mark.skipif(
 
 
 @torch_required
+@pytest.mark.slow
 def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return
@@ -168,6 +169,7 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
 
 
 @torch_required
+@pytest.mark.slow
 def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return

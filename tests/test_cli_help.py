@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jaxquant import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +26,7 @@ def _run_help(*args):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_top_level_help_lists_every_subcommand_in_plain_text():
     out = _run_help()
     assert "``" not in out, out

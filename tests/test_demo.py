@@ -13,6 +13,7 @@ from jaxquant import cli
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
 
+@pytest.mark.slow
 def test_demo_trains_and_checkpoints(tmp_path, capsys):
     rc = cli.main(["demo", "--steps", "30", "--mesh", "8x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
@@ -35,6 +36,7 @@ def _loss_range(out):
     return tuple(float(v) for v in out.split("loss ")[-1].split(" over")[0].split(" -> "))
 
 
+@pytest.mark.slow
 def test_demo_default_mesh_is_fsdp_x_tp_and_trains(tmp_path, capsys):
     """Heads and MLP hidden units split over tp=2 (Megatron column/row-parallel), NVFP4 weights."""
     rc = cli.main(["demo", "--steps", "30", "--ckpt-dir", str(tmp_path), "--no-progress"])
@@ -83,6 +85,7 @@ def test_demo_says_when_the_loss_did_not_fall(monkeypatch, capsys):
     assert "the loss did not fall (2.000 -> 2.500 over 2 steps)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
     """--steps 1: no step after the compile one to time, still a result and a checkpoint."""
     rc = cli.main(["demo", "--steps", "1", "--mesh", "8x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
@@ -91,6 +94,7 @@ def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
     assert "over 1 steps" in out and (tmp_path / "nvfp4-step1" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys):
     """--save-every writes training checkpoints on the way; --resume continues from one (parameters, Adam
     state, step, the data stream) on a (4, 2) mesh although it was written on (8, 1)."""

@@ -142,6 +142,7 @@ CASES = [  # (S, layout kind, number of params, seed)
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("S,kind,n,seed", CASES)
+@pytest.mark.fast_cases("3-odd-3-5-fp8", "8-te-3-8-nvfp4")  # the other cases: slow
 def test_bit_exact(S, kind, n, seed, recipe):
     rng = np.random.default_rng(seed)
     shapes = _random_shapes(rng, n)
@@ -168,6 +169,7 @@ def test_cases_cover_the_hard_layouts():
     assert odd_start and shared_byte and many_owners and empty_shard and one_owner
 
 
+@pytest.mark.slow
 def test_tp_mesh_and_columnwise():
     """Mesh with another axis ('tp', replicated), columnwise data built automatically."""
     rng = np.random.default_rng(10)
@@ -182,6 +184,7 @@ def test_tp_mesh_and_columnwise():
             _assert_same(q, _reference(w, recipe, columnwise=True))
 
 
+@pytest.mark.slow
 def test_manual_post_all_gather_processing():
     rng = np.random.default_rng(11)
     shapes = [(16, 48), (32, 32)]
@@ -201,6 +204,7 @@ def test_manual_post_all_gather_processing():
         _assert_same(q, _reference(w, "fp8", columnwise=True))
 
 
+@pytest.mark.slow
 def test_compute_dtype_none_and_fp8_options():
     rng = np.random.default_rng(12)
     shapes = [(16, 16), (32, 48)]
@@ -219,6 +223,7 @@ def test_compute_dtype_none_and_fp8_options():
             compute_dtype=jnp.bfloat16, impl="reference"))(w))
 
 
+@pytest.mark.slow
 def test_per_device_form_in_user_shard_map():
     rng = np.random.default_rng(13)
     shapes = [(16, 80), (32, 16)]
@@ -246,6 +251,7 @@ def test_per_device_form_in_user_shard_map():
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.fast_cases("fp8")  # the other cases: slow
 def test_check_finite(recipe):
     shapes = [(16, 32), (32, 48), (16, 16)]
     layout = FlatLayout(shapes, 4, names=["wq", "wk", "wv"])
@@ -351,6 +357,7 @@ def test_hlo_odd_layout_gather_size():
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("kind,S", [("align1", 4), ("odd", 3), ("te", 8)])
+@pytest.mark.slow
 def test_gather_pieces_same_bytes(kind, S, recipe):
     """Chunks cast and gathered in 3 pieces (and in 1) give the single-tensor bytes, rowwise (each
     weight read from the pieces) and columnwise (the transposes read the pieces where they lie; NVFP4
@@ -420,6 +427,7 @@ def test_hlo_fp8_gathers_one_byte_per_element():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_jit_donating_previous_weights():
     rng = np.random.default_rng(14)
     shapes = [(32, 48), (16, 16)]
@@ -527,6 +535,7 @@ def _assert_tp_weight(q, w, recipe, tp_dim, aligned, tp, columnwise):
 @pytest.mark.parametrize("align", [1, 3])
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("fsdp,tp", [(8, 1), (4, 2), (2, 4), (1, 8)])
+@pytest.mark.fast_cases("4-2-fp8-1")  # the other cases: slow
 def test_fsdp_tp_bytes(fsdp, tp, recipe, align):
     rng = np.random.default_rng(100 * fsdp + tp + align)
     spec = _tp_shapes(tp)
@@ -586,6 +595,7 @@ def test_fsdp_tp_layout_roundtrip_and_errors():
         D.quantize_master_weights(jnp.zeros((4, bad.total_size)), bad, mesh=_mesh(2, 4), tp_axis="tp")
 
 
+@pytest.mark.slow
 def test_fsdp_tp_check_finite_names_tp_rank_and_shard():
     shapes = [(32, 32), (16, 32)]
     layout = FlatLayout(shapes, 2, tp_size=2, tp_dims=[0, None], names=["wq", "norm"])
@@ -649,6 +659,7 @@ def _entry_kernel_ops(compiled_text):
 
 @pytest.mark.skipif(IMPL == "reference", reason="counts the custom calls of the compiled extension")
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.fast_cases("nvfp4")  # the other cases: slow
 def test_custom_call_count_independent_of_parameter_count(recipe):
     calls, kernels = {}, {}
     for n in (7, 301):
@@ -680,6 +691,7 @@ def test_custom_call_count_independent_of_parameter_count(recipe):
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("kind,S,pieces", [("align1", 4, 1), ("odd", 3, 3), ("te", 8, 3), ("align1", 1, 1)])
+@pytest.mark.slow
 def test_split_false_same_bytes_without_a_split_pass(kind, S, pieces, recipe):
     """split=False returns a GatheredWeights whose weights, cut out inside jit (and outside), are the
     single-tensor bytes, rowwise and columnwise, for odd boundaries and gather pieces; the step
@@ -707,6 +719,7 @@ def test_split_false_same_bytes_without_a_split_pass(kind, S, pieces, recipe):
         gathered[4]
 
 
+@pytest.mark.slow
 def test_split_false_buffers_do_not_grow_with_parameters_and_check_finite():
     """The GatheredWeights of 7 and of 300 parameters hold the same number of arrays (the split is
     what hands back one array per result); check_finite still returns the report."""

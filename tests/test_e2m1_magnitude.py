@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+@pytest.mark.slow
 def test_e2m1_magnitude_bits_equals_float_to_e2m1_for_every_fp32(tmp_path):
     exe = tmp_path / "check"
     subprocess.run(["c++", "-std=c++17", "-O2", f"-I{ROOT / 'csrc'}",

@@ -20,6 +20,7 @@ from jaxquant.quantize import quantize_fp8, quantize_nvfp4  # noqa: E402
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 @pytest.mark.parametrize("recipe,shards", [("nvfp4", 4), ("fp8", 3)])
+@pytest.mark.slow
 def test_train_loop(recipe, shards):
     # "optim" keeps the gathered weights of the last update in the state: compare them to the masters
     losses, step, state = train_loop.train(steps=12, num_shards=shards, recipe=recipe, strategy="optim",

@@ -81,6 +81,7 @@ def test_fp8_stats_custom_equals_reference(rng, in_dtype, compute, shape):
 
 
 @pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_fp8_stats_large_tensor_every_position(rng, in_dtype):
     """A tensor large enough that every block of the GPU pass reads several rounds (2^24 + 2^20 + 7
     elements: a partial last round and a scalar tail): the largest value at the first element, the
@@ -185,6 +186,7 @@ def _nvfp4_inputs(rng, shape):
 
 
 @pytest.mark.parametrize("in_dtype,compute,shape", NVFP4_CASES, ids=[_case_id(c) for c in NVFP4_CASES])
+@pytest.mark.fast_cases("float32-bf16-32x48", "bfloat16-none-144x80", "float32-bf16-16x1040")  # others: slow
 def test_nvfp4_stages_custom_equal_reference(rng, in_dtype, compute, shape):
     """stats (tile amax, amax, count) and quantize (data, scale_inv, data_t, scale_inv_t)."""
     cd = COMPUTE[compute]

@@ -54,6 +54,7 @@ CASES = [(1, 1, False), (2, 3, True), (3, 4, False), (4, 2, True), (5, 3, True)]
 
 @pytest.mark.parametrize("num_params,num_shards,odd", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.fast_cases("bfloat16-1-1-False")  # the other cases: slow
 def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dtype):
     rng = np.random.default_rng(num_params * 10 + num_shards)
     shapes, offsets, n = _layout(rng, num_params, num_shards, odd)
@@ -118,6 +119,7 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
 
 
 @pytest.mark.parametrize("num_params", [300, 1100])
+@pytest.mark.slow
 def test_group_stats_and_casts_many_params_equal_reference(num_params):
     """Many small parameters at odd offsets over 3 shards: the GPU kernels find each thread's
     parameter in a shared-memory copy of the table column up to 1,024 parameters (300) and in the
@@ -203,6 +205,7 @@ def _gathered(rng, space, num_shards, num_pieces, aligned):
 
 @pytest.mark.parametrize("num_shards,num_pieces,aligned", [(1, 1, True), (2, 4, True), (3, 3, False), (8, 5, False),
                                                            (4, 16, True)])
+@pytest.mark.slow
 def test_group_transposes_read_gathered_pieces(num_shards, num_pieces, aligned):
     """The grouped transposes read the space from gather pieces (shard parts at any byte, an empty
     shard, odd piece steps, junk past every part) and give the bytes of the assembled space, custom
@@ -287,6 +290,7 @@ def test_group_transpose_handlers_reject_bad_space():
 
 
 @pytest.mark.parametrize("impl", ["reference", "custom_call"])
+@pytest.mark.fast_cases("custom_call")  # the other cases: slow
 def test_group_ops_assemble_to_single_tensor_quantization(impl):
     """Max of the shards' statistics, then the chunks ORed into place == quantize_nvfp4 / quantize_fp8."""
     rng = np.random.default_rng(7)
@@ -437,6 +441,7 @@ def test_group_split_equals_slices(impl):
 
 @pytest.mark.parametrize("impl", ["reference", pytest.param("custom_call", marks=pytest.mark.skipif(
     not _ffi.built_platforms(), reason="needs the compiled extension"))])
+@pytest.mark.fast_cases("custom_call")  # the other cases: slow
 def test_group_split_many_segments_equals_slices(impl):
     """2,101 results (more than one GPU launch's 1,000 segments: three launches), each a segment or
     two at random offsets: tiny ones, ones crossing the kernel's 32 KiB chunks at offsets that do

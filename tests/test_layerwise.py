@@ -102,6 +102,7 @@ def assert_close_to(params, ref, init, atol_of_update):
 
 
 @pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.slow
 def test_scan_over_stacked_equals_loop_over_layers(cw):
     """Bitwise: each layer is quantized with its own scales and its gradient reduce-scattered on its own,
     whether the layers are a stack under scan or separate leaves."""
@@ -113,6 +114,7 @@ def test_scan_over_stacked_equals_loop_over_layers(cw):
     assert losses_s[-1] < losses_s[0]
 
 
+@pytest.mark.slow
 def test_remat_inside_scan_equals_no_remat():
     plain, lp, _, _ = train(loss_scan, init_params(), cw="fp8")
     remat, lr_, _, _ = train(functools.partial(loss_scan, remat=True), init_params(), cw="fp8")
@@ -121,6 +123,7 @@ def test_remat_inside_scan_equals_no_remat():
 
 
 @pytest.mark.parametrize("cw", ["bf16", "nvfp4"])
+@pytest.mark.slow
 def test_eight_devices_equal_one(cw):
     """One step of the same model on 8 FSDP ranks and on 1: the same loss (fp32 sum order) and updates
     within the bf16 rounding of each rank's weight gradient (8 ranks round 8 partial gradients, one rank the
@@ -131,6 +134,7 @@ def test_eight_devices_equal_one(cw):
     assert_close_to(p8, p1, init_params(), 2 ** -6)
 
 
+@pytest.mark.slow
 def test_hsdp_with_tp_equals_fsdp():
     """(replicate 2, fsdp 2, tp 2) against 4 FSDP ranks (the same 4 batch shards, so the same FP8 activation
     scales): params and optimizer state replicated over "dp", sharded over "fsdp", w1 column- and w2
@@ -172,6 +176,7 @@ def test_quantize_mask_leaves_arrive_as_arrays():
 
 
 @pytest.mark.parametrize("cw,wire", [("fp8", "f8E4M3FN"), ("nvfp4", "ui8"), ("bf16", "bf16")])
+@pytest.mark.slow
 def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
     """The lowered step all-gathers one layer's quantized w1 / w2 (not the [L, ...] stack, not fp32) a fixed
     number of times whatever L is (forward, backward: the loop body), and reduce-scatters one layer's
@@ -231,6 +236,7 @@ def _plain_scan_step_temp_bytes(layers):
 
 
 @pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.slow
 def test_temp_memory_grows_per_layer_like_plain_fsdp(cw, monkeypatch):
     """The compiled step's temporary memory grows with the layer count about as plain JAX FSDP's does (activation
     residuals), not by a layer's gathered weights and full-size gradients (XLA:CPU's memory analysis)."""

@@ -35,6 +35,7 @@ def _free_port():
 
 
 @pytest.mark.parametrize("cw", ["fp8", "nvfp4"])
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path, cw):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
     port = _free_port()

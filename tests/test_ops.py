@@ -268,6 +268,7 @@ def test_nvfp4_cast_partial_all_scales_custom_equals_reference(rng):
         assert_bytes_equal(res[1], res[0], f"data amax={amax}")
 
 
+@pytest.mark.slow
 def test_nvfp4_cast_partial_negative_scale_bytes_custom_equals_reference(rng):
     """Scale bytes with the sign bit set (never produced by nvfp4_scale, but accepted by the op)."""
     x = jnp.asarray((rng.standard_normal(16 * 256) * 3).astype(np.float32))
@@ -279,6 +280,7 @@ def test_nvfp4_cast_partial_negative_scale_bytes_custom_equals_reference(rng):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.fast_cases("custom_call")  # the other cases: slow
 def test_nvfp4_cast_partial_keeps_neighbour_nibbles(rng, impl):
     """A shard [start, start+len) with odd ends only rewrites its own nibbles of the boundary bytes."""
     x = jnp.asarray(random_tiled(rng, 16, 32, -1, 1))
@@ -350,6 +352,7 @@ def shard_case():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.fast_cases("custom_call")  # the other cases: slow
 def test_partial_shards_eager(shard_case, impl):
     x, garbage, expected = shard_case
     shards = _shard_bounds(np.random.default_rng(3), x.size, 1)

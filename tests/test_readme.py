@@ -4,10 +4,12 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_python_examples_run(tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) >= 3, "README lost its Python examples"

@@ -142,6 +142,7 @@ def test_quantizer_sharded_equals_unsharded(recipe, shape, names, spec):
 
 
 @pytest.mark.parametrize("impl", ["reference", "custom_call"])
+@pytest.mark.fast_cases("custom_call")  # the other cases: slow
 def test_options_and_impls_sharded(impl):
     """Every impl and the non-default options keep their bytes when sharded."""
     mesh = _mesh((4, 2), ("fsdp", "tp"))
@@ -275,6 +276,7 @@ def test_primitives_sharded(name):
     assert norm(first.sharding.spec, first.ndim) == want[:first.ndim], first.sharding
 
 
+@pytest.mark.slow
 def test_flat_range_primitive_still_correct_when_sharded():
     """nvfp4_cast_partial reads a flat element range: it has no sharding rule (its docstring says the
     partitioner replicates its operands) but stays correct."""

@@ -191,6 +191,7 @@ def _on_cpu(request):
         yield
 
 
+@pytest.mark.slow
 def test_local_quantization_with_shared_amax_equals_whole_tensor():
     """Each rank quantizes its sequence chunk once after the max-reduction: the bytes and the one
     scale_inv are those of quantizing the whole tensor, on every rank."""
@@ -222,6 +223,7 @@ def check_layers_match_single_device(results, col_args, row_args, recipe, rtol=2
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("recipe,kind", CASES)
+@pytest.mark.slow
 def test_layers_match_single_device(tp, recipe, kind):
     col_args, row_args = _layer_args(tp, recipe, kind)
     results = _runner(tp, "ring", recipe)(col_args, row_args)
@@ -229,6 +231,7 @@ def test_layers_match_single_device(tp, recipe, kind):
 
 
 @pytest.mark.parametrize("kind", ["float", "nvfp4"])
+@pytest.mark.slow
 def test_other_weight_types(kind):
     """A float weight under the FP8 recipe is quantized inside (shared amax over tp) with its
     gradient passed straight through; an NVFP4 weight is read as bf16 value(q)*s8 with the global factor
@@ -239,6 +242,7 @@ def test_other_weight_types(kind):
 
 
 @pytest.mark.parametrize("recipe,kind", CASES)
+@pytest.mark.slow
 def test_overlap_modes_agree(recipe, kind):
     col_args, row_args = _layer_args(11, recipe, kind)
     res = {m: _runner(4, m, recipe)(col_args, row_args) for m in sp.OVERLAPS}
@@ -254,6 +258,7 @@ def test_overlap_modes_agree(recipe, kind):
         _assert_close(row[1][1], row_ring[1][1], f"row dw, {m} vs ring")
 
 
+@pytest.mark.slow
 def test_interleaved_microbatches_match_one_at_a_time():
     """Two FP8 layers (sp_mlp) with one quantizer configuration; forward passes of three microbatches
     of very different magnitude (so their scales differ) run before any backward pass."""
@@ -334,6 +339,7 @@ def test_bad_input_errors():
 
 @pytest.mark.parametrize("kind,spellings", [("nvfp4", (None, "nvfp4", "bf16")), ("float8tensor", (None, "fp8")),
                                             ("float", (None, "bf16"))])
+@pytest.mark.fast_cases("float-spellings2")  # the other cases: slow
 def test_recipe_spellings_agree_bitwise(kind, spellings):
     """One vocabulary with jq.dense: None follows the weight's type; an NVFP4Tensor takes "nvfp4" (its
     former spelling "bf16" still works). Every spelling gives the same outputs and gradients, bitwise."""
@@ -431,6 +437,7 @@ def _tp_local_nvfp4_operand(w, tp, tp_dim):
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
+@pytest.mark.slow
 def test_weights_from_quantize_master_weights_pass_directly(recipe):
     """[out, in] weights from quantize_master_weights(tp_axis="tp") (w1 tp_dims 0: column parallel, w2
     tp_dims 1: row parallel) on an fsdp x tp mesh go into the layers as they are. NVFP4 with a TP split

@@ -49,6 +49,7 @@ def test_layout_is_torchs():
     assert group["foreach"] is None and group["amsgrad"] is False
 
 
+@pytest.mark.slow
 def test_save_resume_same_mesh_continues_bitwise(tmp_path):
     step = make(8)
     state = trained(step)
@@ -63,6 +64,7 @@ def test_save_resume_same_mesh_continues_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("devices", [4, 2])
+@pytest.mark.slow
 def test_reshard_on_load(tmp_path, devices):
     """Saved on 8 FSDP ranks, loaded on fewer: identical params and optimizer state."""
     step = make(8)
@@ -80,6 +82,7 @@ def test_reshard_on_load(tmp_path, devices):
             np.testing.assert_array_equal(np.asarray(again["optim"]["state"][name][k]), np.asarray(v), err_msg=k)
 
 
+@pytest.mark.slow
 def test_hyperparams_from_inject_hyperparams_and_sgd_momentum():
     step = make(8, optax.inject_hyperparams(optax.adam)(learning_rate=3e-3, b1=0.8))
     group = step.state_dict(trained(step, 1))["optim"]["param_groups"][0]
@@ -89,6 +92,7 @@ def test_hyperparams_from_inject_hyperparams_and_sgd_momentum():
     assert set(sd["optim"]["state"]["head"]) == {"momentum_buffer"}
 
 
+@pytest.mark.slow
 def test_unmappable_states_are_named():
     step = make(8)
     with pytest.raises(ValueError, match=r"hyperparams: PyTorch's param_groups need \['lr', 'betas', 'eps'"):
@@ -104,6 +108,7 @@ torch_required = pytest.mark.skipif(
 
 
 @torch_required
+@pytest.mark.slow
 def test_torch_adam_loads_it_and_steps_like_optax(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp

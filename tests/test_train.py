@@ -125,6 +125,7 @@ def assert_tree_close(actual, expected, rtol, atol, what=""):
 
 
 @pytest.mark.parametrize("cw", ["bf16", "nvfp4"])
+@pytest.mark.slow
 def test_microbatches_4_equals_1(cw):
     """Same batch, 4 microbatches vs 1: the loss is equal up to fp32 summation order and the update up
     to the bf16 rounding of each microbatch's weight gradient (2^-7 of the largest update); the weight quantization
@@ -144,6 +145,7 @@ def test_microbatches_4_equals_1(cw):
 
 
 @pytest.mark.parametrize("num_shards", [1, 8])
+@pytest.mark.slow
 def test_update_is_full_batch_mean_gradient(num_shards):
     """SGD(lr=1) with 4 microbatches: params move by exactly minus the full-batch-mean gradient
     (not g + sum(g), not a sum over microbatches), also with a data-parallel group of size 1."""
@@ -172,6 +174,7 @@ def collective_types(text, name):
 
 
 @pytest.mark.parametrize("comm", [None, jnp.bfloat16])
+@pytest.mark.slow
 def test_grad_comm_dtype_in_lowered_module_flat(comm):
     """optim: the flat gradient is all-reduced in grad_comm_dtype and reaches the optimizer in fp32."""
     policy = jq.MixedPrecisionPolicy(compute_weights="nvfp4", grad_comm_dtype=comm)
@@ -204,6 +207,7 @@ def test_grad_comm_dtype_in_lowered_module_layerwise(comm):
         assert not any("f32" in a for a, _ in scattered), scattered
 
 
+@pytest.mark.slow
 def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
     """TransformerEngine's parity test: NVFP4 weights cast from fp32 master shards each step vs bf16
     weights that dense quantizes with the same recipe: the loss is bitwise equal at every step."""
@@ -228,6 +232,7 @@ def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
 # reduce-scattered / all-reduced over 8 ranks; one rank (no reduction: the leaves are checked directly)
 @pytest.mark.parametrize("strategy,ranks", [("optim_grads_params", 8), ("no_shard", 8), ("optim_grads_params", 1)])
 @pytest.mark.parametrize("bad", ["b1", "w2"])
+@pytest.mark.slow
 def test_nan_gradient_names_parameter_and_skips_update(bad, strategy, ranks):
     """The NaN enters through one rank's batch row; each rank checks only its shard of the reduced
     gradient, so the flag comes from the rank that owns the poisoned elements."""

@@ -12,5 +12,6 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulat
 
 @pytest.mark.parametrize("cw", COMPUTE_WEIGHTS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.fast_cases("optim_grads_params-nvfp4")  # the other cases: slow
 def test_strategy_equals_single_device_4_microbatches(strategy, cw):
     check_strategy_equals_single_device(strategy, cw, microbatches=4)

@@ -56,11 +56,13 @@ def check_strategy_equals_single_device(strategy, cw, microbatches):
 
 @pytest.mark.parametrize("cw", COMPUTE_WEIGHTS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.fast_cases("optim_grads_params-nvfp4")  # the other cases: slow
 def test_strategy_equals_single_device(strategy, cw):
     check_strategy_equals_single_device(strategy, cw, microbatches=1)
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.slow
 def test_bf16_grad_comm_within_bf16_rounding(strategy):
     """One step (later steps re-quantize the weights, where a rounding difference can flip an NVFP4 code)."""
     params, _, *_ = run_step(init_params(), make_batch(), steps=1, optimizer=optax.sgd(LR),

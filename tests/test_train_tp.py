@@ -106,6 +106,7 @@ def assert_matches_reference(params, losses, cw, fsdp, microbatches=1):
 
 @pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("fsdp,tp", [(4, 2), (2, 4)])
+@pytest.mark.fast_cases("4-2-nvfp4")  # the other cases: slow
 def test_fsdp_tp_equals_single_device(fsdp, tp, cw):
     params, losses, _, state = run_tp(fsdp, tp, cw)
     # per-leaf masters: column-parallel rows split over tp (then fsdp), row-parallel columns over tp
@@ -115,12 +116,14 @@ def test_fsdp_tp_equals_single_device(fsdp, tp, cw):
 
 @pytest.mark.parametrize("strategy,microbatches", [("no_shard", 1), ("optim", 1), ("optim_grads", 1),
                                                    ("optim_grads_params", 2)])
+@pytest.mark.slow
 def test_fsdp_tp_other_strategies_and_microbatches(strategy, microbatches):
     params, losses, _, _ = run_tp(4, 2, "nvfp4", strategy=strategy, microbatches=microbatches)
     assert_matches_reference(params, losses, "nvfp4", 4, microbatches)
 
 
 @pytest.mark.parametrize("bad", ["w2", "b2"])
+@pytest.mark.slow
 def test_fsdp_tp_nan_report_names_parameter(bad):
     def poisoned(w, b):   # the extra term is 0 normally, NaN in the gradient of `bad` when b["p"] is NaN
         p2 = tp_varying(b["p"][:, :w["w2"].shape[1]], "tp")
