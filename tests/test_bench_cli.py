@@ -132,7 +132,10 @@ def test_bench_alternating_times_both_loops_and_names_a_bad_op():
     assert [l.split()[1] for l in lines] == ["rebind", "keep"], ok.stdout
     for line in lines:
         custom, xla, ratio = (float(line.split()[i]) for i in (3, 6, 9))
-        assert custom > 0 and xla > 0 and abs(ratio - custom / xla) < 0.002 * max(1.0, ratio), line
+        # the times print rounded to 0.1 us and the ratio to 0.001: the ratio of the printed times may differ from
+        # the printed ratio by what that rounding moves it
+        slack = 0.05 / xla * (1 + custom / xla) + 0.0006
+        assert custom > 0 and xla > 0 and abs(ratio - custom / xla) <= slack, line
     bad = run("no_such_op:32x64:float32")
     assert bad.returncode != 0 and "unknown op 'no_such_op'" in bad.stderr
 
