@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxquant import formats
 from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array
 from jaxquant.formats import to_compute_dtype
-from jaxquant.policy import (StepCalls, TrainState, _explain_tp_errors, _leaf_name,
+from jaxquant.policy import (StepCalls, TrainState, _explain_tp_errors, _leaf_name, apply_update,
                              value_and_grad_over_microbatches)
 
 TP_SPLITS = {"col": 0, "row": 1, None: None}     # param_specs leaf -> the matrix dimension split over tp
@@ -255,15 +255,11 @@ class LayerwiseTrainStep(StepCalls):
         master = state.master
         loss, grads, *flags = self._grads(plan, master, batch)
         grads = jax.tree_util.tree_unflatten(plan.treedef, grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
-        new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
-        new_master = jax.lax.with_sharding_constraint(new_master, self._master_shardings(plan))
-        opt_state = jax.lax.with_sharding_constraint(opt_state, self._opt_shardings(plan, opt_state))
+        new_master, opt_state, ok = apply_update(self.optimizer, grads, state, self._master_shardings(plan),
+                                                 lambda o: self._opt_shardings(plan, o),
+                                                 flags[0] if self.report_nan else None)
         metrics = {"loss": loss}
         if self.report_nan:
-            ok = jnp.logical_not(jnp.any(flags[0]))
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
             metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, list(flags[0]))
             metrics["update_skipped"] = jnp.logical_not(ok)
         return TrainState(new_master, opt_state, None, state.step + 1, plan), metrics

@@ -142,3 +142,19 @@ def value_and_grad_over_microbatches(grad_fn, diff, batch, k: int, to_main, zero
 
     (loss, grads), _ = jax.lax.scan(accumulate, (loss0(), zeros()), mbs)
     return loss / k, grads
+
+
+def apply_update(optimizer, grads, state: TrainState, master_sharding, opt_sharding, nonfinite=None):
+    """(new master, new optimizer state, ok): one optax update of ``state``'s master, both outputs sharded as
+    the inputs (``opt_sharding(opt_state)`` gives the optimizer state's), so the donated buffers are reused.
+    With ``nonfinite`` (per-parameter flags) a step whose gradient has a NaN or inf keeps master and state."""
+    master = state.master
+    updates, opt_state = optimizer.update(grads, state.opt_state, master)
+    new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
+    new_master = jax.lax.with_sharding_constraint(new_master, master_sharding)
+    opt_state = jax.lax.with_sharding_constraint(opt_state, opt_sharding(opt_state))
+    if nonfinite is None:
+        return new_master, opt_state, None
+    ok = jnp.logical_not(jnp.any(nonfinite))
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return keep(new_master, master), keep(opt_state, state.opt_state), ok

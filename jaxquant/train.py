@@ -63,7 +63,8 @@ from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import NVFP4Tensor
 
 from jaxquant.policy import (COMPUTE_DTYPE, STRATEGIES, MixedPrecisionPolicy, StepCalls, TrainState,  # noqa: F401
-                             _explain_tp_errors, _leaf_name, raise_if_nonfinite, value_and_grad_over_microbatches)
+                             _explain_tp_errors, _leaf_name, apply_update, raise_if_nonfinite,
+                             value_and_grad_over_microbatches)
 
 # ----------------------------------------------------------------------------------------------
 # Static plan and state
@@ -380,16 +381,11 @@ class TrainStep(StepCalls):
         grads = {"matrices": g_mat, "others": g_oth}
         if self._sharded:
             grads = jax.lax.with_sharding_constraint(grads, self._master_sharding(plan))
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
-        new_master = jax.tree.map(lambda p, u: (p + u.astype(p.dtype)).astype(p.dtype), master, updates)
-        # outputs sharded as the inputs, so the donated buffers are reused
-        new_master = jax.lax.with_sharding_constraint(new_master, self._master_sharding(plan))
-        opt_state = jax.lax.with_sharding_constraint(opt_state, self._like_master(opt_state, plan))
+        new_master, opt_state, ok = apply_update(self.optimizer, grads, state, self._master_sharding(plan),
+                                                 lambda o: self._like_master(o, plan),
+                                                 flags[0] if self.report_nan else None)
         metrics = {"loss": loss}
         if self.report_nan:
-            ok = jnp.logical_not(jnp.any(flags[0]))
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
             per_leaf = [None] * len(plan.names)
             for i, flag in zip(plan.matrix_leaves + plan.other_leaves, flags[0]):
                 per_leaf[i] = flag
