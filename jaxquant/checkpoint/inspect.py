@@ -159,6 +159,17 @@ def _plural(n: int, word: str, words: str | None = None) -> str:
     return f"{n:,} {word if n == 1 else words or word + 's'}"
 
 
+def _key_table(keys) -> list:
+    """One line per key (dtype, shape, chunks; "!" marks a key with problems), under a header."""
+    w = max([len(k["key"]) for k in keys] + [3])
+    lines = [f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks"]
+    for k in keys:
+        shape = "bytes" if k["kind"] == "bytes" else str(k["shape"])
+        chunks = "-" if k["chunks"] is None else k["chunks"]
+        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {chunks}{'  !' if k['problems'] else ''}")
+    return lines
+
+
 def format_report(rep: dict) -> str:
     if rep.get("format") == "orbax":
         return _format_orbax(rep)
@@ -166,12 +177,7 @@ def format_report(rep: dict) -> str:
              f"{rep['total_bytes']:,} bytes of tensor data (elements x itemsize); on disk {rep['disk_bytes']:,} bytes "
              f"in {_plural(len(rep['files']), '.distcp file')} (tensor data, pickles, zip headers, padding) "
              f"and {rep['metadata_bytes']:,} in .metadata"]
-    w = max([len(k["key"]) for k in rep["keys"]] + [3])
-    lines.append(f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks")
-    for k in rep["keys"]:
-        shape = "bytes" if k["kind"] == "bytes" else str(k["shape"])
-        flag = "  !" if k["problems"] else ""
-        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {k['chunks']}{flag}")
+    lines += _key_table(rep["keys"])
     v = rep.get("verified")
     if v is None:
         lines.append("not verified: metadata, coverage and record structure checked; data not read (--verify reads it)")
@@ -199,12 +205,7 @@ def _format_orbax(rep: dict) -> str:
     lines = [f"Orbax checkpoint {rep['path']}: {_plural(len(rep['keys']), 'key')}; {rep['total_bytes']:,} bytes of "
              f"tensor data (elements x itemsize); on disk {rep['disk_bytes']:,} bytes in "
              f"{_plural(len(rep['files']), 'file')} (compressed arrays and Orbax's metadata)"]
-    w = max([len(k["key"]) for k in rep["keys"]] + [3])
-    lines.append(f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks")
-    for k in rep["keys"]:
-        shape = "bytes" if k["kind"] == "bytes" else str(k["shape"])
-        chunks = "-" if k["chunks"] is None else k["chunks"]
-        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {chunks}{'  !' if k['problems'] else ''}")
+    lines += _key_table(rep["keys"])
     v = rep.get("verified")
     if v is None:
         lines.append("not verified: Orbax's metadata read; data not read (--verify restores every key)")
