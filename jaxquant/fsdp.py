@@ -10,7 +10,7 @@ hands the body one layer's ``ShardedWeight``. A layer uses it in one of two ways
   builds the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   No layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward);
 * ``w.gather()``: the gathered compute weight (bf16 array, ``Float8Tensor`` or ``NVFP4Tensor`` with its
-  straight-through gradient target), for layers that take quantized tensors (``jq.sp_*``, your own).
+  straight-through gradient target), for layers that take quantized tensors (``jq.sp_*`` in the step: untested).
 
 Quantizing rows: per-tensor FP8 scaling needs the whole weight's amax (one scalar ``pmax`` over the
 axes that split the weight); NVFP4 16x16 tiles are whole inside a shard whose row count is a multiple
@@ -95,7 +95,7 @@ class ShardedWeight:
 
     def gather(self):
         """The gathered compute weight of one layer: a bf16 array, or a ``Float8Tensor`` / ``NVFP4Tensor``
-        (rowwise and columnwise) whose ``jq.dense`` / ``jq.sp_*`` weight gradient reaches ``grad``. Unlike
+        (rowwise and columnwise) whose ``jq.dense`` weight gradient reaches ``grad``. Unlike
         ``jq.dense(x, w)``, a layer that keeps the result keeps the gathered weight for its backward."""
         _check_layer(self, "w")
         if self.spec.recipe == "bf16":

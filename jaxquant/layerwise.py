@@ -15,8 +15,8 @@ A leaf whose rows do not split evenly (NVFP4: into multiples of 16 rows) over ``
 every rank (its gradient is all-reduced), so small models still train; real models' leaves split.
 
 No whole-model gathered copy, no full-size gradient buffer: per device the state is the shards of the
-master and of the optimizer state; the step holds one layer's gathered weight at a time (two with XLA's
-prefetch of the next) and shard-sized gradient accumulators.
+master and of the optimizer state and shard-sized gradient accumulators; no layer's gathered weight is a
+residual of the backward (how many layers' gathers XLA keeps in flight at once is its scheduler's choice).
 
 Mesh axes: ``fsdp_axis`` (required), ``tp_axis`` (tensor parallel, ``param_specs`` say which leaves split
 over it, as in ``jaxquant.train``) and ``replicate_axis`` (HSDP: parameters and optimizer state replicated

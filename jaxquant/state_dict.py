@@ -21,17 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxquant.checkpoint.tree import _part
+
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def _parts(path) -> tuple:
-    out = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                out.append(str(getattr(k, attr)))
-                break
-    return tuple(out)
+    return tuple(_part(k) for k in path)     # the key parts save_dcp joins with dots
 
 
 def _names(rule_parts, shape) -> list:
