@@ -20,10 +20,10 @@ those of ``jq.dense`` (jaxquant/gemm.py). Residuals for the backward pass are va
 forward call (no quantizer state), so interleaving forward passes of several microbatches cannot change
 what a backward pass reads.
 
-Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "xla"
-(plain GSPMD einsums with sharding constraints, which XLA's windowed-einsum / collective-matmul
-passes decompose when XLA_FLAGS enable them, docs/sp.md), "off" (shard_map, one all_gather /
-psum_scatter and one GEMM).
+Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels) and "off"
+(shard_map, one all_gather / psum_scatter and one GEMM). A former "xla" mode (GSPMD einsums left to
+XLA's windowed-einsum pass) is gone: that pass fails XLA's HLO verifier on these layers' backward
+(docs/sp.md).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxquant import formats, gemm, ops
 from jaxquant.dense import split_master
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
-OVERLAPS = ("ring", "xla", "off")
+OVERLAPS = ("ring", "off")
 RECIPES = ("bf16", "fp8", "nvfp4")   # recipe= (or None: follow the weight's type), as jq.dense
 # per weight kind (gemm.weight_kind), the recipes these layers run, the default first: an array weight is
 # not quantized to NVFP4 on the fly here; an NVFP4Tensor also accepts "bf16", its former spelling
@@ -88,9 +88,13 @@ class _Ctx:
 # ----------------------------------------------------------------------------------------------
 
 
-def _dot(a, b, dims):
+def _dot(a, b, dims, out_dtype=jnp.float32):
+    """fp32-accumulated GEMM -> ``out_dtype``; unscaled operands give ``out_dtype`` straight from the dot
+    (one rounding of the fp32 accumulator, as a convert would, with no fp32 output buffer)."""
     parts = [(op.data, op.scale_inv) if isinstance(op, _Scaled) else (op, None) for op in (a, b)]
-    return gemm.scaled_gemm(*parts[0], *parts[1], dims)
+    if parts[0][1] is None and parts[1][1] is None:
+        return lax.dot_general(parts[0][0], parts[1][0], dims, preferred_element_type=out_dtype)
+    return gemm.scaled_gemm(*parts[0], *parts[1], dims).astype(out_dtype)
 
 
 def _shape(op) -> tuple[int, ...]:
@@ -108,22 +112,15 @@ def _flat_rows(op):
     return op.reshape(-1, op.shape[-1])
 
 
-def _matmul(a, b, b_contract: int, flat: bool = True):
-    """a [..., K] times the 2-D operand b contracting b's dim ``b_contract`` -> fp32 [..., N].
-    ``flat=False`` keeps the leading dims (global GSPMD arrays, whose sharded sequence dim a
-    reshape would move)."""
-    if not flat:
-        return _dot(a, b, (((_ndim(a) - 1,), (b_contract,)), ((), ())))
+def _matmul(a, b, b_contract: int, out_dtype=jnp.float32):
+    """a [..., K] times the 2-D operand b contracting b's dim ``b_contract`` -> ``out_dtype`` [..., N]."""
     lead = _shape(a)[:-1]
-    out = _dot(_flat_rows(a), b, (((1,), (b_contract,)), ((), ())))
+    out = _dot(_flat_rows(a), b, (((1,), (b_contract,)), ((), ())), out_dtype)
     return out.reshape(lead + out.shape[-1:])
 
 
-def _wgrad(a, g, flat: bool = True):
+def _wgrad(a, g):
     """a [..., K], g [..., N] contracting every leading dim -> fp32 [K, N]."""
-    if not flat:
-        lead = tuple(range(_ndim(a) - 1))
-        return _dot(a, g, ((lead, lead), ((), ())))
     return _dot(_flat_rows(a), _flat_rows(g), (((0,), (0,)), ((), ())))
 
 
@@ -206,21 +203,14 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
     want_out, want_dw = w is not None, other is not None
     dw_spec = P(None, axis) if gathered_is_lhs else P(axis, None)
 
-    def wgrad(full, oth, flat=True):
-        return _wgrad(full, oth, flat) if gathered_is_lhs else _wgrad(oth, full, flat)
-
-    if ctx.overlap == "xla":
-        out = dw = None
-        if want_out:
-            out = lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False).astype(out_dtype),
-                                               NamedSharding(ctx.mesh, _feat_spec(nd, axis)))
-        if want_dw:
-            dw = lax.with_sharding_constraint(wgrad(a, other, flat=False), NamedSharding(ctx.mesh, dw_spec))
-        return out, dw
+    def wgrad(full, oth):
+        return _wgrad(full, oth) if gathered_is_lhs else _wgrad(oth, full)
 
     def body(a_loc, w_loc, o_loc):
         s = _shape(a_loc)[-2]
-        if ctx.overlap == "off":
+        # without a GEMM per chunk (wgrad only: the column layer's backward) one all-gather, which XLA
+        # schedules under the independent dgrad ring's GEMMs
+        if ctx.overlap == "off" or not want_out:
             gather = lambda v: lax.all_gather(v, axis, axis=nd - 2, tiled=True)
             if isinstance(a_loc, _Scaled):
                 # each rank's scale travels with its bytes; all are equal (shared amax), so the one
@@ -228,20 +218,22 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
                 full = _Scaled(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
             else:
                 full = gather(a_loc)
-            return (_matmul(full, w_loc, w_contract).astype(out_dtype) if want_out else None,
+            return (_matmul(full, w_loc, w_contract, out_dtype=out_dtype) if want_out else None,
                     wgrad(full, o_loc) if want_dw else None)
-        out = dw = None
-        if want_out:
-            n_out = _shape(w_loc)[1 - w_contract]
-            out = jnp.zeros(_shape(a_loc)[:-2] + (s * n, n_out), out_dtype)
+        n_out = _shape(w_loc)[1 - w_contract]
+        out = jnp.zeros(_shape(a_loc)[:-2] + (s * n, n_out), out_dtype)
+        data = lambda op: op.data if isinstance(op, _Scaled) else op
+        full = jnp.zeros(_shape(a_loc)[:-2] + (s * n, _shape(a_loc)[-1]), data(a_loc).dtype) if want_dw else None
         for chunk, src in _ring_chunks(a_loc, axis, n, bidirectional=n > 2):
-            if want_out:
-                part = _matmul(chunk, w_loc, w_contract).astype(out_dtype)
-                out = lax.dynamic_update_slice_in_dim(out, part, src * s, nd - 2)
-            if want_dw:
-                part = wgrad(chunk, _rows(o_loc, src * s, s))
-                dw = part if dw is None else dw + part
-        return out, dw
+            part = _matmul(chunk, w_loc, w_contract, out_dtype=out_dtype)
+            out = lax.dynamic_update_slice_in_dim(out, part, src * s, nd - 2)
+            if want_dw:   # the chunks assembled for one wgrad GEMM (no per-chunk fp32 dW partial sums)
+                full = lax.dynamic_update_slice_in_dim(full, data(chunk), src * s, nd - 2)
+        if want_dw:
+            # every rank's scale equals this one (the amax was max-reduced over tp before the cast)
+            full = _Scaled(full, a_loc.scale_inv) if isinstance(a_loc, _Scaled) else full
+            return out, wgrad(full, o_loc)
+        return out, None
 
     a_spec = _op_spec(a, _seq_spec(nd, axis))
     w_spec = P(None, axis) if w_contract == 0 else P(axis, None)   # N (not contracted) is sharded
@@ -258,42 +250,41 @@ def _columns(op, dim, start, size):
     return lax.slice_in_dim(op, start, start + size, axis=dim)
 
 
-def _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, step):
-    """Running fp32 sums round the ring in direction ``step`` (+1: to the right): at step t a rank
-    computes the partial GEMM for chunk (r - step*(t+1)) mod n, adds what arrived and passes it on;
-    after n steps rank r holds the full sum of its own chunk. The next partial GEMM never waits
-    for the transfer."""
+def _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, step, wire):
+    """Running sums round the ring in direction ``step`` (+1: to the right): at step t a rank computes
+    the partial GEMM for chunk (r - step*(t+1)) mod n in fp32, adds what arrived and passes the sum on
+    in ``wire`` dtype; after n steps rank r holds the full sum of its own chunk. The next partial GEMM
+    never waits for the transfer."""
     r = lax.axis_index(axis)
     perm = [(i, (i + step) % n) for i in range(n)]
     acc = None
     for t in range(n):
         part = _matmul(_rows(a_loc, ((r - step * (t + 1)) % n) * s, s), w_loc, w_contract)
-        acc = part if acc is None else acc + part
+        acc = part if acc is None else acc.astype(jnp.float32) + part
         if t < n - 1:
-            acc = lax.ppermute(acc, axis, perm)
-    return acc
+            acc = lax.ppermute(acc.astype(wire), axis, perm)
+    return acc.astype(wire)
 
 
-def _matmul_reduce_scatter(ctx, a, w, w_contract):
+def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
     """a [..., S, K] feature-sharded (K split over tp) @ w (K sharded) -> partial sums reduce-scattered
-    over the sequence -> fp32 [..., S/n, N]."""
+    over the sequence -> ``wire`` [..., S/n, N]. Partial sums travel in ``wire`` (the layer's output
+    dtype, as a bf16 GSPMD program reduces them), each rank adding in fp32."""
     nd, axis, n = _ndim(a), ctx.axis, ctx.n
-    if ctx.overlap == "xla":
-        return lax.with_sharding_constraint(_matmul(a, w, w_contract, flat=False),
-                                            NamedSharding(ctx.mesh, _seq_spec(nd, axis)))
 
     def body(a_loc, w_loc):
         if ctx.overlap == "off":
-            return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract), axis, scatter_dimension=nd - 2, tiled=True)
+            return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract, out_dtype=wire), axis,
+                                    scatter_dimension=nd - 2, tiled=True)
         s = _shape(a_loc)[-2] // n
         n_out = _shape(w_loc)[1 - w_contract]
         if n > 2 and n_out % 2 == 0:
             # bidirectional: the left half of the output columns goes round the ring to the right,
             # the right half to the left; each step moves half the bytes over each of two links
             halves = [_columns(w_loc, 1 - w_contract, lo, n_out // 2) for lo in (0, n_out // 2)]
-            return jnp.concatenate([_reduce_scatter_ring(a_loc, h, w_contract, axis, n, s, step)
+            return jnp.concatenate([_reduce_scatter_ring(a_loc, h, w_contract, axis, n, s, step, wire)
                                     for h, step in zip(halves, (1, -1))], axis=-1)
-        return _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, 1)
+        return _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, 1, wire)
 
     w_spec = P(axis, None) if w_contract == 0 else P(None, axis)   # K (contracted) is sharded
     in_specs = (_op_spec(a, _feat_spec(nd, axis)), _op_spec(w, w_spec))
@@ -395,7 +386,8 @@ def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype, wgrad_
     def bwd(res, g):
         x, gamma, beta, a, wop = res
         gq = _operand(ctx, recipe, g, feat, GRAD_DTYPE)
-        dy = _matmul_reduce_scatter(ctx, gq, wop.dgrad, wop.dgrad_contract)   # dgrad: GEMM -> reduce-scatter
+        # dgrad: GEMM -> reduce-scatter, in x's dtype on the wire
+        dy = _matmul_reduce_scatter(ctx, gq, wop.dgrad, wop.dgrad_contract, x.dtype).astype(jnp.float32)
         _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=False)     # wgrad [out, in] on the re-gathered x
         # the bf16 rounding of the layernorm output passes the gradient straight through
         dx, dgamma, dbeta = jax.vjp(layernorm, x, gamma, beta)[1](dy)
@@ -413,7 +405,7 @@ def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype, wgrad_dtypes):
     def fwd(x, w, target):
         wop = _weight_operands(ctx, recipe, w, 1)
         a = _operand(ctx, recipe, x, feat, FWD_DTYPE)
-        out = _matmul_reduce_scatter(ctx, a, wop.fwd, 1)
+        out = _matmul_reduce_scatter(ctx, a, wop.fwd, 1, dtype)
         return out.astype(dtype), (a, wop)
 
     def bwd(res, g):
@@ -450,6 +442,9 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
         raise ValueError("mesh: the sp layers need a mesh with Auto axis types (jax.sharding.Mesh(devices, "
                          "names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)); "
                          f"got {mesh.axis_types}")
+    if overlap == "xla":
+        raise ValueError('overlap: "xla" was removed (XLA\'s windowed-einsum pass fails its HLO verifier on these '
+                         'layers\' backward, docs/sp.md); use "ring" or "off"')
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
     ops._check_impl(impl)

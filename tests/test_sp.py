@@ -8,6 +8,7 @@ other; microbatches interleaved forward-before-backward must give the gradients 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -246,7 +247,7 @@ def test_other_weight_types(kind):
 def test_overlap_modes_agree(recipe, kind):
     col_args, row_args = _layer_args(11, recipe, kind)
     res = {m: _runner(4, m, recipe)(col_args, row_args) for m in sp.OVERLAPS}
-    for m in ("xla", "off"):
+    for m in ("off",):
         (col, row), (col_ring, row_ring) = res[m], res["ring"]
         # same GEMM partition of each output element: bitwise
         assert_bytes_equal(col[0], col_ring[0], f"column out, {m} vs ring")
@@ -306,6 +307,8 @@ def test_bad_input_errors():
     x, gamma, beta, w1, w2 = _inputs()
     with pytest.raises(ValueError, match="overlap: must be one of"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, overlap="fast")
+    with pytest.raises(ValueError, match='overlap: "xla" was removed .* use "ring" or "off"'):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, overlap="xla")
     with pytest.raises(ValueError, match="tp_axis: 'model' is not an axis"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, tp_axis="model")
     with pytest.raises(ValueError, match=r"x: the sequence length .* multiple of the 'tp' axis size 4"):
@@ -351,25 +354,38 @@ def test_recipe_spellings_agree_bitwise(kind, spellings):
 
 
 @pytest.mark.parametrize("overlap", ["ring", "off"])
-def test_ring_is_made_of_ppermutes(overlap):
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_ring_is_made_of_ppermutes(overlap, x_dtype):
     """The lowered forward+backward of sp_mlp: "ring" moves data only with collective-permutes (plus
-    the amax max-reductions), "off" with one all-gather / reduce-scatter per product."""
+    the amax max-reductions), "off" with one all-gather / reduce-scatter per product, plus one all-gather
+    for the column layer's wgrad (scheduled under the dgrad ring). What travels, read from the HLO: FP8
+    bytes each paired with its scale_inv, and partial sums in x's dtype (bf16 for bf16 activations, never
+    widened to fp32)."""
     mesh = _mesh(4)
     _, gamma, beta, w1, w2 = _inputs()
-    x = jnp.zeros((B, S, H), jnp.float32)
-    loss = lambda x, w1, w2: jnp.sum(jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=overlap))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, _fp8_weight(w1), _fp8_weight(w2)).as_text()
+    x = jnp.zeros((B, S, H), x_dtype)
+    st = jq.straight_through     # masters: every wgrad runs
+
+    def loss(x, m1, m2):
+        return jnp.sum(jq.sp_mlp(x, gamma, beta, st(_fp8_weight(w1), m1), st(_fp8_weight(w2), m2), mesh=mesh,
+                                 overlap=overlap))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).as_text()
     counts = {op: text.count(f"stablehlo.{op}") for op in ("collective_permute", "all_gather", "reduce_scatter")}
+    wire = {jnp.bfloat16: "xbf16>", jnp.float32: "xf32>"}[x_dtype]
     if overlap == "ring":
-        assert counts["collective_permute"] > 0 and counts["all_gather"] == counts["reduce_scatter"] == 0, counts
-        # what travels: FP8 bytes, each transfer paired with its scale_inv, and fp32 partial sums
+        assert counts["collective_permute"] > 0 and counts["reduce_scatter"] == 0, counts
+        assert counts["all_gather"] == 2, counts     # the column wgrad's gather: FP8 bytes and their scale
         moved = [line.rsplit("-> ", 1)[-1] for line in text.splitlines() if "stablehlo.collective_permute" in line]
         fp8 = sum("xf8E" in t for t in moved)
         scales = sum(t.strip() == "tensor<f32>" for t in moved)
+        sums = [t for t in moved if "xf8E" not in t and t.strip() != "tensor<f32>"]
         assert fp8 > 0 and fp8 == scales, moved
-        assert all("xf8E" in t or t.strip() == "tensor<f32>" or "xf32>" in t for t in moved), moved
+        assert sums and all(wire in t for t in sums), moved     # the reduce-scatter rings' partial sums
     else:
         assert counts["collective_permute"] == 0 and counts["all_gather"] > 0 and counts["reduce_scatter"] > 0, counts
+        # the op's type follows its reduction region: }) : (tensor<...>) -> tensor<...>
+        scattered = re.findall(r'"stablehlo\.reduce_scatter".*?\}\) : \(([^)]*)\) ->', text, flags=re.S)
+        assert scattered and all(wire in t for t in scattered), scattered
 
 
 def test_bench_overlap_report_reads_a_schedule():
