@@ -153,7 +153,7 @@ if [ "${SP:-0}" = 1 ]; then
     extra=$([ "$fs" = default ] && echo "" || echo "$fs")
     tag=$(echo "${fs:0:40}" | tr -c 'a-zA-Z0-9_\n' '_')
     section "bench_sp ($ngpu GPUs, flags: $fs)"
-    { echo '```'; timeout "${SP_TIMEOUT:-400}" python3 benchmarks/bench_sp.py ${SP_ARGS:-} --extra-flags "$extra" \
+    { echo '```'; timeout "${SP_TIMEOUT:-400}" python3 benchmarks/bench_sp.py ${SP_ARGS:-} --extra-flags="$extra" \
         --json "$OUT/sp_$tag.json" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -40; echo '```'; } \
       | tee -a "$report"
   done
