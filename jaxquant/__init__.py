@@ -24,7 +24,7 @@ from jaxquant.layout import FlatLayout
 from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
-from jaxquant.sp import sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp
+from jaxquant.sp import sp_column_dense, sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp, sp_row_dense
 
 __version__ = "0.1.0"
 
@@ -56,4 +56,6 @@ __all__ = [
     "sp_layernorm_dense",
     "sp_dense_reduce_scatter",
     "sp_mlp",
+    "sp_column_dense",
+    "sp_row_dense",
 ]

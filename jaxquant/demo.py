@@ -97,9 +97,13 @@ def param_specs(cfg: ModelConfig):
             "blocks": {name: TP_SPLIT.get(name) for name in _block_shapes(cfg)}}
 
 
-def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1):
+def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_parallel: bool = True):
     """loss(weights, batch): mean next-token cross-entropy; batch["tokens"] int32 [B, seq + 1]. With
-    ``tp > 1`` it runs on one TP rank's blocks (``param_specs``) and does the TP collectives itself."""
+    ``tp > 1`` it runs on one TP rank's blocks (``param_specs``) and does the TP collectives itself:
+    with ``sequence_parallel`` (Megatron SP, ``jq.sp_column_dense`` / ``jq.sp_row_dense``) the residual
+    stream, norms and loss hold this rank's ``seq / tp`` positions, the column-parallel GEMMs all-gather
+    their input over tp and the row-parallel ones reduce-scatter their bf16 partial sums; without it every
+    TP rank holds the whole sequence and the row-parallel partial sums are all-reduced in fp32."""
     import jax
     import jax.numpy as jnp
 
@@ -109,13 +113,18 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1):
     hd = cfg.d_model // cfg.heads
     heads = cfg.heads // tp                # this TP rank's heads
     amax = (tp_axis,) if tp > 1 else ()    # FP8 statistics of TP-split activations span the whole tensor
+    sp = sequence_parallel and tp > 1
 
     def column_parallel(x, w):
+        if sp:
+            return jq.sp_column_dense(x, w, tp_axis=tp_axis, out_dtype=act)
         if tp > 1:   # Megatron's "f": identity forward; its transpose all-reduces the input gradient over tp
             x = jax.lax.pcast(x, tp_axis, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, tp_axis)
         return jq.dense(x, w, out_dtype=act, amax_axes=amax)
 
-    def row_parallel(x, w):   # Megatron's "g": partial products summed over tp (in fp32)
+    def row_parallel(x, w):   # Megatron's "g": partial products summed over tp
+        if sp:
+            return jq.sp_row_dense(x, w, tp_axis=tp_axis, out_dtype=act)
         y = jq.dense(x, w, out_dtype=jnp.float32, amax_axes=amax)
         return (jax.lax.psum(y, tp_axis) if tp > 1 else y).astype(act)
     pos = _positions(cfg.seq, cfg.d_model)
@@ -134,12 +143,18 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1):
 
     def loss(w, batch):
         tokens = batch["tokens"]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        h = jnp.take(w["embed"], inputs, axis=0).astype(act) + pos.astype(act)
+        inputs, targets, p = tokens[:, :-1], tokens[:, 1:], pos
+        if sp:   # this rank's positions of the sequence
+            rows = cfg.seq // tp
+            start = jax.lax.axis_index(tp_axis) * rows
+            local = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, start, rows, axis=axis)
+            inputs, targets, p = local(inputs, 1), local(targets, 1), local(jnp.asarray(pos), 0)
+        h = jnp.take(w["embed"], inputs, axis=0).astype(act) + p.astype(act)
         h, _ = jax.lax.scan(block, h, w["blocks"])          # one layer's weights gathered per iteration
         logits = jq.dense(_rms_norm(h, w["final_norm"]), w["head"], out_dtype=jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        nll = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        return jax.lax.pmean(nll, tp_axis) if sp else nll    # equal shares of the sequence
 
     return loss
 
@@ -178,8 +193,9 @@ def parse_mesh(spec: str | None, num_devices: int) -> tuple[int, int]:
 
 def check_tp(cfg: ModelConfig, tp: int, recipe: str) -> None:
     """The model splits over ``tp`` ranks: whole heads and hidden units, NVFP4 16-element tiles."""
-    if cfg.heads % tp or cfg.d_ff % tp:
-        raise ValueError(f"--mesh: tp={tp} must divide the {cfg.heads} heads and d_ff={cfg.d_ff}")
+    if cfg.heads % tp or cfg.d_ff % tp or cfg.seq % tp:
+        raise ValueError(f"--mesh: tp={tp} must divide the {cfg.heads} heads, d_ff={cfg.d_ff} and the sequence "
+                         f"length {cfg.seq} (sequence parallelism)")
     if recipe == "nvfp4" and (cfg.d_model // tp) % 16:
         raise ValueError(f"--mesh: tp={tp} leaves {cfg.d_model // tp} columns per TP rank; NVFP4 needs a "
                          f"multiple of 16 (use tp <= {cfg.d_model // 16})")

@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxquant import formats, gemm, ops
-from jaxquant.dense import split_master
+from jaxquant.dense import dense as gemm_dense, split_master
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
 OVERLAPS = ("ring", "off")
@@ -541,3 +541,36 @@ def sp_mlp(x, gamma, beta, w1, w2, *, mesh, tp_axis: str = "tp", overlap: str = 
     kw = dict(mesh=mesh, tp_axis=tp_axis, overlap=overlap, recipe=recipe, impl=impl)
     h = activation(sp_layernorm_dense(x, gamma, beta, w1, eps=eps, **kw))
     return sp_dense_reduce_scatter(h, w2, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside shard_map (per-rank values): sequence parallelism in a training step's loss_fn
+# ----------------------------------------------------------------------------------------------
+
+
+def _seq_axis(v, name):
+    if v.ndim < 2:
+        raise ValueError(f"{name}: must be [..., S, features] (rank >= 2), got shape {tuple(v.shape)}")
+    return v.ndim - 2
+
+
+def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None):
+    """Per-rank column-parallel layer of sequence parallelism, for code already inside ``shard_map`` (the
+    ``loss_fn`` of ``make_train_step(..., tp_axis=...)``): this rank's sequence rows ``x [..., S/n, in]``
+    are all-gathered over ``tp_axis`` (in x's dtype) and multiplied by this rank's output rows of ``w``
+    (``[out/n, in]``: anything ``jq.dense`` takes, a ``ShardedWeight`` included) -> ``[..., S, out/n]``.
+    The FP8/NVFP4 activation amax is max-reduced over ``tp_axis``. JAX's transpose of the all-gather
+    reduce-scatters dX back to the sequence rows (Megatron's "g" with sequence parallelism)."""
+    full = lax.all_gather(x, tp_axis, axis=_seq_axis(x, "x"), tiled=True)
+    return gemm_dense(full, w, recipe=recipe, out_dtype=out_dtype, amax_axes=(tp_axis,))
+
+
+def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None):
+    """Per-rank row-parallel layer of sequence parallelism (inside ``shard_map``): ``x [..., S, in/n]`` (the
+    features this rank holds) times this rank's input columns of ``w`` (``[out, in/n]``, anything
+    ``jq.dense`` takes), partial sums reduce-scattered over ``tp_axis`` onto the sequence rows in
+    ``out_dtype`` (default x's dtype: bf16 partial sums on the wire, as Megatron) -> ``[..., S/n, out]``.
+    JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs."""
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    y = gemm_dense(x, w, recipe=recipe, out_dtype=jnp.float32, amax_axes=(tp_axis,)).astype(out_dtype)
+    return lax.psum_scatter(y, tp_axis, scatter_dimension=_seq_axis(x, "x"), tiled=True)
