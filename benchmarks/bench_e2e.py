@@ -31,13 +31,17 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
 
 CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop", "jq-bf16", "jq-fp8", "jq-nvfp4")
-EXTRA_CONFIGS = ()
+# with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
+# jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
+EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp")
+TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 # MaxText's recommended XLA GPU flags (those this XLA still has)
 MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
                  "--xla_gpu_enable_while_loop_double_buffering=true --xla_gpu_enable_pipelined_all_gather=true "
@@ -58,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=14336, help="SwiGLU hidden width")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences per device")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (mesh fsdp x tp; the plain step shards "
+                                                   "column/row-parallel weights over tp and lets GSPMD place the rest)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--remat", action="store_true", help="jax.checkpoint around each block")
     p.add_argument("--grad-comm", default="bfloat16", choices=("bfloat16", "float32"),
@@ -70,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
-        args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch = 2, 256, 2, 1, 512, 64, 2
+        args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch = 2, 256, 4, 2, 512, 64, 2
     args.head_dim = 128
     return args
 
@@ -102,29 +108,36 @@ def init_params(a, stacked: bool):
     return {"blocks": layers}
 
 
-def block(a, h, p, matmul):
+def block(a, h, p, matmul, row=None, tp=1):
+    """One decoder block; ``matmul`` the column-parallel (and, without ``row``, every) GEMM. Under TP
+    (``tp`` > 1, per rank inside make_train_step) each rank holds ``heads / tp`` query and ``kv_heads / tp``
+    key/value heads of its rows of the fused weights (a reordering of the plain model's rows: same FLOPs)."""
     import jax
     import jax.numpy as jnp
+
+    row = row or matmul
 
     def norm(x, w):
         x32 = x.astype(jnp.float32)
         return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * w).astype(jnp.bfloat16)
 
-    b, s, _ = h.shape
+    heads, kv = a.heads // tp, a.kv_heads // tp
     x = norm(h, p["attn_norm"])
-    qkv = matmul(x, p["w_qkv"]).reshape(b, s, a.heads + 2 * a.kv_heads, a.head_dim)
-    q, k, v = jnp.split(qkv, [a.heads, a.heads + a.kv_heads], axis=2)
+    qkv = matmul(x, p["w_qkv"])
+    b, s = qkv.shape[:2]            # the whole sequence (sequence parallelism gathers it)
+    qkv = qkv.reshape(b, s, heads + 2 * kv, a.head_dim)
+    q, k, v = jnp.split(qkv, [heads, heads + kv], axis=2)
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl).reshape(b, s, -1)
-    h = h + matmul(o, p["w_o"])
+    h = h + row(o, p["w_o"])
     gate, up = jnp.split(matmul(norm(h, p["mlp_norm"]), p["w_gate_up"]), 2, axis=-1)
-    return h + matmul(jax.nn.silu(gate) * up, p["w_down"])
+    return h + row(jax.nn.silu(gate) * up, p["w_down"])
 
 
-def forward(a, params, x, matmul, scan: bool):
+def forward(a, params, x, matmul, scan: bool, row=None, tp=1):
     import jax
 
-    body = lambda h, p: (block(a, h, p, matmul), None)
+    body = lambda h, p: (block(a, h, p, matmul, row, tp), None)
     if a.remat:
         body = jax.checkpoint(body)
     if scan:
@@ -157,11 +170,20 @@ def _make_plain(a, mesh, scan):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     lead = (None,) if scan else ()
-    spec = lambda x: P(*lead, "fsdp", None) if x.shape[-2] % mesh.size == 0 and x.shape[-2] > 1 else P()
+    fsdp = int(mesh.shape["fsdp"])
+
+    def spec(path, x):
+        split = TP_SPLIT.get(str(getattr(path[-1], "key", ""))) if a.tp > 1 else None
+        if split == "col":      # [out, in]: out over tp, in over fsdp
+            return P(*lead, "tp", "fsdp")
+        if split == "row":      # in over tp, out over fsdp
+            return P(*lead, "fsdp", "tp")
+        return P(*lead, "fsdp", None) if x.shape[-2] % fsdp == 0 and x.shape[-2] > 1 else P()
     shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
     # built sharded (a large model does not fit one device whole)
     params = jax.jit(lambda: init_params(a, stacked=scan),
-                     out_shardings=jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), shapes_))()
+                     out_shardings=jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)),
+                                                                    shapes_))()
     opt = optax.adam(1e-4)
     state = (params, jax.jit(opt.init)(params))
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
@@ -175,7 +197,34 @@ def _make_plain(a, mesh, scan):
     return jax.jit(step, donate_argnums=0), state
 
 
-def _make_jq(a, mesh, recipe, scan):
+def _tp_loss(a, scan, sp):
+    """The per-rank loss of make_train_step(tp_axis="tp"): with ``sp`` sequence parallelism (this rank's
+    seq / tp positions between the GEMMs; loss averaged over tp), else Megatron TP (row-parallel psum)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxquant as jq
+
+    if sp:
+        col = lambda x, w: jq.sp_column_dense(x, w, tp_axis="tp")
+        row = lambda x, w: jq.sp_row_dense(x, w, tp_axis="tp")
+    else:
+        col = lambda x, w: jq.dense(jax.lax.pcast(x, "tp", to="varying"), w, amax_axes=("tp",))
+        row = lambda x, w: jax.lax.psum(jq.dense(x, w, out_dtype=jnp.float32, amax_axes=("tp",)), "tp").astype(x.dtype)
+
+    def loss(w, batch):
+        x, y = batch["x"], batch["y"]
+        if sp:
+            rows = a.seq // a.tp
+            start = jax.lax.axis_index("tp") * rows
+            x, y = (jax.lax.dynamic_slice_in_dim(v, start, rows, axis=1) for v in (x, y))
+        out = mse(forward(a, w, x, col, scan, row, a.tp), y)
+        return jax.lax.pmean(out, "tp") if sp else out
+
+    return loss
+
+
+def _make_jq(a, mesh, recipe, scan, sp=False):
     import jax
     import optax
 
@@ -183,10 +232,15 @@ def _make_jq(a, mesh, recipe, scan):
 
     shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
     mask = jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), shapes_)
-    loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
     # gradients travel in bf16, as the plain step's (the transpose of its bf16 weight gather)
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
-    step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy)
+    if a.tp > 1:
+        specs = jax.tree_util.tree_map_with_path(lambda k, _: TP_SPLIT.get(str(getattr(k[-1], "key", ""))), shapes_)
+        step = jq.make_train_step(_tp_loss(a, scan, sp), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
+                                  policy=policy, tp_axis="tp", param_specs=specs)
+    else:
+        loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
+        step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy)
     params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=step.master_shardings(shapes_))()
     state = step.init(params)
     del params
@@ -204,17 +258,20 @@ def run_one(a, config):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    devices = np.array(jax.devices())
+    if len(devices) % a.tp:
+        raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
+    mesh = Mesh(devices.reshape(-1, a.tp), ("fsdp", "tp")) if a.tp > 1 else Mesh(devices, ("fsdp",))
     n = mesh.size
     scan = not config.endswith("-loop")
     if config.startswith("plain"):
         fn, state = _make_plain(a, mesh, scan)
     else:
-        fn, state = _make_jq(a, mesh, config.split("-")[1], scan)
+        fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config)
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}
-    batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))   # the tp ranks of an fsdp rank share its rows
     t0 = time.perf_counter()
     state, loss = fn(state, batch)
     jax.block_until_ready(loss)
@@ -261,18 +318,33 @@ def exposed_collectives(path, steps):
     gpu0 = [pid for pid, name in names.items() if "GPU:0" in name or name.endswith("/device:GPU:0")]
     if not gpu0:
         return None
-    comm, comp = [], []
+    comm, comp, by_kind, others = [], [], {"gemm": 0.0, "other": 0.0}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
+            name = e.get("name", "")
             iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-            (comm if "nccl" in e.get("name", "").lower() else comp).append(iv)
+            if "nccl" in name.lower():
+                comm.append(iv)
+                continue
+            comp.append(iv)
+            kind = "gemm" if _GEMM_KERNEL.search(name) else "other"
+            by_kind[kind] += float(e["dur"])
+            if kind == "other":
+                others[name[:70]] = others.get(name[:70], 0.0) + float(e["dur"])
     union = lambda ivs: _merge(sorted(ivs))
     comm_u, comp_u = union(comm), union(comp)
     total = sum(b - a for a, b in comm_u)
     hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm_u for c, d in comp_u if c < b and a < d)
     busy = sum(b - a for a, b in union(comm + comp))
+    top = sorted(others.items(), key=lambda kv: -kv[1])[:6]
+    # kernel times summed (GEMM and other kernels may overlap each other on several streams)
     return {"collective_ms": total / steps / 1e3, "exposed_collective_ms": (total - hidden) / steps / 1e3,
-            "busy_ms": busy / steps / 1e3}
+            "busy_ms": busy / steps / 1e3, "gemm_kernel_ms": by_kind["gemm"] / steps / 1e3,
+            "other_kernel_ms": by_kind["other"] / steps / 1e3,
+            "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top]}
+
+
+_GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
 
 
 def _merge(ivs):
@@ -333,7 +405,7 @@ def print_table(results, a):
     ok = [r for r in results if "error" not in r]
     if not ok:
         return
-    print(f"\n{ok[0]['device']} x {ok[0]['devices']}, {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, "
+    print(f"\n{ok[0]['device']} x {ok[0]['devices']} (tp {a.tp}), {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, "
           f"seq {a.seq} x {a.batch} per device{', remat' if a.remat else ''}")
     print("| flags | config | step ms | tokens/s | x plain | TFLOP/s/GPU | peak GiB | compile s | exposed coll. ms |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

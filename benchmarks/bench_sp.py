@@ -270,6 +270,11 @@ def overlap_target(cells):
         parts.append(f"{m}: saves {saved:.3f} ms = {saved / max(coll, 1e-9):.0%} of off's collectives "
                      f"({'meets' if ok else 'MISSES'} the 70% rule), its exposed collectives "
                      f"{t.get('exposed_collective_ms', float('nan')):.3f} ms")
+    for m in ("off", "ring"):
+        t = (cells.get(m) or {}).get("trace") or {}
+        if "gemm_kernel_ms" in t:
+            parts.append(f"\n      {m} kernels/step: GEMM {t['gemm_kernel_ms']:.3f} ms, "
+                         f"other {t['other_kernel_ms']:.3f} ms, top other {t['top_other_kernels']}")
     return "; ".join(parts)
 
 

@@ -1,0 +1,32 @@
+"""benchmarks/bench_e2e.py's reading of a Perfetto trace (also used by bench_sp.py): collective kernel time
+on GPU 0, the part of it no other kernel overlaps (exposed), and GEMM / other kernel sums per step."""
+
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import bench_e2e  # noqa: E402
+
+
+def test_exposed_collectives_reads_a_trace(tmp_path):
+    kernel = lambda pid, name, ts, dur: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur}
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+              kernel(1, "ncclDevKernel_SendRecv", 0, 1000),          # 1 ms, 0.4 ms under the GEMM
+              kernel(1, "sm90_xmma_gemm_bf16", 600, 1000),
+              kernel(1, "loop_add_fusion", 3000, 500),
+              kernel(1, "ncclDevKernel_AllGather", 4000, 200),      # exposed
+              kernel(2, "ncclDevKernel_SendRecv", 0, 9000)]         # another GPU: ignored
+    path = tmp_path / "plugins" / "profile" / "run"
+    path.mkdir(parents=True)
+    with gzip.open(path / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = bench_e2e.exposed_collectives(str(tmp_path), steps=2)
+    assert abs(got["collective_ms"] - 0.6) < 1e-9                  # (1.0 + 0.2) ms over 2 steps
+    assert abs(got["exposed_collective_ms"] - 0.4) < 1e-9          # (0.6 + 0.2) ms over 2 steps
+    assert abs(got["gemm_kernel_ms"] - 0.5) < 1e-9 and abs(got["other_kernel_ms"] - 0.25) < 1e-9
+    assert got["top_other_kernels"] == [("loop_add_fusion", 0.25)]
+    assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2) / 2) < 1e-9
