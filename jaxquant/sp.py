@@ -487,7 +487,7 @@ def _check_x(x, ctx):
     _check_divisible("x", "the sequence length x.shape[-2]", x.shape[-2], ctx.n, ctx.axis)
 
 
-def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
+def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",
                        recipe: Optional[str] = None, eps: float = 1e-5, impl: str = "auto"):
     """Column-parallel layer: layernorm, then all-gather over the sequence, then ``@ w.T``.
 
@@ -514,7 +514,7 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
     return layer(x, gamma, beta, w, master)
 
 
-def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
+def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",
                             recipe: Optional[str] = None, impl: str = "auto"):
     """Row-parallel layer: ``x @ w.T`` with the partial sums reduce-scattered over the sequence.
 
@@ -530,7 +530,7 @@ def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "
     return layer(x, w, master)
 
 
-def sp_mlp(x, gamma, beta, w1, w2, *, mesh, tp_axis: str = "tp", overlap: str = "ring",
+def sp_mlp(x, gamma, beta, w1, w2, *, mesh, tp_axis: str = "tp", overlap: str = "off",
            recipe: Optional[str] = None, activation=jax.nn.gelu, eps: float = 1e-5, impl: str = "auto"):
     """``sp_dense_reduce_scatter(activation(sp_layernorm_dense(x, gamma, beta, w1)), w2)``.
 
