@@ -252,18 +252,18 @@ def _columns(op, dim, start, size):
 
 def _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, step, wire):
     """Running sums round the ring in direction ``step`` (+1: to the right): at step t a rank computes
-    the partial GEMM for chunk (r - step*(t+1)) mod n in fp32, adds what arrived and passes the sum on
-    in ``wire`` dtype; after n steps rank r holds the full sum of its own chunk. The next partial GEMM
-    never waits for the transfer."""
+    the partial GEMM for chunk (r - step*(t+1)) mod n, written in ``wire`` dtype as "off" writes its
+    partials, adds what arrived (in fp32, rounded to ``wire``) and passes the sum on; after n steps rank
+    r holds the full sum of its own chunk. The next partial GEMM never waits for the transfer."""
     r = lax.axis_index(axis)
     perm = [(i, (i + step) % n) for i in range(n)]
     acc = None
     for t in range(n):
-        part = _matmul(_rows(a_loc, ((r - step * (t + 1)) % n) * s, s), w_loc, w_contract)
-        acc = part if acc is None else acc.astype(jnp.float32) + part
+        part = _matmul(_rows(a_loc, ((r - step * (t + 1)) % n) * s, s), w_loc, w_contract, out_dtype=wire)
+        acc = part if acc is None else (acc.astype(jnp.float32) + part.astype(jnp.float32)).astype(wire)
         if t < n - 1:
-            acc = lax.ppermute(acc.astype(wire), axis, perm)
-    return acc.astype(wire)
+            acc = lax.ppermute(acc, axis, perm)
+    return acc
 
 
 def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
