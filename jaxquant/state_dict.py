@@ -15,6 +15,8 @@ float32 tensor, ``betas`` as a tuple and the ``params`` list as one value; so do
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 import jax
@@ -113,8 +115,18 @@ def _group_target(adam: bool) -> dict:
 
 def _layers(a, n, spec, mesh):
     """[a[0], ..., a[n-1]] of a stacked leaf, each sharded as the stack's rows are (no gather)."""
-    out = NamedSharding(mesh, P(*tuple(spec)[1:]))
-    return jax.jit(lambda x: [x[i] for i in range(n)], out_shardings=[out] * n)(a)
+    return _split_fn(n, NamedSharding(mesh, P(*tuple(spec)[1:])))(a)
+
+
+# compiled once per (layer count, sharding), not at every save / load of a training run
+@functools.lru_cache(maxsize=256)
+def _split_fn(n, out):
+    return jax.jit(lambda x: [x[i] for i in range(n)], out_shardings=[out] * n)
+
+
+@functools.lru_cache(maxsize=256)
+def _stack_fn(out):
+    return jax.jit(lambda *x: jnp.stack(x), out_shardings=out)
 
 
 def state_dict(step, state, *, hyperparams=None) -> dict:
@@ -192,7 +204,7 @@ def load_state_dict(step, sd, *, like):
         parts = [table[n] if key is None else table[n][key] for n in names]
         sharding = NamedSharding(step.mesh, rule.spec)
         if len(rule.shape) == 3:
-            return jax.jit(lambda *x: jnp.stack(x), out_shardings=sharding)(*parts)
+            return _stack_fn(sharding)(*parts)
         return jax.device_put(parts[0], sharding)
 
     def like_master(key):
@@ -208,8 +220,8 @@ def load_state_dict(step, sd, *, like):
             raise ValueError(f"sd: Adam 'step' differs between parameters ({sorted(steps)[:4]}); one step count "
                              f"for the whole model is what optax keeps")
         count = int(steps.pop())
-        new_adam = adam._replace(count=jnp.asarray(count, adam.count.dtype), mu=like_master("exp_avg"),
-                                 nu=like_master("exp_avg_sq"))
+        new_count = jax.device_put(jnp.asarray(count, adam.count.dtype), adam.count.sharding)   # as init placed it
+        new_adam = adam._replace(count=new_count, mu=like_master("exp_avg"), nu=like_master("exp_avg_sq"))
         opt_state = _replace_state(like.opt_state, adam, new_adam)
     elif trace is not None:
         opt_state = _replace_state(like.opt_state, trace, trace._replace(trace=like_master("momentum_buffer")))

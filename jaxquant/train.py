@@ -436,6 +436,28 @@ class TrainStep(StepCalls):
 
         return jax.jit(unpack)(state.master)
 
+    # -- checkpoints: only the layer-wise step has a PyTorch-style state dict ------------------------
+
+    def _no_state_dict(self, what):
+        raise NotImplementedError(
+            f"{what}: strategy {self.strategy!r} keeps the parameters and the optimizer state as flat buffers "
+            f"that have no per-parameter PyTorch names, so it has no state dict; use the default strategy "
+            f"'optim_grads_params' (layer-wise FSDP), whose step has state_dict / state_dict_target / "
+            f"load_state_dict, or save step.params(state) (the full parameters, no optimizer state) with "
+            f"jaxquant.checkpoint.save_dcp")
+
+    def state_dict(self, state: TrainState, *, hyperparams=None) -> dict:
+        """Not for this strategy (raises ``NotImplementedError`` naming it and the alternatives)."""
+        self._no_state_dict("state_dict")
+
+    def state_dict_target(self, like: TrainState) -> dict:
+        """Not for this strategy (raises ``NotImplementedError``)."""
+        self._no_state_dict("state_dict_target")
+
+    def load_state_dict(self, state_dict: dict, *, like: TrainState) -> TrainState:
+        """Not for this strategy (raises ``NotImplementedError``)."""
+        self._no_state_dict("load_state_dict")
+
     def _check_call(self, state, batch):
         if not isinstance(state, TrainState):
             raise TypeError(f"state: must be the TrainState from step.init, got {type(state).__name__}")

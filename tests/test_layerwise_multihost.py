@@ -1,8 +1,10 @@
 """Multi-host layer-wise FSDP: 2 JAX processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo CPU
 collectives) train the stacked model of test_layerwise.py to the same parameters as 1 process x 8 devices;
 each process feeds host arrays and reads back replicated params (no non-addressable array on the host); the
-training state they save together (each process its own shards) loads on 1 process x 8 devices."""
+training state they save together (each process its own shards) loads on 1 process x 8 devices, and PyTorch
+(``torch.distributed.checkpoint.load``, one process, plain tensors) reads the same bits from it."""
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -12,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from ckpt_helpers import common
 from test_layerwise import assert_close_to, init_params, loss_scan, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
@@ -40,6 +43,7 @@ def test_two_processes_equal_one(tmp_path, cw):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = common.REPO + os.pathsep + env.get("PYTHONPATH", "")   # this checkout's jaxquant
     procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path / f"p{i}.npz"), cw],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
@@ -66,3 +70,22 @@ def test_two_processes_equal_one(tmp_path, cw):
         step.params(state))[0]}
     for k in flat_ref:
         np.testing.assert_array_equal(loaded[k], got[0][k], err_msg=k)
+    # one checkpoint: each process wrote its own file; PyTorch reads it as 1 process x 8 devices does
+    ckpt = str(tmp_path / "ckpt")
+    assert sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    if importlib.util.find_spec("torch") is None and os.environ.get("JAXQUANT_REQUIRE_TORCH") != "1":
+        return      # (the JAX part above passed; common.TORCH_SKIP_REASON says how to get torch for the rest)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from test_layerwise import LR
+
+    jax_sd = step.state_dict(state, hyperparams=dict(lr=LR, momentum=0.0, weight_decay=0.0))
+    want = {n: np.asarray(a) for n, a in jax_sd["model"].items()}
+    torch_sd = {"model": {n: torch.zeros(a.shape, dtype=torch.float32) for n, a in want.items()},
+                "optim": {"param_groups": [{"lr": 0.0, "momentum": -1.0, "params": []}]}}
+    dcp.load(torch_sd, checkpoint_id=ckpt, no_dist=True)
+    for n, a in want.items():
+        assert common.same_bytes(torch_sd["model"][n].numpy(), a), n
+    group = torch_sd["optim"]["param_groups"][0]
+    assert group["lr"] == LR and group["momentum"] == 0.0 and sorted(group["params"]) == sorted(want)

@@ -3,6 +3,7 @@ torch's get_state_dict gives, resume on the same mesh continuing bitwise, reshar
 optax states it cannot map, and (with torch) the checkpoint loaded by torch.distributed.checkpoint +
 set_state_dict into torch.optim.Adam, whose next step equals optax's on the same gradient, and back."""
 
+import functools
 import importlib.util
 import os
 
@@ -82,6 +83,56 @@ def test_reshard_on_load(tmp_path, devices):
             np.testing.assert_array_equal(np.asarray(again["optim"]["state"][name][k]), np.asarray(v), err_msg=k)
 
 
+TP_SPECS = {"embed": None, "head": None, "blocks": {"w1": "col", "w2": "row", "norm": None}}
+
+
+def make_tp(fsdp, tp):
+    """The layer-wise step on an (fsdp, tp) mesh, w1 column- and w2 row-parallel over "tp" (bf16 weights)."""
+    mesh = Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
+    loss = functools.partial(loss_scan, tp_axis="tp") if tp > 1 else loss_scan
+    return jq.make_train_step(loss, optax.adam(ADAM["lr"]), mesh=mesh, quantize_mask=MASK, tp_axis="tp",
+                              param_specs=TP_SPECS, policy=jq.MixedPrecisionPolicy(compute_weights="bf16"))
+
+
+def _host_sd(sd):
+    return {"model": {n: np.asarray(a) for n, a in sd["model"].items()},
+            "optim": {n: {k: np.asarray(v) for k, v in e.items()} for n, e in sd["optim"]["state"].items()}}
+
+
+@pytest.mark.slow
+def test_reshard_across_tp_layouts(tmp_path):
+    """Saved on (fsdp 4, tp 2), loaded on (fsdp 8, tp 1), (fsdp 2, tp 1) and (fsdp 1, tp 2): parameters and Adam
+    state bitwise equal to what was saved, in the target's sharding; the next step's loss (a forward pass at the
+    loaded parameters) equals the saving layout's within fp32 reordering."""
+    src = make_tp(4, 2)
+    state = trained(src)
+    assert tuple(state.master["blocks"]["w1"].sharding.spec)[1] == ("tp", "fsdp")
+    assert tuple(state.master["blocks"]["w2"].sharding.spec) == (None, "fsdp", "tp")
+    sd = src.state_dict(state, hyperparams=ADAM)
+    path = ck.save_dcp(str(tmp_path / "ckpt"), sd)
+    want, want_params = _host_sd(sd), jax.tree.map(np.asarray, src.params(state))
+    _, m_src = src(state, make_batch(2))
+    for fsdp, tp in ((8, 1), (2, 1), (1, 2)):
+        dst = make_tp(fsdp, tp)
+        like = dst.init(init_params())
+        loaded = dst.load_state_dict(ck.load_dcp(path, dst.state_dict_target(like)), like=like)
+        where = f"(fsdp {fsdp}, tp {tp})"
+        assert int(loaded.step) == 3, where
+        assert len(loaded.master["blocks"]["w1"].sharding.device_set) == fsdp * tp, where
+        same_sharding = jax.tree.map(lambda a, b: a.sharding == b.sharding, (loaded.master, loaded.opt_state),
+                                     (like.master, like.opt_state))
+        assert all(jax.tree.leaves(same_sharding)), where      # master and Adam state: the target's shardings
+        got = _host_sd(dst.state_dict(loaded, hyperparams=ADAM))
+        for name, a in want["model"].items():
+            assert common.same_bytes(got["model"][name], a), f"{where}: {name}"
+            for k, v in want["optim"][name].items():
+                assert common.same_bytes(got["optim"][name][k], v), f"{where}: {name} {k}"
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b, err_msg=where),
+                     dst.params(loaded), want_params)
+        _, m = dst(loaded, make_batch(2))
+        np.testing.assert_allclose(float(m["loss"]), float(m_src["loss"]), rtol=1e-5, err_msg=where)
+
+
 @pytest.mark.slow
 def test_hyperparams_from_inject_hyperparams_and_sgd_momentum():
     step = make(8, optax.inject_hyperparams(optax.adam)(learning_rate=3e-3, b1=0.8))
@@ -100,6 +151,23 @@ def test_unmappable_states_are_named():
     lion = make(8, optax.lion(1e-3))
     with pytest.raises(ValueError, match="optimizer: its state ScaleByLionState has no PyTorch counterpart"):
         lion.state_dict(trained(lion, 1), hyperparams=ADAM)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_flat_strategies_say_they_have_no_state_dict(strategy):
+    """The flat strategies (jaxquant/train.py) keep flat buffers with no per-parameter names: each state-dict
+    method raises, naming the strategy and what to use instead."""
+    from test_train import init_params as flat_params, loss_fn
+
+    step = jq.make_train_step(loss_fn, optax.adam(ADAM["lr"]), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
+                              strategy=strategy)
+    state = step.init(flat_params())
+    msg = rf"strategy '{strategy}' keeps the parameters .* as flat buffers .* use the default strategy " \
+          r"'optim_grads_params' \(layer-wise FSDP\).* or save step.params\(state\)"
+    for call in (lambda: step.state_dict(state, hyperparams=ADAM), lambda: step.state_dict_target(state),
+                 lambda: step.load_state_dict({}, like=state)):
+        with pytest.raises(NotImplementedError, match=msg):
+            call()
 
 
 torch_required = pytest.mark.skipif(

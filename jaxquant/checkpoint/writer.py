@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import os
 from typing import Iterable
@@ -152,8 +153,18 @@ def _plan(tree, transpose: TransposeMap, dequantize, rank: int):
     return plan
 
 
-def _host(x) -> np.ndarray:
-    return np.asarray(x.data if hasattr(x, "replica_id") else x)
+def _host(x) -> tuple[np.ndarray, bool]:
+    """A chunk's data as a host array, and whether it is a copy of a device buffer (not a CPU array's view).
+
+    No copy is left behind: ``np.asarray`` of a ``jax.Array`` whose bytes it had to copy to the host (a GPU shard)
+    keeps that copy cached on the array object, here the caller's own shard, for as long as the caller keeps the
+    array (after the save too), so a save would end up holding the whole tree on the host. Converting a fresh
+    ``jax.Array`` over the same device buffer caches the copy on the fresh object instead, which goes with it."""
+    a = x.data if hasattr(x, "replica_id") else x
+    if not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1:
+        return np.asarray(a), False
+    copied = next(iter(a.sharding.device_set)).platform != "cpu"
+    return np.asarray(jax.make_array_from_single_device_arrays(a.shape, a.sharding, [a])), copied
 
 
 def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
@@ -167,10 +178,13 @@ def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
         dtype, shape, chunks, tr = payload
         w.declare_tensor(key, dtype, shape[::-1] if tr else shape, parts)
         for offsets, src in chunks:
-            arr = _host(src)
+            arr, copied = _host(src)
             if tr:  # JAX [in, out] -> stored [out, in]
                 arr, offsets = np.ascontiguousarray(arr.T), offsets[::-1]
             progress.update(w.write_chunk(key, offsets, arr))
+            del arr  # host memory: one chunk at a time (plus its transpose)
+            if copied:  # a device buffer's host copy is freed only by the garbage collector (jaxlib 0.11, H100)
+                gc.collect(1)
             interrupt.stage("chunk")
             interrupt.check()
 
