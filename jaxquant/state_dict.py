@@ -205,7 +205,9 @@ def load_state_dict(step, sd, *, like):
         sharding = NamedSharding(step.mesh, rule.spec)
         if len(rule.shape) == 3:
             return _stack_fn(sharding)(*parts)
-        return jax.device_put(parts[0], sharding)
+        # a fresh buffer even where sd's array already has this sharding: the loaded state must not share
+        # buffers with a live state (e.g. sd = step.state_dict(state)) that a step then donates
+        return jax.device_put(parts[0], sharding, may_alias=False)
 
     def like_master(key):
         out = [gather_leaf(model if key is None else optim, key, path, rule)
@@ -222,7 +224,7 @@ def load_state_dict(step, sd, *, like):
         count = int(steps.pop())
         new_count = jax.device_put(jnp.asarray(count, adam.count.dtype), adam.count.sharding)   # as init placed it
         new_adam = adam._replace(count=new_count, mu=like_master("exp_avg"), nu=like_master("exp_avg_sq"))
-        opt_state = _replace_state(like.opt_state, adam, new_adam)
+        opt_state = _replace_state(like.opt_state, adam, new_adam, count)
     elif trace is not None:
         opt_state = _replace_state(like.opt_state, trace, trace._replace(trace=like_master("momentum_buffer")))
     else:
@@ -230,15 +232,24 @@ def load_state_dict(step, sd, *, like):
     return TrainState(master, opt_state, None, jnp.asarray(count, jnp.int32), plan)
 
 
-def _replace_state(tree, old, new):
-    """``tree`` (an optax state) with the sub-state ``old`` replaced by ``new`` (injected hyperparameter
-    counts follow the step count)."""
+def _replace_state(tree, old, new, count=None):
+    """``tree`` (an optax state) with the sub-state ``old`` replaced by ``new``; the step counter of an
+    ``optax.inject_hyperparams`` state becomes ``count`` (so a schedule resumes where it left off)."""
     if tree is old:
         return new
     if hasattr(tree, "inner_state") and hasattr(tree, "_replace"):
-        return tree._replace(inner_state=_replace_state(tree.inner_state, old, new))
+        out = tree._replace(inner_state=_replace_state(tree.inner_state, old, new, count))
+        if count is None:
+            return out
+        at = lambda c: jax.device_put(jnp.asarray(count, c.dtype), c.sharding)
+        if hasattr(out, "count"):
+            out = out._replace(count=at(out.count))
+        if isinstance(getattr(out, "hyperparams_states", None), dict):   # a schedule's own counter
+            out = out._replace(hyperparams_states={k: v._replace(count=at(v.count)) if hasattr(v, "count") else v
+                                                   for k, v in out.hyperparams_states.items()})
+        return out
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_replace_state(x, old, new) for x in tree)
+        return tuple(_replace_state(x, old, new, count) for x in tree)
     if isinstance(tree, list):
-        return [_replace_state(x, old, new) for x in tree]
+        return [_replace_state(x, old, new, count) for x in tree]
     return tree

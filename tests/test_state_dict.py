@@ -143,6 +143,21 @@ def test_hyperparams_from_inject_hyperparams_and_sgd_momentum():
     assert set(sd["optim"]["state"]["head"]) == {"momentum_buffer"}
 
 
+def test_injected_schedule_resumes_at_the_step_count():
+    """optax.inject_hyperparams keeps its own step counter (it drives a schedule): a loaded state's counter
+    is the checkpoint's step count, not 0, so the learning rate continues where the run left off."""
+    sched = optax.linear_schedule(1e-2, 0.0, transition_steps=10)
+    step = make(8, optax.inject_hyperparams(optax.adam)(learning_rate=sched))
+    state = trained(step, 2)
+    sd = step.state_dict(state)     # its arrays may be the live state's; the loaded state gets its own
+    like = step.init(init_params())
+    loaded = step.load_state_dict(sd, like=like)
+    assert int(loaded.opt_state.count) == int(state.opt_state.count) == 2
+    cont, resumed = step(state, make_batch())[0], step(loaded, make_batch())[0]     # lr = sched(2) in both
+    assert float(resumed.opt_state.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)), rel=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, step.params(resumed), step.params(cont))
+
+
 @pytest.mark.slow
 def test_unmappable_states_are_named():
     step = make(8)
