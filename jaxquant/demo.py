@@ -301,8 +301,11 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     print(f"model: {cfg.layers} blocks under scan, d_model {cfg.d_model}, vocab {cfg.vocab}, {n_params:,} "
           f"parameters; mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; weights {recipe}, layer-wise FSDP; "
           f"batch {batch} x {cfg.seq} tokens")
-    gathered = f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)"
-    print(f"weights all-gathered per step (each layer where it is used): {gathered}")
+    if sent_bf16:
+        gathered = f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)"
+        print(f"weights all-gathered per step (each layer where it is used): {gathered}")
+    else:   # fsdp = 1: every rank holds its whole (TP-local) weights
+        print("weights all-gathered per step: none (fsdp=1: each device holds its weights whole)")
     data = SyntheticData(cfg, batch, seed, skip=start)
 
     def save(total, final):

@@ -48,6 +48,18 @@ def test_demo_default_mesh_is_fsdp_x_tp_and_trains(tmp_path, capsys):
     assert (tmp_path / "nvfp4-step30" / ".metadata").is_file()
 
 
+@pytest.mark.slow
+def test_demo_on_tp_only_mesh_has_no_weight_gathers(tmp_path, capsys):
+    """fsdp=1 x tp=2: each device holds its TP-local weights whole (nothing to all-gather) and the
+    sequence-parallel step still trains."""
+    rc = cli.main(["demo", "--steps", "3", "--mesh", "1x2", "--recipe", "fp8", "--ckpt-dir", str(tmp_path),
+                   "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "mesh fsdp=1 x tp=2" in out and "weights all-gathered per step: none" in out
+    assert (tmp_path / "fp8-step3" / ".metadata").is_file()
+
+
 def test_demo_refuses_tp_split_the_model_cannot_take(tmp_path, capsys):
     rc = cli.main(["demo", "--steps", "1", "--mesh", "1x8", "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2

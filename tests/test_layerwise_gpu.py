@@ -36,6 +36,8 @@ def test_fp8_step_gemms_are_cublaslt_without_a_global_flag():
 def test_scan_trains_like_the_loop_on_gpu(cw):
     _, s_scan, l_scan = _train(loss_scan, init_params(stacked=True), cw)
     _, s_loop, l_loop = _train(loss_loop, init_params(stacked=False), cw)
-    np.testing.assert_allclose(l_scan, l_loop, rtol=2e-3)
+    # FP8 amplifies the bf16 rounding differences of other GEMM algorithms (a bf16 ulp flips an E4M3
+    # rounding about 1 time in 32): 2 x H100 measured 2.4e-3 at step 3 of FP8, 2e-3 elsewhere
+    np.testing.assert_allclose(l_scan, l_loop, rtol=5e-3 if cw == "fp8" else 2e-3)
     for a, b in zip(jax.tree.leaves(s_scan.master), jax.tree.leaves(stack_params(s_loop.master))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-3)
