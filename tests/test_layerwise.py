@@ -153,6 +153,7 @@ def test_hsdp_with_tp_equals_fsdp():
     assert_close_to(p, p4, init_params(), 1e-3)   # a reordered fp32 sum can flip a bf16 rounding of dW
 
 
+@pytest.mark.slow
 def test_quantize_mask_leaves_arrive_as_arrays():
     seen = {}
 

@@ -59,6 +59,7 @@ def test_sequence_parallel_step_equals_tensor_parallel_step(recipe):
     assert equal > (0.99 if recipe == "bf16" else 0.95), equal     # measured fp8: 0.97-0.99 per leaf
 
 
+@pytest.mark.slow
 def test_sequence_parallel_moves_bf16_activations_with_gathers_and_reduce_scatters():
     """From the lowered step: the tp collectives of the block activations are all-gathers and bf16
     reduce-scatters (the wire dtype of the row-parallel partial sums); no bf16/fp32 activation all-reduce."""

@@ -35,6 +35,7 @@ def trained(step, steps=3):
     return state
 
 
+@pytest.mark.slow
 def test_layout_is_torchs():
     step = make(8)
     sd = step.state_dict(trained(step), hyperparams=ADAM)
@@ -143,6 +144,7 @@ def test_hyperparams_from_inject_hyperparams_and_sgd_momentum():
     assert set(sd["optim"]["state"]["head"]) == {"momentum_buffer"}
 
 
+@pytest.mark.slow
 def test_injected_schedule_resumes_at_the_step_count():
     """optax.inject_hyperparams keeps its own step counter (it drives a schedule): a loaded state's counter
     is the checkpoint's step count, not 0, so the learning rate continues where the run left off."""
