@@ -10,7 +10,8 @@ hands the body one layer's ``ShardedWeight``. A layer uses it in one of two ways
   builds the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   No layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward);
 * ``w.gather()``: the gathered compute weight (bf16 array, ``Float8Tensor`` or ``NVFP4Tensor`` with its
-  straight-through gradient target), for layers that take quantized tensors (``jq.sp_*`` in the step: untested).
+  straight-through gradient target), for layers of one's own that take quantized tensors (the step's
+  sequence-parallel layers, ``jq.sp_column_dense`` / ``jq.sp_row_dense``, go through ``jq.dense``).
 
 Quantizing rows: per-tensor FP8 scaling needs the whole weight's amax (one scalar ``pmax`` over the
 axes that split the weight); NVFP4 16x16 tiles are whole inside a shard whose row count is a multiple
