@@ -42,6 +42,11 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
 EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp")
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
+
+
+def _tp_split(path):
+    """"col", "row" or None: how the leaf at ``path`` splits over tp."""
+    return TP_SPLIT.get(str(getattr(path[-1], "key", "")))
 # MaxText's recommended XLA GPU flags (those this XLA still has)
 MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
                  "--xla_gpu_enable_while_loop_double_buffering=true --xla_gpu_enable_pipelined_all_gather=true "
@@ -173,7 +178,7 @@ def _make_plain(a, mesh, scan):
     fsdp = int(mesh.shape["fsdp"])
 
     def spec(path, x):
-        split = TP_SPLIT.get(str(getattr(path[-1], "key", ""))) if a.tp > 1 else None
+        split = _tp_split(path) if a.tp > 1 else None
         if split == "col":      # [out, in]: out over tp, in over fsdp
             return P(*lead, "tp", "fsdp")
         if split == "row":      # in over tp, out over fsdp
@@ -204,12 +209,13 @@ def _tp_loss(a, scan, sp):
     import jax.numpy as jnp
 
     import jaxquant as jq
+    from jaxquant.gemm import pcast_varying
 
     if sp:
         col = lambda x, w: jq.sp_column_dense(x, w, tp_axis="tp")
         row = lambda x, w: jq.sp_row_dense(x, w, tp_axis="tp")
     else:
-        col = lambda x, w: jq.dense(jax.lax.pcast(x, "tp", to="varying"), w, amax_axes=("tp",))
+        col = lambda x, w: jq.dense(pcast_varying(x, ("tp",)), w, amax_axes=("tp",))
         row = lambda x, w: jax.lax.psum(jq.dense(x, w, out_dtype=jnp.float32, amax_axes=("tp",)), "tp").astype(x.dtype)
 
     def loss(w, batch):
@@ -235,7 +241,7 @@ def _make_jq(a, mesh, recipe, scan, sp=False):
     # gradients travel in bf16, as the plain step's (the transpose of its bf16 weight gather)
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
     if a.tp > 1:
-        specs = jax.tree_util.tree_map_with_path(lambda k, _: TP_SPLIT.get(str(getattr(k[-1], "key", ""))), shapes_)
+        specs = jax.tree_util.tree_map_with_path(lambda k, _: _tp_split(k), shapes_)
         step = jq.make_train_step(_tp_loss(a, scan, sp), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
                                   policy=policy, tp_axis="tp", param_specs=specs)
     else:
@@ -369,6 +375,9 @@ def main(argv=None):
         return 0
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS]
+    if a.tp == 1 and any("-sp" in c for c in configs):
+        print("the -sp configs need --tp > 1 (sequence parallelism splits over the tp axis)", file=sys.stderr)
+        return 2
     flag_sets = [f.strip() for f in a.flags.split(",") if f.strip()]
     bad += [f for f in flag_sets if f not in FLAG_SETS]
     if bad:

@@ -108,6 +108,7 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_
     import jax.numpy as jnp
 
     import jaxquant as jq
+    from jaxquant.gemm import pcast_varying
 
     act = jnp.bfloat16
     hd = cfg.d_model // cfg.heads
@@ -119,7 +120,7 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_
         if sp:
             return jq.sp_column_dense(x, w, tp_axis=tp_axis, out_dtype=act)
         if tp > 1:   # Megatron's "f": identity forward; its transpose all-reduces the input gradient over tp
-            x = jax.lax.pcast(x, tp_axis, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, tp_axis)
+            x = pcast_varying(x, (tp_axis,))
         return jq.dense(x, w, out_dtype=act, amax_axes=amax)
 
     def row_parallel(x, w):   # Megatron's "g": partial products summed over tp

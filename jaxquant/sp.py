@@ -229,11 +229,11 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
             out = lax.dynamic_update_slice_in_dim(out, part, src * s, nd - 2)
             if want_dw:   # the chunks assembled for one wgrad GEMM (no per-chunk fp32 dW partial sums)
                 full = lax.dynamic_update_slice_in_dim(full, data(chunk), src * s, nd - 2)
-        if want_dw:
-            # every rank's scale equals this one (the amax was max-reduced over tp before the cast)
-            full = _Scaled(full, a_loc.scale_inv) if isinstance(a_loc, _Scaled) else full
-            return out, wgrad(full, o_loc)
-        return out, None
+        if not want_dw:
+            return out, None
+        # every rank's scale equals this one (the amax was max-reduced over tp before the cast)
+        full = _Scaled(full, a_loc.scale_inv) if isinstance(a_loc, _Scaled) else full
+        return out, wgrad(full, o_loc)
 
     a_spec = _op_spec(a, _seq_spec(nd, axis))
     w_spec = P(None, axis) if w_contract == 0 else P(axis, None)   # N (not contracted) is sharded
@@ -405,8 +405,7 @@ def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype, wgrad_dtypes):
     def fwd(x, w, target):
         wop = _weight_operands(ctx, recipe, w, 1)
         a = _operand(ctx, recipe, x, feat, FWD_DTYPE)
-        out = _matmul_reduce_scatter(ctx, a, wop.fwd, 1, dtype)
-        return out.astype(dtype), (a, wop)
+        return _matmul_reduce_scatter(ctx, a, wop.fwd, 1, dtype), (a, wop)
 
     def bwd(res, g):
         a, wop = res

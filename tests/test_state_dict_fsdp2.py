@@ -18,7 +18,6 @@ tolerance from it, element by element.
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -104,22 +103,9 @@ def host_state(step, state):
 
 
 def run_torch(workdir, jobs, timeout=420):
-    port = common.free_port()
     with open(os.path.join(workdir, "job.json"), "w") as f:
         json.dump({"model": MODEL, "adam": ADAM, "jobs": jobs}, f)
-    procs = [subprocess.Popen([sys.executable, WORKER, workdir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env=common.env(RANK=str(r), WORLD_SIZE="4", MASTER_PORT=str(port),
-                                             OMP_NUM_THREADS="1")) for r in range(4)]
-    outs, deadline = [], time.monotonic() + timeout
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [(r, p.returncode, o[-3000:]) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not bad, f"torch ranks failed: {bad[0]}"
+    common.run_ranks([WORKER, workdir], timeout)
 
 
 def torch_result(workdir, out):

@@ -52,6 +52,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(argv, timeout, world=4):
+    """Run ``world`` gloo ranks of the torch script ``argv`` (``[script, args...]``) within ``timeout`` seconds
+    in all; assert every rank exited 0 (the failing rank's output tail in the message)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=env(RANK=str(r), WORLD_SIZE=str(world), MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(world)]
+    outs, deadline = [], time.monotonic() + timeout
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    bad = [(i, p.returncode, o[-3000:]) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    assert not bad, f"torch ranks failed: {bad[0]}"
+
+
 def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, key=lambda name: f"layers.{name}.weight"):
     """Run 4 gloo ranks of torch_fsdp_tp_worker.py (within ``timeout`` seconds in all); their results.
 
@@ -70,22 +89,7 @@ def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, key=lambda name: 
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump({"tensors": specs, "step": step}, f)
-    port = free_port()
-    procs = []
-    for rank in range(4):
-        e = env(RANK=str(rank), WORLD_SIZE="4", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "torch_fsdp_tp_worker.py"), mode, ckpt,
-                                       spec_path, workdir], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs, deadline = [], time.monotonic() + timeout
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    bad = [(i, p.returncode, o[-3000:]) for i, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not bad, f"torch ranks failed: {bad[0]}"
+    run_ranks([os.path.join(HERE, "torch_fsdp_tp_worker.py"), mode, ckpt, spec_path, workdir], timeout)
     results = []
     for rank in range(4):
         with open(os.path.join(workdir, f"rank{rank}.json")) as f:
