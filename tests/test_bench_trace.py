@@ -30,3 +30,30 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     assert abs(got["gemm_kernel_ms"] - 0.5) < 1e-9 and abs(got["other_kernel_ms"] - 0.25) < 1e-9
     assert got["top_other_kernels"] == [("loop_add_fusion", 0.25)]
     assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2) / 2) < 1e-9
+
+
+def _bench_sp():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_sp.py")
+    spec = importlib.util.spec_from_file_location("bench_sp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overlap_rule_measures_against_the_synchronous_step():
+    """The 70% rule of both benchmarks: what an overlapped step saves against the same program with every
+    collective synchronous, as a share of that program's collective kernel time."""
+    trace = lambda coll: {"collective_ms": coll, "exposed_collective_ms": coll}
+    sync = {"step_ms": 10.0, "trace": trace(2.0)}
+    cells = {"sync": sync, "off": {"step_ms": 8.5, "trace": trace(1.0)},      # saves 1.5 = 75%: meets
+             "ring": {"step_ms": 8.9, "trace": trace(0.5)}}                   # saves 55%, and > 1.03 x off
+    text = _bench_sp().overlap_target(cells)
+    assert "off: saves 1.500 ms = 75% of sync's collectives (meets" in text
+    assert "ring: saves 1.100 ms = 55% of sync's collectives (MISSES" in text
+    # bench_e2e: per config, the default-flag step against its "sync" run
+    rows = [{"config": "jq", "flags": "sync", "step_ms": 50.0, "trace": trace(10.0)},
+            {"config": "jq", "flags": "default", "step_ms": 42.0, "trace": trace(12.0)},
+            {"config": "plain", "flags": "default", "step_ms": 60.0, "trace": trace(12.0)}]   # no sync run
+    lines = list(bench_e2e.overlap_rule(rows))
+    assert lines == ["jq (default vs sync): saves 8.00 ms of 10.00 ms sync collectives (80%; meets the 70% rule)"]
