@@ -306,11 +306,12 @@ class LayerwiseTrainStep(StepCalls):
 
         return sd.state_dict_target(self, like)
 
-    def load_state_dict(self, state_dict: dict, *, like: TrainState) -> TrainState:
-        """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout; ``like``: ``self.init(params)``."""
+    def load_state_dict(self, state_dict: dict, *, like: TrainState, step_count=None) -> TrainState:
+        """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout; ``like``: ``self.init(params)``;
+        ``step_count``: the steps taken, for an SGD state (PyTorch's SGD keeps no step count)."""
         from jaxquant import state_dict as sd
 
-        return sd.load_state_dict(self, state_dict, like=like)
+        return sd.load_state_dict(self, state_dict, like=like, step_count=step_count)
 
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""

@@ -186,9 +186,14 @@ def state_dict_target(step, like) -> dict:
     return {"model": model, "optim": {"state": optim, "param_groups": [_group_target(adam is not None)]}}
 
 
-def load_state_dict(step, sd, *, like):
+def load_state_dict(step, sd, *, like, step_count=None):
     """A ``TrainState`` on ``step``'s mesh from ``sd`` (:func:`state_dict`'s layout, e.g. read by ``load_dcp``
-    from a checkpoint written on any mesh size), shaped like ``like`` (``step.init(params)``)."""
+    from a checkpoint written on any mesh size), shaped like ``like`` (``step.init(params)``).
+
+    Every step counter of the optax state (Adam's, a schedule's, ``inject_hyperparams``') and the
+    ``TrainState``'s become the checkpoint's Adam ``step``, so a learning-rate schedule resumes where it left
+    off. PyTorch's SGD keeps no step count: for an SGD state pass ``step_count`` (the number of steps taken),
+    else the counters restart at 0. With Adam, ``step_count`` must equal the checkpoint's."""
     from jaxquant.policy import TrainState
 
     plan = like.plan
@@ -214,34 +219,45 @@ def load_state_dict(step, sd, *, like):
                for (path, _), rule in zip(leaves, plan.rules)]
         return jax.tree_util.tree_unflatten(plan.treedef, out)
 
+    if step_count is not None and (isinstance(step_count, bool) or not isinstance(step_count, (int, np.integer))
+                                   or step_count < 0):
+        raise ValueError(f"step_count: must be a non-negative int (the steps taken), got {step_count!r}")
     master = jax.tree.map(lambda new, old: new.astype(old.dtype), like_master(None), like.master)
-    count = 0
+    count = 0 if step_count is None else int(step_count)
     if adam is not None:
         steps = {float(np.asarray(e["step"])) for e in optim.values()}
         if len(steps) != 1:
             raise ValueError(f"sd: Adam 'step' differs between parameters ({sorted(steps)[:4]}); one step count "
                              f"for the whole model is what optax keeps")
         count = int(steps.pop())
+        if step_count is not None and int(step_count) != count:
+            raise ValueError(f"step_count: {step_count} differs from the checkpoint's Adam step {count}")
         new_count = jax.device_put(jnp.asarray(count, adam.count.dtype), adam.count.sharding)   # as init placed it
         new_adam = adam._replace(count=new_count, mu=like_master("exp_avg"), nu=like_master("exp_avg_sq"))
         opt_state = _replace_state(like.opt_state, adam, new_adam, count)
     elif trace is not None:
-        opt_state = _replace_state(like.opt_state, trace, trace._replace(trace=like_master("momentum_buffer")))
+        opt_state = _replace_state(like.opt_state, trace, trace._replace(trace=like_master("momentum_buffer")),
+                                   count)
     else:
-        opt_state = like.opt_state
+        opt_state = _replace_state(like.opt_state, None, None, count)
     return TrainState(master, opt_state, None, jnp.asarray(count, jnp.int32), plan)
 
 
 def _replace_state(tree, old, new, count=None):
-    """``tree`` (an optax state) with the sub-state ``old`` replaced by ``new``; the step counter of an
-    ``optax.inject_hyperparams`` state becomes ``count`` (so a schedule resumes where it left off)."""
-    if tree is old:
+    """``tree`` (an optax state) with the sub-state ``old`` replaced by ``new`` (``old`` None: none); the step
+    counters of ``optax.inject_hyperparams`` and of a schedule (``ScaleByScheduleState``, e.g.
+    ``optax.adamw(learning_rate=schedule)``) become ``count`` (so the schedule resumes where it left off)."""
+    import optax
+
+    if old is not None and tree is old:
         return new
+    at = lambda c: jax.device_put(jnp.asarray(count, c.dtype), c.sharding)
+    if isinstance(tree, optax.ScaleByScheduleState):
+        return tree if count is None else tree._replace(count=at(tree.count))
     if hasattr(tree, "inner_state") and hasattr(tree, "_replace"):
         out = tree._replace(inner_state=_replace_state(tree.inner_state, old, new, count))
         if count is None:
             return out
-        at = lambda c: jax.device_put(jnp.asarray(count, c.dtype), c.sharding)
         if hasattr(out, "count"):
             out = out._replace(count=at(out.count))
         if isinstance(getattr(out, "hyperparams_states", None), dict):   # a schedule's own counter

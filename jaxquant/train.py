@@ -454,7 +454,7 @@ class TrainStep(StepCalls):
         """Not for this strategy (raises ``NotImplementedError``)."""
         self._no_state_dict("state_dict_target")
 
-    def load_state_dict(self, state_dict: dict, *, like: TrainState) -> TrainState:
+    def load_state_dict(self, state_dict: dict, *, like: TrainState, step_count=None) -> TrainState:
         """Not for this strategy (raises ``NotImplementedError``)."""
         self._no_state_dict("load_state_dict")
 

@@ -161,6 +161,29 @@ def test_injected_schedule_resumes_at_the_step_count():
 
 
 @pytest.mark.slow
+def test_plain_schedule_and_sgd_resume_at_the_step_count():
+    """A schedule passed straight to optax (ScaleByScheduleState, as in optax.adamw(learning_rate=schedule))
+    keeps a step counter too: after a load it is the checkpoint's Adam step, so the next update equals the
+    uninterrupted run's. PyTorch's SGD keeps no step count: load_state_dict(step_count=...) supplies it."""
+    sched = optax.linear_schedule(1e-2, 0.0, transition_steps=10)
+    for opt, kw, count in ((optax.adamw(sched, weight_decay=0.0), dict(hyperparams=ADAM), None),
+                           (optax.sgd(sched, momentum=0.9), dict(hyperparams=dict(lr=0.1, momentum=0.9,
+                                                                                  weight_decay=0.0)), 2)):
+        step = make(8, opt)
+        state = trained(step, 2)
+        loaded = step.load_state_dict(step.state_dict(state, **kw), like=step.init(init_params()), step_count=count)
+        counts = [int(c.count) for c in jax.tree.leaves(loaded.opt_state, is_leaf=lambda s: isinstance(
+            s, optax.ScaleByScheduleState)) if isinstance(c, optax.ScaleByScheduleState)]
+        assert counts == [2] and int(loaded.step) == 2
+        cont, resumed = step(state, make_batch())[0], step(loaded, make_batch())[0]     # lr = sched(2) in both
+        jax.tree.map(np.testing.assert_array_equal, step.params(resumed), step.params(cont))
+    with pytest.raises(ValueError, match="step_count: 3 differs from the checkpoint's Adam step 2"):
+        adam = make(8, optax.adamw(sched, weight_decay=0.0))
+        adam.load_state_dict(adam.state_dict(trained(adam, 2), hyperparams=ADAM), like=adam.init(init_params()),
+                             step_count=3)
+
+
+@pytest.mark.slow
 def test_unmappable_states_are_named():
     step = make(8)
     with pytest.raises(ValueError, match=r"hyperparams: PyTorch's param_groups need \['lr', 'betas', 'eps'"):
