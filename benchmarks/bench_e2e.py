@@ -13,7 +13,8 @@ Configurations:
   ``jax.lax.scan`` (MaxText's form);
 * ``jq-bf16`` / ``jq-fp8`` / ``jq-nvfp4``: ``make_train_step`` (layer-wise FSDP) over stacked params under
   ``scan``; ``jq-*-loop`` the same with per-layer leaves. Gradients travel in bf16 (``--grad-comm``), as
-  the plain step's do.
+  the plain step's do. ``jq-*-keep[-loop]``: ``reshard_after_forward=False`` (the backward reads the
+  weights the forward gathered, as the plain step does, instead of gathering them again).
 
 ``× plain`` divides the fastest plain form's step time (same XLA flags) by the config's. TFLOP/s per GPU
 counts model FLOPs: 6 x matrix parameters x tokens + 12 x layers x seq x hidden x tokens (attention
@@ -40,7 +41,9 @@ import time
 CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop", "jq-bf16", "jq-fp8", "jq-nvfp4")
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
-EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp")
+# "-keep": make_train_step(reshard_after_forward=False), each layer's gathered weight kept for its backward
+EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp") + \
+    tuple(f"jq-{r}-keep{form}" for r in ("bf16", "fp8", "nvfp4") for form in ("-loop", ""))
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
 
@@ -232,7 +235,7 @@ def _tp_loss(a, scan, sp):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False):
     import jax
     import optax
 
@@ -245,10 +248,11 @@ def _make_jq(a, mesh, recipe, scan, sp=False):
     if a.tp > 1:
         specs = jax.tree_util.tree_map_with_path(lambda k, _: _tp_split(k), shapes_)
         step = jq.make_train_step(_tp_loss(a, scan, sp), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
-                                  policy=policy, tp_axis="tp", param_specs=specs)
+                                  policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep)
     else:
         loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
-        step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy)
+        step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy,
+                                  reshard_after_forward=not keep)
     params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=step.master_shardings(shapes_))()
     state = step.init(params)
     del params
@@ -275,7 +279,7 @@ def run_one(a, config):
     if config.startswith("plain"):
         fn, state = _make_plain(a, mesh, scan)
     else:
-        fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config)
+        fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config)
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}

@@ -141,17 +141,24 @@ def _dense_sharded(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
 
 def _dense_sharded_fwd(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
     """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation and this rank's
-    quantized rows (the gathered weight is not kept: the backward gathers again, with no second cast)."""
+    quantized rows (FSDP2's reshard after forward: the backward gathers again, with no second cast), or with
+    ``spec.keep_gathered`` the gathered operands (no second gather)."""
     stats = None if spec.recipe == "bf16" else fsdp.statistics(shard, spec)
     local = fsdp.quantize_shard(shard, spec, stats)
-    y, act = _forward(x2, fsdp.gathered_operands(local, spec, columnwise=False), cfg)
-    return y.astype(cfg.out_dtype), (act, local)
+    gathered = fsdp.gathered_operands(local, spec, columnwise=False)
+    y, act = _forward(x2, gathered, cfg)
+    return y.astype(cfg.out_dtype), (act, gathered if spec.keep_gathered else local)
 
 
 def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
-    act, local = res
+    act, kept = res
     # FP8 GEMMs need the transposed bytes (TN); NVFP4's bf16 GEMM reads the rowwise bytes transposed
-    dx, dw = _backward(act, fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8"), g, cfg)
+    columnwise = spec.recipe == "fp8"
+    if spec.keep_gathered:
+        wops = fsdp.fp8_with_columnwise(kept) if columnwise else kept
+    else:
+        wops = fsdp.gathered_operands(kept, spec, columnwise=columnwise)
+    dx, dw = _backward(act, wops, g, cfg)
     # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
     return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False)

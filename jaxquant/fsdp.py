@@ -59,7 +59,10 @@ class WeightSpec(NamedTuple):
     the rows are sharded over (None: this rank holds every row); ``num_shards``: its size;
     ``amax_axes``: the mesh axes that split the weight (the FP8/NVFP4 amax is max-reduced over them);
     ``grad``: the gradient's way back; ``vary_axes``: axes the gathered weight is marked varying over
-    although replicated (the unsharded FSDP axis, the replicate axis), so its gradient is reduced here.
+    although replicated (the unsharded FSDP axis, the replicate axis), so its gradient is reduced here;
+    ``keep_gathered``: ``jq.dense`` keeps the gathered operands for the backward instead of gathering again
+    (FSDP2's ``reshard_after_forward=False``: less communication, the whole layer's weight held until its
+    backward).
     """
 
     recipe: str
@@ -68,6 +71,7 @@ class WeightSpec(NamedTuple):
     amax_axes: tuple
     grad: GradReduce
     vary_axes: tuple = ()
+    keep_gathered: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -160,9 +164,7 @@ def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
     data = _all_gather(local["data"], spec)
     if spec.recipe == "fp8":
         out = {"data": data, "scale_inv": local["scale_inv"]}
-        if columnwise:
-            out["data_t"] = data.T
-        return out
+        return fp8_with_columnwise(out) if columnwise else out
     rows, cols = data.shape[0], data.shape[1] * 2
     pr, pc = formats.nvfp4_scale_shape(rows, cols)
     scales = _all_gather(local["scales"], spec)
@@ -172,6 +174,11 @@ def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
         out["data_t"] = ops.nvfp4_transpose(data)
         out["scale_inv_t"] = ops.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols)
     return out
+
+
+def fp8_with_columnwise(operands: dict) -> dict:
+    """Gathered FP8 operands with ``data_t``, the byte transpose the dgrad GEMM reads (TN layout)."""
+    return operands | {"data_t": operands["data"].T}
 
 
 def gathered_tensor(shard, spec: WeightSpec):

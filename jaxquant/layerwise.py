@@ -103,7 +103,7 @@ def _split_leaves(param_specs, treedef, n):
 
 
 def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, microbatches, param_specs=None,
-              quantize_mask=None) -> LayerPlan:
+              quantize_mask=None, reshard_after_forward=True) -> LayerPlan:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
         raise ValueError("params: the parameter tree has no leaves")
@@ -132,11 +132,12 @@ def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, micro
         tp_dim = TP_SPLITS[split] if T > 1 else None
         recipe = policy.compute_weights if quantized else ("bf16" if matrix else "keep")
         rules.append(_leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis,
-                                grad))
+                                grad, not reshard_after_forward))
     return LayerPlan(treedef, tuple(rules))
 
 
-def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis, grad):
+def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis, grad,
+               keep_gathered=False):
     lead = len(shape) - 2 if len(shape) >= 2 else 0    # stacked leaves: the layer axis is never split
     rows_dim = lead if len(shape) >= 2 else 0
     local = list(shape)
@@ -161,7 +162,8 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
         spec[lead + 1] = tp_axis
     amax_axes = ((fsdp_axis,) if sharded else ()) + ((tp_axis,) if tp_dim is not None else ())
     vary = (() if sharded else (fsdp_axis,)) + ((replicate_axis,) if replicate_axis is not None else ())
-    weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary)
+    weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary,
+                        keep_gathered)
     return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1)
 
 
@@ -186,7 +188,8 @@ class LayerwiseTrainStep(StepCalls):
     strategy = "optim_grads_params"
 
     def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
-                 param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None):
+                 param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None,
+                 reshard_after_forward=True):
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
         self.microbatches, self.report_nan, self.fsdp_axis = microbatches, report_nan, fsdp_axis
         self.tp_axis = tp_axis if tp_axis is not None and int(mesh.shape[tp_axis]) > 1 else None
@@ -195,6 +198,7 @@ class LayerwiseTrainStep(StepCalls):
         self.num_shards = int(mesh.shape[fsdp_axis])
         self.replicas = 1 if replicate_axis is None else int(mesh.shape[replicate_axis])
         self.compiler_options = compiler_options
+        self.reshard_after_forward = reshard_after_forward
         self._steps = {}
 
     # -- shardings ---------------------------------------------------------------------------
@@ -275,7 +279,8 @@ class LayerwiseTrainStep(StepCalls):
     def plan(self, params) -> LayerPlan:
         return make_plan(params, policy=self.policy, mesh=self.mesh, fsdp_axis=self.fsdp_axis,
                          tp_axis=self.tp_axis, replicate_axis=self.replicate_axis, microbatches=self.microbatches,
-                         param_specs=self.param_specs, quantize_mask=self.quantize_mask)
+                         param_specs=self.param_specs, quantize_mask=self.quantize_mask,
+                         reshard_after_forward=self.reshard_after_forward)
 
     def master_shardings(self, params):
         """``NamedSharding`` of each master leaf (a pytree like ``params``, which may hold

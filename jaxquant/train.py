@@ -478,7 +478,8 @@ _DEFAULT = object()
 def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecisionPolicy] = None,
                     strategy: str = "optim_grads_params", microbatches: int = 1, report_nan: bool = False,
                     param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None,
-                    replicate_axis: Optional[str] = None, quantize_mask=None, compiler_options=_DEFAULT):
+                    replicate_axis: Optional[str] = None, quantize_mask=None, compiler_options=_DEFAULT,
+                    reshard_after_forward: bool = True):
     """A jitted data-parallel training step.
 
     ``loss_fn(weights, batch) -> scalar``: ``weights`` is a pytree like ``params``; ``batch`` is the rank's
@@ -492,6 +493,9 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
     over) that ``jq.dense`` gathers where it is used. ``quantize_mask`` (optax's mask convention: a pytree
     of bools like ``params`` or a callable ``params -> pytree``) keeps leaves masked False unquantized:
     they arrive as bf16 arrays (matrices) or main-dtype arrays. ``replicate_axis`` adds HSDP.
+    ``reshard_after_forward`` (PyTorch FSDP2's name): True (default) keeps no gathered weight past its layer's
+    forward and gathers it again for the backward; False keeps each layer's gathered weight until its
+    backward (one gather per layer and step instead of two; memory of the whole gathered model).
     ``compiler_options``: XLA options of the step's executable (default: on GPU, cuBLAS GEMMs instead of
     Triton fusions; None: XLA's defaults).
 
@@ -527,6 +531,11 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
                          f"(axes {mesh.axis_names})")
     if strategy != "optim_grads_params" and (replicate_axis is not None or quantize_mask is not None):
         raise ValueError(f"replicate_axis / quantize_mask: only with strategy='optim_grads_params', got {strategy!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward: must be a bool, got {type(reshard_after_forward).__name__}")
+    if strategy != "optim_grads_params" and not reshard_after_forward:
+        raise ValueError(f"reshard_after_forward: False needs strategy='optim_grads_params' (the flat strategies "
+                         f"gather the whole model once per step), got {strategy!r}")
     for axis in mesh.axis_names:
         if axis not in (fsdp_axis, tp_axis, replicate_axis) and mesh.shape[axis] != 1:
             raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} (data parallel),"
@@ -535,6 +544,7 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         compiler_options = default_compiler_options(mesh)
     if strategy == "optim_grads_params":
         return LayerwiseTrainStep(loss_fn, optimizer, mesh, policy, int(microbatches), bool(report_nan), fsdp_axis,
-                                  tp_axis, param_specs, replicate_axis, quantize_mask, compiler_options)
+                                  tp_axis, param_specs, replicate_axis, quantize_mask, compiler_options,
+                                  reshard_after_forward)
     return TrainStep(loss_fn, optimizer, mesh, policy, strategy, int(microbatches), bool(report_nan), fsdp_axis,
                      tp_axis, param_specs)

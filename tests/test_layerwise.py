@@ -176,6 +176,11 @@ def test_quantize_mask_leaves_arrive_as_arrays():
         jq.make_train_step(loss_scan, optax.sgd(LR), mesh=mesh, quantize_mask={"embed": False}).init(init_params())
 
 
+def _all_gathers(text):
+    """(operand type, result type) of every all-gather in a lowered module's text."""
+    return re.findall(r'"stablehlo\.all_gather"\([^)]*\) <\{.*?\}> : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)', text)
+
+
 @pytest.mark.parametrize("cw,wire", [("fp8", "f8E4M3FN"), ("nvfp4", "ui8"), ("bf16", "bf16")])
 @pytest.mark.slow
 def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
@@ -183,9 +188,6 @@ def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
     number of times whatever L is (forward, backward: the loop body), and reduce-scatters one layer's
     gradient [rows, in] -> [rows / 8, in] in the comm dtype (fp32)."""
     from test_train import collective_types
-
-    def gathers(text):
-        return re.findall(r'"stablehlo\.all_gather"\([^)]*\) <\{.*?\}> : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)', text)
 
     def counts(layers):
         global L
@@ -195,7 +197,7 @@ def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
             text = step.lower(state, make_batch()).as_text()
         finally:
             L = saved
-        return gathers(text), collective_types(text, "reduce_scatter")
+        return _all_gathers(text), collective_types(text, "reduce_scatter")
 
     cols = (lambda c: c // 2) if cw == "nvfp4" else (lambda c: c)
     g3, s3 = counts(3)
@@ -254,3 +256,35 @@ def test_temp_memory_grows_per_layer_like_plain_fsdp(cw, monkeypatch):
     layer_weights_and_grads = (2 + 4) * 2 * F * D      # bf16 gathered w1 + w2 and their fp32 gradients
     assert jq_growth < 2 * plain_growth, (jq_growth, plain_growth)
     assert jq_growth < layer_weights_and_grads / 2, (jq_growth, layer_weights_and_grads)
+
+
+@pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.slow
+def test_reshard_after_forward_false_keeps_the_gathered_weight(cw):
+    """make_train_step(reshard_after_forward=False) (PyTorch FSDP2's switch): the backward reads the weight the
+    forward gathered instead of gathering it again. Same losses and parameters bitwise (the same bytes reach
+    the same GEMMs); the lowered step gathers each layer's w1 / w2 once instead of twice; its compiled temporary
+    memory grows by the gathered weights it keeps per layer."""
+    wire = {"bf16": "bf16", "fp8": "f8E4M3FN", "nvfp4": "ui8"}[cw]
+    cols = (lambda c: c // 2) if cw == "nvfp4" else (lambda c: c)
+    runs = {}
+    for reshard in (True, False):
+        params, losses, step, state = train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard)
+        lowered = step.lower(state, make_batch())
+        text = lowered.as_text()
+        gathered = [result for _, result in _all_gathers(text)]
+        layer_gathers = sum(gathered.count(f"tensor<{rows}x{cols(c)}x{wire}>") for rows, c in ((F, D), (D, F)))
+        runs[reshard] = params, losses, layer_gathers, lowered.compile().memory_analysis().temp_size_in_bytes
+    (p_re, l_re, n_re, t_re), (p_keep, l_keep, n_keep, t_keep) = runs[True], runs[False]
+    np.testing.assert_array_equal(l_re, l_keep)
+    jax.tree.map(np.testing.assert_array_equal, p_re, p_keep)
+    assert n_keep == 2 and n_re == 4, (n_keep, n_re)     # w1 and w2: forward only / forward and backward
+    assert t_keep > t_re, (t_keep, t_re)
+
+
+def test_reshard_after_forward_is_checked():
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    with pytest.raises(TypeError, match="reshard_after_forward: must be a bool"):
+        jq.make_train_step(loss_scan, optax.sgd(LR), mesh=mesh, reshard_after_forward="no")
+    with pytest.raises(ValueError, match="reshard_after_forward: False needs strategy='optim_grads_params'"):
+        jq.make_train_step(loss_scan, optax.sgd(LR), mesh=mesh, strategy="optim", reshard_after_forward=False)
