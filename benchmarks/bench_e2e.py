@@ -50,6 +50,8 @@ TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 def _tp_split(path):
     """"col", "row" or None: how the leaf at ``path`` splits over tp."""
     return TP_SPLIT.get(str(getattr(path[-1], "key", "")))
+
+
 # MaxText's recommended XLA GPU flags (those this XLA still has)
 MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
                  "--xla_gpu_enable_while_loop_double_buffering=true --xla_gpu_enable_pipelined_all_gather=true "

@@ -33,8 +33,7 @@ import sys
 import time
 
 MODES = ("sync", "ring", "off")
-# "sync": the "off" layers with synchronous collectives (no overlap at all), the baseline of the 70% rule
-SYNC_FLAGS = "--xla_gpu_disable_async_collectives=ALLCOLLECTIVES"
+# "sync": the "off" layers with bench_e2e.SYNC_FLAGS (no overlap at all), the baseline of the 70% rule
 LAYER_OVERLAP = {"sync": "off"}   # the layers' overlap= per benchmark mode (default: the mode itself)
 DEFAULT_SIZES = "8192x4096x4096,8192x4096x16384,8192x8192x8192,8192x8192x32768"
 CPU_SIZES = "64x32x64"
@@ -200,6 +199,8 @@ def _child(args):
 def _run_mode(mode, argv, args):
     """The rows one mode's process printed, and its error (None, or the tail of its stderr): a failing
     mode is reported and the others still run."""
+    from bench_e2e import SYNC_FLAGS   # same directory
+
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "") + " " + args.extra_flags + (" " + SYNC_FLAGS if mode == "sync" else "")
     if args.cpu_smoke:

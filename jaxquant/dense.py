@@ -197,7 +197,8 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
 
     ``w``: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3), an ``NVFP4Tensor``, or one layer's
     ``jq.ShardedWeight`` (layer-wise FSDP, ``make_train_step``: quantized and all-gathered here, gathered
-    again in the backward, its gradient reduce-scattered into ``w.grad``; docs/fsdp.md).
+    again in the backward unless ``reshard_after_forward=False``, its gradient reduce-scattered into
+    ``w.grad``; docs/fsdp.md).
     ``recipe``: None (follow the weight's type), ``"fp8"`` or ``"nvfp4"``; with an array weight it is
     quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
     ``out_dtype``: dtype of ``y`` (default ``x.dtype``). ``amax_axes``: mesh axis name(s) over which the
@@ -237,7 +238,8 @@ def _check_x_out(x, n_in, w_shape, out_dtype):
 
 
 def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
-    """``dense`` with a layer-wise FSDP weight (``jaxquant.fsdp``): gathered here, re-gathered in the backward."""
+    """``dense`` with a layer-wise FSDP weight (``jaxquant.fsdp``): gathered here, and again in the backward
+    unless its spec keeps the gathered operands (``reshard_after_forward=False``)."""
     fsdp._check_layer(w, "w")
     if recipe in RECIPES and w.spec.recipe == "bf16":   # bf16 weights quantized on the fly, as for an array
         return dense(x, w.gather(), recipe=recipe, out_dtype=out_dtype, amax_axes=amax_axes)

@@ -8,7 +8,9 @@ hands the body one layer's ``ShardedWeight``. A layer uses it in one of two ways
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
   builds the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
-  No layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward);
+  By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
+  ``make_train_step(reshard_after_forward=False)`` (``WeightSpec.keep_gathered``) the gathered operands
+  are the residual and the backward gathers nothing;
 * ``w.gather()``: the gathered compute weight (bf16 array, ``Float8Tensor`` or ``NVFP4Tensor`` with its
   straight-through gradient target), for layers of one's own that take quantized tensors (the step's
   sequence-parallel layers, ``jq.sp_column_dense`` / ``jq.sp_row_dense``, go through ``jq.dense``).

@@ -570,6 +570,5 @@ def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=
     ``jq.dense`` takes), partial sums reduce-scattered over ``tp_axis`` onto the sequence rows in
     ``out_dtype`` (default x's dtype: bf16 partial sums on the wire, as Megatron) -> ``[..., S/n, out]``.
     JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs."""
-    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    y = gemm_dense(x, w, recipe=recipe, out_dtype=jnp.float32, amax_axes=(tp_axis,)).astype(out_dtype)
+    y = gemm_dense(x, w, recipe=recipe, out_dtype=out_dtype, amax_axes=(tp_axis,))   # fp32 GEMM, rounded once
     return lax.psum_scatter(y, tp_axis, scatter_dimension=_seq_axis(x, "x"), tiled=True)

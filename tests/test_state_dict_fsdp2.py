@@ -263,24 +263,26 @@ def _same(a, b, what):
         assert common.same_bytes(a[n], b[n]), f"{what}: {n}"
 
 
-def test_torch_fsdp2_resumes_jax_checkpoint_and_steps_like_jax(runs):
-    p3, p4, m4, v4, slices = torch_result(runs["work"], "a")
-    params3, m3, v3, count = runs["a3"]
+def _resumed_step4(runs, direction, what):
+    """Run ``direction`` ("a": JAX -> torch, "b": torch -> JAX): the resumed parameters equal the checkpoint's
+    after 3 steps; returns (torch's parameters after 3 steps, the resuming side's step count after the 4th,
+    the 4th step's comparison)."""
+    p3, p4, m4, v4, slices = torch_result(runs["work"], direction)
+    params3, m3, v3, count = runs[direction + "3"]
     assert count == 3.0
-    _same(p3, params3, "torch's parameters after dcp.load + set_state_dict")
-    params4, mj, vj, count4 = runs["a4"]
+    _same(params3, p3, what)
+    params4, mj, vj, count4 = runs[direction + "4"]
+    return p3, count4, compare_step4((params4, mj, vj), (p4, m4, v4), slices, m3, v3, count)
+
+
+def test_torch_fsdp2_resumes_jax_checkpoint_and_steps_like_jax(runs):
+    _, count4, stats = _resumed_step4(runs, "a", "torch's parameters after dcp.load + set_state_dict")
     assert count4 == 4.0
-    stats = compare_step4((params4, mj, vj), (p4, m4, v4), slices, m3, v3, count)
     print(f"\n(a) JAX -> torch FSDP2, step 4: {stats}; torch job {runs['torch_s']:.1f} s")
 
 
 def test_jax_resumes_torch_fsdp2_checkpoint_and_steps_like_torch(runs):
-    p3, p4, m4, v4, slices = torch_result(runs["work"], "b")
-    params3, m3, v3, count = runs["b3"]
-    assert count == 3.0
-    _same(params3, p3, "JAX's parameters after load_state_dict of torch's checkpoint")
-    params4, mj, vj, _ = runs["b4"]
-    stats = compare_step4((params4, mj, vj), (p4, m4, v4), slices, m3, v3, count)
+    p3, _, stats = _resumed_step4(runs, "b", "JAX's parameters after load_state_dict of torch's checkpoint")
     # torch trained from the same start on the same batches: its 3 steps and JAX's differ by their roundings
     # (compounded over 3 steps; no bound derived), far less than the 3 steps moved the parameters
     drift = max(float(np.max(np.abs(runs["a3"][0][n] - p3[n]))) for n in p3)
