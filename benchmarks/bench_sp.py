@@ -2,7 +2,8 @@
 per overlap mode, for bf16 and FP8 weights, on all GPUs of one host as the TP axis.
 
 Modes: "ring" (the layers' ppermute ring), "off" (the layers' one all-gather /
-reduce-scatter, which XLA runs asynchronously and places under independent GEMMs) and "sync" (the
+reduce-scatter, which XLA runs asynchronously and places under independent GEMMs), "fused" (bf16 only:
+the collective GEMM kernels of jaxquant/collective_gemm.py) and "sync" (the
 "off" program with every collective synchronous, --xla_gpu_disable_async_collectives: nothing
 overlaps, the no-overlap baseline). Each mode runs in its own process (a failing mode is reported and
 the others still run); --extra-flags adds XLA_FLAGS to every mode. Prints per size the median times,
@@ -32,11 +33,11 @@ import subprocess
 import sys
 import time
 
-MODES = ("sync", "ring", "off")
+MODES = ("sync", "ring", "off", "fused")
 # "sync": the "off" layers with bench_e2e.SYNC_FLAGS (no overlap at all), the baseline of the 70% rule
 LAYER_OVERLAP = {"sync": "off"}   # the layers' overlap= per benchmark mode (default: the mode itself)
 DEFAULT_SIZES = "8192x4096x4096,8192x4096x16384,8192x8192x8192,8192x8192x32768"
-CPU_SIZES = "64x32x64"
+CPU_SIZES = "1024x128x512"   # per rank (tp 4): 256 rows, the smallest chunk overlap="fused" tiles
 
 
 def _args(argv=None):
@@ -140,6 +141,8 @@ def _child(args):
     overlap = LAYER_OVERLAP.get(mode, mode)
 
     for recipe in args.recipes.split(","):
+        if overlap == "fused" and recipe != "bf16":
+            continue   # the collective GEMM kernels are bf16 only (docs/sp.md)
         for seq, hidden, ffn in _sizes(args):
             k = jax.random.split(jax.random.key(0), 5)
             x = put(jax.random.normal(k[0], (args.batch, seq, hidden), jnp.bfloat16), P(None, "tp", None))

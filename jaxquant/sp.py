@@ -20,8 +20,10 @@ those of ``jq.dense`` (jaxquant/gemm.py). Residuals for the backward pass are va
 forward call (no quantizer state), so interleaving forward passes of several microbatches cannot change
 what a backward pass reads.
 
-Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels) and "off"
-(shard_map, one all_gather / psum_scatter and one GEMM). A former "xla" mode (GSPMD einsums left to
+Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "off"
+(shard_map, one all_gather / psum_scatter and one GEMM) and "fused" (bf16 only: collective GEMM kernels
+that move the chunks themselves, jaxquant/collective_gemm.py; the forward keeps the gathered activation
+for the wgrad instead of gathering it again). A former "xla" mode (GSPMD einsums left to
 XLA's windowed-einsum pass) is gone: that pass fails XLA's HLO verifier on these layers' backward
 (docs/sp.md).
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -37,11 +40,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxquant import formats, gemm, ops
+from jaxquant import collective_gemm, formats, gemm, ops
 from jaxquant.dense import dense as gemm_dense, split_master
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
-OVERLAPS = ("ring", "off")
+OVERLAPS = ("ring", "off", "fused")
 RECIPES = ("bf16", "fp8", "nvfp4")   # recipe= (or None: follow the weight's type), as jq.dense
 # per weight kind (gemm.weight_kind), the recipes these layers run, the default first: an array weight is
 # not quantized to NVFP4 on the fly here; an NVFP4Tensor also accepts "bf16", its former spelling
@@ -192,6 +195,50 @@ def _ring_chunks(local, axis, n, bidirectional):
         cur_r, cur_l = nxt_r, nxt_l
 
 
+def _fused_impl(ctx) -> str:
+    """The fused mode's kernels on GPU meshes; their plain-JAX schedule for impl="reference" and, under
+    impl="auto", on other backends."""
+    gpu = ctx.mesh.devices.flat[0].platform == "gpu"
+    return "kernel" if ctx.impl == "custom_call" or (ctx.impl == "auto" and gpu) else "reference"
+
+
+def _rank_major(v, n):
+    """[..., n*s, c] -> [n*prod(...)*s, c]: each rank's sequence rows (of every batch entry) contiguous."""
+    lead, (rows, c) = v.shape[:-2], v.shape[-2:]
+    v = v.reshape(lead + (n, rows // n, c))
+    return jnp.moveaxis(v, -3, 0).reshape(-1, c)
+
+
+def _from_rank_major(v, lead, n):
+    """The inverse of ``_rank_major`` for ``lead`` batch dims."""
+    v = v.reshape((n,) + lead + (-1, v.shape[-1]))
+    v = jnp.moveaxis(v, 0, -3)
+    return v.reshape(lead + (-1, v.shape[-1]))
+
+
+def _fused_gather_matmul(ctx, a_loc, w_loc, w_contract):
+    """Per rank: (a_full @ w, a_full) through collective_gemm.gather_matmul, ``a_loc [..., s, K]``."""
+    b = w_loc if w_contract == 0 else w_loc.T
+    lead, k = a_loc.shape[:-2], a_loc.shape[-1]
+    out, full = collective_gemm.gather_matmul(a_loc.reshape(-1, k), b, axis=ctx.axis, n=ctx.n,
+                                              impl=_fused_impl(ctx))
+    return _from_rank_major(out, lead, ctx.n), _from_rank_major(full, lead, ctx.n)
+
+
+def _gathered_forward(ctx, a, w, out_dtype):
+    """The column layer's fused forward: (out feature-sharded, the gathered ``a`` replicated over tp)."""
+    nd = _ndim(a)
+    body = lambda a_loc, w_loc: _fused_gather_matmul(ctx, a_loc, w_loc, 1)
+    out, full = _smap(ctx, body, (_seq_spec(nd, ctx.axis), P(ctx.axis, None)),
+                      (_feat_spec(nd, ctx.axis), P()))(a, w)
+    return out.astype(out_dtype), full
+
+
+def _wgrad_on_gathered(ctx, g, full):
+    """[out/n, in] per rank: ``g`` feature-sharded times the replicated gathered activation."""
+    return _smap(ctx, _wgrad, (_feat_spec(_ndim(g), ctx.axis), P()), P(ctx.axis, None))(g, full)
+
+
 def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=True, out_dtype=jnp.float32):
     """All-gather the sequence-sharded ``a`` [..., S, K] and consume it twice, each optional:
 
@@ -208,6 +255,9 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
 
     def body(a_loc, w_loc, o_loc):
         s = _shape(a_loc)[-2]
+        if ctx.overlap == "fused" and want_out:
+            out, full = _fused_gather_matmul(ctx, a_loc, w_loc, w_contract)
+            return out.astype(out_dtype), (wgrad(full, o_loc) if want_dw else None)
         # without a GEMM per chunk (wgrad only: the column layer's backward) one all-gather, which XLA
         # schedules under the independent dgrad ring's GEMMs
         if ctx.overlap == "off" or not want_out:
@@ -273,6 +323,10 @@ def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
     nd, axis, n = _ndim(a), ctx.axis, ctx.n
 
     def body(a_loc, w_loc):
+        if ctx.overlap == "fused":
+            out = collective_gemm.matmul_reduce_scatter(_rank_major(a_loc, n), w_loc if w_contract == 0 else w_loc.T,
+                                                        axis=axis, n=n, impl=_fused_impl(ctx))
+            return out.reshape(a_loc.shape[:-2] + (-1, out.shape[-1])).astype(wire)
         if ctx.overlap == "off":
             return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract, out_dtype=wire), axis,
                                     scatter_dimension=nd - 2, tiled=True)
@@ -380,7 +434,10 @@ def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype, wgrad_
     def fwd(x, gamma, beta, w, target):
         wop = _weight_operands(ctx, recipe, w, 0)
         a = _operand(ctx, recipe, layernorm(x, gamma, beta).astype(COMPUTE_DTYPE), seq, FWD_DTYPE)
-        out, _ = _gather_matmul(ctx, a, wop.fwd, 1, out_dtype=out_dtype)
+        if ctx.overlap == "fused":   # the gathered x is kept: the wgrad needs no second gather
+            out, a = _gathered_forward(ctx, a, wop.fwd, out_dtype)
+        else:
+            out, _ = _gather_matmul(ctx, a, wop.fwd, 1, out_dtype=out_dtype)
         return out, (x, gamma, beta, a, wop)
 
     def bwd(res, g):
@@ -388,7 +445,10 @@ def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype, wgrad_
         gq = _operand(ctx, recipe, g, feat, GRAD_DTYPE)
         # dgrad: GEMM -> reduce-scatter, in x's dtype on the wire
         dy = _matmul_reduce_scatter(ctx, gq, wop.dgrad, wop.dgrad_contract, x.dtype).astype(jnp.float32)
-        _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=False)     # wgrad [out, in] on the re-gathered x
+        if ctx.overlap == "fused":
+            dw = _wgrad_on_gathered(ctx, gq, a)
+        else:
+            _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=False)     # wgrad [out, in] on the re-gathered x
         # the bf16 rounding of the layernorm output passes the gradient straight through
         dx, dgamma, dbeta = jax.vjp(layernorm, x, gamma, beta)[1](dy)
         return dx, dgamma, dbeta, *_weight_cotangents(wgrad_dtypes, dw)
@@ -443,7 +503,7 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
                          f"got {mesh.axis_types}")
     if overlap == "xla":
         raise ValueError('overlap: "xla" was removed (XLA\'s windowed-einsum pass fails its HLO verifier on these '
-                         'layers\' backward, docs/sp.md); use "ring" or "off"')
+                         'layers\' backward, docs/sp.md); use "ring", "off" or "fused"')
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
     ops._check_impl(impl)
@@ -486,6 +546,24 @@ def _check_x(x, ctx):
     _check_divisible("x", "the sequence length x.shape[-2]", x.shape[-2], ctx.n, ctx.axis)
 
 
+def _check_fused(ctx, x, w, recipe, hidden, features):
+    """overlap="fused": bf16 activations and weight (its kernels' only dtype), and per-rank GEMMs that fit
+    their tiling: [rows, hidden] x [hidden, features/n] and [rows, features/n] x [features/n, hidden]."""
+    if ctx.overlap != "fused":
+        return
+    if recipe != "bf16" or isinstance(w, (Float8Tensor, NVFP4Tensor)):
+        raise ValueError(f"overlap: 'fused' runs bf16 GEMMs only (recipe 'bf16' with a float weight), got "
+                         f"recipe {recipe!r} and a {type(w).__name__} weight; use 'off' or 'ring'")
+    if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
+        raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
+    if _fused_impl(ctx) == "kernel" and ctx.mesh.devices.flat[0].platform != "gpu":
+        raise ValueError("impl: 'custom_call' with overlap='fused' runs Pallas:Mosaic GPU kernels and needs a "
+                         "mesh of GPUs; impl='reference' (or 'auto') runs their plain-JAX schedule")
+    rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n
+    collective_gemm.check_shapes("w", rows, hidden, features // ctx.n)
+    collective_gemm.check_shapes("w", rows, features // ctx.n, hidden)
+
+
 def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",
                        recipe: Optional[str] = None, eps: float = 1e-5, impl: str = "auto"):
     """Column-parallel layer: layernorm, then all-gather over the sequence, then ``@ w.T``.
@@ -509,6 +587,7 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
             raise ValueError(f"{name}: must have shape ({hidden},) (the last dim of x), got {tuple(v.shape)}")
     w, master, recipe, dtypes = _weight_and_recipe(w, recipe, hidden)
     _check_divisible("w", "the output features w.shape[0]", w.shape[0], ctx.n, tp_axis)
+    _check_fused(ctx, x, w, recipe, hidden, int(w.shape[0]))
     layer = _column_layer(ctx, recipe, float(eps), x.ndim, jnp.dtype(x.dtype), dtypes)
     return layer(x, gamma, beta, w, master)
 
@@ -525,6 +604,7 @@ def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "
     _check_x(x, ctx)
     _check_divisible("x", "the features x.shape[-1]", x.shape[-1], ctx.n, tp_axis)
     w, master, recipe, dtypes = _weight_and_recipe(w, recipe, int(x.shape[-1]))
+    _check_fused(ctx, x, w, recipe, int(w.shape[0]), int(x.shape[-1]))
     layer = _row_layer(ctx, recipe, x.ndim, jnp.dtype(x.dtype), dtypes)
     return layer(x, w, master)
 

@@ -246,7 +246,7 @@ def test_other_weight_types(kind):
 @pytest.mark.slow
 def test_overlap_modes_agree(recipe, kind):
     col_args, row_args = _layer_args(11, recipe, kind)
-    res = {m: _runner(4, m, recipe)(col_args, row_args) for m in sp.OVERLAPS}
+    res = {m: _runner(4, m, recipe)(col_args, row_args) for m in ("ring", "off")}   # "fused" (bf16 only): test_fused_*
     for m in ("off",):
         (col, row), (col_ring, row_ring) = res[m], res["ring"]
         # same GEMM partition of each output element: bitwise
@@ -307,7 +307,7 @@ def test_bad_input_errors():
     x, gamma, beta, w1, w2 = _inputs()
     with pytest.raises(ValueError, match="overlap: must be one of"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, overlap="fast")
-    with pytest.raises(ValueError, match='overlap: "xla" was removed .* use "ring" or "off"'):
+    with pytest.raises(ValueError, match='overlap: "xla" was removed .* use "ring", "off" or "fused"'):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, overlap="xla")
     with pytest.raises(ValueError, match="tp_axis: 'model' is not an axis"):
         jq.sp_layernorm_dense(x, gamma, beta, w1, mesh=mesh, tp_axis="model")
@@ -503,3 +503,65 @@ def test_fp8_gemms_take_float8_operands_and_no_fp8_bytes_are_transposed():
         operands = line.rsplit(" : (", 1)[1].split(") -> ")[0]
         assert operands.count("xf8E") == 2, line
     assert not [line for line in text.splitlines() if "stablehlo.transpose" in line and "xf8E" in line]
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap="fused" (bf16 collective GEMM kernels on GPUs; here their plain-JAX schedule)
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused_inputs(tp, batch):
+    """bf16 sp_mlp inputs whose per-rank GEMMs fit the kernels' tiling (256-row chunks, 128-wide outputs)."""
+    seq, hidden, ffn = 256 * tp // batch, 128, 128 * tp
+    k = jax.random.split(jax.random.key(tp), 4)
+    x = jax.random.normal(k[0], (batch, seq, hidden), jnp.bfloat16)
+    w1 = jax.random.normal(k[1], (ffn, hidden), jnp.float32) / np.sqrt(hidden)
+    w2 = jax.random.normal(k[2], (hidden, ffn), jnp.float32) / np.sqrt(ffn)
+    return x, w1, w2, jax.random.normal(k[3], (batch, seq, hidden), jnp.bfloat16)
+
+
+def _mlp_vjp(mesh, overlap, x, w1, w2, g):
+    hidden = x.shape[-1]
+    gamma, beta = jnp.ones((hidden,), jnp.float32), jnp.zeros((hidden,), jnp.float32)
+    f = lambda x, w1, w2: jq.sp_mlp(x, gamma, beta, w1, w2, mesh=mesh, overlap=overlap, recipe="bf16")
+    out, vjp = jax.vjp(f, x, w1, w2)
+    return out, vjp(g)
+
+
+@pytest.mark.parametrize("tp,batch", [(2, 1), (4, 2)])
+def test_fused_schedule_matches_off(tp, batch):
+    """overlap="fused" off the GPU runs its kernels' schedule in plain JAX (collective_gemm,
+    impl="reference"): the same products as "off", reduce-scattered in another order (bf16 running
+    sums round the ring), so equal to bf16 rounding; batch > 1 checks the rank-major reordering."""
+    mesh = _mesh(tp)
+    args = _fused_inputs(tp, batch)
+    run = jax.jit(functools.partial(_mlp_vjp, mesh), static_argnums=0)
+    got, want = run("fused", *args), run("off", *args)
+    for name, a, e in zip(("out", "dx", "dw1", "dw2"), jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+        assert float(np.max(np.abs(a - e))) <= 2e-2 * float(np.max(np.abs(e))), name
+
+
+def test_fused_keeps_the_gathered_activation():
+    """The fused column layer keeps the gathered activation for its wgrad: one all-gather fewer than
+    "off" (which gathers x again in the backward), and no ring transfers of its own."""
+    mesh = _mesh(2)
+    args = _fused_inputs(2, 1)
+    text = {m: jax.jit(functools.partial(_mlp_vjp, mesh, m)).lower(*args).as_text() for m in ("off", "fused")}
+    gathers = {m: len(re.findall(r"stablehlo\.all_gather", t)) for m, t in text.items()}
+    assert gathers == {"off": 3, "fused": 2}
+
+
+def test_fused_refuses_what_its_kernels_cannot_run():
+    mesh = _mesh(2)
+    x, w1, w2, _ = _fused_inputs(2, 1)
+    gamma, beta = jnp.ones((x.shape[-1],)), jnp.zeros((x.shape[-1],))
+    kw = dict(mesh=mesh, overlap="fused")
+    with pytest.raises(ValueError, match="x: overlap='fused' takes bf16 activations"):
+        jq.sp_layernorm_dense(x.astype(jnp.float32), gamma, beta, w1, **kw)
+    with pytest.raises(ValueError, match="overlap: 'fused' runs bf16 GEMMs only"):
+        jq.sp_layernorm_dense(x, gamma, beta, w1, recipe="fp8", **kw)
+    with pytest.raises(ValueError, match="w: overlap='fused' tiles the GEMM .* must be a multiple of 256"):
+        jq.sp_layernorm_dense(x[:, :384], gamma, beta, w1, **kw)
+    with pytest.raises(ValueError, match="impl: 'custom_call' with overlap='fused' .* needs a mesh of GPUs"):
+        jq.sp_dense_reduce_scatter(jnp.ones((1, 512, 256), jnp.bfloat16), w2, impl="custom_call", **kw)

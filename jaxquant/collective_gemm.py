@@ -1,0 +1,226 @@
+"""Collective GEMMs for sequence parallelism on NVLink-connected Hopper GPUs (the sp layers'
+``overlap="fused"``, docs/sp.md): the GEMM kernel itself moves the sequence chunks between the TP
+ranks, with TMA stores into a neighbour's memory, so no NCCL kernel competes with the GEMM for SMs.
+
+Both collectives run round a ring, each rank writing to its left neighbour (rank r-1):
+
+- ``gather_matmul``: ``all_gather(a) @ b``. At step s a rank multiplies chunk (r+s) mod n of the
+  sequence and, while its A tiles sit in shared memory for that GEMM, stores them into the left
+  neighbour's gathered A (at the chunk's own rows); the neighbour's step s+1 multiplies them. The
+  gathered A, in rank order, comes back too (the wgrad GEMM reads it).
+- ``matmul_reduce_scatter``: ``reduce_scatter(a @ b)``. At step s a rank computes the partial product of
+  chunk (r+s+1) mod n, adds the running sum that arrived in its receive slot s-1 and stores the bf16
+  result into the left neighbour's slot s; at the last step the chunk is its own and the sum stays.
+
+Each step's stores are awaited and then signalled on the receiver's semaphore (one count per
+storing warpgroup of each CTA); a step that reads a receive slot first waits for the whole slot. The
+GEMM engine is JAX's Hopper Pallas GEMM (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``, whose
+pipeline hook exists for such collective kernels); bf16 operands only.
+
+``impl="reference"`` runs the same schedule in plain JAX (``all_gather`` / ``ppermute``, bf16 partial sums
+added in fp32 and rounded, chunk for chunk in the kernel's order), on any backend: the CPU tests'
+executable spec of the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DTYPE = jnp.bfloat16   # operand, output and wire dtype of both kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tiling of the GEMM under the collective kernels. Each CTA owns a ``2 * tile_m x tile_n`` output
+    tile (``split="m"``) or ``tile_m x 2 * tile_n`` (``split="n"``), one half per consumer warpgroup;
+    ``stages`` A/B tiles are in flight; the persistent grid walks output tiles in bands of
+    ``band`` tiles along ``walk`` ("m" or "n")."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    walk: str = "n"
+    band: int = 16
+    split: str = "m"
+
+    def cta_tile(self) -> tuple[int, int]:
+        return (self.tile_m * (2 if self.split == "m" else 1), self.tile_n * (2 if self.split == "n" else 1))
+
+    def _engine(self):
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+        dim = {"m": hm.MatmulDimension.M, "n": hm.MatmulDimension.N}
+        return hm.TuningConfig(tile_m=self.tile_m, tile_n=self.tile_n, tile_k=self.tile_k,
+                               max_concurrent_steps=self.stages, grid_minor_dim=dim[self.walk],
+                               grid_tile_width=self.band, wg_dimension=dim[self.split])
+
+
+# the best or near-best of 8 tilings for both kernels at the benchmark's per-rank shapes (tp 2 and 4,
+# hidden 4096 / 8192) on 4 x H100 (docs/sp.md); 128x256 tiles (3 stages) were 3-8x slower
+DEFAULT_CONFIG = TileConfig()
+
+
+def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig = DEFAULT_CONFIG) -> None:
+    """ValueError unless one rank's chunk ``[rows, k] @ [k, n_cols]`` fits the kernels' tiling."""
+    cta_m, cta_n = config.cta_tile()
+    for what, size, unit in (("rows of one rank's sequence chunk (batch x S/tp)", rows, cta_m),
+                             ("contracted features", k, config.tile_k),
+                             ("output features of one rank", n_cols, cta_n)):
+        if size % unit:
+            raise ValueError(f"{name}: overlap='fused' tiles the GEMM in {cta_m}x{cta_n} outputs and "
+                             f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
+
+
+def _check(name, a, b):
+    for arg, v in (("a", a), (name, b)):
+        if v.ndim != 2 or jnp.dtype(v.dtype) != jnp.dtype(DTYPE):
+            raise ValueError(f"{arg}: overlap='fused' takes 2-D bf16 GEMM operands, got {v.dtype}{tuple(v.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{name}: contracted sizes differ ({a.shape[1]} vs {b.shape[0]})")
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas:Mosaic GPU kernels (per-rank code, inside shard_map over ``axis``)
+# ----------------------------------------------------------------------------------------------
+
+
+def _kernel_call(body, out_types, axis):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.kernel(body, out_type=out_types, grid=(_num_sms(),), grid_names=("cluster_grid",),
+                        cluster=(1,), cluster_names=("cluster",), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+def _ring(axis, n, ref):
+    """Inside a kernel body: (semaphore, warpgroup index, rank, the left neighbour's device id, ``ref`` on
+    the left neighbour)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    me = lax.axis_index(axis)
+    left = {axis: lax.rem(me + n - 1, n)}
+    return (pl.get_global(plgpu.SemaphoreType.REGULAR), lax.axis_index("wg"), me, left,
+            plgpu.remote_ref(ref, left))
+
+
+def _gather_matmul_kernel(a, b, axis, n, config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    rows, k = a.shape
+    cols = b.shape[1]
+    engine = config._engine()
+    cta_m = config.cta_tile()[0]
+    sms = _num_sms()
+
+    def body(a_ref, b_ref, out_ref, full_ref):
+        sem, wg, me, left, left_full = _ring(axis, n, full_ref)
+        for s in range(n):
+            chunk = lax.rem(me + s, n)
+            chunk_rows = pl.ds(chunk * rows, rows)
+            forward = s < n - 1
+
+            def store_tile(m_idx, n_idx, k_idx, a_smem, b_smem, chunk_rows=chunk_rows, first=s == 0):
+                del b_smem
+                # an A tile is stored once, with the first column of output tiles: into the left
+                # neighbour's gathered operand (warpgroup 0) and, the rank's own chunk, into its own
+                # (warpgroup 1, first step only); every chunk lands at its rank-order rows
+                tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
+                for dst, who in ((left_full, 0), (full_ref, 1)) if first else ((left_full, 0),):
+                    @pl.when((wg == who) & (n_idx == 0))
+                    def _(dst=dst):
+                        plgpu.copy_smem_to_gmem(a_smem, dst.at[chunk_rows].at[tile])
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+            src = a_ref if s == 0 else full_ref.at[chunk_rows]
+            hm.kernel(src, b_ref, None, out_ref.at[chunk_rows], config=engine,
+                      pipeline_callback=store_tile if forward else None, delay_release=1 if forward else 0)
+            if forward:
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    pl.semaphore_signal(sem, device_id=left)
+                # every CTA of the right neighbour has stored its tiles of the next chunk
+                pl.semaphore_wait(sem, value=(s + 1) * sms, decrement=False)
+
+    out, full = _kernel_call(body, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
+                                    jax.ShapeDtypeStruct((n * rows, k), DTYPE)], axis)(a, b)
+    return out, full
+
+
+def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    rows = a.shape[0] // n
+    cols = b.shape[1]
+    engine = config._engine()
+    sms = _num_sms()
+    storing_wgs = 2   # the two consumer warpgroups store the output tiles
+
+    def body(a_ref, b_ref, out_ref, recv_ref):
+        sem, wg, me, left, left_recv = _ring(axis, n, recv_ref)
+        for s in range(n):
+            chunk = lax.rem(me + s + 1, n)
+            last = s == n - 1
+            if s:
+                # the right neighbour's running sum of this chunk is complete in slot s-1
+                pl.semaphore_wait(sem, value=s * storing_wgs * sms, decrement=False)
+            hm.kernel(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, recv_ref.at[s - 1] if s else None,
+                      out_ref if last else left_recv.at[s], config=engine)
+            if not last:
+                @pl.when(wg < storing_wgs)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    pl.semaphore_signal(sem, device_id=left)
+
+    out, _ = _kernel_call(body, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
+                                 jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)], axis)(a, b)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public per-rank functions (inside shard_map): kernel or its plain-JAX schedule
+# ----------------------------------------------------------------------------------------------
+
+
+def gather_matmul(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = DEFAULT_CONFIG):
+    """This rank's sequence chunk ``a [rows, K]`` all-gathered over ``axis`` (size ``n``) times ``b [K, N]``
+    -> (``out [n*rows, N]``, the gathered ``a [n*rows, K]``), bf16, rows in rank order."""
+    _check("b", a, b)
+    check_shapes("b", a.shape[0], a.shape[1], b.shape[1], config)
+    if impl == "reference":
+        full = lax.all_gather(a, axis, axis=0, tiled=True)
+        return lax.dot_general(full, b, (((1,), (0,)), ((), ())), preferred_element_type=DTYPE), full
+    return _gather_matmul_kernel(a, b, axis, n, config)
+
+
+def matmul_reduce_scatter(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = DEFAULT_CONFIG):
+    """``a [n*rows, K_local] @ b [K_local, N]`` summed over ``axis`` and scattered over the rows: this rank's
+    ``[rows, N]`` (rows in rank order), bf16 partial sums on the wire."""
+    _check("b", a, b)
+    if a.shape[0] % n:
+        raise ValueError(f"a: its rows ({a.shape[0]}) must be a multiple of the axis size {n}")
+    check_shapes("b", a.shape[0] // n, a.shape[1], b.shape[1], config)
+    if impl == "reference":
+        rows = a.shape[0] // n
+        me = lax.axis_index(axis)
+        to_left = [(i, (i - 1) % n) for i in range(n)]
+        acc = None
+        for s in range(n):
+            part = lax.dot_general(lax.dynamic_slice_in_dim(a, ((me + s + 1) % n) * rows, rows, 0), b,
+                                   (((1,), (0,)), ((), ())), preferred_element_type=DTYPE)
+            acc = part if acc is None else (acc.astype(jnp.float32) + part.astype(jnp.float32)).astype(DTYPE)
+            if s < n - 1:
+                acc = lax.ppermute(acc, axis, to_left)
+        return acc
+    return _matmul_reduce_scatter_kernel(a, b, axis, n, config)
