@@ -92,7 +92,9 @@ def _num_sms() -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _kernel_call(body, out_types, axis):
+def _kernel_call(body, out_types):
+    """A persistent kernel: one CTA per SM, three warpgroups (two GEMM consumers, one TMA producer:
+    the Hopper GEMM engine's warp specialization)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.kernel(body, out_type=out_types, grid=(_num_sms(),), grid_names=("cluster_grid",),
                         cluster=(1,), cluster_names=("cluster",), num_threads=3, thread_name="wg",
@@ -152,7 +154,7 @@ def _gather_matmul_kernel(a, b, axis, n, config):
                 pl.semaphore_wait(sem, value=(s + 1) * sms, decrement=False)
 
     out, full = _kernel_call(body, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
-                                    jax.ShapeDtypeStruct((n * rows, k), DTYPE)], axis)(a, b)
+                                    jax.ShapeDtypeStruct((n * rows, k), DTYPE)])(a, b)
     return out, full
 
 
@@ -184,7 +186,7 @@ def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
                     pl.semaphore_signal(sem, device_id=left)
 
     out, _ = _kernel_call(body, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
-                                 jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)], axis)(a, b)
+                                 jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)])(a, b)
     return out
 
 
