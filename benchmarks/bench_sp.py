@@ -290,8 +290,10 @@ def overlap_target(cells):
     for m, c in cells.items():
         t = (c or {}).get("trace") or {}
         if "gemm_kernel_ms" in t:
+            fused = t.get("collective_gemm_kernel_ms") or 0.0
             parts.append(f"\n      {m} kernels/step: GEMM {t['gemm_kernel_ms']:.3f} ms, "
-                         f"other {t['other_kernel_ms']:.3f} ms, top other {t['top_other_kernels']}")
+                         + (f"collective GEMM {fused:.3f} ms, " if fused else "")
+                         + f"other {t['other_kernel_ms']:.3f} ms, top other {t['top_other_kernels']}")
     return "; ".join(parts)
 
 

@@ -123,7 +123,7 @@ def _gather_matmul_kernel(a, b, axis, n, config):
     cta_m = config.cta_tile()[0]
     sms = _num_sms()
 
-    def body(a_ref, b_ref, out_ref, full_ref):
+    def collective_gather_gemm(a_ref, b_ref, out_ref, full_ref):   # the name profiles show
         sem, wg, me, left, left_full = _ring(axis, n, full_ref)
         for s in range(n):
             chunk = lax.rem(me + s, n)
@@ -153,7 +153,7 @@ def _gather_matmul_kernel(a, b, axis, n, config):
                 # every CTA of the right neighbour has stored its tiles of the next chunk
                 pl.semaphore_wait(sem, value=(s + 1) * sms, decrement=False)
 
-    out, full = _kernel_call(body, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
+    out, full = _kernel_call(collective_gather_gemm, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
                                     jax.ShapeDtypeStruct((n * rows, k), DTYPE)])(a, b)
     return out, full
 
@@ -169,7 +169,7 @@ def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
     sms = _num_sms()
     storing_wgs = 2   # the two consumer warpgroups store the output tiles
 
-    def body(a_ref, b_ref, out_ref, recv_ref):
+    def collective_gemm_scatter(a_ref, b_ref, out_ref, recv_ref):   # the name profiles show
         sem, wg, me, left, left_recv = _ring(axis, n, recv_ref)
         for s in range(n):
             chunk = lax.rem(me + s + 1, n)
@@ -185,7 +185,7 @@ def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                     pl.semaphore_signal(sem, device_id=left)
 
-    out, _ = _kernel_call(body, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
+    out, _ = _kernel_call(collective_gemm_scatter, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
                                  jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)])(a, b)
     return out
 

@@ -19,6 +19,7 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
               kernel(1, "sm90_xmma_gemm_bf16", 600, 1000),
               kernel(1, "loop_add_fusion", 3000, 500),
               kernel(1, "ncclDevKernel_AllGather", 4000, 200),      # exposed
+              kernel(1, "collective_gather_gemm_mosaic_gpu_kernel", 5000, 300),   # overlap="fused"
               kernel(2, "ncclDevKernel_SendRecv", 0, 9000)]         # another GPU: ignored
     path = tmp_path / "plugins" / "profile" / "run"
     path.mkdir(parents=True)
@@ -29,7 +30,8 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     assert abs(got["exposed_collective_ms"] - 0.4) < 1e-9          # (0.6 + 0.2) ms over 2 steps
     assert abs(got["gemm_kernel_ms"] - 0.5) < 1e-9 and abs(got["other_kernel_ms"] - 0.25) < 1e-9
     assert got["top_other_kernels"] == [("loop_add_fusion", 0.25)]
-    assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2) / 2) < 1e-9
+    assert abs(got["collective_gemm_kernel_ms"] - 0.15) < 1e-9
+    assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2 + 0.3) / 2) < 1e-9
 
 
 def _bench_sp():
