@@ -75,6 +75,16 @@ def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig =
                              f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
 
 
+def device_problem(device) -> str | None:
+    """Why the kernels cannot run on ``device`` (they use Hopper's wgmma: sm_90 only), or None."""
+    if device.platform != "gpu":
+        return f"a mesh of GPUs, not {device.platform}"
+    cc = str(getattr(device, "compute_capability", ""))   # unknown: let the kernel compile speak
+    if cc and not cc.startswith("9."):
+        return f"Hopper GPUs (compute capability 9.x), not {device.device_kind} (compute capability {cc})"
+    return None
+
+
 def _check(name, a, b):
     for arg, v in (("a", a), (name, b)):
         if v.ndim != 2 or jnp.dtype(v.dtype) != jnp.dtype(DTYPE):

@@ -556,9 +556,11 @@ def _check_fused(ctx, x, w, recipe, hidden, features):
                          f"recipe {recipe!r} and a {type(w).__name__} weight; use 'off' or 'ring'")
     if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
         raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
-    if _fused_impl(ctx) == "kernel" and ctx.mesh.devices.flat[0].platform != "gpu":
-        raise ValueError("impl: 'custom_call' with overlap='fused' runs Pallas:Mosaic GPU kernels and needs a "
-                         "mesh of GPUs; impl='reference' (or 'auto') runs their plain-JAX schedule")
+    if _fused_impl(ctx) == "kernel":
+        problem = collective_gemm.device_problem(ctx.mesh.devices.flat[0])
+        if problem:
+            raise ValueError(f"impl: overlap='fused' with impl={ctx.impl!r} runs Pallas:Mosaic GPU kernels, which "
+                             f"need {problem}; impl='reference' runs their plain-JAX schedule")
     rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n
     collective_gemm.check_shapes("w", rows, hidden, features // ctx.n)
     collective_gemm.check_shapes("w", rows, features // ctx.n, hidden)

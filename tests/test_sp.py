@@ -563,5 +563,15 @@ def test_fused_refuses_what_its_kernels_cannot_run():
         jq.sp_layernorm_dense(x, gamma, beta, w1, recipe="fp8", **kw)
     with pytest.raises(ValueError, match="w: overlap='fused' tiles the GEMM .* must be a multiple of 256"):
         jq.sp_layernorm_dense(x[:, :384], gamma, beta, w1, **kw)
-    with pytest.raises(ValueError, match="impl: 'custom_call' with overlap='fused' .* needs a mesh of GPUs"):
+    with pytest.raises(ValueError, match="impl: overlap='fused' with impl='custom_call' .* need a mesh of GPUs"):
         jq.sp_dense_reduce_scatter(jnp.ones((1, 512, 256), jnp.bfloat16), w2, impl="custom_call", **kw)
+
+
+def test_fused_kernels_name_the_gpus_they_need():
+    from types import SimpleNamespace as NS
+
+    from jaxquant import collective_gemm
+    assert collective_gemm.device_problem(NS(platform="gpu", compute_capability="9.0", device_kind="H100")) is None
+    assert "compute capability 9.x), not NVIDIA A100 (compute capability 8.0)" in collective_gemm.device_problem(
+        NS(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100"))
+    assert "not cpu" in collective_gemm.device_problem(jax.devices("cpu")[0])
