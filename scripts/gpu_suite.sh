@@ -12,7 +12,7 @@
 # benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default "--profile --pieces 1,2,8": per-kernel breakdown and other gather piece counts; DIST_NCCL_PROTOS, e.g. "default Simple", repeats it per NCCL protocol; DIST_NCCL_TUNING=1 logs NCCL's protocol choice); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size, TRAIN_BATCH its sequences per GPU, default "2 8"; TRAIN_DEMO=0
 # skips the demo runs) and benchmarks/bench_dense.py; E2E=1 runs benchmarks/bench_e2e.py (E2E_ARGS); SP=1 runs
-# benchmarks/bench_sp.py (SP_ARGS, SP_FLAG_SETS). SKIP_BUILD=1 reuses the
+# benchmarks/bench_sp.py (SP_ARGS, SP_FLAG_SETS); CGEMM=1 runs benchmarks/bench_collective_gemm.py (CGEMM_ARGS). SKIP_BUILD=1 reuses the
 # extension a previous call built on this (still warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +144,14 @@ if [ "${E2E:-0}" = 1 ]; then
   section "bench_e2e ($ngpu GPUs)"
   { echo '```'; timeout "${E2E_TIMEOUT:-500}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} --json "$OUT/e2e.json" \
       2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tee "$OUT/e2e.txt"; echo '```'; } | tee -a "$report"
+fi
+# CGEMM=1: benchmarks/bench_collective_gemm.py (overlap="fused"'s kernels alone against NCCL + cuBLAS, per
+# tiling; CGEMM_ARGS, e.g. "--configs all").
+if [ "${CGEMM:-0}" = 1 ]; then
+  section "bench_collective_gemm ($ngpu GPUs)"
+  { echo '```'; timeout "${CGEMM_TIMEOUT:-300}" python3 benchmarks/bench_collective_gemm.py ${CGEMM_ARGS:-} \
+      --json "$OUT/collective_gemm.json" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -40; echo '```'; } \
+    | tee -a "$report"
 fi
 # SP=1: benchmarks/bench_sp.py (TP/SP overlap modes ring / xla / off on all GPUs as the tp axis), once per
 # XLA flag set in SP_FLAG_SETS ("default" = none; any other entry is added to XLA_FLAGS as written, ";"-separated).
