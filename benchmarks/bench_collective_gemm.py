@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,21 +53,15 @@ def _kernel_ms(fn, args, iters):
     import jax
 
     from bench_e2e import exposed_collectives
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
+    from bench_sp import _time
+    wall = _time(fn, args, iters, warmup=2)
     if jax.default_backend() != "gpu":
-        return statistics.median(times), None
+        return wall, None
     with tempfile.TemporaryDirectory() as path:
         with jax.profiler.trace(path, create_perfetto_trace=True):
             for _ in range(iters):
                 jax.block_until_ready(fn(*args))
-        trace = exposed_collectives(path, steps=iters)
-    return statistics.median(times), trace
+        return wall, exposed_collectives(path, steps=iters)
 
 
 def main(argv=None):
@@ -131,12 +123,13 @@ def main(argv=None):
                                     xla_scatter, fused_scatter),
         }
         for label, (operands, in_specs, out_specs, xla_fn, fused_fn) in cases.items():
-            wall, trace = _kernel_ms(smap(xla_fn, in_specs, out_specs), operands, args.iters)
+            xla = smap(xla_fn, in_specs, out_specs)
+            wall, trace = _kernel_ms(xla, operands, args.iters)
             gemm = (trace or {}).get("gemm_kernel_ms", float("nan"))
             coll = (trace or {}).get("collective_ms", float("nan"))
             print(f"{size} {label}: XLA cuBLAS GEMM {gemm:.3f} + NCCL {coll:.3f} ms ({wall:.3f} wall)")
             row = dict(size=size, case=label, tp=tp, xla_wall_ms=wall, gemm_ms=gemm, collective_ms=coll, fused={})
-            want = smap(xla_fn, in_specs, out_specs)(*operands)
+            want = xla(*operands)
             for name in names:
                 cfg = cg.TileConfig(**CONFIGS[name])
                 try:

@@ -12,8 +12,8 @@ Both collectives run round a ring, each rank writing to its left neighbour (rank
   chunk (r+s+1) mod n, adds the running sum that arrived in its receive slot s-1 and stores the bf16
   result into the left neighbour's slot s; at the last step the chunk is its own and the sum stays.
 
-Each step's stores are awaited and then signalled on the receiver's semaphore (one count per
-storing warpgroup of each CTA); a step that reads a receive slot first waits for the whole slot. The
+Each step's stores are awaited and then signalled on the receiver's semaphore (one count per CTA and
+warpgroup that stores to the neighbour); a step that reads what arrived first waits for all of it. The
 GEMM engine is JAX's Hopper Pallas GEMM (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``, whose
 pipeline hook exists for such collective kernels); bf16 operands only.
 
