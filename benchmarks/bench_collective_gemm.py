@@ -29,11 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = {   # name -> collective_gemm.TileConfig fields
     "default": {},
-    "walk-m-8": dict(walk="m", band=8),
-    "walk-n-8": dict(walk="n", band=8),
-    "walk-n-8-split-n": dict(walk="n", band=8, split="n"),
+    "split-n": dict(walk="n", band=8, split="n"),
     "walk-m-4": dict(walk="m", band=4),
-    "stages-3": dict(stages=3),
+    "tile-64x256-walk-m-8": dict(tile_m=64, tile_n=256, walk="m", band=8),
+    "epi-tile-s3": dict(epi=None, stages=3),
+    "walk-m-8-epi-tile-s3": dict(walk="m", band=8, epi=None, stages=3),
+    "split-n-epi-tile-s3": dict(walk="n", band=8, split="n", epi=None, stages=3),
+    "tile-64x256-walk-m-8-epi-tile-s3": dict(tile_m=64, tile_n=256, walk="m", band=8, epi=None, stages=3),
 }
 
 

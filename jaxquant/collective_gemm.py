@@ -38,7 +38,9 @@ class TileConfig:
     """Tiling of the GEMM under the collective kernels. Each CTA owns a ``2 * tile_m x tile_n`` output
     tile (``split="m"``) or ``tile_m x 2 * tile_n`` (``split="n"``), one half per consumer warpgroup;
     ``stages`` A/B tiles are in flight; the persistent grid walks output tiles in bands of
-    ``band`` tiles along ``walk`` ("m" or "n")."""
+    ``band`` tiles along ``walk`` ("m" or "n"); the epilogue stores ``epi x epi`` pieces of a
+    warpgroup's tile through two shared-memory slots, or (``epi=None``) the whole tile through one, so
+    that its store need not finish before the next tile's GEMM starts."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -47,6 +49,7 @@ class TileConfig:
     walk: str = "n"
     band: int = 16
     split: str = "m"
+    epi: int | None = 64
 
     def cta_tile(self) -> tuple[int, int]:
         return (self.tile_m * (2 if self.split == "m" else 1), self.tile_n * (2 if self.split == "n" else 1))
@@ -56,15 +59,17 @@ class TileConfig:
         dim = {"m": hm.MatmulDimension.M, "n": hm.MatmulDimension.N}
         return hm.TuningConfig(tile_m=self.tile_m, tile_n=self.tile_n, tile_k=self.tile_k,
                                max_concurrent_steps=self.stages, grid_minor_dim=dim[self.walk],
-                               grid_tile_width=self.band, wg_dimension=dim[self.split])
+                               grid_tile_width=self.band, wg_dimension=dim[self.split],
+                               epi_tile_m=self.epi, epi_tile_n=self.epi)
 
 
-# the best or near-best of 8 tilings for both kernels at the benchmark's per-rank shapes (tp 2 and 4,
-# hidden 4096 / 8192) on 4 x H100 (docs/sp.md); 128x256 tiles (3 stages) were 3-8x slower
-DEFAULT_CONFIG = TileConfig()
+# chosen per kernel from tilings measured at the benchmark's per-rank shapes (tp 2 and 4, hidden
+# 4096 / 8192) on 4 x H100 (docs/sp.md, benchmarks/bench_collective_gemm.py)
+GATHER_CONFIG = TileConfig(tile_m=64, tile_n=256, walk="m", band=8)
+SCATTER_CONFIG = TileConfig()
 
 
-def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig = DEFAULT_CONFIG) -> None:
+def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) -> None:
     """ValueError unless one rank's chunk ``[rows, k] @ [k, n_cols]`` fits the kernels' tiling."""
     cta_m, cta_n = config.cta_tile()
     for what, size, unit in (("rows of one rank's sequence chunk (batch x S/tp)", rows, cta_m),
@@ -130,7 +135,8 @@ def _gather_matmul_kernel(a, b, axis, n, config):
     rows, k = a.shape
     cols = b.shape[1]
     engine = config._engine()
-    cta_m = config.cta_tile()[0]
+    cta_m, cta_n = config.cta_tile()
+    n_tiles = cols // cta_n
     sms = _num_sms()
 
     def collective_gather_gemm(a_ref, b_ref, out_ref, full_ref):   # the name profiles show
@@ -142,12 +148,15 @@ def _gather_matmul_kernel(a, b, axis, n, config):
 
             def store_tile(m_idx, n_idx, k_idx, a_smem, b_smem, chunk_rows=chunk_rows, first=s == 0):
                 del b_smem
-                # an A tile is stored once, with the first column of output tiles: into the left
+                # an A tile (m, k) is stored once, by the CTA that computes output column k mod
+                # (column tiles), so that every CTA stores its share while it computes (one column
+                # storing them all made its CTAs the stragglers of each step): into the left
                 # neighbour's gathered operand (warpgroup 0) and, the rank's own chunk, into its own
                 # (warpgroup 1, first step only); every chunk lands at its rank-order rows
                 tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
+                mine = n_idx == lax.rem(k_idx, n_tiles)
                 for dst, who in ((left_full, 0), (full_ref, 1)) if first else ((left_full, 0),):
-                    @pl.when((wg == who) & (n_idx == 0))
+                    @pl.when((wg == who) & mine)
                     def _(dst=dst):
                         plgpu.copy_smem_to_gmem(a_smem, dst.at[chunk_rows].at[tile])
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -205,7 +214,7 @@ def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
 # ----------------------------------------------------------------------------------------------
 
 
-def gather_matmul(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = DEFAULT_CONFIG):
+def gather_matmul(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = GATHER_CONFIG):
     """This rank's sequence chunk ``a [rows, K]`` all-gathered over ``axis`` (size ``n``) times ``b [K, N]``
     -> (``out [n*rows, N]``, the gathered ``a [n*rows, K]``), bf16, rows in rank order."""
     _check("b", a, b)
@@ -216,7 +225,7 @@ def gather_matmul(a, b, *, axis: str, n: int, impl: str = "kernel", config: Tile
     return _gather_matmul_kernel(a, b, axis, n, config)
 
 
-def matmul_reduce_scatter(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = DEFAULT_CONFIG):
+def matmul_reduce_scatter(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = SCATTER_CONFIG):
     """``a [n*rows, K_local] @ b [K_local, N]`` summed over ``axis`` and scattered over the rows: this rank's
     ``[rows, N]`` (rows in rank order), bf16 partial sums on the wire."""
     _check("b", a, b)

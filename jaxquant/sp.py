@@ -562,8 +562,9 @@ def _check_fused(ctx, x, w, recipe, hidden, features):
             raise ValueError(f"impl: overlap='fused' with impl={ctx.impl!r} runs Pallas:Mosaic GPU kernels, which "
                              f"need {problem}; impl='reference' runs their plain-JAX schedule")
     rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n
-    collective_gemm.check_shapes("w", rows, hidden, features // ctx.n)
-    collective_gemm.check_shapes("w", rows, features // ctx.n, hidden)
+    # all-gather GEMMs: [rows, hidden] @ [hidden, features/n]; GEMM reduce-scatters: [.., features/n] @ [.., hidden]
+    collective_gemm.check_shapes("w", rows, hidden, features // ctx.n, collective_gemm.GATHER_CONFIG)
+    collective_gemm.check_shapes("w", rows, features // ctx.n, hidden, collective_gemm.SCATTER_CONFIG)
 
 
 def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",
