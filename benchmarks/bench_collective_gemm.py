@@ -13,8 +13,9 @@ free of host overhead:
     python3 benchmarks/bench_collective_gemm.py --cpu-smoke          # CPU check of the script
 
 Sizes are SEQxHIDDENxFFN as in bench_sp.py: the all-gather GEMM is the column layer's forward
-(``[S/tp, H]`` gathered, times ``[H, F/tp]``), the reduce-scatter GEMM the row layer's
-(``[S, F/tp] @ [F/tp, H]``).
+(``[S/tp, H]`` gathered, times the weight ``[F/tp, H]`` contracted on H), the reduce-scatter GEMM the
+row layer's (``[S, F/tp]`` times the weight ``[H, F/tp]`` contracted on F/tp); weights are read as
+stored (``[out, in]``), as the sp layers pass them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CONFIGS = {   # name -> collective_gemm.TileConfig fields
+CONFIGS = {   # name -> collective_gemm.TileConfig fields ("chosen": the kernels' own choice, TILINGS)
+    "chosen": None,
     "default": {},
     "split-n": dict(walk="n", band=8, split="n"),
     "walk-m-4": dict(walk="m", band=4),
@@ -42,7 +44,7 @@ CONFIGS = {   # name -> collective_gemm.TileConfig fields
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8192x4096x16384,8192x8192x32768")
-    ap.add_argument("--configs", default="default", help=f"comma list of {tuple(CONFIGS)} or 'all'")
+    ap.add_argument("--configs", default="chosen", help=f"comma list of {tuple(CONFIGS)} or 'all'")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-smoke", action="store_true", help="4 simulated CPU devices, the kernels' plain-JAX "
@@ -100,10 +102,10 @@ def main(argv=None):
         keys = jax.random.split(jax.random.key(0), 4)
         unit = lambda k, shape, fan_in: (jax.random.normal(k, shape) / np.sqrt(fan_in)).astype(jnp.bfloat16)
         x = put(jax.random.normal(keys[0], (seq, hidden), jnp.bfloat16), P("tp", None))
-        w1 = put(unit(keys[1], (hidden, ffn), hidden), P(None, "tp"))
+        w1 = put(unit(keys[1], (ffn, hidden), hidden), P("tp", None))      # weights [out, in], as stored
         h = put(jax.random.normal(keys[2], (seq, ffn), jnp.bfloat16), P(None, "tp"))
-        w2 = put(unit(keys[3], (ffn, hidden), ffn), P("tp", None))
-        mm = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
+        w2 = put(unit(keys[3], (hidden, ffn), ffn), P(None, "tp"))
+        mm = lambda a, w: lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
 
         def xla_gather(a, b):
             full = lax.all_gather(a, "tp", axis=0, tiled=True)
@@ -113,15 +115,15 @@ def main(argv=None):
             return lax.psum_scatter(mm(a, b), "tp", scatter_dimension=0, tiled=True)
 
         def fused_gather(cfg):
-            return lambda a, b: cg.gather_matmul(a, b, axis="tp", n=tp, impl=impl, config=cfg)
+            return lambda a, w: cg.gather_matmul(a, w, axis="tp", n=tp, contract=1, impl=impl, config=cfg)
 
         def fused_scatter(cfg):
-            return lambda a, b: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, impl=impl, config=cfg)
+            return lambda a, w: cg.matmul_reduce_scatter(a, w, axis="tp", n=tp, contract=1, impl=impl, config=cfg)
 
         cases = {   # operands, in_specs, out_specs, the XLA program, the fused program of a tiling
-            "all-gather GEMM": ((x, w1), (P("tp", None), P(None, "tp")), (P(None, "tp"), P()),
+            "all-gather GEMM": ((x, w1), (P("tp", None), P("tp", None)), (P(None, "tp"), P()),
                                 xla_gather, fused_gather),
-            "GEMM reduce-scatter": ((h, w2), (P(None, "tp"), P("tp", None)), P("tp", None),
+            "GEMM reduce-scatter": ((h, w2), (P(None, "tp"), P(None, "tp")), P("tp", None),
                                     xla_scatter, fused_scatter),
         }
         for label, (operands, in_specs, out_specs, xla_fn, fused_fn) in cases.items():
@@ -133,7 +135,7 @@ def main(argv=None):
             row = dict(size=size, case=label, tp=tp, xla_wall_ms=wall, gemm_ms=gemm, collective_ms=coll, fused={})
             want = xla(*operands)
             for name in names:
-                cfg = cg.TileConfig(**CONFIGS[name])
+                cfg = None if CONFIGS[name] is None else cg.TileConfig(**CONFIGS[name])
                 try:
                     fn = smap(fused_fn(cfg), in_specs, out_specs)
                     got = fn(*operands)

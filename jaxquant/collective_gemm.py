@@ -25,6 +25,7 @@ executable spec of the kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,19 +55,22 @@ class TileConfig:
     def cta_tile(self) -> tuple[int, int]:
         return (self.tile_m * (2 if self.split == "m" else 1), self.tile_n * (2 if self.split == "n" else 1))
 
-    def _engine(self):
-        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
-        dim = {"m": hm.MatmulDimension.M, "n": hm.MatmulDimension.N}
-        return hm.TuningConfig(tile_m=self.tile_m, tile_n=self.tile_n, tile_k=self.tile_k,
-                               max_concurrent_steps=self.stages, grid_minor_dim=dim[self.walk],
-                               grid_tile_width=self.band, wg_dimension=dim[self.split],
-                               epi_tile_m=self.epi, epi_tile_n=self.epi)
+    def walk_dim(self) -> int:
+        return {"m": 0, "n": 1}[self.walk]
 
 
-# chosen per kernel from tilings measured at the benchmark's per-rank shapes (tp 2 and 4, hidden
-# 4096 / 8192) on 4 x H100 (docs/sp.md, benchmarks/bench_collective_gemm.py)
-GATHER_CONFIG = TileConfig(tile_m=64, tile_n=256, walk="m", band=8)
-SCATTER_CONFIG = TileConfig()
+# per kernel, the tilings to use, best first (measured at the benchmark's per-rank shapes, tp 2 and 4,
+# hidden 4096 / 8192, on 4 x H100: docs/sp.md, benchmarks/bench_collective_gemm.py); the last one has
+# the smallest tiles, so a shape that it cannot tile fits none
+TILINGS = {
+    "gather": (TileConfig(tile_m=64, tile_n=256, walk="m", band=8), TileConfig()),
+    "scatter": (TileConfig(),),
+}
+
+
+def _fits(rows: int, k: int, n_cols: int, config: TileConfig) -> bool:
+    cta_m, cta_n = config.cta_tile()
+    return rows % cta_m == 0 and k % config.tile_k == 0 and n_cols % cta_n == 0
 
 
 def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) -> None:
@@ -80,6 +84,16 @@ def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) 
                              f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
 
 
+def tiling(kernel: str, name: str, rows: int, k: int, n_cols: int) -> TileConfig:
+    """The first tiling of ``TILINGS[kernel]`` that fits one rank's ``[rows, k] @ [k, n_cols]``, or the
+    ValueError (naming ``name``) of the most permissive one."""
+    for config in TILINGS[kernel]:
+        if _fits(rows, k, n_cols, config):
+            return config
+    check_shapes(name, rows, k, n_cols, TILINGS[kernel][-1])
+    raise AssertionError("unreachable")
+
+
 def device_problem(device) -> str | None:
     """Why the kernels cannot run on ``device`` (they use Hopper's wgmma: sm_90 only), or None."""
     if device.platform != "gpu":
@@ -90,12 +104,14 @@ def device_problem(device) -> str | None:
     return None
 
 
-def _check(name, a, b):
+def _check(name, a, b, contract):
     for arg, v in (("a", a), (name, b)):
         if v.ndim != 2 or jnp.dtype(v.dtype) != jnp.dtype(DTYPE):
             raise ValueError(f"{arg}: overlap='fused' takes 2-D bf16 GEMM operands, got {v.dtype}{tuple(v.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"{name}: contracted sizes differ ({a.shape[1]} vs {b.shape[0]})")
+    if contract not in (0, 1):
+        raise ValueError(f"contract: the contracted axis of {name} is 0 or 1, got {contract}")
+    if a.shape[1] != b.shape[contract]:
+        raise ValueError(f"{name}: contracted sizes differ ({a.shape[1]} vs {b.shape[contract]})")
 
 
 def _num_sms() -> int:
@@ -127,14 +143,101 @@ def _ring(axis, n, ref):
             plgpu.remote_ref(ref, left))
 
 
-def _gather_matmul_kernel(a, b, axis, n, config):
+def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_release=0):
+    """Inside a kernel body (three warpgroups, a persistent grid): ``out = a @ B (+ c)`` with fp32
+    accumulation, ``B`` being ``b`` ``[K, N]`` (``contract=0``) or ``b`` ``[N, K]`` (``contract=1``, e.g.
+    a weight ``[out, in]``, read K-major with no transpose in memory). Warp-specialized: one
+    warpgroup issues the TMA loads of ``config.stages`` A/B tiles ahead, two consume them with wgmma,
+    each owning half of the CTA's output tile. ``on_a_tile(m_idx, n_idx, k_idx, a_smem)`` runs in the
+    consumers after each step's wgmma is issued (the all-gather kernel forwards A tiles there; with
+    ``delay_release=1`` a tile stays in shared memory until the next step's wgmma)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    rows, k = a_ref.shape
+    cols = b_ref.shape[1 - contract]
+    cta_m, cta_n = config.cta_tile()
+    tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
+    split_m = config.split == "m"
+
+    def swizzled(dtype, minor):   # TMA tiles of 8 rows, swizzled by the widest pattern the row allows
+        item = jnp.dtype(dtype).itemsize
+        swizzle = plgpu.find_swizzle(minor * item * 8)
+        return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+
+    epi_m, epi_n = config.epi or tm, config.epi or tn
+    slots = min(2, (tm * tn) // (epi_m * epi_n))
+    in_tf, out_tf = swizzled(a_ref.dtype, tk), swizzled(out_ref.dtype, epi_n)
+    b_block, b_index = ((tk, cta_n), lambda s: (s, 0)) if contract == 0 else ((cta_n, tk), lambda s: (0, s))
+
+    def pipeline(body, context):
+        spec = lambda block, index: plgpu.BlockSpec(block, index, transforms=in_tf, memory_space=plgpu.SMEM,
+                                                    delay_release=delay_release)
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // tk,), memory_registers=40,
+            in_specs=[spec((cta_m, tk), lambda s: (0, s)), spec(b_block, b_index)],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages, compute_context=context)
+
+    nothing = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped,
+                       allocs=pipeline(nothing, nothing).get_allocations(a_ref, b_ref),
+                       out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_ref.dtype, transforms=out_tf),
+                       c_barrier=None if c_ref is None else plgpu.Barrier(num_barriers=2 * slots),
+                       collective_axes="wg")
+    def _scope(allocs, out_smem, c_barrier):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((rows // cta_m * (cols // cta_n),), collective_axes="cluster_grid")
+        def _tiles(info):
+            m_idx, n_idx = plgpu.planar_snake(info.index[0], (rows // cta_m, cols // cta_n),
+                                              config.walk_dim(), config.band)
+            cta_rows, cta_cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
+            wg_rows = pl.ds(wg * tm, tm) if split_m else slice(None)
+            wg_cols = slice(None) if split_m else pl.ds(wg * tn, tn)
+
+            def epilogue(run):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    res = acc[...].astype(out_ref.dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for i in range(tm // epi_m):
+                        for j in range(tn // epi_n):
+                            piece = (slice(i * epi_m, (i + 1) * epi_m), slice(j * epi_n, (j + 1) * epi_n))
+                            slot = (i * (tn // epi_n) + j) % 2 if slots == 2 else 0
+                            dst_piece = lambda ref: ref.at[cta_rows, cta_cols].at[wg_rows, wg_cols].at[piece]
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            if c_ref is None:
+                                out_smem[wg, slot] = res[piece]
+                            else:
+                                bar = c_barrier.at[wg * slots + slot]
+                                plgpu.copy_gmem_to_smem(dst_piece(c_ref), out_smem.at[wg, slot], bar)
+                                plgpu.barrier_wait(bar)
+                                out_smem[wg, slot] += res[piece]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst_piece(out_ref))
+
+            def mma(idx, a_smem, b_smem, acc):
+                b_op = b_smem.at[:, wg_cols] if contract == 0 else plgpu.transpose_ref(b_smem.at[wg_cols], (1, 0))
+                plgpu.wgmma(acc, a_smem.at[wg_rows], b_op)
+                if on_a_tile is not None:
+                    on_a_tile(m_idx, n_idx, idx[0], a_smem)
+                plgpu.wgmma_wait(delay_release)
+                return acc
+
+            b_cta = b_ref.at[:, cta_cols] if contract == 0 else b_ref.at[cta_cols, :]
+            pipeline(mma, epilogue)(a_ref.at[cta_rows, :], b_cta, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _gather_matmul_kernel(a, b, contract, axis, n, config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows, k = a.shape
-    cols = b.shape[1]
-    engine = config._engine()
+    cols = b.shape[1 - contract]
     cta_m, cta_n = config.cta_tile()
     n_tiles = cols // cta_n
     sms = _num_sms()
@@ -146,8 +249,7 @@ def _gather_matmul_kernel(a, b, axis, n, config):
             chunk_rows = pl.ds(chunk * rows, rows)
             forward = s < n - 1
 
-            def store_tile(m_idx, n_idx, k_idx, a_smem, b_smem, chunk_rows=chunk_rows, first=s == 0):
-                del b_smem
+            def store_tile(m_idx, n_idx, k_idx, a_smem, chunk_rows=chunk_rows, first=s == 0):
                 # an A tile (m, k) is stored once, by the CTA that computes output column k mod
                 # (column tiles), so that every CTA stores its share while it computes (one column
                 # storing them all made its CTAs the stragglers of each step): into the left
@@ -162,8 +264,8 @@ def _gather_matmul_kernel(a, b, axis, n, config):
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
             src = a_ref if s == 0 else full_ref.at[chunk_rows]
-            hm.kernel(src, b_ref, None, out_ref.at[chunk_rows], config=engine,
-                      pipeline_callback=store_tile if forward else None, delay_release=1 if forward else 0)
+            _gemm(src, b_ref, contract, None, out_ref.at[chunk_rows], config,
+                  on_a_tile=store_tile if forward else None, delay_release=1 if forward else 0)
             if forward:
                 @pl.when(wg == 0)
                 def _():
@@ -177,14 +279,12 @@ def _gather_matmul_kernel(a, b, axis, n, config):
     return out, full
 
 
-def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
+def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     rows = a.shape[0] // n
-    cols = b.shape[1]
-    engine = config._engine()
+    cols = b.shape[1 - contract]
     sms = _num_sms()
     storing_wgs = 2   # the two consumer warpgroups store the output tiles
 
@@ -196,8 +296,8 @@ def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
             if s:
                 # the right neighbour's running sum of this chunk is complete in slot s-1
                 pl.semaphore_wait(sem, value=s * storing_wgs * sms, decrement=False)
-            hm.kernel(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, recv_ref.at[s - 1] if s else None,
-                      out_ref if last else left_recv.at[s], config=engine)
+            _gemm(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, contract, recv_ref.at[s - 1] if s else None,
+                  out_ref if last else left_recv.at[s], config)
             if not last:
                 @pl.when(wg < storing_wgs)
                 def _():
@@ -214,34 +314,47 @@ def _matmul_reduce_scatter_kernel(a, b, axis, n, config):
 # ----------------------------------------------------------------------------------------------
 
 
-def gather_matmul(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = GATHER_CONFIG):
-    """This rank's sequence chunk ``a [rows, K]`` all-gathered over ``axis`` (size ``n``) times ``b [K, N]``
-    -> (``out [n*rows, N]``, the gathered ``a [n*rows, K]``), bf16, rows in rank order."""
-    _check("b", a, b)
-    check_shapes("b", a.shape[0], a.shape[1], b.shape[1], config)
+def _mm(a, b, contract):
+    return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=DTYPE)
+
+
+def gather_matmul(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "kernel",
+                  config: TileConfig | None = None):
+    """This rank's sequence chunk ``a [rows, K]`` all-gathered over ``axis`` (size ``n``) times ``b``
+    (``[K, N]`` with ``contract=0``, ``[N, K]`` with ``contract=1``) -> (``out [n*rows, N]``, the
+    gathered ``a [n*rows, K]``), bf16, rows in rank order. ``config`` None: the first of
+    ``TILINGS["gather"]`` that fits."""
+    _check("b", a, b, contract)
+    shape = (a.shape[0], a.shape[1], b.shape[1 - contract])
+    config = tiling("gather", "b", *shape) if config is None else config
+    check_shapes("b", *shape, config)
     if impl == "reference":
         full = lax.all_gather(a, axis, axis=0, tiled=True)
-        return lax.dot_general(full, b, (((1,), (0,)), ((), ())), preferred_element_type=DTYPE), full
-    return _gather_matmul_kernel(a, b, axis, n, config)
+        return _mm(full, b, contract), full
+    return _gather_matmul_kernel(a, b, contract, axis, n, config)
 
 
-def matmul_reduce_scatter(a, b, *, axis: str, n: int, impl: str = "kernel", config: TileConfig = SCATTER_CONFIG):
-    """``a [n*rows, K_local] @ b [K_local, N]`` summed over ``axis`` and scattered over the rows: this rank's
-    ``[rows, N]`` (rows in rank order), bf16 partial sums on the wire."""
-    _check("b", a, b)
+def matmul_reduce_scatter(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "kernel",
+                          config: TileConfig | None = None):
+    """``a [n*rows, K_local] @ b`` (``[K_local, N]`` with ``contract=0``, ``[N, K_local]`` with
+    ``contract=1``) summed over ``axis`` and scattered over the rows: this rank's ``[rows, N]`` (rows in
+    rank order), bf16 partial sums on the wire. ``config`` None: the first of ``TILINGS["scatter"]``
+    that fits."""
+    _check("b", a, b, contract)
     if a.shape[0] % n:
         raise ValueError(f"a: its rows ({a.shape[0]}) must be a multiple of the axis size {n}")
-    check_shapes("b", a.shape[0] // n, a.shape[1], b.shape[1], config)
+    shape = (a.shape[0] // n, a.shape[1], b.shape[1 - contract])
+    config = tiling("scatter", "b", *shape) if config is None else config
+    check_shapes("b", *shape, config)
     if impl == "reference":
         rows = a.shape[0] // n
         me = lax.axis_index(axis)
         to_left = [(i, (i - 1) % n) for i in range(n)]
         acc = None
         for s in range(n):
-            part = lax.dot_general(lax.dynamic_slice_in_dim(a, ((me + s + 1) % n) * rows, rows, 0), b,
-                                   (((1,), (0,)), ((), ())), preferred_element_type=DTYPE)
+            part = _mm(lax.dynamic_slice_in_dim(a, ((me + s + 1) % n) * rows, rows, 0), b, contract)
             acc = part if acc is None else (acc.astype(jnp.float32) + part.astype(jnp.float32)).astype(DTYPE)
             if s < n - 1:
                 acc = lax.ppermute(acc, axis, to_left)
         return acc
-    return _matmul_reduce_scatter_kernel(a, b, axis, n, config)
+    return _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config)

@@ -218,10 +218,9 @@ def _from_rank_major(v, lead, n):
 
 def _fused_gather_matmul(ctx, a_loc, w_loc, w_contract):
     """Per rank: (a_full @ w, a_full) through collective_gemm.gather_matmul, ``a_loc [..., s, K]``."""
-    b = w_loc if w_contract == 0 else w_loc.T
     lead, k = a_loc.shape[:-2], a_loc.shape[-1]
-    out, full = collective_gemm.gather_matmul(a_loc.reshape(-1, k), b, axis=ctx.axis, n=ctx.n,
-                                              impl=_fused_impl(ctx))
+    out, full = collective_gemm.gather_matmul(a_loc.reshape(-1, k), w_loc, axis=ctx.axis, n=ctx.n,
+                                              contract=w_contract, impl=_fused_impl(ctx))
     return _from_rank_major(out, lead, ctx.n), _from_rank_major(full, lead, ctx.n)
 
 
@@ -324,8 +323,8 @@ def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
 
     def body(a_loc, w_loc):
         if ctx.overlap == "fused":
-            out = collective_gemm.matmul_reduce_scatter(_rank_major(a_loc, n), w_loc if w_contract == 0 else w_loc.T,
-                                                        axis=axis, n=n, impl=_fused_impl(ctx))
+            out = collective_gemm.matmul_reduce_scatter(_rank_major(a_loc, n), w_loc, axis=axis, n=n,
+                                                        contract=w_contract, impl=_fused_impl(ctx))
             return out.reshape(a_loc.shape[:-2] + (-1, out.shape[-1])).astype(wire)
         if ctx.overlap == "off":
             return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract, out_dtype=wire), axis,
@@ -563,8 +562,8 @@ def _check_fused(ctx, x, w, recipe, hidden, features):
                              f"need {problem}; impl='reference' runs their plain-JAX schedule")
     rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n
     # all-gather GEMMs: [rows, hidden] @ [hidden, features/n]; GEMM reduce-scatters: [.., features/n] @ [.., hidden]
-    collective_gemm.check_shapes("w", rows, hidden, features // ctx.n, collective_gemm.GATHER_CONFIG)
-    collective_gemm.check_shapes("w", rows, features // ctx.n, hidden, collective_gemm.SCATTER_CONFIG)
+    collective_gemm.tiling("gather", "w", rows, hidden, features // ctx.n)
+    collective_gemm.tiling("scatter", "w", rows, features // ctx.n, hidden)
 
 
 def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",

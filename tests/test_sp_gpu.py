@@ -30,8 +30,9 @@ def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
     check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)
 
 
-def _fused_programs(tp):
-    """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over every GPU."""
+def _fused_programs(tp, contract):
+    """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over every GPU, B given
+    as [K, N] (contract 0) or [N, K] (contract 1)."""
     from jax.sharding import Mesh, PartitionSpec as P
 
     from jaxquant import collective_gemm as cg
@@ -40,33 +41,37 @@ def _fused_programs(tp):
     def smap(f, in_specs, out_specs):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
-    gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, impl=impl),
-                         (P("tp", None), P(None, "tp")), (P(None, "tp"), P()))
+    n_split, k_split = (P(None, "tp"), P("tp", None))[::1 if contract == 0 else -1]
+    gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, contract=contract, impl=impl),
+                         (P("tp", None), n_split), (P(None, "tp"), P()))
               for impl in ("kernel", "reference")}
-    scatter = {impl: smap(lambda a, b, impl=impl: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, impl=impl),
-                          (P(None, "tp"), P("tp", None)), P("tp", None))
+    scatter = {impl: smap(lambda a, b, impl=impl: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, contract=contract,
+                                                                          impl=impl),
+                          (P(None, "tp"), k_split), P("tp", None))
                for impl in ("kernel", "reference")}
     return gather, scatter
 
 
-def test_fused_kernels_match_their_schedule():
+@pytest.mark.parametrize("contract", [0, 1])
+def test_fused_kernels_match_their_schedule(contract):
     """overlap="fused"'s kernels against their plain-JAX schedule (collective_gemm, impl="reference"), on
     every GPU, called repeatedly with new values (a stale semaphore count or a slot read before its
     transfer landed would show as a wrong chunk): the gathered operand is the same bytes, the GEMM
-    results agree to the GEMMs' own rounding."""
+    results agree to the GEMMs' own rounding; B as [K, N] and as [N, K] (a weight read as stored)."""
     tp = len(jax.devices())
     rows, k, n_cols = 256, 512, 256
-    gather, scatter = _fused_programs(tp)
+    gather, scatter = _fused_programs(tp, contract)
+    as_b = (lambda b: b) if contract == 0 else (lambda b: jnp.asarray(b.T))
     for i in range(4):
         keys = jax.random.split(jax.random.key(i), 4)
         a = jax.random.normal(keys[0], (tp * rows, k), jnp.bfloat16) * (i + 1)
-        b = (jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k)).astype(jnp.bfloat16)
+        b = as_b((jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k)).astype(jnp.bfloat16))
         (out, full), (out_ref, full_ref) = gather["kernel"](a, b), gather["reference"](a, b)
         assert_bytes_equal(full, full_ref, f"gathered operand, call {i}")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32),
                                    rtol=2e-2, atol=2e-2 * (i + 1), err_msg=f"all-gather GEMM, call {i}")
         a2 = jax.random.normal(keys[2], (tp * rows, tp * k), jnp.bfloat16) * (i + 1)
-        b2 = (jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k)).astype(jnp.bfloat16)
+        b2 = as_b((jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k)).astype(jnp.bfloat16))
         got, want = scatter["kernel"](a2, b2), scatter["reference"](a2, b2)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=3e-2, atol=3e-2 * (i + 1), err_msg=f"GEMM reduce-scatter, call {i}")
