@@ -14,8 +14,10 @@ Both collectives run round a ring, each rank writing to its left neighbour (rank
 
 Each step's stores are awaited and then signalled on the receiver's semaphore (one count per CTA and
 warpgroup that stores to the neighbour); a step that reads what arrived first waits for all of it. The
-GEMM engine is JAX's Hopper Pallas GEMM (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``, whose
-pipeline hook exists for such collective kernels); bf16 operands only.
+GEMM engine (``_gemm``) is jaxquant's own warp-specialized Hopper GEMM written with Pallas:Mosaic GPU:
+TMA loads several K steps ahead, wgmma with fp32 accumulation, B read as ``[K, N]`` or K-major
+``[N, K]`` (a weight ``[out, in]`` as stored). Operands are bf16, or FP8 (E4M3 / E5M2, B K-major) whose
+products come out unscaled in bf16; outputs and running sums are bf16.
 
 ``impl="reference"`` runs the same schedule in plain JAX (``all_gather`` / ``ppermute``, bf16 partial sums
 added in fp32 and rounded, chunk for chunk in the kernel's order), on any backend: the CPU tests'
@@ -31,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DTYPE = jnp.bfloat16   # operand, output and wire dtype of both kernels
+DTYPE = jnp.bfloat16   # output and wire dtype of both kernels (their running sums), and 16-bit operands
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))   # 8-bit operands, any pairing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,8 @@ class TileConfig:
     ``stages`` A/B tiles are in flight; the persistent grid walks output tiles in bands of
     ``band`` tiles along ``walk`` ("m" or "n"); the epilogue stores ``epi x epi`` pieces of a
     warpgroup's tile through two shared-memory slots, or (``epi=None``) the whole tile through one, so
-    that its store need not finish before the next tile's GEMM starts."""
+    that its store need not finish before the next tile's GEMM starts. ``tile_k`` is the K step of
+    16-bit operands; 8-bit operands step twice as far (``for_operands``: the same 128-byte rows)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -57,6 +61,9 @@ class TileConfig:
 
     def walk_dim(self) -> int:
         return {"m": 0, "n": 1}[self.walk]
+
+    def for_operands(self, dtype) -> "TileConfig":
+        return dataclasses.replace(self, tile_k=self.tile_k * 2 // jnp.dtype(dtype).itemsize)
 
 
 # per kernel, the tilings to use, best first (measured at the benchmark's per-rank shapes, tp 2 and 4,
@@ -84,13 +91,14 @@ def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) 
                              f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
 
 
-def tiling(kernel: str, name: str, rows: int, k: int, n_cols: int) -> TileConfig:
-    """The first tiling of ``TILINGS[kernel]`` that fits one rank's ``[rows, k] @ [k, n_cols]``, or the
-    ValueError (naming ``name``) of the most permissive one."""
-    for config in TILINGS[kernel]:
+def tiling(kernel: str, name: str, rows: int, k: int, n_cols: int, dtype=DTYPE) -> TileConfig:
+    """The first tiling of ``TILINGS[kernel]`` (for operands of ``dtype``) that fits one rank's
+    ``[rows, k] @ [k, n_cols]``, or the ValueError (naming ``name``) of the most permissive one."""
+    configs = [c.for_operands(dtype) for c in TILINGS[kernel]]
+    for config in configs:
         if _fits(rows, k, n_cols, config):
             return config
-    check_shapes(name, rows, k, n_cols, TILINGS[kernel][-1])
+    check_shapes(name, rows, k, n_cols, configs[-1])
     raise AssertionError("unreachable")
 
 
@@ -105,11 +113,21 @@ def device_problem(device) -> str | None:
 
 
 def _check(name, a, b, contract):
-    for arg, v in (("a", a), (name, b)):
-        if v.ndim != 2 or jnp.dtype(v.dtype) != jnp.dtype(DTYPE):
-            raise ValueError(f"{arg}: overlap='fused' takes 2-D bf16 GEMM operands, got {v.dtype}{tuple(v.shape)}")
+    """The operands' dtypes and layout: both bf16, or both FP8 (E4M3 / E5M2, any pairing) with B K-major
+    (``contract=1``: wgmma reads 8-bit operands K-major only)."""
     if contract not in (0, 1):
         raise ValueError(f"contract: the contracted axis of {name} is 0 or 1, got {contract}")
+    kinds = [("bf16" if jnp.dtype(v.dtype) == jnp.dtype(DTYPE) else "fp8" if jnp.dtype(v.dtype) in FP8_DTYPES
+              else None) for v in (a, b)]
+    for arg, v, kind in (("a", a, kinds[0]), (name, b, kinds[1])):
+        if v.ndim != 2 or kind is None:
+            raise ValueError(f"{arg}: overlap='fused' takes 2-D bf16 or FP8 (float8_e4m3fn / float8_e5m2) GEMM "
+                             f"operands, got {v.dtype}{tuple(v.shape)}")
+    if kinds[0] != kinds[1]:
+        raise ValueError(f"{name}: a is {a.dtype} and {name} is {b.dtype}; both must be bf16 or both FP8")
+    if kinds[0] == "fp8" and contract != 1:
+        raise ValueError(f"contract: FP8 operands need {name} as [N, K] (contract=1), since wgmma reads 8-bit "
+                         "operands K-major only; pass the weight as stored or its byte transpose")
     if a.shape[1] != b.shape[contract]:
         raise ValueError(f"{name}: contracted sizes differ ({a.shape[1]} vs {b.shape[contract]})")
 
@@ -275,7 +293,7 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
                 pl.semaphore_wait(sem, value=(s + 1) * sms, decrement=False)
 
     out, full = _kernel_call(collective_gather_gemm, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
-                                    jax.ShapeDtypeStruct((n * rows, k), DTYPE)])(a, b)
+                                    jax.ShapeDtypeStruct((n * rows, k), a.dtype)])(a, b)
     return out, full
 
 
@@ -315,18 +333,20 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
 
 
 def _mm(a, b, contract):
-    return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=DTYPE)
+    """bf16 out of fp32 accumulation (the kernels' epilogue: products of the stored values, unscaled)."""
+    return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32).astype(DTYPE)
 
 
 def gather_matmul(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "kernel",
                   config: TileConfig | None = None):
     """This rank's sequence chunk ``a [rows, K]`` all-gathered over ``axis`` (size ``n``) times ``b``
-    (``[K, N]`` with ``contract=0``, ``[N, K]`` with ``contract=1``) -> (``out [n*rows, N]``, the
-    gathered ``a [n*rows, K]``), bf16, rows in rank order. ``config`` None: the first of
-    ``TILINGS["gather"]`` that fits."""
+    (``[K, N]`` with ``contract=0``, ``[N, K]`` with ``contract=1``) -> (``out [n*rows, N]`` bf16, the
+    gathered ``a [n*rows, K]`` in its own dtype), rows in rank order. FP8 operands (``contract=1``)
+    give the products of their stored values: the caller multiplies by the scales. ``config`` None:
+    the first of ``TILINGS["gather"]`` that fits."""
     _check("b", a, b, contract)
     shape = (a.shape[0], a.shape[1], b.shape[1 - contract])
-    config = tiling("gather", "b", *shape) if config is None else config
+    config = tiling("gather", "b", *shape, a.dtype) if config is None else config.for_operands(a.dtype)
     check_shapes("b", *shape, config)
     if impl == "reference":
         full = lax.all_gather(a, axis, axis=0, tiled=True)
@@ -338,13 +358,14 @@ def matmul_reduce_scatter(a, b, *, axis: str, n: int, contract: int = 0, impl: s
                           config: TileConfig | None = None):
     """``a [n*rows, K_local] @ b`` (``[K_local, N]`` with ``contract=0``, ``[N, K_local]`` with
     ``contract=1``) summed over ``axis`` and scattered over the rows: this rank's ``[rows, N]`` (rows in
-    rank order), bf16 partial sums on the wire. ``config`` None: the first of ``TILINGS["scatter"]``
-    that fits."""
+    rank order), bf16 partial sums on the wire. FP8 operands (``contract=1``) give unscaled products,
+    so every rank's operands must share their scales (jaxquant's current scaling reduces amax over
+    tp). ``config`` None: the first of ``TILINGS["scatter"]`` that fits."""
     _check("b", a, b, contract)
     if a.shape[0] % n:
         raise ValueError(f"a: its rows ({a.shape[0]}) must be a multiple of the axis size {n}")
     shape = (a.shape[0] // n, a.shape[1], b.shape[1 - contract])
-    config = tiling("scatter", "b", *shape) if config is None else config
+    config = tiling("scatter", "b", *shape, a.dtype) if config is None else config.for_operands(a.dtype)
     check_shapes("b", *shape, config)
     if impl == "reference":
         rows = a.shape[0] // n

@@ -613,7 +613,7 @@ def test_fused_schedule_reads_weights_as_stored():
     k1, k2 = jax.random.split(jax.random.key(3))
     a = jax.random.normal(k1, (2 * 256, 128), jnp.bfloat16)
     b = jax.random.normal(k2, (128, 256), jnp.bfloat16)
-    want = np.asarray(jnp.dot(a, b, preferred_element_type=jnp.bfloat16), np.float32)
+    want = np.asarray(jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float32)
     for contract, operand in ((0, b), (1, b.T)):
         def body(x, y, c=contract):
             return cg.gather_matmul(x, y, axis="tp", n=2, contract=c, impl="reference")[0]
@@ -622,3 +622,32 @@ def test_fused_schedule_reads_weights_as_stored():
         np.testing.assert_array_equal(np.asarray(got, np.float32), want)
     with pytest.raises(ValueError, match="contract: the contracted axis of b is 0 or 1, got 2"):
         cg.gather_matmul(a, b, axis="tp", n=2, contract=2, impl="reference")
+
+
+def test_fused_schedule_takes_fp8_operands_k_major():
+    """FP8 operands (E4M3 / E5M2) go through the fused GEMMs with B K-major ([N, K], contract=1): the
+    gathered operand keeps its bytes, the products are those of the stored values (unscaled, fp32
+    accumulation, bf16 out) for both collectives; FP8 with B as [K, N], or FP8 beside bf16, is refused."""
+    from jaxquant import collective_gemm as cg
+    mesh = _mesh(2)
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    a = (jax.random.normal(k1, (2 * 256, 128)) * 8).astype(jnp.float8_e4m3fn)
+    w = (jax.random.normal(k2, (256, 128)) * 8).astype(jnp.float8_e4m3fn)        # [N, K]
+    h = (jax.random.normal(k3, (2 * 256, 2 * 128)) * 8).astype(jnp.float8_e5m2)  # K split over tp
+    w2 = (jax.random.normal(k2, (256, 2 * 128)) * 8).astype(jnp.float8_e4m3fn)   # [N, K], K split
+    f32 = lambda v: np.asarray(v, np.float32)
+    smap = lambda f, i, o: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False))
+    gather = smap(lambda x, y: cg.gather_matmul(x, y, axis="tp", n=2, contract=1, impl="reference"),
+                  (P("tp", None), P()), (P(), P()))
+    out, full = gather(a, w)
+    assert full.dtype == a.dtype and np.array_equal(f32(full), f32(a))
+    np.testing.assert_array_equal(f32(out), f32(jnp.asarray(f32(a) @ f32(w).T).astype(jnp.bfloat16)))
+    scatter = smap(lambda x, y: cg.matmul_reduce_scatter(x, y, axis="tp", n=2, contract=1, impl="reference"),
+                   (P(None, "tp"), P(None, "tp")), P("tp", None))
+    want = f32(h) @ f32(w2).T
+    np.testing.assert_allclose(f32(scatter(h, w2)), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"contract: FP8 operands need b as \[N, K\] \(contract=1\)"):
+        cg.gather_matmul(a, w.T, axis="tp", n=2, contract=0, impl="reference")
+    with pytest.raises(ValueError, match="b: a is float8_e4m3fn and b is bfloat16; both must be bf16 or both FP8"):
+        cg.gather_matmul(a, w.astype(jnp.bfloat16), axis="tp", n=2, contract=1, impl="reference")
+    assert cg.tiling("gather", "w", 256, 128, 256, jnp.float8_e4m3fn).tile_k == 2 * cg.TILINGS["gather"][0].tile_k

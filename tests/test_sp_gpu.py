@@ -52,26 +52,36 @@ def _fused_programs(tp, contract):
     return gather, scatter
 
 
-@pytest.mark.parametrize("contract", [0, 1])
-def test_fused_kernels_match_their_schedule(contract):
+OPERANDS = {   # name -> (A dtype, B dtype, B's contracted axis)
+    "bf16-kn": (jnp.bfloat16, jnp.bfloat16, 0),
+    "bf16-nk": (jnp.bfloat16, jnp.bfloat16, 1),
+    "e4m3-nk": (jnp.float8_e4m3fn, jnp.float8_e4m3fn, 1),
+    "e5m2xe4m3-nk": (jnp.float8_e5m2, jnp.float8_e4m3fn, 1),
+}
+
+
+@pytest.mark.parametrize("operands", list(OPERANDS))
+def test_fused_kernels_match_their_schedule(operands):
     """overlap="fused"'s kernels against their plain-JAX schedule (collective_gemm, impl="reference"), on
     every GPU, called repeatedly with new values (a stale semaphore count or a slot read before its
     transfer landed would show as a wrong chunk): the gathered operand is the same bytes, the GEMM
-    results agree to the GEMMs' own rounding; B as [K, N] and as [N, K] (a weight read as stored)."""
+    results agree to the GEMMs' own rounding; bf16 with B as [K, N] and as [N, K] (a weight read as
+    stored), and FP8 (E4M3, and E5M2 x E4M3 as a dgrad multiplies) with B K-major."""
+    a_dtype, b_dtype, contract = OPERANDS[operands]
     tp = len(jax.devices())
     rows, k, n_cols = 256, 512, 256
     gather, scatter = _fused_programs(tp, contract)
-    as_b = (lambda b: b) if contract == 0 else (lambda b: jnp.asarray(b.T))
+    as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
     for i in range(4):
         keys = jax.random.split(jax.random.key(i), 4)
-        a = jax.random.normal(keys[0], (tp * rows, k), jnp.bfloat16) * (i + 1)
-        b = as_b((jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k)).astype(jnp.bfloat16))
+        a = (jax.random.normal(keys[0], (tp * rows, k)) * (i + 1)).astype(a_dtype)
+        b = as_b(jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k))
         (out, full), (out_ref, full_ref) = gather["kernel"](a, b), gather["reference"](a, b)
         assert_bytes_equal(full, full_ref, f"gathered operand, call {i}")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32),
                                    rtol=2e-2, atol=2e-2 * (i + 1), err_msg=f"all-gather GEMM, call {i}")
-        a2 = jax.random.normal(keys[2], (tp * rows, tp * k), jnp.bfloat16) * (i + 1)
-        b2 = as_b((jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k)).astype(jnp.bfloat16))
+        a2 = (jax.random.normal(keys[2], (tp * rows, tp * k)) * (i + 1)).astype(a_dtype)
+        b2 = as_b(jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k))
         got, want = scatter["kernel"](a2, b2), scatter["reference"](a2, b2)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=3e-2, atol=3e-2 * (i + 1), err_msg=f"GEMM reduce-scatter, call {i}")
