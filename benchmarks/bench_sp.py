@@ -2,8 +2,8 @@
 per overlap mode, for bf16 and FP8 weights, on all GPUs of one host as the TP axis.
 
 Modes: "ring" (the layers' ppermute ring), "off" (the layers' one all-gather /
-reduce-scatter, which XLA runs asynchronously and places under independent GEMMs), "fused" (bf16 only:
-the collective GEMM kernels of jaxquant/collective_gemm.py) and "sync" (the
+reduce-scatter, which XLA runs asynchronously and places under independent GEMMs), "fused" (bf16 and
+FP8: the collective GEMM kernels of jaxquant/collective_gemm.py) and "sync" (the
 "off" program with every collective synchronous, --xla_gpu_disable_async_collectives: nothing
 overlaps, the no-overlap baseline). Each mode runs in its own process (a failing mode is reported and
 the others still run); --extra-flags adds XLA_FLAGS to every mode. Prints per size the median times,
@@ -151,8 +151,8 @@ def _child(args):
     overlap = LAYER_OVERLAP.get(mode, mode)
 
     for recipe in args.recipes.split(","):
-        if overlap == "fused" and recipe != "bf16":
-            continue   # the collective GEMM kernels are bf16 only (docs/sp.md)
+        if overlap == "fused" and recipe == "nvfp4":
+            continue   # the collective GEMM kernels take bf16 and FP8 operands (docs/sp.md)
         for seq, hidden, ffn in _sizes(args):
             k = jax.random.split(jax.random.key(0), 5)
             x = put(jax.random.normal(k[0], (args.batch, seq, hidden), jnp.bfloat16), P(None, "tp", None))

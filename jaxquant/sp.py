@@ -21,7 +21,7 @@ forward call (no quantizer state), so interleaving forward passes of several mic
 what a backward pass reads.
 
 Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "off"
-(shard_map, one all_gather / psum_scatter and one GEMM) and "fused" (bf16 only: collective GEMM kernels
+(shard_map, one all_gather / psum_scatter and one GEMM) and "fused" (bf16 and FP8: collective GEMM kernels
 that move the chunks themselves, jaxquant/collective_gemm.py; the forward keeps the gathered activation
 for the wgrad instead of gathering it again). A former "xla" mode (GSPMD einsums left to
 XLA's windowed-einsum pass) is gone: that pass fails XLA's HLO verifier on these layers' backward
@@ -216,26 +216,46 @@ def _from_rank_major(v, lead, n):
     return v.reshape(lead + (-1, v.shape[-1]))
 
 
+def _fused_operands(a_loc, w_loc, w_contract):
+    """(a bytes or bf16, B, B's contracted axis, the factor of the products or None) for the collective
+    GEMM kernels: FP8 operands need B K-major, so a weight without its columnwise copy is byte-transposed
+    (exact); unscaled products times ``scale_a * scale_w``, as ``gemm.scaled_gemm`` multiplies (every
+    rank's scales are equal: each amax was max-reduced over tp)."""
+    if not isinstance(a_loc, _Scaled):
+        return a_loc, w_loc, w_contract, None
+    w_data = w_loc.data if w_contract == 1 else w_loc.data.T
+    return a_loc.data, w_data, 1, a_loc.scale_inv * w_loc.scale_inv
+
+
+def _scaled_back(out, factor):
+    return out if factor is None else out.astype(jnp.float32) * factor
+
+
 def _fused_gather_matmul(ctx, a_loc, w_loc, w_contract):
-    """Per rank: (a_full @ w, a_full) through collective_gemm.gather_matmul, ``a_loc [..., s, K]``."""
-    lead, k = a_loc.shape[:-2], a_loc.shape[-1]
-    out, full = collective_gemm.gather_matmul(a_loc.reshape(-1, k), w_loc, axis=ctx.axis, n=ctx.n,
-                                              contract=w_contract, impl=_fused_impl(ctx))
-    return _from_rank_major(out, lead, ctx.n), _from_rank_major(full, lead, ctx.n)
+    """Per rank: (a_full @ w, a_full) through collective_gemm.gather_matmul, ``a_loc [..., s, K]`` (bf16, or
+    FP8 bytes with their scale: the gathered bytes come back with it)."""
+    a_data, b, contract, factor = _fused_operands(a_loc, w_loc, w_contract)
+    lead, k = a_data.shape[:-2], a_data.shape[-1]
+    out, full = collective_gemm.gather_matmul(a_data.reshape(-1, k), b, axis=ctx.axis, n=ctx.n,
+                                              contract=contract, impl=_fused_impl(ctx))
+    full = _from_rank_major(full, lead, ctx.n)
+    return (_scaled_back(_from_rank_major(out, lead, ctx.n), factor),
+            full if factor is None else _Scaled(full, a_loc.scale_inv))
 
 
 def _gathered_forward(ctx, a, w, out_dtype):
     """The column layer's fused forward: (out feature-sharded, the gathered ``a`` replicated over tp)."""
     nd = _ndim(a)
     body = lambda a_loc, w_loc: _fused_gather_matmul(ctx, a_loc, w_loc, 1)
-    out, full = _smap(ctx, body, (_seq_spec(nd, ctx.axis), P(ctx.axis, None)),
-                      (_feat_spec(nd, ctx.axis), P()))(a, w)
+    out, full = _smap(ctx, body, (_op_spec(a, _seq_spec(nd, ctx.axis)), _op_spec(w, P(ctx.axis, None))),
+                      (_feat_spec(nd, ctx.axis), _op_spec(a, P())))(a, w)
     return out.astype(out_dtype), full
 
 
 def _wgrad_on_gathered(ctx, g, full):
     """[out/n, in] per rank: ``g`` feature-sharded times the replicated gathered activation."""
-    return _smap(ctx, _wgrad, (_feat_spec(_ndim(g), ctx.axis), P()), P(ctx.axis, None))(g, full)
+    return _smap(ctx, _wgrad, (_op_spec(g, _feat_spec(_ndim(g), ctx.axis)), _op_spec(full, P())),
+                 P(ctx.axis, None))(g, full)
 
 
 def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=True, out_dtype=jnp.float32):
@@ -323,9 +343,11 @@ def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
 
     def body(a_loc, w_loc):
         if ctx.overlap == "fused":
-            out = collective_gemm.matmul_reduce_scatter(_rank_major(a_loc, n), w_loc, axis=axis, n=n,
-                                                        contract=w_contract, impl=_fused_impl(ctx))
-            return out.reshape(a_loc.shape[:-2] + (-1, out.shape[-1])).astype(wire)
+            a_data, b, contract, factor = _fused_operands(a_loc, w_loc, w_contract)
+            out = collective_gemm.matmul_reduce_scatter(_rank_major(a_data, n), b, axis=axis, n=n,
+                                                        contract=contract, impl=_fused_impl(ctx))
+            out = _scaled_back(out, factor)
+            return out.reshape(a_data.shape[:-2] + (-1, out.shape[-1])).astype(wire)
         if ctx.overlap == "off":
             return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract, out_dtype=wire), axis,
                                     scatter_dimension=nd - 2, tiled=True)
@@ -546,13 +568,14 @@ def _check_x(x, ctx):
 
 
 def _check_fused(ctx, x, w, recipe, hidden, features):
-    """overlap="fused": bf16 activations and weight (its kernels' only dtype), and per-rank GEMMs that fit
-    their tiling: [rows, hidden] x [hidden, features/n] and [rows, features/n] x [features/n, hidden]."""
+    """overlap="fused": bf16 activations, recipe "bf16" (a float weight) or "fp8" (a float weight or a
+    Float8Tensor), and per-rank GEMMs that fit the kernels' tiling: [rows, hidden] x [hidden, features/n]
+    and [rows, features/n] x [features/n, hidden]."""
     if ctx.overlap != "fused":
         return
-    if recipe != "bf16" or isinstance(w, (Float8Tensor, NVFP4Tensor)):
-        raise ValueError(f"overlap: 'fused' runs bf16 GEMMs only (recipe 'bf16' with a float weight), got "
-                         f"recipe {recipe!r} and a {type(w).__name__} weight; use 'off' or 'ring'")
+    if recipe not in ("bf16", "fp8") or isinstance(w, NVFP4Tensor):
+        raise ValueError(f"overlap: 'fused' runs bf16 and FP8 GEMMs (recipe 'bf16' or 'fp8'), got recipe "
+                         f"{recipe!r} and a {type(w).__name__} weight; use 'off' or 'ring'")
     if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
         raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
     if _fused_impl(ctx) == "kernel":
@@ -562,8 +585,9 @@ def _check_fused(ctx, x, w, recipe, hidden, features):
                              f"need {problem}; impl='reference' runs their plain-JAX schedule")
     rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n
     # all-gather GEMMs: [rows, hidden] @ [hidden, features/n]; GEMM reduce-scatters: [.., features/n] @ [.., hidden]
-    collective_gemm.tiling("gather", "w", rows, hidden, features // ctx.n)
-    collective_gemm.tiling("scatter", "w", rows, features // ctx.n, hidden)
+    operands = FWD_DTYPE if recipe == "fp8" else collective_gemm.DTYPE
+    collective_gemm.tiling("gather", "w", rows, hidden, features // ctx.n, operands)
+    collective_gemm.tiling("scatter", "w", rows, features // ctx.n, hidden, operands)
 
 
 def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",
