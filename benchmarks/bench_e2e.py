@@ -42,7 +42,9 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
 # "-keep": make_train_step(reshard_after_forward=False), each layer's gathered weight kept for its backward
-EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp") + \
+# "-spfused": the sequence-parallel layers with overlap="fused" (bf16 collective GEMM kernels, docs/sp.md)
+EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
+                 "jq-bf16-spfused-loop", "jq-bf16-spfused") + \
     tuple(f"jq-{r}-keep{form}" for r in ("bf16", "fp8", "nvfp4") for form in ("-loop", ""))
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
@@ -209,9 +211,10 @@ def _make_plain(a, mesh, scan):
     return jax.jit(step, donate_argnums=0), state
 
 
-def _tp_loss(a, scan, sp):
+def _tp_loss(a, scan, sp, overlap="off"):
     """The per-rank loss of make_train_step(tp_axis="tp"): with ``sp`` sequence parallelism (this rank's
-    seq / tp positions between the GEMMs; loss averaged over tp), else Megatron TP (row-parallel psum)."""
+    seq / tp positions between the GEMMs, the layers' ``overlap``; loss averaged over tp), else Megatron
+    TP (row-parallel psum)."""
     import jax
     import jax.numpy as jnp
 
@@ -219,8 +222,8 @@ def _tp_loss(a, scan, sp):
     from jaxquant.gemm import pcast_varying
 
     if sp:
-        col = lambda x, w: jq.sp_column_dense(x, w, tp_axis="tp")
-        row = lambda x, w: jq.sp_row_dense(x, w, tp_axis="tp")
+        col = lambda x, w: jq.sp_column_dense(x, w, tp_axis="tp", overlap=overlap)
+        row = lambda x, w: jq.sp_row_dense(x, w, tp_axis="tp", overlap=overlap)
     else:
         col = lambda x, w: jq.dense(pcast_varying(x, ("tp",)), w, amax_axes=("tp",))
         row = lambda x, w: jax.lax.psum(jq.dense(x, w, out_dtype=jnp.float32, amax_axes=("tp",)), "tp").astype(x.dtype)
@@ -237,7 +240,7 @@ def _tp_loss(a, scan, sp):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off"):
     import jax
     import optax
 
@@ -249,7 +252,7 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False):
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
     if a.tp > 1:
         specs = jax.tree_util.tree_map_with_path(lambda k, _: _tp_split(k), shapes_)
-        step = jq.make_train_step(_tp_loss(a, scan, sp), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
+        step = jq.make_train_step(_tp_loss(a, scan, sp, overlap), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
                                   policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep)
     else:
         loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
@@ -281,7 +284,8 @@ def run_one(a, config):
     if config.startswith("plain"):
         fn, state = _make_plain(a, mesh, scan)
     else:
-        fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config)
+        fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
+                             overlap="fused" if "-spfused" in config else "off")
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}

@@ -97,13 +97,15 @@ def param_specs(cfg: ModelConfig):
             "blocks": {name: TP_SPLIT.get(name) for name in _block_shapes(cfg)}}
 
 
-def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_parallel: bool = True):
+def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_parallel: bool = True,
+            overlap: str = "off"):
     """loss(weights, batch): mean next-token cross-entropy; batch["tokens"] int32 [B, seq + 1]. With
     ``tp > 1`` it runs on one TP rank's blocks (``param_specs``) and does the TP collectives itself:
     with ``sequence_parallel`` (Megatron SP, ``jq.sp_column_dense`` / ``jq.sp_row_dense``) the residual
     stream, norms and loss hold this rank's ``seq / tp`` positions, the column-parallel GEMMs all-gather
     their input over tp and the row-parallel ones reduce-scatter their bf16 partial sums; without it every
-    TP rank holds the whole sequence and the row-parallel partial sums are all-reduced in fp32."""
+    TP rank holds the whole sequence and the row-parallel partial sums are all-reduced in fp32.
+    ``overlap`` goes to the sequence-parallel layers ("fused": bf16 collective GEMM kernels, docs/sp.md)."""
     import jax
     import jax.numpy as jnp
 
@@ -118,14 +120,14 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_
 
     def column_parallel(x, w):
         if sp:
-            return jq.sp_column_dense(x, w, tp_axis=tp_axis, out_dtype=act)
+            return jq.sp_column_dense(x, w, tp_axis=tp_axis, out_dtype=act, overlap=overlap)
         if tp > 1:   # Megatron's "f": identity forward; its transpose all-reduces the input gradient over tp
             x = pcast_varying(x, (tp_axis,))
         return jq.dense(x, w, out_dtype=act, amax_axes=amax)
 
     def row_parallel(x, w):   # Megatron's "g": partial products summed over tp
         if sp:
-            return jq.sp_row_dense(x, w, tp_axis=tp_axis, out_dtype=act)
+            return jq.sp_row_dense(x, w, tp_axis=tp_axis, out_dtype=act, overlap=overlap)
         y = jq.dense(x, w, out_dtype=jnp.float32, amax_axes=amax)
         return (jax.lax.psum(y, tp_axis) if tp > 1 else y).astype(act)
     pos = _positions(cfg.seq, cfg.d_model)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxquant import collective_gemm, formats, gemm, ops
+from jaxquant import collective_gemm, formats, fsdp, gemm, ops
 from jaxquant.dense import dense as gemm_dense, split_master
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 
@@ -198,7 +198,7 @@ def _ring_chunks(local, axis, n, bidirectional):
 def _fused_impl(ctx) -> str:
     """The fused mode's kernels on GPU meshes; their plain-JAX schedule for impl="reference" and, under
     impl="auto", on other backends."""
-    gpu = ctx.mesh.devices.flat[0].platform == "gpu"
+    gpu = (jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0]).platform == "gpu"
     return "kernel" if ctx.impl == "custom_call" or (ctx.impl == "auto" and gpu) else "reference"
 
 
@@ -659,22 +659,104 @@ def _seq_axis(v, name):
     return v.ndim - 2
 
 
-def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None):
+def _per_rank_fused_weight(w, recipe, name):
+    """The bf16 ``[out, in]`` operand of a per-rank fused layer: an array, or a bf16 ``ShardedWeight``
+    gathered here (its gradient flows back to ``w.grad``)."""
+    if isinstance(w, fsdp.ShardedWeight) and w.spec.recipe == "bf16" and recipe in (None, "bf16"):
+        w = w.gather()
+    elif isinstance(w, (fsdp.ShardedWeight, Float8Tensor, NVFP4Tensor)) or recipe not in (None, "bf16"):
+        raise ValueError(f"overlap: 'fused' in {name} runs bf16 GEMMs (a float weight or a bf16 ShardedWeight, "
+                         f"recipe None or 'bf16'), got a {type(w).__name__} weight and recipe {recipe!r}; use "
+                         "overlap='off'")
+    if w.ndim != 2:
+        raise ValueError(f"w: must be [out, in], got shape {tuple(w.shape)}")
+    return w
+
+
+@functools.lru_cache(maxsize=64)
+def _per_rank_fused(kind: str, axis: str, n: int, impl: str, out_dtype):
+    """The per-rank fused column (``kind="column"``) or row layer: custom_vjp over (x, w bf16 [out, in])
+    with the collective GEMM kernels in both passes (sp_column_dense / sp_row_dense, overlap="fused")."""
+    ctx = _Ctx(None, axis, n, "fused", impl)
+
+    def scatter(a, w, w_contract):   # [..., n*s, K] x w -> reduce-scattered [..., s, N] bf16
+        out = collective_gemm.matmul_reduce_scatter(_rank_major(a, n), w, axis=axis, n=n, contract=w_contract,
+                                                    impl=_fused_impl(ctx))
+        return out.reshape(a.shape[:-2] + (-1, out.shape[-1]))
+
+    def fwd(x, w):
+        if kind == "column":
+            out, full = _fused_gather_matmul(ctx, x, w, 1)
+            return out.astype(out_dtype), (full, w)
+        return scatter(x, w, 1).astype(out_dtype), (x, w)
+
+    def bwd(res, g):
+        a, w = res
+        g = g.astype(collective_gemm.DTYPE)
+        if kind == "column":   # dX = dY @ W reduce-scattered onto the sequence; dW = dY^T @ X gathered
+            return scatter(g, w, 0).astype(a.dtype), _wgrad(g, a).astype(w.dtype)
+        dx, g_full = _fused_gather_matmul(ctx, g, w, 0)   # dY gathered once, for both GEMMs
+        return dx.astype(a.dtype), _wgrad(g_full, a).astype(w.dtype)
+
+    layer = jax.custom_vjp(lambda x, w: fwd(x, w)[0])
+    layer.defvjp(fwd, bwd)
+    return layer
+
+
+def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl, name):
+    w = _per_rank_fused_weight(w, recipe, name)
+    _seq_axis(x, "x")
+    if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
+        raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
+    ops._check_impl(impl)
+    n = int(jax.lax.axis_size(tp_axis))
+    rows = math.prod(x.shape[:-2]) * x.shape[-2] // (1 if kind == "column" else n)
+    out_f, in_f = (int(d) for d in w.shape)
+    if kind == "column":   # forward: gather [rows, in] @ [in, out/n]; backward: scatter [.., out/n] @ [.., in]
+        collective_gemm.tiling("gather", "w", rows, in_f, out_f)
+        collective_gemm.tiling("scatter", "w", rows, out_f, in_f)
+    else:                  # forward: scatter [.., in/n] @ [.., out]; backward: gather [rows, out] @ [out, in/n]
+        collective_gemm.tiling("scatter", "w", rows, in_f, out_f)
+        collective_gemm.tiling("gather", "w", rows, out_f, in_f)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    # the weight varies over every axis x does, so its gradient (computed per rank) is summed over the
+    # axes the weight is replicated on by JAX's transpose of that broadcast
+    w = fsdp.vary_like(w.astype(collective_gemm.DTYPE), x)
+    return _per_rank_fused(kind, tp_axis, n, impl, out_dtype)(x, w)
+
+
+def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None, overlap: str = "off",
+                    impl: str = "auto"):
     """Per-rank column-parallel layer of sequence parallelism, for code already inside ``shard_map`` (the
     ``loss_fn`` of ``make_train_step(..., tp_axis=...)``): this rank's sequence rows ``x [..., S/n, in]``
     are all-gathered over ``tp_axis`` (in x's dtype) and multiplied by this rank's output rows of ``w``
     (``[out/n, in]``: anything ``jq.dense`` takes, a ``ShardedWeight`` included) -> ``[..., S, out/n]``.
     The FP8/NVFP4 activation amax is max-reduced over ``tp_axis``. JAX's transpose of the all-gather
-    reduce-scatters dX back to the sequence rows (Megatron's "g" with sequence parallelism)."""
+    reduce-scatters dX back to the sequence rows (Megatron's "g" with sequence parallelism).
+    ``overlap="fused"`` (bf16 x and weight; a bf16 ``ShardedWeight`` is gathered first) runs the
+    all-gather GEMM and, in the backward, the GEMM reduce-scatter as collective GEMM kernels on Hopper
+    GPUs (their plain-JAX schedule elsewhere or with ``impl="reference"``; docs/sp.md), keeping the
+    gathered ``x`` for the weight gradient."""
+    if overlap == "fused":
+        return _per_rank_fused_call("column", x, w, tp_axis, recipe, out_dtype, impl, "sp_column_dense")
+    if overlap != "off":
+        raise ValueError(f"overlap: sp_column_dense takes 'off' or 'fused', got {overlap!r}")
     full = lax.all_gather(x, tp_axis, axis=_seq_axis(x, "x"), tiled=True)
     return gemm_dense(full, w, recipe=recipe, out_dtype=out_dtype, amax_axes=(tp_axis,))
 
 
-def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None):
+def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None, overlap: str = "off",
+                 impl: str = "auto"):
     """Per-rank row-parallel layer of sequence parallelism (inside ``shard_map``): ``x [..., S, in/n]`` (the
     features this rank holds) times this rank's input columns of ``w`` (``[out, in/n]``, anything
     ``jq.dense`` takes), partial sums reduce-scattered over ``tp_axis`` onto the sequence rows in
     ``out_dtype`` (default x's dtype: bf16 partial sums on the wire, as Megatron) -> ``[..., S/n, out]``.
-    JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs."""
+    JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs. ``overlap="fused"``
+    (bf16) runs the GEMM reduce-scatter and, in the backward, the all-gather GEMM (dY gathered once for
+    both backward GEMMs) as collective GEMM kernels, as in ``sp_column_dense``."""
+    if overlap == "fused":
+        return _per_rank_fused_call("row", x, w, tp_axis, recipe, out_dtype, impl, "sp_row_dense")
+    if overlap != "off":
+        raise ValueError(f"overlap: sp_row_dense takes 'off' or 'fused', got {overlap!r}")
     y = gemm_dense(x, w, recipe=recipe, out_dtype=out_dtype, amax_axes=(tp_axis,))   # fp32 GEMM, rounded once
     return lax.psum_scatter(y, tp_axis, scatter_dimension=_seq_axis(x, "x"), tiled=True)

@@ -18,19 +18,19 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulat
 CFG = demo.ModelConfig(layers=2, seq=32)
 
 
-def _step(recipe, sequence_parallel):
+def _step(recipe, sequence_parallel, cfg=CFG, overlap="off"):
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
-    return jq.make_train_step(demo.loss_fn(CFG, "tp", 2, sequence_parallel=sequence_parallel), optax.adam(1e-3),
-                              mesh=mesh, tp_axis="tp", param_specs=demo.param_specs(CFG),
-                              quantize_mask=demo.quantize_mask(CFG),
+    return jq.make_train_step(demo.loss_fn(cfg, "tp", 2, sequence_parallel=sequence_parallel, overlap=overlap),
+                              optax.adam(1e-3), mesh=mesh, tp_axis="tp", param_specs=demo.param_specs(cfg),
+                              quantize_mask=demo.quantize_mask(cfg),
                               policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
 
 
-def _train(recipe, sequence_parallel, steps=3):
+def _train(recipe, sequence_parallel, steps=3, cfg=CFG, overlap="off"):
     """(step, params after the first step, losses of ``steps`` steps)."""
-    step = _step(recipe, sequence_parallel)
-    state = step.init(demo.init_params(jax.random.key(0), CFG))
-    data = demo.SyntheticData(CFG, batch=4)
+    step = _step(recipe, sequence_parallel, cfg, overlap)
+    state = step.init(demo.init_params(jax.random.key(0), cfg))
+    data = demo.SyntheticData(cfg, batch=4)
     losses, first = [], None
     for _ in range(steps):
         state, metrics = step(state, data.next())
@@ -75,3 +75,49 @@ def test_sequence_parallel_moves_bf16_activations_with_gathers_and_reduce_scatte
     assert three_d(gathered), gathered
     reduced = re.findall(r'"stablehlo\.all_reduce".*?\}\) : \(([^)]*)\) ->', text, flags=re.S)
     assert not three_d(reduced), reduced
+
+
+# the fused kernels' tiles: 256 rows of each rank's chunk (2 sequences x 256 / tp 2), every rank's output
+# features a multiple of 128 (d_model / tp = 128)
+FUSED_CFG = demo.ModelConfig(d_model=256, heads=4, d_ff=512, layers=1, seq=256)
+
+
+@pytest.mark.slow
+def test_fused_sequence_parallel_step_equals_off_step():
+    """make_train_step with the per-rank layers' overlap="fused" (the collective GEMMs' plain-JAX schedule
+    here; bf16 ShardedWeights gathered over fsdp before the kernels) trains as overlap="off": the losses of
+    3 steps agree to bf16 rounding and the first Adam step moves the parameters alike (sign flips of
+    near-zero gradients aside; a wrong gradient would flip about half of them)."""
+    lr = 1e-3
+    step, p_fused, l_fused = _train("bf16", True, cfg=FUSED_CFG, overlap="fused")
+    _, p_off, l_off = _train("bf16", True, cfg=FUSED_CFG, overlap="off")
+    # the fused schedule's running sums travel by collective_permute; "off" has none of its own
+    state = step.init(demo.init_params(jax.random.key(0), FUSED_CFG))
+    text = step.lower(state, demo.SyntheticData(FUSED_CFG, batch=4).next()).as_text()
+    assert "stablehlo.collective_permute" in text
+    np.testing.assert_allclose(l_fused, l_off, rtol=2e-3)
+    assert l_fused[-1] < l_fused[0]
+    diffs = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel()
+                            for a, b in zip(jax.tree.leaves(p_fused), jax.tree.leaves(p_off))])
+    assert diffs.max() <= 2 * lr * (1 + 1e-3), diffs.max()
+    assert np.mean(diffs < 1e-6) > 0.98
+
+
+def test_fused_per_rank_layers_refuse_what_they_cannot_run():
+    """The per-rank fused layers run bf16 only and name the rule."""
+    from jaxquant import collective_gemm  # noqa: F401
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    x = jax.numpy.ones((1, 256, 256), jax.numpy.bfloat16)
+    w = jq.quantize_fp8(jax.numpy.ones((256, 256)))
+
+    def f(x):
+        return jq.sp_column_dense(x, w, tp_axis="tp", overlap="fused")
+    run = jax.shard_map(f, mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, "tp"),
+                        out_specs=jax.sharding.PartitionSpec(None, None, "tp"))
+    with pytest.raises(ValueError, match="overlap: 'fused' in sp_column_dense runs bf16 GEMMs .* Float8Tensor"):
+        jax.jit(run)(x)
+    with pytest.raises(ValueError, match="overlap: sp_row_dense takes 'off' or 'fused', got 'ring'"):
+        jax.jit(jax.shard_map(lambda x: jq.sp_row_dense(x, jax.numpy.ones((256, 128), jax.numpy.bfloat16),
+                                                        tp_axis="tp", overlap="ring"),
+                              mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, None, "tp"),
+                              out_specs=jax.sharding.PartitionSpec(None, "tp")))(x)
