@@ -117,12 +117,18 @@ def call(target: str, results, *args, input_output_aliases=None, **attrs):
     fn = jax.ffi.ffi_call(target, list(results), vmap_method="sequential",
                           input_output_aliases=input_output_aliases)
     out = fn(*args, **attrs)
-    out = list(out) if isinstance(out, (list, tuple)) else [out]
-    axes = frozenset().union(*(_varying_axes(a) for a in args)) if args else frozenset()
-    if axes:
-        out = [o if axes <= _varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o))), to="varying")
-               for o in out]
-    return out
+    return varying_like(list(out) if isinstance(out, (list, tuple)) else [out], args)
+
+
+def varying_like(outs, ins, extra_axes=()) -> list:
+    """``outs`` typed as varying over every manual mesh axis some of ``ins`` varies over, and over
+    ``extra_axes`` (inside ``shard_map``; a no-op on values): what an elementwise op's results would be.
+    A custom call's or a Pallas kernel's results carry no such type, which check_vma and custom VJPs reject."""
+    axes = frozenset(extra_axes).union(*(_varying_axes(a) for a in ins))
+    if not axes:
+        return list(outs)
+    return [o if axes <= _varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o))), to="varying")
+            for o in outs]
 
 
 def _has_devices(platform: str) -> bool:

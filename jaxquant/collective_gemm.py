@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxquant import _ffi
+
 DTYPE = jnp.bfloat16   # output and wire dtype of both kernels (their running sums), and 16-bit operands
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))   # 8-bit operands, any pairing
 
@@ -294,7 +296,7 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
 
     out, full = _kernel_call(collective_gather_gemm, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
                                     jax.ShapeDtypeStruct((n * rows, k), a.dtype)])(a, b)
-    return out, full
+    return tuple(_ffi.varying_like((out, full), (a, b), (axis,)))
 
 
 def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
@@ -324,7 +326,7 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
 
     out, _ = _kernel_call(collective_gemm_scatter, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
                                  jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)])(a, b)
-    return out
+    return _ffi.varying_like((out,), (a, b), (axis,))[0]
 
 
 # ----------------------------------------------------------------------------------------------

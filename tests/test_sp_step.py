@@ -121,3 +121,25 @@ def test_fused_per_rank_layers_refuse_what_they_cannot_run():
                                                         tp_axis="tp", overlap="ring"),
                               mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, None, "tp"),
                               out_specs=jax.sharding.PartitionSpec(None, "tp")))(x)
+
+
+def test_fused_per_rank_kernels_type_check_inside_shard_map():
+    """The per-rank fused layers with their kernels (impl="custom_call"), traced with gradients inside a
+    check_vma shard_map on a (fsdp 2, tp 2) mesh (the kernels' outputs are typed as varying like their
+    inputs, which the layers' custom VJP needs; tracing only: Mosaic lowers on a GPU)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
+    x = jnp.ones((4, 512, 256), jnp.bfloat16)
+    w1, w2 = jnp.ones((512, 256), jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)
+
+    def loss(x, w1, w2):
+        h = jq.sp_column_dense(x, w1, tp_axis="tp", overlap="fused", impl="custom_call")
+        y = jq.sp_row_dense(jax.nn.gelu(h), w2, tp_axis="tp", overlap="fused", impl="custom_call")
+        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), ("fsdp", "tp"))
+
+    specs = (P("fsdp", "tp"), P("tp", None), P(None, "tp"))
+    grads = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=specs, out_specs=specs,
+                          check_vma=True)
+    jaxpr = str(jax.make_jaxpr(grads)(x, w1, w2))
+    assert "wgmma" in jaxpr   # the kernels, not their plain-JAX schedule
