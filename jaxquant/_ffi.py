@@ -95,7 +95,7 @@ def require() -> None:
         raise ExtensionError("impl='custom_call' needs jaxquant's compiled extension. " + REBUILD_HINT)
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """Manual mesh axes ``x`` varies over inside shard_map (empty outside)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
@@ -124,10 +124,10 @@ def varying_like(outs, ins, extra_axes=()) -> list:
     """``outs`` typed as varying over every manual mesh axis some of ``ins`` varies over, and over
     ``extra_axes`` (inside ``shard_map``; a no-op on values): what an elementwise op's results would be.
     A custom call's or a Pallas kernel's results carry no such type, which check_vma and custom VJPs reject."""
-    axes = frozenset(extra_axes).union(*(_varying_axes(a) for a in ins))
+    axes = frozenset(extra_axes).union(*(varying_axes(a) for a in ins))
     if not axes:
         return list(outs)
-    return [o if axes <= _varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o))), to="varying")
+    return [o if axes <= varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - varying_axes(o))), to="varying")
             for o in outs]
 
 

@@ -296,7 +296,9 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
 
     out, full = _kernel_call(collective_gather_gemm, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
                                     jax.ShapeDtypeStruct((n * rows, k), a.dtype)])(a, b)
-    return tuple(_ffi.varying_like((out, full), (a, b), (axis,)))
+    # typed as all_gather and a GEMM would be: the gathered A is the same on every rank of ``axis``
+    vary = _ffi.varying_axes(a) | _ffi.varying_axes(b)
+    return _ffi.varying_like((out,), (), vary | {axis})[0], _ffi.varying_like((full,), (), vary - {axis})[0]
 
 
 def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
