@@ -149,6 +149,9 @@ def _smap(ctx, f, in_specs, out_specs):
     # check_vma off: an FP8 scale is replicated by construction (every rank derives it from the
     # max-reduced amax) but comes out of a cast that also reads the rank's own block, which the
     # type check cannot see. JAX never differentiates these bodies (custom_vjp wraps them).
+    # ctx.mesh None: the per-rank layers (sp_column_dense / sp_row_dense), already inside a shard_map
+    if ctx.mesh is None:
+        return f
     return jax.shard_map(f, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
@@ -448,9 +451,13 @@ def _weight_cotangents(wgrad_dtypes, dw):
 
 
 @functools.lru_cache(maxsize=256)
-def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype, wgrad_dtypes):
+def _column_layer(ctx: _Ctx, recipe: str, eps: Optional[float], nd: int, out_dtype, wgrad_dtypes):
+    """``eps`` None: no layernorm (the per-rank ``sp_column_dense``; gamma and beta are None)."""
     seq, feat = _seq_spec(nd, ctx.axis), _feat_spec(nd, ctx.axis)
-    layernorm = lambda x, g, b: _layernorm_f32(x, g, b, eps)
+    if eps is None:
+        layernorm = lambda x, g, b: x
+    else:
+        layernorm = lambda x, g, b: _layernorm_f32(x, g, b, eps)
 
     def fwd(x, gamma, beta, w, target):
         wop = _weight_operands(ctx, recipe, w, 0)
@@ -471,6 +478,8 @@ def _column_layer(ctx: _Ctx, recipe: str, eps: float, nd: int, out_dtype, wgrad_
         else:
             _, dw = _gather_matmul(ctx, a, other=gq, gathered_is_lhs=False)     # wgrad [out, in] on the re-gathered x
         # the bf16 rounding of the layernorm output passes the gradient straight through
+        if eps is None:
+            return dy.astype(x.dtype), None, None, *_weight_cotangents(wgrad_dtypes, dw)
         dx, dgamma, dbeta = jax.vjp(layernorm, x, gamma, beta)[1](dy)
         return dx, dgamma, dbeta, *_weight_cotangents(wgrad_dtypes, dw)
 
@@ -567,7 +576,7 @@ def _check_x(x, ctx):
     _check_divisible("x", "the sequence length x.shape[-2]", x.shape[-2], ctx.n, ctx.axis)
 
 
-def _check_fused(ctx, x, w, recipe, hidden, features):
+def _check_fused(ctx, x, w, recipe, hidden, features, rows=None):
     """overlap="fused": bf16 activations, recipe "bf16" (a float weight) or "fp8" (a float weight or a
     Float8Tensor), and per-rank GEMMs that fit the kernels' tiling: [rows, hidden] x [hidden, features/n]
     and [rows, features/n] x [features/n, hidden]."""
@@ -579,11 +588,11 @@ def _check_fused(ctx, x, w, recipe, hidden, features):
     if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
         raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
     if _fused_impl(ctx) == "kernel":
-        problem = collective_gemm.device_problem(ctx.mesh.devices.flat[0])
+        problem = collective_gemm.device_problem(jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0])
         if problem:
             raise ValueError(f"impl: overlap='fused' with impl={ctx.impl!r} runs Pallas:Mosaic GPU kernels, which "
                              f"need {problem}; impl='reference' runs their plain-JAX schedule")
-    rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n
+    rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n if rows is None else rows
     # all-gather GEMMs: [rows, hidden] @ [hidden, features/n]; GEMM reduce-scatters: [.., features/n] @ [.., hidden]
     operands = FWD_DTYPE if recipe == "fp8" else collective_gemm.DTYPE
     collective_gemm.tiling("gather", "w", rows, hidden, features // ctx.n, operands)
@@ -659,70 +668,28 @@ def _seq_axis(v, name):
     return v.ndim - 2
 
 
-def _per_rank_fused_weight(w, recipe, name):
-    """The bf16 ``[out, in]`` operand of a per-rank fused layer: an array, or a bf16 ``ShardedWeight``
-    gathered here (its gradient flows back to ``w.grad``)."""
-    if isinstance(w, fsdp.ShardedWeight) and w.spec.recipe == "bf16" and recipe in (None, "bf16"):
-        w = w.gather()
-    elif isinstance(w, (fsdp.ShardedWeight, Float8Tensor, NVFP4Tensor)) or recipe not in (None, "bf16"):
-        raise ValueError(f"overlap: 'fused' in {name} runs bf16 GEMMs (a float weight or a bf16 ShardedWeight, "
-                         f"recipe None or 'bf16'), got a {type(w).__name__} weight and recipe {recipe!r}; use "
-                         "overlap='off'")
-    if w.ndim != 2:
-        raise ValueError(f"w: must be [out, in], got shape {tuple(w.shape)}")
-    return w
-
-
-@functools.lru_cache(maxsize=64)
-def _per_rank_fused(kind: str, axis: str, n: int, impl: str, out_dtype):
-    """The per-rank fused column (``kind="column"``) or row layer: custom_vjp over (x, w bf16 [out, in])
-    with the collective GEMM kernels in both passes (sp_column_dense / sp_row_dense, overlap="fused")."""
-    ctx = _Ctx(None, axis, n, "fused", impl)
-
-    def scatter(a, w, w_contract):   # [..., n*s, K] x w -> reduce-scattered [..., s, N] bf16
-        out = collective_gemm.matmul_reduce_scatter(_rank_major(a, n), w, axis=axis, n=n, contract=w_contract,
-                                                    impl=_fused_impl(ctx))
-        return out.reshape(a.shape[:-2] + (-1, out.shape[-1]))
-
-    def fwd(x, w):
-        if kind == "column":
-            out, full = _fused_gather_matmul(ctx, x, w, 1)
-            return out.astype(out_dtype), (full, w)
-        return scatter(x, w, 1).astype(out_dtype), (x, w)
-
-    def bwd(res, g):
-        a, w = res
-        g = g.astype(collective_gemm.DTYPE)
-        if kind == "column":   # dX = dY @ W reduce-scattered onto the sequence; dW = dY^T @ X gathered
-            return scatter(g, w, 0).astype(a.dtype), _wgrad(g, a).astype(w.dtype)
-        dx, g_full = _fused_gather_matmul(ctx, g, w, 0)   # dY gathered once, for both GEMMs
-        return dx.astype(a.dtype), _wgrad(g_full, a).astype(w.dtype)
-
-    layer = jax.custom_vjp(lambda x, w: fwd(x, w)[0])
-    layer.defvjp(fwd, bwd)
-    return layer
-
-
-def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl, name):
-    w = _per_rank_fused_weight(w, recipe, name)
-    _seq_axis(x, "x")
-    if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
-        raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
+def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl):
+    """sp_column_dense / sp_row_dense with overlap="fused": the sp layers' own custom VJP (their
+    quantization, operands and collective GEMM kernels) run per rank, inside the caller's shard_map."""
     ops._check_impl(impl)
-    n = int(jax.lax.axis_size(tp_axis))
-    rows = math.prod(x.shape[:-2]) * x.shape[-2] // (1 if kind == "column" else n)
+    n = int(lax.axis_size(tp_axis))
+    ctx = _Ctx(None, tp_axis, n, "fused", impl)
+    _seq_axis(x, "x")
+    if isinstance(w, fsdp.ShardedWeight):   # gathered over fsdp; its gradient goes back through the gather
+        w = w.gather()
+    w, master, recipe, dtypes = _weight_and_recipe(w, recipe, int(x.shape[-1]))
+    # dW is computed per rank: typed varying like x, so JAX sums it over the axes the weight is replicated on
+    if master is not None:
+        master = fsdp.vary_like(master, x)
+    elif not isinstance(w, (Float8Tensor, NVFP4Tensor)):
+        w = fsdp.vary_like(w, x)
     out_f, in_f = (int(d) for d in w.shape)
-    if kind == "column":   # forward: gather [rows, in] @ [in, out/n]; backward: scatter [.., out/n] @ [.., in]
-        collective_gemm.tiling("gather", "w", rows, in_f, out_f)
-        collective_gemm.tiling("scatter", "w", rows, out_f, in_f)
-    else:                  # forward: scatter [.., in/n] @ [.., out]; backward: gather [rows, out] @ [out, in/n]
-        collective_gemm.tiling("scatter", "w", rows, in_f, out_f)
-        collective_gemm.tiling("gather", "w", rows, out_f, in_f)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    # the weight varies over every axis x does, so its gradient (computed per rank) is summed over the
-    # axes the weight is replicated on by JAX's transpose of that broadcast
-    w = fsdp.vary_like(w.astype(collective_gemm.DTYPE), x)
-    return _per_rank_fused(kind, tp_axis, n, impl, out_dtype)(x, w)
+    if kind == "column":   # this rank's rows [.., s, in] gathered, times [out/n, in]
+        _check_fused(ctx, x, w, recipe, in_f, out_f * n, rows=math.prod(x.shape[:-1]))
+        return _column_layer(ctx, recipe, None, x.ndim, out_dtype, dtypes)(x, None, None, w, master)
+    _check_fused(ctx, x, w, recipe, out_f, in_f * n, rows=math.prod(x.shape[:-1]) // n)
+    return _row_layer(ctx, recipe, x.ndim, out_dtype, dtypes)(x, w, master)
 
 
 def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None, overlap: str = "off",
@@ -733,12 +700,13 @@ def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dty
     (``[out/n, in]``: anything ``jq.dense`` takes, a ``ShardedWeight`` included) -> ``[..., S, out/n]``.
     The FP8/NVFP4 activation amax is max-reduced over ``tp_axis``. JAX's transpose of the all-gather
     reduce-scatters dX back to the sequence rows (Megatron's "g" with sequence parallelism).
-    ``overlap="fused"`` (bf16 x and weight; a bf16 ``ShardedWeight`` is gathered first) runs the
-    all-gather GEMM and, in the backward, the GEMM reduce-scatter as collective GEMM kernels on Hopper
-    GPUs (their plain-JAX schedule elsewhere or with ``impl="reference"``; docs/sp.md), keeping the
-    gathered ``x`` for the weight gradient."""
+    ``overlap="fused"`` (bf16 x; a bf16 or FP8 weight, recipe "bf16" or "fp8"; a ``ShardedWeight`` is
+    gathered first) runs the all-gather GEMM and, in the backward, the GEMM reduce-scatter as collective
+    GEMM kernels on Hopper GPUs (their plain-JAX schedule elsewhere or with ``impl="reference"``;
+    docs/sp.md): the sp layers' own custom VJP per rank, keeping the gathered ``x`` for the weight
+    gradient."""
     if overlap == "fused":
-        return _per_rank_fused_call("column", x, w, tp_axis, recipe, out_dtype, impl, "sp_column_dense")
+        return _per_rank_fused_call("column", x, w, tp_axis, recipe, out_dtype, impl)
     if overlap != "off":
         raise ValueError(f"overlap: sp_column_dense takes 'off' or 'fused', got {overlap!r}")
     full = lax.all_gather(x, tp_axis, axis=_seq_axis(x, "x"), tiled=True)
@@ -752,10 +720,10 @@ def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=
     ``jq.dense`` takes), partial sums reduce-scattered over ``tp_axis`` onto the sequence rows in
     ``out_dtype`` (default x's dtype: bf16 partial sums on the wire, as Megatron) -> ``[..., S/n, out]``.
     JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs. ``overlap="fused"``
-    (bf16) runs the GEMM reduce-scatter and, in the backward, the all-gather GEMM (dY gathered once for
+    (bf16 or FP8) runs the GEMM reduce-scatter and, in the backward, the all-gather GEMM (dY gathered once for
     both backward GEMMs) as collective GEMM kernels, as in ``sp_column_dense``."""
     if overlap == "fused":
-        return _per_rank_fused_call("row", x, w, tp_axis, recipe, out_dtype, impl, "sp_row_dense")
+        return _per_rank_fused_call("row", x, w, tp_axis, recipe, out_dtype, impl)
     if overlap != "off":
         raise ValueError(f"overlap: sp_row_dense takes 'off' or 'fused', got {overlap!r}")
     y = gemm_dense(x, w, recipe=recipe, out_dtype=out_dtype, amax_axes=(tp_axis,))   # fp32 GEMM, rounded once
