@@ -42,9 +42,9 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
 # "-keep": make_train_step(reshard_after_forward=False), each layer's gathered weight kept for its backward
-# "-spfused": the sequence-parallel layers with overlap="fused" (bf16 collective GEMM kernels, docs/sp.md)
+# "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
 EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
-                 "jq-bf16-spfused-loop", "jq-bf16-spfused") + \
+                 "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
     tuple(f"jq-{r}-keep{form}" for r in ("bf16", "fp8", "nvfp4") for form in ("-loop", ""))
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
