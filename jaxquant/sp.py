@@ -688,6 +688,9 @@ def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl):
     if kind == "column":   # this rank's rows [.., s, in] gathered, times [out/n, in]
         _check_fused(ctx, x, w, recipe, in_f, out_f * n, rows=math.prod(x.shape[:-1]))
         return _column_layer(ctx, recipe, None, x.ndim, out_dtype, dtypes)(x, None, None, w, master)
+    if out_dtype != jnp.dtype(x.dtype):   # the row layer's dX comes out in its output (wire) dtype
+        raise ValueError(f"out_dtype: sp_row_dense with overlap='fused' writes x's dtype ({x.dtype}), the dtype its "
+                         f"partial sums travel in; got {out_dtype}")
     _check_fused(ctx, x, w, recipe, out_f, in_f * n, rows=math.prod(x.shape[:-1]) // n)
     return _row_layer(ctx, recipe, x.ndim, out_dtype, dtypes)(x, w, master)
 

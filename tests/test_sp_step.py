@@ -123,6 +123,12 @@ def test_fused_per_rank_layers_refuse_what_they_cannot_run():
                                 out_specs=jax.sharding.PartitionSpec(None, None, "tp"))
     with pytest.raises(ValueError, match="impl: overlap='fused' with impl='custom_call' .* need a mesh of GPUs"):
         jax.jit(cpu_kernels)(x)
+    f32_out = jax.shard_map(lambda x: jq.sp_row_dense(x, jax.numpy.ones((256, 128), jax.numpy.bfloat16), tp_axis="tp",
+                                                      overlap="fused", out_dtype=jax.numpy.float32),
+                            mesh=mesh, in_specs=jax.sharding.PartitionSpec(None, None, "tp"),
+                            out_specs=jax.sharding.PartitionSpec(None, "tp"))
+    with pytest.raises(ValueError, match=r"out_dtype: sp_row_dense with overlap='fused' writes x's dtype \(bfloat16\)"):
+        jax.jit(f32_out)(x)
     with pytest.raises(ValueError, match="overlap: sp_row_dense takes 'off' or 'fused', got 'ring'"):
         jax.jit(jax.shard_map(lambda x: jq.sp_row_dense(x, jax.numpy.ones((256, 128), jax.numpy.bfloat16),
                                                         tp_axis="tp", overlap="ring"),
