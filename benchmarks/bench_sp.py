@@ -6,7 +6,8 @@ reduce-scatter, which XLA runs asynchronously and places under independent GEMMs
 FP8: the collective GEMM kernels of jaxquant/collective_gemm.py) and "sync" (the
 "off" program with every collective synchronous, --xla_gpu_disable_async_collectives: nothing
 overlaps, the no-overlap baseline). Each mode runs in its own process (a failing mode is reported and
-the others still run); --extra-flags adds XLA_FLAGS to every mode. Prints per size the median times,
+the others still run); --extra-flags adds XLA_FLAGS to every mode. Prints per size the step times (median
+of single calls, or with --pipelined the mean of calls dispatched back to back),
 each mode / off, the ring's transfers with a GEMM scheduled under them and the dtypes its collectives
 move; with --profile also the collective-kernel time of each mode and what each overlapped mode saves
 against the no-overlap baseline (target: sync - mode >= 0.7 x sync's collective time; "ring" and

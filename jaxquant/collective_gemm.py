@@ -77,31 +77,36 @@ TILINGS = {
 }
 
 
-def _fits(rows: int, k: int, n_cols: int, config: TileConfig) -> bool:
-    cta_m, cta_n = config.cta_tile()
-    return rows % cta_m == 0 and k % config.tile_k == 0 and n_cols % cta_n == 0
-
-
-def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) -> None:
-    """ValueError unless one rank's chunk ``[rows, k] @ [k, n_cols]`` fits the kernels' tiling."""
+def _misfit(rows: int, k: int, n_cols: int, config: TileConfig):
+    """(what, size, unit) of the first dimension of one rank's ``[rows, k] @ [k, n_cols]`` that ``config``
+    cannot tile, or None."""
     cta_m, cta_n = config.cta_tile()
     for what, size, unit in (("rows of one rank's sequence chunk (batch x S/tp)", rows, cta_m),
                              ("contracted features", k, config.tile_k),
                              ("output features of one rank", n_cols, cta_n)):
         if size % unit:
-            raise ValueError(f"{name}: overlap='fused' tiles the GEMM in {cta_m}x{cta_n} outputs and "
-                             f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
+            return what, size, unit
+    return None
+
+
+def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) -> None:
+    """ValueError unless one rank's chunk ``[rows, k] @ [k, n_cols]`` fits the kernels' tiling."""
+    bad = _misfit(rows, k, n_cols, config)
+    if bad:
+        what, size, unit = bad
+        cta_m, cta_n = config.cta_tile()
+        raise ValueError(f"{name}: overlap='fused' tiles the GEMM in {cta_m}x{cta_n} outputs and "
+                         f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
 
 
 def tiling(kernel: str, name: str, rows: int, k: int, n_cols: int, dtype=DTYPE) -> TileConfig:
     """The first tiling of ``TILINGS[kernel]`` (for operands of ``dtype``) that fits one rank's
     ``[rows, k] @ [k, n_cols]``, or the ValueError (naming ``name``) of the most permissive one."""
     configs = [c.for_operands(dtype) for c in TILINGS[kernel]]
-    for config in configs:
-        if _fits(rows, k, n_cols, config):
-            return config
-    check_shapes(name, rows, k, n_cols, configs[-1])
-    raise AssertionError("unreachable")
+    fit = next((c for c in configs if _misfit(rows, k, n_cols, c) is None), None)
+    if fit is None:
+        check_shapes(name, rows, k, n_cols, configs[-1])
+    return fit
 
 
 def device_problem(device) -> str | None:
@@ -336,6 +341,17 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
 # ----------------------------------------------------------------------------------------------
 
 
+def _tiling_of(kernel, a, b, contract, rows, config):
+    """The checked operands' tiling: ``config`` (for their dtype) if given, else ``tiling``'s choice."""
+    _check("b", a, b, contract)
+    shape = (rows, a.shape[1], b.shape[1 - contract])
+    if config is None:
+        return tiling(kernel, "b", *shape, a.dtype)
+    config = config.for_operands(a.dtype)
+    check_shapes("b", *shape, config)
+    return config
+
+
 def _mm(a, b, contract):
     """bf16 out of fp32 accumulation (the kernels' epilogue: products of the stored values, unscaled)."""
     return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32).astype(DTYPE)
@@ -348,10 +364,7 @@ def gather_matmul(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "ke
     gathered ``a [n*rows, K]`` in its own dtype), rows in rank order. FP8 operands (``contract=1``)
     give the products of their stored values: the caller multiplies by the scales. ``config`` None:
     the first of ``TILINGS["gather"]`` that fits."""
-    _check("b", a, b, contract)
-    shape = (a.shape[0], a.shape[1], b.shape[1 - contract])
-    config = tiling("gather", "b", *shape, a.dtype) if config is None else config.for_operands(a.dtype)
-    check_shapes("b", *shape, config)
+    config = _tiling_of("gather", a, b, contract, a.shape[0], config)
     if impl == "reference":
         full = lax.all_gather(a, axis, axis=0, tiled=True)
         return _mm(full, b, contract), full
@@ -365,12 +378,9 @@ def matmul_reduce_scatter(a, b, *, axis: str, n: int, contract: int = 0, impl: s
     rank order), bf16 partial sums on the wire. FP8 operands (``contract=1``) give unscaled products,
     so every rank's operands must share their scales (jaxquant's current scaling reduces amax over
     tp). ``config`` None: the first of ``TILINGS["scatter"]`` that fits."""
-    _check("b", a, b, contract)
     if a.shape[0] % n:
         raise ValueError(f"a: its rows ({a.shape[0]}) must be a multiple of the axis size {n}")
-    shape = (a.shape[0] // n, a.shape[1], b.shape[1 - contract])
-    config = tiling("scatter", "b", *shape, a.dtype) if config is None else config.for_operands(a.dtype)
-    check_shapes("b", *shape, config)
+    config = _tiling_of("scatter", a, b, contract, a.shape[0] // n, config)
     if impl == "reference":
         rows = a.shape[0] // n
         me = lax.axis_index(axis)

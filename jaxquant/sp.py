@@ -198,10 +198,15 @@ def _ring_chunks(local, axis, n, bidirectional):
         cur_r, cur_l = nxt_r, nxt_l
 
 
+def _device(ctx):
+    """A device of the layer's mesh; for the per-rank layers (no mesh), the default backend's."""
+    return jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0]
+
+
 def _fused_impl(ctx) -> str:
-    """The fused mode's kernels on GPU meshes; their plain-JAX schedule for impl="reference" and, under
+    """The fused mode's kernels on GPUs; their plain-JAX schedule for impl="reference" and, under
     impl="auto", on other backends."""
-    gpu = (jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0]).platform == "gpu"
+    gpu = _device(ctx).platform == "gpu"
     return "kernel" if ctx.impl == "custom_call" or (ctx.impl == "auto" and gpu) else "reference"
 
 
@@ -588,7 +593,7 @@ def _check_fused(ctx, x, w, recipe, hidden, features, rows=None):
     if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
         raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
     if _fused_impl(ctx) == "kernel":
-        problem = collective_gemm.device_problem(jax.devices()[0] if ctx.mesh is None else ctx.mesh.devices.flat[0])
+        problem = collective_gemm.device_problem(_device(ctx))
         if problem:
             raise ValueError(f"impl: overlap='fused' with impl={ctx.impl!r} runs Pallas:Mosaic GPU kernels, which "
                              f"need {problem}; impl='reference' runs their plain-JAX schedule")
