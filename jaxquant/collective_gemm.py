@@ -265,6 +265,7 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
     cols = b.shape[1 - contract]
     cta_m, cta_n = config.cta_tile()
     n_tiles = cols // cta_n
+    k_steps = k // config.tile_k
     sms = _num_sms()
 
     def collective_gather_gemm(a_ref, b_ref, out_ref, full_ref):   # the name profiles show
@@ -280,13 +281,26 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
                 # storing them all made its CTAs the stragglers of each step): into the left
                 # neighbour's gathered operand (warpgroup 0) and, the rank's own chunk, into its own
                 # (warpgroup 1, first step only); every chunk lands at its rank-order rows
+                # The pipeline frees a step's shared-memory slot after the next step's body, so by then
+                # the store must have read it: a storing warpgroup waits at every step, keeping only a
+                # store issued in this step pending (none at the tile's last step). Waiting only where
+                # it stored (every n_tiles-th step) let the next TMA load overwrite a tile still being
+                # sent, a rare corrupt chunk.
                 tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
                 mine = n_idx == lax.rem(k_idx, n_tiles)
+                keep_pending = mine & (k_idx < k_steps - 1)
                 for dst, who in ((left_full, 0), (full_ref, 1)) if first else ((left_full, 0),):
                     @pl.when((wg == who) & mine)
                     def _(dst=dst):
                         plgpu.copy_smem_to_gmem(a_smem, dst.at[chunk_rows].at[tile])
+
+                    @pl.when((wg == who) & keep_pending)
+                    def _():
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+                    @pl.when((wg == who) & ~keep_pending)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             src = a_ref if s == 0 else full_ref.at[chunk_rows]
             _gemm(src, b_ref, contract, None, out_ref.at[chunk_rows], config,
@@ -336,6 +350,13 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
     return _ffi.varying_like((out,), (a, b), (axis,))[0]
 
 
+# Each kernel call is a jitted function of its static arguments, so that a model's many calls of one
+# shape (every layer, forward and backward) share one traced jaxpr and are lowered to Mosaic GPU once per
+# compilation, not once per call site (the lowering dominated the training step's compile time).
+_GATHER_KERNEL = jax.jit(_gather_matmul_kernel, static_argnums=(2, 3, 4, 5))
+_SCATTER_KERNEL = jax.jit(_matmul_reduce_scatter_kernel, static_argnums=(2, 3, 4, 5))
+
+
 # ----------------------------------------------------------------------------------------------
 # Public per-rank functions (inside shard_map): kernel or its plain-JAX schedule
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +389,7 @@ def gather_matmul(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "ke
     if impl == "reference":
         full = lax.all_gather(a, axis, axis=0, tiled=True)
         return _mm(full, b, contract), full
-    return _gather_matmul_kernel(a, b, contract, axis, n, config)
+    return _GATHER_KERNEL(a, b, contract, axis, n, config)
 
 
 def matmul_reduce_scatter(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "kernel",
@@ -392,4 +413,4 @@ def matmul_reduce_scatter(a, b, *, axis: str, n: int, contract: int = 0, impl: s
             if s < n - 1:
                 acc = lax.ppermute(acc, axis, to_left)
         return acc
-    return _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config)
+    return _SCATTER_KERNEL(a, b, contract, axis, n, config)

@@ -151,12 +151,30 @@ def test_fused_per_rank_kernels_type_check_inside_shard_map(monkeypatch):
     w1, w2 = jnp.ones((512, 256), jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)
 
     def loss(x, w1, w2):
-        h = jq.sp_column_dense(x, w1, tp_axis="tp", overlap="fused", impl="custom_call")
-        y = jq.sp_row_dense(jax.nn.gelu(h), w2, tp_axis="tp", overlap="fused", impl="custom_call")
-        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), ("fsdp", "tp"))
+        for _ in range(2):   # two identical layers: their kernel calls share one traced kernel
+            h = jq.sp_column_dense(x, w1, tp_axis="tp", overlap="fused", impl="custom_call")
+            x = jq.sp_row_dense(jax.nn.gelu(h), w2, tp_axis="tp", overlap="fused", impl="custom_call")
+        return jax.lax.psum(jnp.sum(x.astype(jnp.float32)), ("fsdp", "tp"))
 
     specs = (P("fsdp", "tp"), P("tp", None), P(None, "tp"))
     grads = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=specs, out_specs=specs,
                           check_vma=True)
-    jaxpr = str(jax.make_jaxpr(grads)(x, w1, w2))
-    assert "wgmma" in jaxpr   # the kernels, not their plain-JAX schedule
+    closed = jax.make_jaxpr(grads)(x, w1, w2)
+    assert "wgmma" in str(closed)   # the kernels, not their plain-JAX schedule
+    # each of the 8 kernel calls (2 layers x forward and backward x 2 kernels) is a call of a jitted
+    # kernel; calls of one shape share one jaxpr (lowered to Mosaic GPU once): 4 distinct ones
+    calls = [e for e in _eqns(closed.jaxpr) if e.primitive.name in ("jit", "pjit")
+             and e.params["name"] in ("_gather_matmul_kernel", "_matmul_reduce_scatter_kernel")]
+    assert len(calls) == 8
+    assert len({id(e.params["jaxpr"]) for e in calls}) == 4
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
