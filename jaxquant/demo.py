@@ -105,7 +105,7 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_
     stream, norms and loss hold this rank's ``seq / tp`` positions, the column-parallel GEMMs all-gather
     their input over tp and the row-parallel ones reduce-scatter their bf16 partial sums; without it every
     TP rank holds the whole sequence and the row-parallel partial sums are all-reduced in fp32.
-    ``overlap`` goes to the sequence-parallel layers ("fused": bf16 collective GEMM kernels, docs/sp.md)."""
+    ``overlap`` goes to the sequence-parallel layers ("fused": the bf16 / FP8 collective GEMM kernels, docs/sp.md)."""
     import jax
     import jax.numpy as jnp
 
