@@ -53,9 +53,14 @@ def test_overlap_rule_measures_against_the_synchronous_step():
     text = _bench_sp().overlap_target(cells)
     assert "off: saves 1.500 ms = 75% of sync's collectives (meets" in text
     assert "ring: saves 1.100 ms = 55% of sync's collectives (MISSES" in text
-    # bench_e2e: per config, the default-flag step against its "sync" run
+    # bench_e2e: per config, the default-flag step against its "sync" run; a "-spfused" step also against
+    # the sync run of its "-sp" form (the same step with the tp collectives left to XLA)
     rows = [{"config": "jq", "flags": "sync", "step_ms": 50.0, "trace": trace(10.0)},
             {"config": "jq", "flags": "default", "step_ms": 42.0, "trace": trace(12.0)},
-            {"config": "plain", "flags": "default", "step_ms": 60.0, "trace": trace(12.0)}]   # no sync run
+            {"config": "plain", "flags": "default", "step_ms": 60.0, "trace": trace(12.0)},   # no sync run
+            {"config": "jq-sp", "flags": "sync", "step_ms": 40.0, "trace": trace(8.0)},
+            {"config": "jq-spfused", "flags": "default", "step_ms": 35.0, "trace": trace(3.0)}]
     lines = list(bench_e2e.overlap_rule(rows))
-    assert lines == ["jq (default vs sync): saves 8.00 ms of 10.00 ms sync collectives (80%; meets the 70% rule)"]
+    assert lines == ["jq (default) vs jq (sync): saves 8.00 ms of 10.00 ms sync collectives (80%; meets the 70% rule)",
+                     "jq-spfused (default) vs jq-sp (sync): saves 5.00 ms of 8.00 ms sync collectives (62%; MISSES "
+                     "the 70% rule)"]
