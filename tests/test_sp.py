@@ -586,6 +586,52 @@ def test_fused_refuses_what_its_kernels_cannot_run():
         jq.sp_dense_reduce_scatter(jnp.ones((1, 512, 256), jnp.bfloat16), w2, impl="custom_call", **kw)
 
 
+def _fused_programs(tp, contract):
+    """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over the first ``tp``
+    devices of the default backend, B given as [K, N] (contract 0) or [N, K] (contract 1)."""
+    from jaxquant import collective_gemm as cg
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+    def smap(f, in_specs, out_specs):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+    n_split, k_split = (P(None, "tp"), P("tp", None))[::1 if contract == 0 else -1]
+    gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, contract=contract, impl=impl),
+                         (P("tp", None), n_split), (P(None, "tp"), P()))
+              for impl in ("kernel", "reference")}
+    scatter = {impl: smap(lambda a, b, impl=impl: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, contract=contract,
+                                                                          impl=impl),
+                          (P(None, "tp"), k_split), P("tp", None))
+               for impl in ("kernel", "reference")}
+    return gather, scatter
+
+
+FUSED_OPERANDS = {   # name -> (A dtype, B dtype, B's contracted axis)
+    "bf16-kn": (jnp.bfloat16, jnp.bfloat16, 0),
+    "bf16-nk": (jnp.bfloat16, jnp.bfloat16, 1),
+    "e4m3-nk": (jnp.float8_e4m3fn, jnp.float8_e4m3fn, 1),
+    "e5m2xe4m3-nk": (jnp.float8_e5m2, jnp.float8_e4m3fn, 1),
+}
+
+
+@pytest.mark.parametrize("operands", list(FUSED_OPERANDS))
+def test_fused_kernels_lower_for_cuda(operands):
+    """Both collective GEMM kernels, every operand pairing, lower to Mosaic GPU without a GPU (lowered
+    for "cuda" from the CPU): a kernel Pallas cannot lower fails here instead of first on a GPU. One
+    Mosaic GPU custom call per kernel; the kernels' GPU tests (tests/test_sp_gpu.py) run them."""
+    a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
+    if a_dtype != b_dtype and jax.__version_info__ < (0, 11):
+        pytest.skip(f"jax {jax.__version__}'s wgmma refuses mixed FP8 operands (JAX 0.11 takes them)")
+    tp = 4
+    gather, scatter = _fused_programs(tp, contract)
+    as_a = lambda rows, k: jax.ShapeDtypeStruct((rows, k), a_dtype)
+    as_b = lambda k, n: jax.ShapeDtypeStruct((k, n) if contract == 0 else (n, k), b_dtype)
+    for program, args in ((gather["kernel"], (as_a(tp * 256, 512), as_b(512, tp * 256))),
+                          (scatter["kernel"], (as_a(tp * 256, tp * 512), as_b(tp * 512, 256)))):
+        text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("@mosaic_gpu_v2") == 1
+
+
 def test_fused_kernels_name_the_gpus_they_need():
     from types import SimpleNamespace as NS
 

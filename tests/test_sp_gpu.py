@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import assert_bytes_equal
 
-from test_sp import CASES, _layer_args, _runner, check_fp8_fused_matches_off, check_layers_match_single_device
+from test_sp import (CASES, FUSED_OPERANDS, _fused_programs, _layer_args, _runner, check_fp8_fused_matches_off,
+                     check_layers_match_single_device)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2,
@@ -30,44 +31,14 @@ def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
     check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)
 
 
-def _fused_programs(tp, contract):
-    """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over every GPU, B given
-    as [K, N] (contract 0) or [N, K] (contract 1)."""
-    from jax.sharding import Mesh, PartitionSpec as P
-
-    from jaxquant import collective_gemm as cg
-    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
-
-    def smap(f, in_specs, out_specs):
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
-
-    n_split, k_split = (P(None, "tp"), P("tp", None))[::1 if contract == 0 else -1]
-    gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, contract=contract, impl=impl),
-                         (P("tp", None), n_split), (P(None, "tp"), P()))
-              for impl in ("kernel", "reference")}
-    scatter = {impl: smap(lambda a, b, impl=impl: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, contract=contract,
-                                                                          impl=impl),
-                          (P(None, "tp"), k_split), P("tp", None))
-               for impl in ("kernel", "reference")}
-    return gather, scatter
-
-
-OPERANDS = {   # name -> (A dtype, B dtype, B's contracted axis)
-    "bf16-kn": (jnp.bfloat16, jnp.bfloat16, 0),
-    "bf16-nk": (jnp.bfloat16, jnp.bfloat16, 1),
-    "e4m3-nk": (jnp.float8_e4m3fn, jnp.float8_e4m3fn, 1),
-    "e5m2xe4m3-nk": (jnp.float8_e5m2, jnp.float8_e4m3fn, 1),
-}
-
-
-@pytest.mark.parametrize("operands", list(OPERANDS))
+@pytest.mark.parametrize("operands", list(FUSED_OPERANDS))
 def test_fused_kernels_match_their_schedule(operands):
     """overlap="fused"'s kernels against their plain-JAX schedule (collective_gemm, impl="reference"), on
     every GPU, called repeatedly with new values (a stale semaphore count or a slot read before its
     transfer landed would show as a wrong chunk): the gathered operand is the same bytes, the GEMM
     results agree to the GEMMs' own rounding; bf16 with B as [K, N] and as [N, K] (a weight read as
     stored), and FP8 (E4M3, and E5M2 x E4M3 as a dgrad multiplies) with B K-major."""
-    a_dtype, b_dtype, contract = OPERANDS[operands]
+    a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
     tp = len(jax.devices())
     rows, k, n_cols = 256, 512, 256
     gather, scatter = _fused_programs(tp, contract)
