@@ -280,12 +280,11 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
                 # (column tiles), so that every CTA stores its share while it computes (one column
                 # storing them all made its CTAs the stragglers of each step): into the left
                 # neighbour's gathered operand (warpgroup 0) and, the rank's own chunk, into its own
-                # (warpgroup 1, first step only); every chunk lands at its rank-order rows
-                # The pipeline frees a step's shared-memory slot after the next step's body, so by then
-                # the store must have read it: a storing warpgroup waits at every step, keeping only a
-                # store issued in this step pending (none at the tile's last step). Waiting only where
-                # it stored (every n_tiles-th step) let the next TMA load overwrite a tile still being
-                # sent, a rare corrupt chunk.
+                # (warpgroup 1, first step only); every chunk lands at its rank-order rows.
+                # The pipeline frees a K step's shared-memory slot after the next step's body, so the
+                # store must have read it by then: a storing warpgroup waits at every K step, keeping
+                # only a store issued in this step pending (none at the tile's last step). Waiting only
+                # where it stored (every n_tiles-th step) let a TMA load overwrite a tile still being sent.
                 tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
                 mine = n_idx == lax.rem(k_idx, n_tiles)
                 keep_pending = mine & (k_idx < k_steps - 1)
