@@ -323,7 +323,8 @@ def run_one(a, config):
 def exposed_collectives(path, steps):
     """From the Perfetto trace of ``steps`` steps: per step, ms of collective (NCCL) kernels on GPU 0 and ms
     of them not overlapped by any other kernel of GPU 0 (exposed); kernel ms per kind: GEMM, collective
-    GEMM (overlap="fused"'s kernels) and other."""
+    GEMM (overlap="fused"'s kernels) and other; the time GPU 0 runs no kernel between its first and last
+    kernel (idle) and the largest such gaps with the kernels either side (where the idle time sits)."""
     import glob
     import gzip
 
@@ -338,11 +339,12 @@ def exposed_collectives(path, steps):
     gpu0 = [pid for pid, name in names.items() if "GPU:0" in name or name.endswith("/device:GPU:0")]
     if not gpu0:
         return None
-    comm, comp, by_kind, others = [], [], {"gemm": 0.0, "collective_gemm": 0.0, "other": 0.0}, {}
+    comm, comp, by_kind, others, named = [], [], {"gemm": 0.0, "collective_gemm": 0.0, "other": 0.0}, {}, []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
             name = e.get("name", "")
             iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            named.append((iv, name))
             if "nccl" in name.lower():
                 comm.append(iv)
                 continue
@@ -356,14 +358,28 @@ def exposed_collectives(path, steps):
     comm_u, comp_u = union(comm), union(comp)
     total = sum(b - a for a, b in comm_u)
     hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm_u for c, d in comp_u if c < b and a < d)
-    busy = sum(b - a for a, b in union(comm + comp))
+    busy_u = union(comm + comp)
+    busy = sum(b - a for a, b in busy_u)
     top = sorted(others.items(), key=lambda kv: -kv[1])[:6]
     # kernel times summed (GEMM and other kernels may overlap each other on several streams)
     return {"collective_ms": total / steps / 1e3, "exposed_collective_ms": (total - hidden) / steps / 1e3,
             "busy_ms": busy / steps / 1e3, "gemm_kernel_ms": by_kind["gemm"] / steps / 1e3,
             "other_kernel_ms": by_kind["other"] / steps / 1e3,
             "collective_gemm_kernel_ms": by_kind["collective_gemm"] / steps / 1e3,
-            "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top]}
+            "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top],
+            **_idle_gaps(busy_u, named, steps)}
+
+
+def _idle_gaps(busy, named, steps, top=4):
+    """Idle ms per step between GPU 0's merged kernel intervals ``busy``, and the ``top`` largest gaps as
+    (ms, kernel ending before it, kernel starting after it), names cut to 50 characters."""
+    gaps = [(c - b, b, c) for (_, b), (c, _) in zip(busy, busy[1:])]
+    ending = {round(iv[1], 3): name for iv, name in named}
+    starting = {round(iv[0], 3): name for iv, name in named}
+    largest = sorted(gaps, reverse=True)[:top]
+    return {"idle_ms": sum(g for g, _, _ in gaps) / steps / 1e3,
+            "largest_gaps": [(round(g / 1e3, 3), ending.get(round(b, 3), "?")[:50], starting.get(round(c, 3), "?")[:50])
+                             for g, b, c in largest]}
 
 
 _GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
@@ -424,8 +440,8 @@ def main(argv=None):
             t = r.get("trace")
             print(f"{flags:8s} {config:14s} {r['step_ms']:8.1f} ms  {r['tflops_per_gpu']:6.0f} TFLOP/s  "
                   f"{r['peak_gib']:6.1f} GiB  compile {r['compile_s']:6.1f} s"
-                  + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms"
-                     if t else ""), flush=True)
+                  + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
+                     f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else ""), flush=True)
             write_json(a, results)   # after every config: a run stopped by a time limit keeps what it measured
     print_table(results, a)
     return 1 if any("error" in r for r in results) else 0

@@ -1,5 +1,6 @@
 """benchmarks/bench_e2e.py's reading of a Perfetto trace (also used by bench_sp.py): collective kernel time
-on GPU 0, the part of it no other kernel overlaps (exposed), and GEMM / other kernel sums per step."""
+on GPU 0, the part of it no other kernel overlaps (exposed), GEMM / other kernel sums and idle time per
+step, and where the idle time sits."""
 
 import gzip
 import json
@@ -32,6 +33,10 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     assert got["top_other_kernels"] == [("loop_add_fusion", 0.25)]
     assert abs(got["collective_gemm_kernel_ms"] - 0.15) < 1e-9
     assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2 + 0.3) / 2) < 1e-9
+    # idle between GPU 0's kernels: 1.6-3.0, 3.5-4.0, 4.2-5.0 ms (2.7 ms over 2 steps), largest first
+    assert abs(got["idle_ms"] - 1.35) < 1e-9
+    assert got["largest_gaps"][:2] == [(1.4, "sm90_xmma_gemm_bf16", "loop_add_fusion"),
+                                       (0.8, "ncclDevKernel_AllGather", "collective_gather_gemm_mosaic_gpu_kernel")]
 
 
 def _bench_sp():
