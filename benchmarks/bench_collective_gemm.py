@@ -38,6 +38,9 @@ CONFIGS = {   # name -> collective_gemm.TileConfig fields ("chosen": the kernels
     "walk-m-8-epi-tile-s3": dict(walk="m", band=8, epi=None, stages=3),
     "split-n-epi-tile-s3": dict(walk="n", band=8, split="n", epi=None, stages=3),
     "tile-64x256-walk-m-8-epi-tile-s3": dict(tile_m=64, tile_n=256, walk="m", band=8, epi=None, stages=3),
+    # a tile's store spread over the CTA's next tile's K loop (4 or 8 row strips)
+    "epi-tile-s3-spread-4": dict(epi=None, stages=3, spread=4),
+    "epi-tile-s3-spread-8": dict(epi=None, stages=3, spread=8),
 }
 
 

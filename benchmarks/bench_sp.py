@@ -55,8 +55,24 @@ def _args(argv=None):
     ap.add_argument("--profile", default=None, help="directory: one jax.profiler trace per mode")
     ap.add_argument("--cpu-smoke", action="store_true", help="4 simulated CPU devices, tiny sizes")
     ap.add_argument("--extra-flags", default="", help="XLA_FLAGS added for every mode (e.g. scheduler switches)")
+    ap.add_argument("--tiling", action="append", default=[], metavar="KERNEL=FIELD=VALUE,...",
+                    help="overlap='fused': try this TileConfig first for kernel 'gather' or 'scatter' (e.g. "
+                    "scatter=epi=None,stages=3,spread=4); repeatable")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def _tilings(specs):
+    """collective_gemm.TILINGS with each ``KERNEL=FIELD=VALUE,...`` of ``specs`` tried first for its kernel."""
+    from jaxquant import collective_gemm as cg
+    tilings = dict(cg.TILINGS)
+    for spec in specs:
+        kernel, _, fields = spec.partition("=")
+        values = dict(item.split("=", 1) for item in fields.split(",") if item)
+        config = cg.TileConfig(**{f: None if v == "None" else v if f in ("walk", "split") else int(v)
+                                  for f, v in values.items()})
+        tilings[kernel] = (config,) + tilings[kernel]
+    return tilings
 
 
 def _sizes(args):
@@ -140,7 +156,10 @@ def _child(args):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import jaxquant as jq
+    from jaxquant import collective_gemm
 
+    # --tiling: this benchmark process's kernels try the given tilings first (the layers take no tiling)
+    collective_gemm.TILINGS = _tilings(args.tiling)
     devices = jax.devices("cpu") if args.cpu_smoke else jax.devices()
     if not args.cpu_smoke and (jax.default_backend() != "gpu" or len(devices) < 2):
         print(json.dumps({"skip": f"needs 2+ GPUs, found {len(devices)} {jax.default_backend()} device(s)"}))

@@ -46,8 +46,12 @@ class TileConfig:
     ``stages`` A/B tiles are in flight; the persistent grid walks output tiles in bands of
     ``band`` tiles along ``walk`` ("m" or "n"); the epilogue stores ``epi x epi`` pieces of a
     warpgroup's tile through two shared-memory slots, or (``epi=None``) the whole tile through one, so
-    that its store need not finish before the next tile's GEMM starts. ``tile_k`` is the K step of
-    16-bit operands; 8-bit operands step twice as far (``for_operands``: the same 128-byte rows)."""
+    that its store need not finish before the next tile's GEMM starts. ``spread`` (> 0, with
+    ``epi=None``): the epilogue leaves the tile in shared memory and the CTA's next tile stores it during
+    its K loop, in ``spread`` row strips evenly apart (a CTA's last tile is stored after its loop), so
+    that the stores do not leave every CTA at the same moments (the epilogues of a persistent grid run
+    in step). ``tile_k`` is the K step of 16-bit operands; 8-bit operands step twice as far
+    (``for_operands``: the same 128-byte rows)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -57,6 +61,12 @@ class TileConfig:
     band: int = 16
     split: str = "m"
     epi: int | None = 64
+    spread: int = 0
+
+    def __post_init__(self):
+        if self.spread and (self.epi is not None or self.tile_m % (8 * self.spread)):
+            raise ValueError(f"spread: stores spread over the next tile's K loop need epi=None and tile_m "
+                             f"({self.tile_m}) a multiple of 8 x spread ({self.spread})")
 
     def cta_tile(self) -> tuple[int, int]:
         return (self.tile_m * (2 if self.split == "m" else 1), self.tile_n * (2 if self.split == "n" else 1))
@@ -175,7 +185,8 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
     warpgroup issues the TMA loads of ``config.stages`` A/B tiles ahead, two consume them with wgmma,
     each owning half of the CTA's output tile. ``on_a_tile(m_idx, n_idx, k_idx, a_smem)`` runs in the
     consumers after each step's wgmma is issued (the all-gather kernel forwards A tiles there; with
-    ``delay_release=1`` a tile stays in shared memory until the next step's wgmma)."""
+    ``delay_release=1`` a tile stays in shared memory until the next step's wgmma). With
+    ``config.spread`` a tile's store runs during the CTA's next tile (``TileConfig``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -184,6 +195,10 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
     cta_m, cta_n = config.cta_tile()
     tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
     split_m = config.split == "m"
+    tile_grid = (rows // cta_m, cols // cta_n)
+    n_tiles, ctas = tile_grid[0] * tile_grid[1], _num_sms()
+    spread = config.spread if k // tk >= config.spread else 0   # a K loop too short to spread them: store now
+    strip = tm // max(spread, 1)
 
     def swizzled(dtype, minor):   # TMA tiles of 8 rows, swizzled by the widest pattern the row allows
         item = jnp.dtype(dtype).itemsize
@@ -212,14 +227,23 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
                        collective_axes="wg")
     def _scope(allocs, out_smem, c_barrier):
         wg = lax.axis_index("wg")
+        wg_rows = pl.ds(wg * tm, tm) if split_m else slice(None)
+        wg_cols = slice(None) if split_m else pl.ds(wg * tn, tn)
+        tile_at = lambda index: plgpu.planar_snake(index, tile_grid, config.walk_dim(), config.band)
 
-        @plgpu.nd_loop((rows // cta_m * (cols // cta_n),), collective_axes="cluster_grid")
+        def store_strips(strips, m_i, n_i):   # this warpgroup's kept tile (m_i, n_i), these row strips
+            window = out_ref.at[pl.ds(m_i * cta_m, cta_m), pl.ds(n_i * cta_n, cta_n)].at[wg_rows, wg_cols]
+            for p in strips:
+                part = slice(p * strip, (p + 1) * strip)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, 0].at[part], window.at[part])
+
+        @plgpu.nd_loop((n_tiles,), collective_axes="cluster_grid")
         def _tiles(info):
-            m_idx, n_idx = plgpu.planar_snake(info.index[0], (rows // cta_m, cols // cta_n),
-                                              config.walk_dim(), config.band)
+            m_idx, n_idx = tile_at(info.index[0])
             cta_rows, cta_cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
-            wg_rows = pl.ds(wg * tm, tm) if split_m else slice(None)
-            wg_cols = slice(None) if split_m else pl.ds(wg * tn, tn)
+            # the tile this CTA computed before this one (the persistent grid deals tiles out round robin)
+            has_prev = info.index[0] >= ctas
+            prev_m, prev_n = tile_at(jnp.maximum(info.index[0] - ctas, 0))
 
             def epilogue(run):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
@@ -241,18 +265,31 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
                                 plgpu.barrier_wait(bar)
                                 out_smem[wg, slot] += res[piece]
                             plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst_piece(out_ref))
+                            if not spread:   # else kept for the next tile's K loop (or the end)
+                                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst_piece(out_ref))
 
             def mma(idx, a_smem, b_smem, acc):
                 b_op = b_smem.at[:, wg_cols] if contract == 0 else plgpu.transpose_ref(b_smem.at[wg_cols], (1, 0))
                 plgpu.wgmma(acc, a_smem.at[wg_rows], b_op)
                 if on_a_tile is not None:
                     on_a_tile(m_idx, n_idx, idx[0], a_smem)
+                for p in range(spread):   # strip p of the previous tile at K step p * (K steps / spread)
+                    @pl.when(has_prev & (idx[0] == p * (k // tk // spread)))
+                    def _(p=p):
+                        store_strips([p], prev_m, prev_n)
                 plgpu.wgmma_wait(delay_release)
                 return acc
 
             b_cta = b_ref.at[:, cta_cols] if contract == 0 else b_ref.at[cta_cols, :]
             pipeline(mma, epilogue)(a_ref.at[cta_rows, :], b_cta, allocations=allocs)
+
+        if spread:   # the last tile each CTA computed is still in shared memory
+            cta = lax.axis_index("cluster_grid")
+
+            @pl.when((wg < 2) & (cta < n_tiles))
+            def _():
+                last_m, last_n = tile_at(cta + ctas * ((n_tiles - 1 - cta) // ctas))
+                store_strips(range(spread), last_m, last_n)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import gemm, sp
+from jaxquant import collective_gemm, gemm, sp
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 (simulated) CPU devices: "
                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -586,9 +586,10 @@ def test_fused_refuses_what_its_kernels_cannot_run():
         jq.sp_dense_reduce_scatter(jnp.ones((1, 512, 256), jnp.bfloat16), w2, impl="custom_call", **kw)
 
 
-def _fused_programs(tp, contract):
+def _fused_programs(tp, contract, config=None):
     """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over the first ``tp``
-    devices of the default backend, B given as [K, N] (contract 0) or [N, K] (contract 1)."""
+    devices of the default backend, B given as [K, N] (contract 0) or [N, K] (contract 1), with the
+    kernels' own tiling or ``config``."""
     from jaxquant import collective_gemm as cg
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
 
@@ -596,11 +597,12 @@ def _fused_programs(tp, contract):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
     n_split, k_split = (P(None, "tp"), P("tp", None))[::1 if contract == 0 else -1]
-    gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, contract=contract, impl=impl),
+    gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, contract=contract, impl=impl,
+                                                                   config=config),
                          (P("tp", None), n_split), (P(None, "tp"), P()))
               for impl in ("kernel", "reference")}
     scatter = {impl: smap(lambda a, b, impl=impl: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, contract=contract,
-                                                                          impl=impl),
+                                                                          impl=impl, config=config),
                           (P(None, "tp"), k_split), P("tp", None))
                for impl in ("kernel", "reference")}
     return gather, scatter
@@ -612,10 +614,13 @@ FUSED_OPERANDS = {   # name -> (A dtype, B dtype, B's contracted axis)
     "e4m3-nk": (jnp.float8_e4m3fn, jnp.float8_e4m3fn, 1),
     "e5m2xe4m3-nk": (jnp.float8_e5m2, jnp.float8_e4m3fn, 1),
 }
+# tilings the kernels' tests run besides the kernels' own choice (None): stores spread over the next tile
+FUSED_TILINGS = {"chosen": None, "spread": dict(epi=None, stages=3, spread=4)}
 
 
+@pytest.mark.parametrize("tiling", list(FUSED_TILINGS))
 @pytest.mark.parametrize("operands", list(FUSED_OPERANDS))
-def test_fused_kernels_lower_for_cuda(operands):
+def test_fused_kernels_lower_for_cuda(operands, tiling):
     """Both collective GEMM kernels, every operand pairing, lower to Mosaic GPU without a GPU (lowered
     for "cuda" from the CPU): a kernel Pallas cannot lower fails here instead of first on a GPU. One
     Mosaic GPU custom call per kernel; the kernels' GPU tests (tests/test_sp_gpu.py) run them."""
@@ -623,7 +628,8 @@ def test_fused_kernels_lower_for_cuda(operands):
     if a_dtype != b_dtype and jax.__version_info__ < (0, 11):
         pytest.skip(f"jax {jax.__version__}'s wgmma refuses mixed FP8 operands (JAX 0.11 takes them)")
     tp = 4
-    gather, scatter = _fused_programs(tp, contract)
+    config = None if FUSED_TILINGS[tiling] is None else collective_gemm.TileConfig(**FUSED_TILINGS[tiling])
+    gather, scatter = _fused_programs(tp, contract, config)
     as_a = lambda rows, k: jax.ShapeDtypeStruct((rows, k), a_dtype)
     as_b = lambda k, n: jax.ShapeDtypeStruct((k, n) if contract == 0 else (n, k), b_dtype)
     for program, args in ((gather["kernel"], (as_a(tp * 256, 512), as_b(512, tp * 256))),
@@ -635,7 +641,6 @@ def test_fused_kernels_lower_for_cuda(operands):
 def test_fused_kernels_name_the_gpus_they_need():
     from types import SimpleNamespace as NS
 
-    from jaxquant import collective_gemm
     assert collective_gemm.device_problem(NS(platform="gpu", compute_capability="9.0", device_kind="H100")) is None
     assert "compute capability 9.x), not NVIDIA A100 (compute capability 8.0)" in collective_gemm.device_problem(
         NS(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100"))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import assert_bytes_equal
 
-from test_sp import (CASES, FUSED_OPERANDS, _fused_programs, _layer_args, _runner, check_fp8_fused_matches_off,
-                     check_layers_match_single_device)
+from test_sp import (CASES, FUSED_OPERANDS, FUSED_TILINGS, _fused_programs, _layer_args, _runner,
+                     check_fp8_fused_matches_off, check_layers_match_single_device)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2,
@@ -31,17 +31,23 @@ def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
     check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)
 
 
+@pytest.mark.parametrize("tiling", list(FUSED_TILINGS))
 @pytest.mark.parametrize("operands", list(FUSED_OPERANDS))
-def test_fused_kernels_match_their_schedule(operands):
+def test_fused_kernels_match_their_schedule(operands, tiling):
     """overlap="fused"'s kernels against their plain-JAX schedule (collective_gemm, impl="reference"), on
     every GPU, called repeatedly with new values (a stale semaphore count or a slot read before its
     transfer landed would show as a wrong chunk): the gathered operand is the same bytes, the GEMM
     results agree to the GEMMs' own rounding; bf16 with B as [K, N] and as [N, K] (a weight read as
-    stored), and FP8 (E4M3, and E5M2 x E4M3 as a dgrad multiplies) with B K-major."""
+    stored), and FP8 (E4M3, and E5M2 x E4M3 as a dgrad multiplies) with B K-major; with the kernels'
+    own tiling and with stores spread over the next tile."""
+    from jaxquant import collective_gemm as cg
     a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
     tp = len(jax.devices())
-    rows, k, n_cols = 256, 512, 256
-    gather, scatter = _fused_programs(tp, contract)
+    # "spread": more output tiles per ring step (144) than a GPU has CTAs, so that CTAs store a tile during
+    # their next one, not only after their last
+    rows, k, n_cols = (256, 512, 256) if tiling == "chosen" else (1024, 512, 4608)
+    gather, scatter = _fused_programs(tp, contract, None if FUSED_TILINGS[tiling] is None
+                                      else cg.TileConfig(**FUSED_TILINGS[tiling]))
     as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
     for i in range(4):
         keys = jax.random.split(jax.random.key(i), 4)
