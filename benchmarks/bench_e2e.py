@@ -323,8 +323,8 @@ def run_one(a, config):
 def exposed_collectives(path, steps):
     """From the Perfetto trace of ``steps`` steps: per step, ms of collective (NCCL) kernels on GPU 0 and ms
     of them not overlapped by any other kernel of GPU 0 (exposed); kernel ms per kind: GEMM, collective
-    GEMM (overlap="fused"'s kernels) and other; the time GPU 0 runs no kernel between its first and last
-    kernel (idle) and the largest such gaps with the kernels either side (where the idle time sits)."""
+    GEMM (overlap="fused"'s kernels), cross-GPU barrier and other; the time GPU 0 runs no kernel between
+    its first and last kernel (idle) and the largest such gaps with the kernels either side."""
     import glob
     import gzip
 
@@ -339,7 +339,8 @@ def exposed_collectives(path, steps):
     gpu0 = [pid for pid, name in names.items() if "GPU:0" in name or name.endswith("/device:GPU:0")]
     if not gpu0:
         return None
-    comm, comp, by_kind, others, named = [], [], {"gemm": 0.0, "collective_gemm": 0.0, "other": 0.0}, {}, []
+    by_kind = dict.fromkeys(("gemm", "collective_gemm", "barrier", "other"), 0.0)
+    comm, comp, others, named = [], [], {}, []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
             name = e.get("name", "")
@@ -350,6 +351,7 @@ def exposed_collectives(path, steps):
                 continue
             comp.append(iv)
             kind = ("collective_gemm" if _COLLECTIVE_GEMM_KERNEL.search(name)
+                    else "barrier" if _BARRIER_KERNEL.search(name)
                     else "gemm" if _GEMM_KERNEL.search(name) else "other")
             by_kind[kind] += float(e["dur"])
             if kind == "other":
@@ -366,6 +368,7 @@ def exposed_collectives(path, steps):
             "busy_ms": busy / steps / 1e3, "gemm_kernel_ms": by_kind["gemm"] / steps / 1e3,
             "other_kernel_ms": by_kind["other"] / steps / 1e3,
             "collective_gemm_kernel_ms": by_kind["collective_gemm"] / steps / 1e3,
+            "barrier_kernel_ms": by_kind["barrier"] / steps / 1e3,
             "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top],
             **_idle_gaps(busy_u, named, steps)}
 
@@ -386,6 +389,9 @@ _GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
 # jaxquant/collective_gemm.py's kernels (overlap="fused"): GEMM and transfers in one kernel, named after
 # their Pallas bodies; they count as computation that hides nothing but themselves
 _COLLECTIVE_GEMM_KERNEL = re.compile(r"collective_(gather_gemm|gemm_scatter)")
+# the one-block cross-GPU barrier XLA launches before each Mosaic GPU kernel that addresses other GPUs
+# (single-process meshes: docs/sp.md); its time is the wait for the slowest GPU
+_BARRIER_KERNEL = re.compile(r"barrier", re.I)
 
 
 def _merge(ivs):

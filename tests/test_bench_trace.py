@@ -21,6 +21,7 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
               kernel(1, "loop_add_fusion", 3000, 500),
               kernel(1, "ncclDevKernel_AllGather", 4000, 200),      # exposed
               kernel(1, "collective_gather_gemm_mosaic_gpu_kernel", 5000, 300),   # overlap="fused"
+              kernel(1, "MultiGpuBarrierKernel", 4900, 100),        # before a Mosaic kernel
               kernel(2, "ncclDevKernel_SendRecv", 0, 9000)]         # another GPU: ignored
     path = tmp_path / "plugins" / "profile" / "run"
     path.mkdir(parents=True)
@@ -32,11 +33,12 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     assert abs(got["gemm_kernel_ms"] - 0.5) < 1e-9 and abs(got["other_kernel_ms"] - 0.25) < 1e-9
     assert got["top_other_kernels"] == [("loop_add_fusion", 0.25)]
     assert abs(got["collective_gemm_kernel_ms"] - 0.15) < 1e-9
-    assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2 + 0.3) / 2) < 1e-9
-    # idle between GPU 0's kernels: 1.6-3.0, 3.5-4.0, 4.2-5.0 ms (2.7 ms over 2 steps), largest first
-    assert abs(got["idle_ms"] - 1.35) < 1e-9
+    assert abs(got["barrier_kernel_ms"] - 0.05) < 1e-9
+    assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2 + 0.4) / 2) < 1e-9
+    # idle between GPU 0's kernels: 1.6-3.0, 3.5-4.0, 4.2-4.9 ms (2.6 ms over 2 steps), largest first
+    assert abs(got["idle_ms"] - 1.3) < 1e-9
     assert got["largest_gaps"][:2] == [(1.4, "sm90_xmma_gemm_bf16", "loop_add_fusion"),
-                                       (0.8, "ncclDevKernel_AllGather", "collective_gather_gemm_mosaic_gpu_kernel")]
+                                       (0.7, "ncclDevKernel_AllGather", "MultiGpuBarrierKernel")]
 
 
 def _bench_sp():
