@@ -324,7 +324,8 @@ def overlap_target(cells):
             fused = t.get("collective_gemm_kernel_ms") or 0.0
             parts.append(f"\n      {m} kernels/step: GEMM {t['gemm_kernel_ms']:.3f} ms, "
                          + (f"collective GEMM {fused:.3f} ms, " if fused else "")
-                         + (f"cross-GPU barrier {t['barrier_kernel_ms']:.3f} ms, " if t.get("barrier_kernel_ms") else "")
+                         + (f"cross-GPU barrier {t['barrier_kernel_ms']:.3f} ms, "
+                            if t.get("barrier_kernel_ms") else "")
                          + f"other {t['other_kernel_ms']:.3f} ms, top other {t['top_other_kernels']}"
                          + (f"; idle {t['idle_ms']:.3f} ms, largest gaps {t['largest_gaps']}"
                             if "idle_ms" in t else ""))
