@@ -52,7 +52,7 @@ sel=("$@")
 part1=(tests/test_ops.py tests/test_reference_spec.py tests/test_e2m1_magnitude.py tests/test_group_ops.py)
 part2=(tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py tests/test_layerwise_gpu.py
        tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
-       tests/test_train_gpu.py tests/test_sp_gpu.py tests/test_train_rounding.py)
+       tests/test_train_gpu.py tests/test_sp_gpu.py tests/test_sp_step.py tests/test_train_rounding.py)
 if [ ${#sel[@]} -eq 0 ]; then
   case "${TEST_PART:-all}" in
     1) sel=("${part1[@]}") ;;
