@@ -37,6 +37,7 @@ from jaxquant import _ffi
 
 DTYPE = jnp.bfloat16   # output and wire dtype of both kernels (their running sums), and 16-bit operands
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))   # 8-bit operands, any pairing
+CONSUMERS = 2   # the kernels' GEMM (wgmma) warpgroups, 0 and 1; warpgroup 2 issues the TMA loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,7 @@ def _kernel_call(body, out_types):
     the Hopper GEMM engine's warp specialization)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.kernel(body, out_type=out_types, grid=(_num_sms(),), grid_names=("cluster_grid",),
-                        cluster=(1,), cluster_names=("cluster",), num_threads=3, thread_name="wg",
+                        cluster=(1,), cluster_names=("cluster",), num_threads=CONSUMERS + 1, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
@@ -216,13 +217,13 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tk,), memory_registers=40,
             in_specs=[spec((cta_m, tk), lambda s: (0, s)), spec(b_block, b_index)],
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages, compute_context=context)
+            wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=config.stages, compute_context=context)
 
     nothing = lambda *_, **__: None
 
     @functools.partial(pl.run_scoped,
                        allocs=pipeline(nothing, nothing).get_allocations(a_ref, b_ref),
-                       out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_ref.dtype, transforms=out_tf),
+                       out_smem=plgpu.SMEM((CONSUMERS, slots, epi_m, epi_n), out_ref.dtype, transforms=out_tf),
                        c_barrier=None if c_ref is None else plgpu.Barrier(num_barriers=2 * slots),
                        collective_axes="wg")
     def _scope(allocs, out_smem, c_barrier):
@@ -241,9 +242,9 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
         def _tiles(info):
             m_idx, n_idx = tile_at(info.index[0])
             cta_rows, cta_cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
-            # the tile this CTA computed before this one (the persistent grid deals tiles out round robin)
-            has_prev = info.index[0] >= ctas
-            prev_m, prev_n = tile_at(jnp.maximum(info.index[0] - ctas, 0))
+            if spread:   # the tile this CTA computed before this one (tiles are dealt out round robin)
+                has_prev = info.index[0] >= ctas
+                prev_m, prev_n = tile_at(jnp.maximum(info.index[0] - ctas, 0))
 
             def epilogue(run):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
@@ -286,7 +287,7 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
         if spread:   # the last tile each CTA computed is still in shared memory
             cta = lax.axis_index("cluster_grid")
 
-            @pl.when((wg < 2) & (cta < n_tiles))
+            @pl.when((wg < CONSUMERS) & (cta < n_tiles))
             def _():
                 last_m, last_n = tile_at(cta + ctas * ((n_tiles - 1 - cta) // ctas))
                 store_strips(range(spread), last_m, last_n)
@@ -363,7 +364,6 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
     rows = a.shape[0] // n
     cols = b.shape[1 - contract]
     sms = _num_sms()
-    storing_wgs = 2   # the two consumer warpgroups store the output tiles
 
     def collective_gemm_scatter(a_ref, b_ref, out_ref, recv_ref):   # the name profiles show
         sem, wg, me, left, left_recv = _ring(axis, n, recv_ref)
@@ -372,11 +372,11 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
             last = s == n - 1
             if s:
                 # the right neighbour's running sum of this chunk is complete in slot s-1
-                pl.semaphore_wait(sem, value=s * storing_wgs * sms, decrement=False)
+                pl.semaphore_wait(sem, value=s * CONSUMERS * sms, decrement=False)
             _gemm(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, contract, recv_ref.at[s - 1] if s else None,
                   out_ref if last else left_recv.at[s], config)
             if not last:
-                @pl.when(wg < storing_wgs)
+                @pl.when(wg < CONSUMERS)   # the consumers store the output tiles
                 def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                     pl.semaphore_signal(sem, device_id=left)

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import collective_gemm, gemm, sp
+from jaxquant import collective_gemm as cg, gemm, sp
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 (simulated) CPU devices: "
                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -590,7 +590,6 @@ def _fused_programs(tp, contract, config=None):
     """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over the first ``tp``
     devices of the default backend, B given as [K, N] (contract 0) or [N, K] (contract 1), with the
     kernels' own tiling or ``config``."""
-    from jaxquant import collective_gemm as cg
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
 
     def smap(f, in_specs, out_specs):
@@ -614,21 +613,23 @@ FUSED_OPERANDS = {   # name -> (A dtype, B dtype, B's contracted axis)
     "e4m3-nk": (jnp.float8_e4m3fn, jnp.float8_e4m3fn, 1),
     "e5m2xe4m3-nk": (jnp.float8_e5m2, jnp.float8_e4m3fn, 1),
 }
+# JAX before 0.11 lowers no wgmma of mixed FP8 operands (the GPU machines' 0.11 does)
+MIXED_FP8_LOWERS = pytest.mark.skipif(jax.__version_info__ < (0, 11),
+                                      reason=f"jax {jax.__version__}'s wgmma refuses mixed FP8 operands")
 # tilings the kernels' tests run besides the kernels' own choice (None): stores spread over the next tile
 FUSED_TILINGS = {"chosen": None, "spread": dict(epi=None, stages=3, spread=4)}
 
 
 @pytest.mark.parametrize("tiling", list(FUSED_TILINGS))
-@pytest.mark.parametrize("operands", list(FUSED_OPERANDS))
+@pytest.mark.parametrize("operands", [pytest.param(name, marks=MIXED_FP8_LOWERS) if a != b else name
+                                      for name, (a, b, _) in FUSED_OPERANDS.items()])
 def test_fused_kernels_lower_for_cuda(operands, tiling):
     """Both collective GEMM kernels, every operand pairing, lower to Mosaic GPU without a GPU (lowered
     for "cuda" from the CPU): a kernel Pallas cannot lower fails here instead of first on a GPU. One
     Mosaic GPU custom call per kernel; the kernels' GPU tests (tests/test_sp_gpu.py) run them."""
     a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
-    if a_dtype != b_dtype and jax.__version_info__ < (0, 11):
-        pytest.skip(f"jax {jax.__version__}'s wgmma refuses mixed FP8 operands (JAX 0.11 takes them)")
     tp = 4
-    config = None if FUSED_TILINGS[tiling] is None else collective_gemm.TileConfig(**FUSED_TILINGS[tiling])
+    config = None if FUSED_TILINGS[tiling] is None else cg.TileConfig(**FUSED_TILINGS[tiling])
     gather, scatter = _fused_programs(tp, contract, config)
     as_a = lambda rows, k: jax.ShapeDtypeStruct((rows, k), a_dtype)
     as_b = lambda k, n: jax.ShapeDtypeStruct((k, n) if contract == 0 else (n, k), b_dtype)
@@ -641,10 +642,10 @@ def test_fused_kernels_lower_for_cuda(operands, tiling):
 def test_fused_kernels_name_the_gpus_they_need():
     from types import SimpleNamespace as NS
 
-    assert collective_gemm.device_problem(NS(platform="gpu", compute_capability="9.0", device_kind="H100")) is None
-    assert "compute capability 9.x), not NVIDIA A100 (compute capability 8.0)" in collective_gemm.device_problem(
+    assert cg.device_problem(NS(platform="gpu", compute_capability="9.0", device_kind="H100")) is None
+    assert "compute capability 9.x), not NVIDIA A100 (compute capability 8.0)" in cg.device_problem(
         NS(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100"))
-    assert "not cpu" in collective_gemm.device_problem(jax.devices("cpu")[0])
+    assert "not cpu" in cg.device_problem(jax.devices("cpu")[0])
 
 
 def test_collective_gemm_benchmark_runs_its_cpu_smoke():
@@ -667,7 +668,6 @@ def test_collective_gemm_benchmark_runs_its_cpu_smoke():
 def test_fused_kernels_pick_the_first_tiling_that_fits():
     """collective_gemm.tiling: the preferred tiling where the shape fits it, the smaller one where it does
     not, and the error of the smallest (naming the argument and the rule) where none fits."""
-    from jaxquant import collective_gemm as cg
     first, last = cg.TILINGS["gather"][0], cg.TILINGS["gather"][-1]
     assert cg.tiling("gather", "w", 2048, 4096, 4096) == first
     assert first != last and cg.tiling("gather", "w", 2048, 4096, 128) == last
@@ -678,7 +678,6 @@ def test_fused_kernels_pick_the_first_tiling_that_fits():
 def test_fused_schedule_reads_weights_as_stored():
     """gather_matmul / matmul_reduce_scatter take B as [K, N] (contract=0) or [N, K] (contract=1, a
     weight [out, in] read without a transpose): both give all-gather(a) @ B (the plain-JAX schedule)."""
-    from jaxquant import collective_gemm as cg
     mesh = _mesh(2)
     k1, k2 = jax.random.split(jax.random.key(3))
     a = jax.random.normal(k1, (2 * 256, 128), jnp.bfloat16)
@@ -698,7 +697,6 @@ def test_fused_schedule_takes_fp8_operands_k_major():
     """FP8 operands (E4M3 / E5M2) go through the fused GEMMs with B K-major ([N, K], contract=1): the
     gathered operand keeps its bytes, the products are those of the stored values (unscaled, fp32
     accumulation, bf16 out) for both collectives; FP8 with B as [K, N], or FP8 beside bf16, is refused."""
-    from jaxquant import collective_gemm as cg
     mesh = _mesh(2)
     k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
     a = (jax.random.normal(k1, (2 * 256, 128)) * 8).astype(jnp.float8_e4m3fn)
