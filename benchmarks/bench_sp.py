@@ -214,9 +214,10 @@ def _child(args):
             if args.profile:
                 from bench_e2e import exposed_collectives   # same directory
                 path = os.path.join(args.profile, f"{mode}-{recipe}-{seq}x{hidden}x{ffn}")
-                with jax.profiler.trace(path, create_perfetto_trace=True):
-                    for _ in range(3):
-                        jax.block_until_ready(step(*args_fwd, g))
+                with jax.profiler.trace(path, create_perfetto_trace=True):   # as timed: pipelined or not
+                    outs = [step(*args_fwd, g) if args.pipelined else jax.block_until_ready(step(*args_fwd, g))
+                            for _ in range(3)]
+                    jax.block_until_ready(outs)
                 trace = exposed_collectives(path, steps=3)
             print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
                                   ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind),

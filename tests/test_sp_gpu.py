@@ -39,13 +39,13 @@ def test_fused_kernels_match_their_schedule(operands, tiling):
     transfer landed would show as a wrong chunk): the gathered operand is the same bytes, the GEMM
     results agree to the GEMMs' own rounding; bf16 with B as [K, N] and as [N, K] (a weight read as
     stored), and FP8 (E4M3, and E5M2 x E4M3 as a dgrad multiplies) with B K-major; with the kernels'
-    own tiling and with stores spread over the next tile."""
+    own tiling (the reduce-scatter's stores spread over the next tile) and with TileConfig()'s."""
     from jaxquant import collective_gemm as cg
     a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
     tp = len(jax.devices())
-    # "spread": more output tiles per ring step (144) than a GPU has CTAs, so that CTAs store a tile during
-    # their next one, not only after their last
-    rows, k, n_cols = (256, 512, 256) if tiling == "chosen" else (1024, 512, 4608)
+    # "chosen": more output tiles per ring step (144) than a GPU has CTAs, so that the reduce-scatter's
+    # CTAs store a tile during their next one, not only after their last
+    rows, k, n_cols = (1024, 512, 4608) if tiling == "chosen" else (256, 512, 256)
     gather, scatter = _fused_programs(tp, contract, None if FUSED_TILINGS[tiling] is None
                                       else cg.TileConfig(**FUSED_TILINGS[tiling]))
     as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
