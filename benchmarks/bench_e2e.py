@@ -340,7 +340,7 @@ def exposed_collectives(path, steps):
     if not gpu0:
         return None
     by_kind = dict.fromkeys(("gemm", "collective_gemm", "barrier", "other"), 0.0)
-    comm, comp, others, named = [], [], {}, []
+    comm, comp, others, named, comm_named = [], [], {}, [], []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
             name = e.get("name", "")
@@ -348,6 +348,7 @@ def exposed_collectives(path, steps):
             named.append((iv, name))
             if "nccl" in name.lower():
                 comm.append(iv)
+                comm_named.append((iv, name))
                 continue
             comp.append(iv)
             kind = ("collective_gemm" if _COLLECTIVE_GEMM_KERNEL.search(name)
@@ -363,6 +364,11 @@ def exposed_collectives(path, steps):
     busy_u = union(comm + comp)
     busy = sum(b - a for a, b in busy_u)
     top = sorted(others.items(), key=lambda kv: -kv[1])[:6]
+    overlap = lambda a, b: sum(max(0.0, min(b, d) - max(a, c)) for c, d in comp_u if c < b and a < d)
+    exposed_by = {}   # per collective kernel: the time no computation overlaps it
+    for (a, b), name in comm_named:
+        key = name[:40]
+        exposed_by[key] = exposed_by.get(key, 0.0) + (b - a) - overlap(a, b)
     # kernel times summed (GEMM and other kernels may overlap each other on several streams)
     return {"collective_ms": total / steps / 1e3, "exposed_collective_ms": (total - hidden) / steps / 1e3,
             "busy_ms": busy / steps / 1e3, "gemm_kernel_ms": by_kind["gemm"] / steps / 1e3,
@@ -370,6 +376,8 @@ def exposed_collectives(path, steps):
             "collective_gemm_kernel_ms": by_kind["collective_gemm"] / steps / 1e3,
             "barrier_kernel_ms": by_kind["barrier"] / steps / 1e3,
             "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top],
+            "top_exposed_collectives": [(n, round(t / steps / 1e3, 3)) for n, t
+                                        in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:4] if t > 0],
             **_idle_gaps(busy_u, named, steps)}
 
 
@@ -447,6 +455,7 @@ def main(argv=None):
             print(f"{flags:8s} {config:14s} {r['step_ms']:8.1f} ms  {r['tflops_per_gpu']:6.0f} TFLOP/s  "
                   f"{r['peak_gib']:6.1f} GiB  compile {r['compile_s']:6.1f} s"
                   + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
+                     f"exposed most {t['top_exposed_collectives']}, "
                      f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else ""), flush=True)
             write_json(a, results)   # after every config: a run stopped by a time limit keeps what it measured
     print_table(results, a)

@@ -32,6 +32,8 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     assert abs(got["exposed_collective_ms"] - 0.4) < 1e-9          # (0.6 + 0.2) ms over 2 steps
     assert abs(got["gemm_kernel_ms"] - 0.5) < 1e-9 and abs(got["other_kernel_ms"] - 0.25) < 1e-9
     assert got["top_other_kernels"] == [("loop_add_fusion", 0.25)]
+    # per collective kernel, the part no computation overlaps, largest first
+    assert got["top_exposed_collectives"] == [("ncclDevKernel_SendRecv", 0.3), ("ncclDevKernel_AllGather", 0.1)]
     assert abs(got["collective_gemm_kernel_ms"] - 0.15) < 1e-9
     assert abs(got["barrier_kernel_ms"] - 0.05) < 1e-9
     assert abs(got["busy_ms"] - (1.6 + 0.5 + 0.2 + 0.4) / 2) < 1e-9
