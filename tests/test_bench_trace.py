@@ -21,7 +21,7 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
               kernel(1, "loop_add_fusion", 3000, 500),
               kernel(1, "ncclDevKernel_AllGather", 4000, 200),      # exposed
               kernel(1, "collective_gather_gemm_mosaic_gpu_kernel", 5000, 300),   # overlap="fused"
-              kernel(1, "MultiGpuBarrierKernel", 4900, 100),        # before a Mosaic kernel
+              kernel(1, "stream_executor::gpu::MultiGpuBarrierWithNccl", 4900, 100),   # names NCCL, as on GPUs
               kernel(2, "ncclDevKernel_SendRecv", 0, 9000)]         # another GPU: ignored
     path = tmp_path / "plugins" / "profile" / "run"
     path.mkdir(parents=True)
@@ -40,7 +40,8 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     # idle between GPU 0's kernels: 1.6-3.0, 3.5-4.0, 4.2-4.9 ms (2.6 ms over 2 steps), largest first
     assert abs(got["idle_ms"] - 1.3) < 1e-9
     assert got["largest_gaps"][:2] == [(1.4, "sm90_xmma_gemm_bf16", "loop_add_fusion"),
-                                       (0.7, "ncclDevKernel_AllGather", "MultiGpuBarrierKernel")]
+                                       (0.7, "ncclDevKernel_AllGather",
+                                        "stream_executor::gpu::MultiGpuBarrierWithNccl")]
 
 
 def _bench_sp():
