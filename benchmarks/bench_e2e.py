@@ -33,10 +33,12 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop", "jq-bf16", "jq-fp8", "jq-nvfp4")
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
@@ -86,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, help="directory: trace 3 steps of each config; report the exposed "
                                                    "collective time from the trace")
     p.add_argument("--json", default=None, help="write every result here")
+    p.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature with "
+                                                       "nvidia-smi while the steps are timed")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child process: run this config
     p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -298,11 +302,14 @@ def run_one(a, config):
     state, loss = fn(state, batch)
     jax.block_until_ready(loss)
     times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter()
-        state, loss = fn(state, batch)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
+    with ClockSampler(a.clocks) as clocks:
+        window = time.time()
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            state, loss = fn(state, batch)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - t0)
+        window = (window, time.time())
     step_s = statistics.median(times)
     trace = None
     if a.profile:
@@ -317,7 +324,57 @@ def run_one(a, config):
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "tflops_per_gpu": model_flops(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
-            "device": jax.devices()[0].device_kind, "trace": trace}
+            "device": jax.devices()[0].device_kind, "trace": trace, "clocks": clocks.between(*window)}
+
+
+class ClockSampler:
+    """With ``on``, nvidia-smi samples the visible GPUs' SM clock, power draw and temperature every 20 ms
+    while the context is open; ``between(t0, t1)`` summarizes the samples of that ``time.time()`` window
+    (None when off, without nvidia-smi, or without samples). Whether a step slows down because the GPUs
+    clock down under sustained load is then a reading, not a guess."""
+    QUERY = "timestamp,index,clocks.sm,power.draw,temperature.gpu"
+
+    def __init__(self, on=True):
+        self.exe = shutil.which("nvidia-smi") if on else None
+        self.proc, self.text = None, ""
+
+    def __enter__(self):
+        if self.exe:
+            gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            self.proc = subprocess.Popen([self.exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                          "-lms", "20", *(["-i", gpus] if gpus else [])],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            time.sleep(0.5)   # nvidia-smi's start-up, before the window opens
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc:
+            self.proc.terminate()
+            self.text = self.proc.communicate(timeout=10)[0]
+        return False
+
+    def between(self, t0, t1):
+        return clock_summary(self.text, t0, t1)
+
+
+def clock_summary(text, t0, t1):
+    """Mean and lowest SM clock (MHz), mean power (W) and highest temperature (C) over every GPU's
+    nvidia-smi samples (``ClockSampler.QUERY`` lines, local-time stamps) taken between t0 and t1."""
+    rows = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            stamp = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            mhz, watts, celsius = float(fields[2]), float(fields[3]), float(fields[4])
+        except (ValueError, IndexError):   # a header, a cut line, "[N/A]"
+            continue
+        if t0 <= stamp <= t1:
+            rows.append((mhz, watts, celsius))
+    if not rows:
+        return None
+    mhz, watts, celsius = zip(*rows)
+    return {"sm_mhz_mean": round(statistics.mean(mhz)), "sm_mhz_min": min(mhz),
+            "power_w_mean": round(statistics.mean(watts), 1), "temp_c_max": max(celsius), "samples": len(rows)}
 
 
 def exposed_collectives(path, steps):
@@ -457,7 +514,8 @@ def main(argv=None):
                   f"{r['peak_gib']:6.1f} GiB  compile {r['compile_s']:6.1f} s"
                   + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
                      f"exposed most {t['top_exposed_collectives']}, "
-                     f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else ""), flush=True)
+                     f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else "")
+                  + (f"  clocks {r['clocks']}" if r.get("clocks") else ""), flush=True)
             write_json(a, results)   # after every config: a run stopped by a time limit keeps what it measured
     print_table(results, a)
     return 1 if any("error" in r for r in results) else 0

@@ -58,6 +58,8 @@ def _args(argv=None):
     ap.add_argument("--tiling", action="append", default=[], metavar="KERNEL=FIELD=VALUE,...",
                     help="overlap='fused': try this TileConfig first for kernel 'gather' or 'scatter' (e.g. "
                     "scatter=epi=None,stages=3,spread=4); repeatable")
+    ap.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature "
+                    "with nvidia-smi while the fwd+bwd step is timed")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -208,7 +210,12 @@ def _child(args):
             fwd = jax.jit(mlp).lower(*args_fwd).compile()
             step = jax.jit(step_fn).lower(*args_fwd, g).compile()
             fwd_ms = _time(fwd, args_fwd, args.iters, args.warmup, args.pipelined)
-            step_ms = _time(step, (*args_fwd, g), args.iters, args.warmup, args.pipelined)
+            from bench_e2e import ClockSampler   # same directory
+            with ClockSampler(args.clocks) as sampler:
+                window = time.time()
+                step_ms = _time(step, (*args_fwd, g), args.iters, args.warmup, args.pipelined)
+                clocks = sampler, (window, time.time())
+            clocks = clocks[0].between(*clocks[1])
             schedule = overlap_report(step.as_text())
             trace = None
             if args.profile:
@@ -221,7 +228,7 @@ def _child(args):
                 trace = exposed_collectives(path, steps=3)
             print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
                                   ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind),
-                                  trace=trace, **schedule)),
+                                  trace=trace, clocks=clocks, **schedule)),
                   flush=True)
 
 
@@ -290,6 +297,9 @@ def main(argv=None):
                 line += (f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
                          f", collective dtypes {ring['collective_dtypes']}")
             print(line)
+            if any((c or {}).get("clocks") for c in cells.values()):
+                print("    clocks while timed: " + "; ".join(f"{m} {c['clocks']}" for m, c in cells.items()
+                                                          if (c or {}).get("clocks")))
             if any((c or {}).get("trace") for m, c in cells.items() if m in ("sync", "off")):
                 print("    " + overlap_target(cells))
     if args.json:

@@ -74,3 +74,23 @@ def test_overlap_rule_measures_against_the_synchronous_step():
     assert lines == ["jq (default) vs jq (sync): saves 8.00 ms of 10.00 ms sync collectives (80%; meets the 70% rule)",
                      "jq-spfused (default) vs jq-sp (sync): saves 5.00 ms of 8.00 ms sync collectives (62%; MISSES "
                      "the 70% rule)"]
+
+
+def test_clock_summary_keeps_the_window_and_skips_what_it_cannot_read():
+    """nvidia-smi's samples (``ClockSampler.QUERY``) summarized over a time.time() window: samples outside
+    it, headers and "[N/A]" fields are left out; no sample in the window gives None."""
+    from datetime import datetime
+    stamp = lambda s: datetime(2026, 11, 27, 8, 0, s).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    t = lambda s: datetime(2026, 11, 27, 8, 0, s).timestamp()
+    text = "\n".join(["timestamp, index, clocks.current.sm [MHz], power.draw [W], temperature.gpu",
+                      f"{stamp(1)}, 0, 1980, 300.0, 40",          # before the window
+                      f"{stamp(2)}, 0, 1755, 690.5, 61",
+                      f"{stamp(2)}, 1, 1665, 700.0, 63",
+                      f"{stamp(3)}, 0, [N/A], 650.0, 62",
+                      f"{stamp(4)}, 1, 1830, 600.0, 60",
+                      f"{stamp(9)}, 0, 1980, 100.0, 45"])         # after it
+    got = bench_e2e.clock_summary(text, t(2), t(5))
+    assert got == {"sm_mhz_mean": 1750, "sm_mhz_min": 1665.0, "power_w_mean": 663.5, "temp_c_max": 63.0,
+                   "samples": 3}
+    assert bench_e2e.clock_summary(text, t(5), t(8)) is None
+    assert bench_e2e.ClockSampler(on=False).__enter__().between(0, 1e12) is None
