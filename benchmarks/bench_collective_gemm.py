@@ -41,6 +41,8 @@ CONFIGS = {   # name -> collective_gemm.TileConfig fields ("chosen": the kernels
     # a tile's store spread over the CTA's next tile's K loop (4 or 8 row strips)
     "epi-tile-s3-spread-4": dict(epi=None, stages=3, spread=4),
     "epi-tile-s3-spread-8": dict(epi=None, stages=3, spread=8),
+    # the reduce-scatter kernel's ring steps handed off tile by tile, not as whole steps (that kernel only)
+    "spread-4-tile-handoff": dict(epi=None, stages=3, spread=4, handoff="tile"),
 }
 
 
@@ -139,6 +141,8 @@ def main(argv=None):
             want = xla(*operands)
             for name in names:
                 cfg = None if CONFIGS[name] is None else cg.TileConfig(**CONFIGS[name])
+                if cfg is not None and cfg.handoff != "step" and label == "all-gather GEMM":
+                    continue   # a reduce-scatter kernel option
                 try:
                     fn = smap(fused_fn(cfg), in_specs, out_specs)
                     got = fn(*operands)

@@ -57,7 +57,7 @@ def _args(argv=None):
     ap.add_argument("--extra-flags", default="", help="XLA_FLAGS added for every mode (e.g. scheduler switches)")
     ap.add_argument("--tiling", action="append", default=[], metavar="KERNEL=FIELD=VALUE,...",
                     help="overlap='fused': try this TileConfig first for kernel 'gather' or 'scatter' (e.g. "
-                    "scatter=epi=None,stages=3,spread=4); repeatable")
+                    "scatter=epi=None,stages=3,spread=4,handoff=tile); repeatable")
     ap.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature "
                     "with nvidia-smi while the fwd+bwd step is timed")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -71,7 +71,7 @@ def _tilings(specs):
     for spec in specs:
         kernel, _, fields = spec.partition("=")
         values = dict(item.split("=", 1) for item in fields.split(",") if item)
-        config = cg.TileConfig(**{f: None if v == "None" else v if f in ("walk", "split") else int(v)
+        config = cg.TileConfig(**{f: None if v == "None" else v if f in ("walk", "split", "handoff") else int(v)
                                   for f, v in values.items()})
         tilings[kernel] = (config,) + tilings[kernel]
     return tilings

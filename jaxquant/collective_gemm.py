@@ -51,8 +51,12 @@ class TileConfig:
     ``epi=None``): the epilogue leaves the tile in shared memory and the CTA's next tile stores it during
     its K loop, in ``spread`` row strips evenly apart (a CTA's last tile is stored after its loop), so
     that the stores do not leave every CTA at the same moments (the epilogues of a persistent grid run
-    in step). ``tile_k`` is the K step of 16-bit operands; 8-bit operands step twice as far
-    (``for_operands``: the same 128-byte rows)."""
+    in step). ``handoff`` (the reduce-scatter kernel): how a rank tells its left neighbour that a ring
+    step's running sums have landed: ``"step"``, one semaphore count per step that every CTA of the
+    neighbour waits for before the step's GEMM; ``"tile"``, one flag per output tile and consumer
+    warpgroup, set once the tile's store has landed and waited for only by the epilogue that adds it,
+    so no CTA waits for another's stragglers (opt-in: not yet run on a GPU). ``tile_k`` is the K step of
+    16-bit operands; 8-bit operands step twice as far (``for_operands``: the same 128-byte rows)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -63,11 +67,14 @@ class TileConfig:
     split: str = "m"
     epi: int | None = 64
     spread: int = 0
+    handoff: str = "step"
 
     def __post_init__(self):
         if self.spread and (self.epi is not None or self.tile_m % (8 * self.spread)):
             raise ValueError(f"spread: stores spread over the next tile's K loop need epi=None and tile_m "
                              f"({self.tile_m}) a multiple of 8 x spread ({self.spread})")
+        if self.handoff not in ("step", "tile"):
+            raise ValueError(f"handoff: 'step' or 'tile', got {self.handoff!r}")
 
     def cta_tile(self) -> tuple[int, int]:
         return (self.tile_m * (2 if self.split == "m" else 1), self.tile_n * (2 if self.split == "n" else 1))
@@ -181,7 +188,8 @@ def _ring(axis, n, ref):
             plgpu.remote_ref(ref, left))
 
 
-def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_release=0):
+def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_release=0, wait_c=None,
+          stored=None):
     """Inside a kernel body (three warpgroups, a persistent grid): ``out = a @ B (+ c)`` with fp32
     accumulation, ``B`` being ``b`` ``[K, N]`` (``contract=0``) or ``b`` ``[N, K]`` (``contract=1``, e.g.
     a weight ``[out, in]``, read K-major with no transpose in memory). Warp-specialized: one
@@ -189,7 +197,9 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
     each owning half of the CTA's output tile. ``on_a_tile(m_idx, n_idx, k_idx, a_smem)`` runs in the
     consumers after each step's wgmma is issued (the all-gather kernel forwards A tiles there; with
     ``delay_release=1`` a tile stays in shared memory until the next step's wgmma). With
-    ``config.spread`` a tile's store runs during the CTA's next tile (``TileConfig``)."""
+    ``config.spread`` a tile's store runs during the CTA's next tile (``TileConfig``). Per consumer
+    warpgroup and output tile (its index in the grid's walk): ``wait_c(tile)`` runs before the epilogue
+    reads ``c``; ``stored(tile)`` once the warpgroup's store of the tile has landed."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -253,7 +263,12 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
                 def _acc(acc):
                     run(acc)
                     res = acc[...].astype(out_ref.dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    # the previous tile's stores have read shared memory (with ``stored``: have landed)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=stored is None)
+                    if spread and stored is not None:
+                        pl.when(has_prev)(lambda: stored(info.index[0] - ctas))
+                    if c_ref is not None and wait_c is not None:
+                        wait_c(info.index[0])
                     for i in range(tm // epi_m):
                         for j in range(tn // epi_n):
                             piece = (slice(i * epi_m, (i + 1) * epi_m), slice(j * epi_n, (j + 1) * epi_n))
@@ -270,6 +285,9 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
                             plgpu.commit_smem()
                             if not spread:   # else kept for the next tile's K loop (or the end)
                                 plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst_piece(out_ref))
+                    if not spread and stored is not None:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                        stored(info.index[0])
 
             def mma(idx, a_smem, b_smem, acc):
                 b_op = b_smem.at[:, wg_cols] if contract == 0 else plgpu.transpose_ref(b_smem.at[wg_cols], (1, 0))
@@ -291,8 +309,11 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
 
             @pl.when((wg < CONSUMERS) & (cta < n_tiles))
             def _():
-                last_m, last_n = tile_at(cta + ctas * ((n_tiles - 1 - cta) // ctas))
-                store_strips(range(spread), last_m, last_n)
+                last = cta + ctas * ((n_tiles - 1 - cta) // ctas)
+                store_strips(range(spread), *tile_at(last))
+                if stored is not None:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    stored(last)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -366,18 +387,31 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
     rows = a.shape[0] // n
     cols = b.shape[1 - contract]
     sms = _num_sms()
+    cta_m, cta_n = config.cta_tile()
+    tiles = (rows // cta_m) * (cols // cta_n)   # output tiles of one ring step
+    by_tile = config.handoff == "tile"
 
     def collective_gemm_scatter(a_ref, b_ref, out_ref, recv_ref):   # the name profiles show
         sem, wg, me, left, left_recv = _ring(axis, n, recv_ref)
+        if by_tile:   # flag (step, tile, warpgroup): that half tile's running sum has landed in slot step
+            flags = pl.get_global(plgpu.SemaphoreType.REGULAR((max(n - 1, 1) * tiles * CONSUMERS,)))
+            flag = lambda step, tile: flags.at[(step * tiles + tile) * CONSUMERS + wg]
         for s in range(n):
             chunk = lax.rem(me + s + 1, n)
             last = s == n - 1
-            if s:
+            hooks = {}
+            if by_tile:
+                if s:   # the right neighbour's half of this tile is in slot s-1
+                    hooks["wait_c"] = lambda tile, s=s: pl.semaphore_wait(flag(s - 1, tile), value=1,
+                                                                          decrement=False)
+                if not last:
+                    hooks["stored"] = lambda tile, s=s: pl.semaphore_signal(flag(s, tile), device_id=left)
+            elif s:
                 # the right neighbour's running sum of this chunk is complete in slot s-1
                 pl.semaphore_wait(sem, value=s * CONSUMERS * sms, decrement=False)
             _gemm(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, contract, recv_ref.at[s - 1] if s else None,
-                  out_ref if last else left_recv.at[s], config)
-            if not last:
+                  out_ref if last else left_recv.at[s], config, **hooks)
+            if not last and not by_tile:
                 @pl.when(wg < CONSUMERS)   # the consumers store the output tiles
                 def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -406,6 +440,9 @@ def _tiling_of(kernel, a, b, contract, rows, config):
     shape = (rows, a.shape[1], b.shape[1 - contract])
     if config is None:
         return tiling(kernel, "b", *shape, a.dtype)
+    if kernel == "gather" and config.handoff != "step":
+        raise ValueError(f"config: handoff={config.handoff!r} is the reduce-scatter kernel's; the all-gather "
+                         "kernel hands off whole ring steps")
     config = config.for_operands(a.dtype)
     check_shapes("b", *shape, config)
     return config

@@ -586,10 +586,12 @@ def test_fused_refuses_what_its_kernels_cannot_run():
         jq.sp_dense_reduce_scatter(jnp.ones((1, 512, 256), jnp.bfloat16), w2, impl="custom_call", **kw)
 
 
-def _fused_programs(tp, contract, config=None):
+def _fused_programs(tp, contract, configs=None):
     """Jitted (kernel, schedule) pairs of collective_gemm's two collective GEMMs over the first ``tp``
     devices of the default backend, B given as [K, N] (contract 0) or [N, K] (contract 1), with the
-    kernels' own tiling or ``config``."""
+    kernels' own tilings or ``configs`` ({"gather": TileConfig, "scatter": TileConfig}, either may be
+    missing)."""
+    configs = configs or {}
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
 
     def smap(f, in_specs, out_specs):
@@ -597,11 +599,12 @@ def _fused_programs(tp, contract, config=None):
 
     n_split, k_split = (P(None, "tp"), P("tp", None))[::1 if contract == 0 else -1]
     gather = {impl: smap(lambda a, b, impl=impl: cg.gather_matmul(a, b, axis="tp", n=tp, contract=contract, impl=impl,
-                                                                   config=config),
+                                                                   config=configs.get("gather")),
                          (P("tp", None), n_split), (P(None, "tp"), P()))
               for impl in ("kernel", "reference")}
     scatter = {impl: smap(lambda a, b, impl=impl: cg.matmul_reduce_scatter(a, b, axis="tp", n=tp, contract=contract,
-                                                                          impl=impl, config=config),
+                                                                          impl=impl,
+                                                                          config=configs.get("scatter")),
                           (P(None, "tp"), k_split), P("tp", None))
                for impl in ("kernel", "reference")}
     return gather, scatter
@@ -616,9 +619,16 @@ FUSED_OPERANDS = {   # name -> (A dtype, B dtype, B's contracted axis)
 # JAX before 0.11 lowers no wgmma of mixed FP8 operands (the GPU machines' 0.11 does)
 MIXED_FP8_LOWERS = pytest.mark.skipif(jax.__version_info__ < (0, 11),
                                       reason=f"jax {jax.__version__}'s wgmma refuses mixed FP8 operands")
-# tilings the kernels' tests run: the kernels' own choice (None; the reduce-scatter's spreads its stores
-# over the next tile) and TileConfig()'s (64x64 epilogue pieces stored at once, both kernels)
-FUSED_TILINGS = {"chosen": None, "default": {}}
+# tilings the kernels' tests run, per kernel (TileConfig fields; a kernel left out uses its own choice):
+# the kernels' own (the reduce-scatter's spreads its stores over the next tile), TileConfig()'s (64x64
+# epilogue pieces stored at once), and the reduce-scatter handing off tile by tile (opt-in)
+FUSED_TILINGS = {"chosen": {}, "default": {"gather": {}, "scatter": {}},
+                 "tile-handoff": {"scatter": dict(epi=None, stages=3, spread=4, handoff="tile")}}
+
+
+def fused_tiling(name):
+    """FUSED_TILINGS[name] as _fused_programs' configs."""
+    return {kernel: cg.TileConfig(**fields) for kernel, fields in FUSED_TILINGS[name].items()}
 
 
 @pytest.mark.parametrize("tiling", list(FUSED_TILINGS))
@@ -630,14 +640,27 @@ def test_fused_kernels_lower_for_cuda(operands, tiling):
     Mosaic GPU custom call per kernel; the kernels' GPU tests (tests/test_sp_gpu.py) run them."""
     a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
     tp = 4
-    config = None if FUSED_TILINGS[tiling] is None else cg.TileConfig(**FUSED_TILINGS[tiling])
-    gather, scatter = _fused_programs(tp, contract, config)
+    gather, scatter = _fused_programs(tp, contract, fused_tiling(tiling))
     as_a = lambda rows, k: jax.ShapeDtypeStruct((rows, k), a_dtype)
     as_b = lambda k, n: jax.ShapeDtypeStruct((k, n) if contract == 0 else (n, k), b_dtype)
     for program, args in ((gather["kernel"], (as_a(tp * 256, 512), as_b(512, tp * 256))),
                           (scatter["kernel"], (as_a(tp * 256, tp * 512), as_b(tp * 512, 256)))):
         text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("@mosaic_gpu_v2") == 1
+
+
+def test_tile_configs_refuse_what_their_kernels_cannot_do():
+    """A handoff other than "step" or "tile" is refused when the config is made; "tile" is the
+    reduce-scatter kernel's (the all-gather kernel refuses it, on every impl); spread stores need whole-tile
+    epilogues."""
+    with pytest.raises(ValueError, match="handoff: 'step' or 'tile', got 'row'"):
+        cg.TileConfig(handoff="row")
+    with pytest.raises(ValueError, match="spread: .* need epi=None"):
+        cg.TileConfig(spread=4)
+    gather, _ = _fused_programs(4, 0, {"gather": cg.TileConfig(epi=None, stages=3, spread=4, handoff="tile")})
+    a, b = jnp.zeros((4 * 256, 512), jnp.bfloat16), jnp.zeros((512, 4 * 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="handoff='tile' is the reduce-scatter kernel's"):
+        gather["reference"](a, b)
 
 
 def test_fused_kernels_name_the_gpus_they_need():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import assert_bytes_equal
 
-from test_sp import (CASES, FUSED_OPERANDS, FUSED_TILINGS, _fused_programs, _layer_args, _runner,
+from test_sp import (CASES, FUSED_OPERANDS, FUSED_TILINGS, _fused_programs, fused_tiling, _layer_args, _runner,
                      check_fp8_fused_matches_off, check_layers_match_single_device)
 
 pytestmark = [pytest.mark.gpu,
@@ -39,15 +39,14 @@ def test_fused_kernels_match_their_schedule(operands, tiling):
     transfer landed would show as a wrong chunk): the gathered operand is the same bytes, the GEMM
     results agree to the GEMMs' own rounding; bf16 with B as [K, N] and as [N, K] (a weight read as
     stored), and FP8 (E4M3, and E5M2 x E4M3 as a dgrad multiplies) with B K-major; with the kernels'
-    own tiling (the reduce-scatter's stores spread over the next tile) and with TileConfig()'s."""
-    from jaxquant import collective_gemm as cg
+    own tilings (the reduce-scatter's stores spread over the next tile), with TileConfig()'s, and with
+    the reduce-scatter handing off tile by tile (``handoff="tile"``)."""
     a_dtype, b_dtype, contract = FUSED_OPERANDS[operands]
     tp = len(jax.devices())
-    # "chosen": more output tiles per ring step (144) than a GPU has CTAs, so that the reduce-scatter's
-    # CTAs store a tile during their next one, not only after their last
-    rows, k, n_cols = (1024, 512, 4608) if tiling == "chosen" else (256, 512, 256)
-    gather, scatter = _fused_programs(tp, contract, None if FUSED_TILINGS[tiling] is None
-                                      else cg.TileConfig(**FUSED_TILINGS[tiling]))
+    # more output tiles per ring step (144) than a GPU has CTAs, so that the reduce-scatter's CTAs store
+    # (and hand off) a tile during their next one, not only after their last; TileConfig() at a small shape
+    rows, k, n_cols = (256, 512, 256) if tiling == "default" else (1024, 512, 4608)
+    gather, scatter = _fused_programs(tp, contract, fused_tiling(tiling))
     as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
     for i in range(4):
         keys = jax.random.split(jax.random.key(i), 4)
