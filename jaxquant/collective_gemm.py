@@ -188,8 +188,29 @@ def _ring(axis, n, ref):
             plgpu.remote_ref(ref, left))
 
 
+def _swizzled(dtype, minor):
+    """TMA tiles of 8 rows, swizzled by the widest pattern a row of ``minor`` elements allows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    item = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * item * 8)
+    return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+
+
+def _epilogue_smem(config, dtype):
+    """The epilogue's shared memory: per consumer warpgroup, two ``epi x epi`` slots or one whole tile."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    epi_m, epi_n = config.epi or config.tile_m, config.epi or config.tile_n
+    slots = min(2, (config.tile_m * config.tile_n) // (epi_m * epi_n))
+    return plgpu.SMEM((CONSUMERS, slots, epi_m, epi_n), dtype, transforms=_swizzled(dtype, epi_n))
+
+
+def _spread_of(config, k):
+    """``config.spread``, or 0 where a K loop of ``k`` is too short to spread a tile's stores over."""
+    return config.spread if k // config.tile_k >= config.spread else 0
+
+
 def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_release=0, wait_c=None,
-          stored=None):
+          stored=None, carry=None, keep_last=False, out_smem=None):
     """Inside a kernel body (three warpgroups, a persistent grid): ``out = a @ B (+ c)`` with fp32
     accumulation, ``B`` being ``b`` ``[K, N]`` (``contract=0``) or ``b`` ``[N, K]`` (``contract=1``, e.g.
     a weight ``[out, in]``, read K-major with no transpose in memory). Warp-specialized: one
@@ -199,7 +220,11 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
     ``delay_release=1`` a tile stays in shared memory until the next step's wgmma). With
     ``config.spread`` a tile's store runs during the CTA's next tile (``TileConfig``). Per consumer
     warpgroup and output tile (its index in the grid's walk): ``wait_c(tile)`` runs before the epilogue
-    reads ``c``; ``stored(tile)`` once the warpgroup's store of the tile has landed."""
+    reads ``c``; ``stored(tile)`` once the warpgroup's store of the tile has landed. Across calls of one
+    grid (ring steps), with spread stores and the epilogue's ``out_smem`` given by the caller:
+    ``keep_last`` leaves each CTA's last tile in shared memory, and the next call's ``carry=(dst,
+    stored)`` stores it into ``dst`` during that CTA's first tile and then calls ``stored(tile)``, so no
+    step ends with every CTA storing at once."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -210,17 +235,16 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
     split_m = config.split == "m"
     tile_grid = (rows // cta_m, cols // cta_n)
     n_tiles, ctas = tile_grid[0] * tile_grid[1], _num_sms()
-    spread = config.spread if k // tk >= config.spread else 0   # a K loop too short to spread them: store now
+    spread = _spread_of(config, k)   # 0: a K loop too short to spread stores over, store at once
+    if (carry is not None or keep_last) and not (spread and out_smem is not None):
+        raise ValueError("carry / keep_last: a tile kept across calls needs spread stores and the caller's out_smem")
     strip = tm // max(spread, 1)
-
-    def swizzled(dtype, minor):   # TMA tiles of 8 rows, swizzled by the widest pattern the row allows
-        item = jnp.dtype(dtype).itemsize
-        swizzle = plgpu.find_swizzle(minor * item * 8)
-        return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
-
     epi_m, epi_n = config.epi or tm, config.epi or tn
     slots = min(2, (tm * tn) // (epi_m * epi_n))
-    in_tf, out_tf = swizzled(a_ref.dtype, tk), swizzled(out_ref.dtype, epi_n)
+    in_tf = _swizzled(a_ref.dtype, tk)
+    # the epilogue waits until the previous tile's stores have read shared memory, or, when a store is
+    # signalled to the neighbour, until they have landed
+    signals = stored is not None or (carry is not None and carry[1] is not None)
     b_block, b_index = ((tk, cta_n), lambda s: (s, 0)) if contract == 0 else ((cta_n, tk), lambda s: (0, s))
 
     def pipeline(body, context):
@@ -233,19 +257,23 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
 
     nothing = lambda *_, **__: None
 
-    @functools.partial(pl.run_scoped,
-                       allocs=pipeline(nothing, nothing).get_allocations(a_ref, b_ref),
-                       out_smem=plgpu.SMEM((CONSUMERS, slots, epi_m, epi_n), out_ref.dtype, transforms=out_tf),
-                       c_barrier=None if c_ref is None else plgpu.Barrier(num_barriers=2 * slots),
-                       collective_axes="wg")
-    def _scope(allocs, out_smem, c_barrier):
+    scoped = dict(allocs=pipeline(nothing, nothing).get_allocations(a_ref, b_ref),
+                  c_barrier=None if c_ref is None else plgpu.Barrier(num_barriers=2 * slots))
+    if out_smem is None:
+        scoped["out_smem"] = _epilogue_smem(config, out_ref.dtype)
+
+    @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
+    def _scope(allocs, c_barrier, out_smem=out_smem):
         wg = lax.axis_index("wg")
         wg_rows = pl.ds(wg * tm, tm) if split_m else slice(None)
         wg_cols = slice(None) if split_m else pl.ds(wg * tn, tn)
         tile_at = lambda index: plgpu.planar_snake(index, tile_grid, config.walk_dim(), config.band)
+        if spread:
+            cta = lax.axis_index("cluster_grid")
+            last = cta + ctas * ((n_tiles - 1 - cta) // ctas)   # the last tile this CTA computes (if any)
 
-        def store_strips(strips, m_i, n_i):   # this warpgroup's kept tile (m_i, n_i), these row strips
-            window = out_ref.at[pl.ds(m_i * cta_m, cta_m), pl.ds(n_i * cta_n, cta_n)].at[wg_rows, wg_cols]
+        def store_strips(strips, m_i, n_i, dst=out_ref):   # this warpgroup's kept tile (m_i, n_i), these strips
+            window = dst.at[pl.ds(m_i * cta_m, cta_m), pl.ds(n_i * cta_n, cta_n)].at[wg_rows, wg_cols]
             for p in strips:
                 part = slice(p * strip, (p + 1) * strip)
                 plgpu.copy_smem_to_gmem(out_smem.at[wg, 0].at[part], window.at[part])
@@ -255,7 +283,8 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
             m_idx, n_idx = tile_at(info.index[0])
             cta_rows, cta_cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
             if spread:   # the tile this CTA computed before this one (tiles are dealt out round robin)
-                has_prev = info.index[0] >= ctas
+                first = info.index[0] < ctas
+                has_prev = ~first
                 prev_m, prev_n = tile_at(jnp.maximum(info.index[0] - ctas, 0))
 
             def epilogue(run):
@@ -263,10 +292,11 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
                 def _acc(acc):
                     run(acc)
                     res = acc[...].astype(out_ref.dtype)
-                    # the previous tile's stores have read shared memory (with ``stored``: have landed)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=stored is None)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=not signals)
                     if spread and stored is not None:
                         pl.when(has_prev)(lambda: stored(info.index[0] - ctas))
+                    if carry is not None and carry[1] is not None:   # the previous call's last tile
+                        pl.when(first)(lambda: carry[1](last))
                     if c_ref is not None and wait_c is not None:
                         wait_c(info.index[0])
                     for i in range(tm // epi_m):
@@ -295,21 +325,19 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
                 if on_a_tile is not None:
                     on_a_tile(m_idx, n_idx, idx[0], a_smem)
                 for p in range(spread):   # strip p of the previous tile at K step p * (K steps / spread)
-                    @pl.when(has_prev & (idx[0] == p * (k // tk // spread)))
-                    def _(p=p):
-                        store_strips([p], prev_m, prev_n)
+                    at_p = idx[0] == p * (k // tk // spread)
+                    pl.when(has_prev & at_p)(lambda p=p: store_strips([p], prev_m, prev_n))
+                    if carry is not None:   # a CTA's first tile stores the previous call's last one
+                        pl.when(first & at_p)(lambda p=p: store_strips([p], *tile_at(last), dst=carry[0]))
                 plgpu.wgmma_wait(delay_release)
                 return acc
 
             b_cta = b_ref.at[:, cta_cols] if contract == 0 else b_ref.at[cta_cols, :]
             pipeline(mma, epilogue)(a_ref.at[cta_rows, :], b_cta, allocations=allocs)
 
-        if spread:   # the last tile each CTA computed is still in shared memory
-            cta = lax.axis_index("cluster_grid")
-
+        if spread and not keep_last:   # the last tile each CTA computed is still in shared memory
             @pl.when((wg < CONSUMERS) & (cta < n_tiles))
             def _():
-                last = cta + ctas * ((n_tiles - 1 - cta) // ctas)
                 store_strips(range(spread), *tile_at(last))
                 if stored is not None:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -391,31 +419,46 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
     tiles = (rows // cta_m) * (cols // cta_n)   # output tiles of one ring step
     by_tile = config.handoff == "tile"
 
+    # with a tile-by-tile hand-off and spread stores, each CTA's last tile of a step is stored during its
+    # first tile of the next step (no step ends with every CTA storing at once)
+    keep = by_tile and _spread_of(config, a.shape[1]) > 0
+
     def collective_gemm_scatter(a_ref, b_ref, out_ref, recv_ref):   # the name profiles show
         sem, wg, me, left, left_recv = _ring(axis, n, recv_ref)
         if by_tile:   # flag (step, tile, warpgroup): that half tile's running sum has landed in slot step
             flags = pl.get_global(plgpu.SemaphoreType.REGULAR((max(n - 1, 1) * tiles * CONSUMERS,)))
             flag = lambda step, tile: flags.at[(step * tiles + tile) * CONSUMERS + wg]
-        for s in range(n):
-            chunk = lax.rem(me + s + 1, n)
-            last = s == n - 1
-            hooks = {}
-            if by_tile:
-                if s:   # the right neighbour's half of this tile is in slot s-1
-                    hooks["wait_c"] = lambda tile, s=s: pl.semaphore_wait(flag(s - 1, tile), value=1,
-                                                                          decrement=False)
-                if not last:
-                    hooks["stored"] = lambda tile, s=s: pl.semaphore_signal(flag(s, tile), device_id=left)
-            elif s:
-                # the right neighbour's running sum of this chunk is complete in slot s-1
-                pl.semaphore_wait(sem, value=s * CONSUMERS * sms, decrement=False)
-            _gemm(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, contract, recv_ref.at[s - 1] if s else None,
-                  out_ref if last else left_recv.at[s], config, **hooks)
-            if not last and not by_tile:
-                @pl.when(wg < CONSUMERS)   # the consumers store the output tiles
-                def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(sem, device_id=left)
+            signal = lambda step: lambda tile: pl.semaphore_signal(flag(step, tile), device_id=left)
+
+        def steps(out_smem=None):
+            for s in range(n):
+                chunk = lax.rem(me + s + 1, n)
+                last = s == n - 1
+                hooks = {}
+                if by_tile:
+                    if s:   # the right neighbour's half of this tile is in slot s-1
+                        hooks["wait_c"] = lambda tile, s=s: pl.semaphore_wait(flag(s - 1, tile), value=1,
+                                                                              decrement=False)
+                    if not last:
+                        hooks["stored"] = signal(s)
+                    if keep:
+                        hooks.update(carry=(left_recv.at[s - 1], signal(s - 1)) if s else None,
+                                     keep_last=not last, out_smem=out_smem)
+                elif s:
+                    # the right neighbour's running sum of this chunk is complete in slot s-1
+                    pl.semaphore_wait(sem, value=s * CONSUMERS * sms, decrement=False)
+                _gemm(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, contract, recv_ref.at[s - 1] if s else None,
+                      out_ref if last else left_recv.at[s], config, **hooks)
+                if not last and not by_tile:
+                    @pl.when(wg < CONSUMERS)   # the consumers store the output tiles
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                        pl.semaphore_signal(sem, device_id=left)
+
+        if keep:   # the epilogue's shared memory outlives each step's GEMM: it carries a tile between them
+            pl.run_scoped(steps, out_smem=_epilogue_smem(config, DTYPE), collective_axes="wg")
+        else:
+            steps()
 
     out, _ = _kernel_call(collective_gemm_scatter, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
                                  jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)])(a, b)
