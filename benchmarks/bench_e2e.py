@@ -29,6 +29,7 @@ CPU smoke: ``--tiny``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -303,13 +304,11 @@ def run_one(a, config):
     jax.block_until_ready(loss)
     times = []
     with ClockSampler(a.clocks) as clocks:
-        window = time.time()
         for _ in range(a.steps):
             t0 = time.perf_counter()
             state, loss = fn(state, batch)
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - t0)
-        window = (window, time.time())
     step_s = statistics.median(times)
     trace = None
     if a.profile:
@@ -324,19 +323,19 @@ def run_one(a, config):
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "tflops_per_gpu": model_flops(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
-            "device": jax.devices()[0].device_kind, "trace": trace, "clocks": clocks.between(*window)}
+            "device": jax.devices()[0].device_kind, "trace": trace, "clocks": clocks.summary()}
 
 
 class ClockSampler:
     """With ``on``, nvidia-smi samples the visible GPUs' SM clock, power draw and temperature every 20 ms
-    while the context is open; ``between(t0, t1)`` summarizes the samples of that ``time.time()`` window
-    (None when off, without nvidia-smi, or without samples). Whether a step slows down because the GPUs
-    clock down under sustained load is then a reading, not a guess."""
+    while the context is open; ``summary()`` summarizes the samples taken inside the context's body,
+    ``between(t0, t1)`` those of any ``time.time()`` window (None when off, without nvidia-smi, or
+    without samples): whether a step slows down because the GPUs clock down under sustained load."""
     QUERY = "timestamp,index,clocks.sm,power.draw,temperature.gpu"
 
     def __init__(self, on=True):
         self.exe = shutil.which("nvidia-smi") if on else None
-        self.proc, self.text = None, ""
+        self.proc, self.text, self.window = None, "", (0.0, 0.0)
 
     def __enter__(self):
         if self.exe:
@@ -345,9 +344,11 @@ class ClockSampler:
                                           "-lms", "20", *(["-i", gpus] if gpus else [])],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             time.sleep(0.5)   # nvidia-smi's start-up, before the window opens
+        self.window = (time.time(), 0.0)
         return self
 
     def __exit__(self, *exc):
+        self.window = (self.window[0], time.time())
         if self.proc:
             self.proc.terminate()
             self.text = self.proc.communicate(timeout=10)[0]
@@ -355,6 +356,9 @@ class ClockSampler:
 
     def between(self, t0, t1):
         return clock_summary(self.text, t0, t1)
+
+    def summary(self):
+        return self.between(*self.window)
 
 
 def clock_summary(text, t0, t1):
@@ -418,15 +422,14 @@ def exposed_collectives(path, steps):
     union = lambda ivs: _merge(sorted(ivs))
     comm_u, comp_u = union(comm), union(comp)
     total = sum(b - a for a, b in comm_u)
-    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm_u for c, d in comp_u if c < b and a < d)
+    hidden = sum(_covered(a, b, comp_u) for a, b in comm_u)
     busy_u = union(comm + comp)
     busy = sum(b - a for a, b in busy_u)
     top = sorted(others.items(), key=lambda kv: -kv[1])[:6]
-    overlap = lambda a, b: sum(max(0.0, min(b, d) - max(a, c)) for c, d in comp_u if c < b and a < d)
     exposed_by = {}   # per collective kernel: the time no computation overlaps it
     for (a, b), name in comm_named:
         key = name[:40]
-        exposed_by[key] = exposed_by.get(key, 0.0) + (b - a) - overlap(a, b)
+        exposed_by[key] = exposed_by.get(key, 0.0) + (b - a) - _covered(a, b, comp_u)
     # kernel times summed (GEMM and other kernels may overlap each other on several streams)
     return {"collective_ms": total / steps / 1e3, "exposed_collective_ms": (total - hidden) / steps / 1e3,
             "busy_ms": busy / steps / 1e3, "gemm_kernel_ms": by_kind["gemm"] / steps / 1e3,
@@ -458,6 +461,18 @@ _COLLECTIVE_GEMM_KERNEL = re.compile(r"collective_(gather_gemm|gemm_scatter)")
 # the one-block cross-GPU barrier XLA launches before each Mosaic GPU kernel that addresses other GPUs
 # (single-process meshes: docs/sp.md); its time is the wait for the slowest GPU
 _BARRIER_KERNEL = re.compile(r"barrier", re.I)
+
+
+def _covered(a, b, merged):
+    """How much of [a, b] the sorted, disjoint intervals ``merged`` cover (a binary search to the first
+    one that can overlap, not a scan of all of them)."""
+    i = max(bisect.bisect_right(merged, (a,)) - 1, 0)
+    covered = 0.0
+    for c, d in merged[i:]:
+        if c >= b:
+            break
+        covered += max(0.0, min(b, d) - max(a, c))
+    return covered
 
 
 def _merge(ivs):

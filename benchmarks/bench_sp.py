@@ -212,10 +212,8 @@ def _child(args):
             fwd_ms = _time(fwd, args_fwd, args.iters, args.warmup, args.pipelined)
             from bench_e2e import ClockSampler   # same directory
             with ClockSampler(args.clocks) as sampler:
-                window = time.time()
                 step_ms = _time(step, (*args_fwd, g), args.iters, args.warmup, args.pipelined)
-                clocks = sampler, (window, time.time())
-            clocks = clocks[0].between(*clocks[1])
+            clocks = sampler.summary()
             schedule = overlap_report(step.as_text())
             trace = None
             if args.profile:

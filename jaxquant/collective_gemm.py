@@ -196,11 +196,16 @@ def _swizzled(dtype, minor):
     return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
 
 
-def _epilogue_smem(config, dtype):
-    """The epilogue's shared memory: per consumer warpgroup, two ``epi x epi`` slots or one whole tile."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+def _epilogue_shape(config):
+    """(rows, cols, slots) of the epilogue's pieces: two ``epi x epi`` slots, or one whole warpgroup tile."""
     epi_m, epi_n = config.epi or config.tile_m, config.epi or config.tile_n
-    slots = min(2, (config.tile_m * config.tile_n) // (epi_m * epi_n))
+    return epi_m, epi_n, min(2, (config.tile_m * config.tile_n) // (epi_m * epi_n))
+
+
+def _epilogue_smem(config, dtype):
+    """The epilogue's shared memory: per consumer warpgroup, ``_epilogue_shape(config)``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    epi_m, epi_n, slots = _epilogue_shape(config)
     return plgpu.SMEM((CONSUMERS, slots, epi_m, epi_n), dtype, transforms=_swizzled(dtype, epi_n))
 
 
@@ -239,8 +244,7 @@ def _gemm(a_ref, b_ref, contract, c_ref, out_ref, config, on_a_tile=None, delay_
     if (carry is not None or keep_last) and not (spread and out_smem is not None):
         raise ValueError("carry / keep_last: a tile kept across calls needs spread stores and the caller's out_smem")
     strip = tm // max(spread, 1)
-    epi_m, epi_n = config.epi or tm, config.epi or tn
-    slots = min(2, (tm * tn) // (epi_m * epi_n))
+    epi_m, epi_n, slots = _epilogue_shape(config)
     in_tf = _swizzled(a_ref.dtype, tk)
     # the epilogue waits until the previous tile's stores have read shared memory, or, when a store is
     # signalled to the neighbour, until they have landed
