@@ -63,7 +63,7 @@ def _kernel_ms(fn, args, iters):
 
     from bench_e2e import exposed_collectives
     from bench_sp import _time
-    wall = _time(fn, args, iters, warmup=2)
+    wall, _ = _time(fn, args, iters, warmup=2)
     if jax.default_backend() != "gpu":
         return wall, None
     with tempfile.TemporaryDirectory() as path:

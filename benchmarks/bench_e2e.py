@@ -82,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (mesh fsdp x tp; the plain step shards "
                                                    "column/row-parallel weights over tp and lets GSPMD place the rest)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--pipelined", action="store_true", help="the mean of --steps steps dispatched back to back "
+                   "and waited for once (a training loop that does not read each loss), not the median of steps "
+                   "each waited for")
     p.add_argument("--remat", action="store_true", help="jax.checkpoint around each block")
     p.add_argument("--grad-comm", default="bfloat16", choices=("bfloat16", "float32"),
                    help="jaxquant's grad_comm_dtype (the plain step reduce-scatters bf16 gradients)")
@@ -304,7 +307,13 @@ def run_one(a, config):
     jax.block_until_ready(loss)
     times = []
     with ClockSampler(a.clocks) as clocks:
-        for _ in range(a.steps):
+        if a.pipelined:
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                state, loss = fn(state, batch)
+            jax.block_until_ready((state, loss))
+            times = [(time.perf_counter() - t0) / a.steps]
+        for _ in range(0 if a.pipelined else a.steps):
             t0 = time.perf_counter()
             state, loss = fn(state, batch)
             jax.block_until_ready(loss)
@@ -327,11 +336,13 @@ def run_one(a, config):
 
 
 class ClockSampler:
-    """With ``on``, nvidia-smi samples the visible GPUs' SM clock, power draw and temperature every 20 ms
-    while the context is open; ``summary()`` summarizes the samples taken inside the context's body,
-    ``between(t0, t1)`` those of any ``time.time()`` window (None when off, without nvidia-smi, or
-    without samples): whether a step slows down because the GPUs clock down under sustained load."""
-    QUERY = "timestamp,index,clocks.sm,power.draw,temperature.gpu"
+    """With ``on``, nvidia-smi samples the visible GPUs' SM clock, instantaneous power draw, temperature
+    and clock-event reasons every 20 ms while the context is open; ``summary()`` summarizes the samples
+    taken inside the context's body, ``between(t0, t1)`` those of any ``time.time()`` window (None when
+    off, without nvidia-smi, or without samples): whether a step slows down because the GPUs clock down
+    under sustained load, and whether the power cap is what clocks them down. (``power.draw`` is a
+    one-second average, too slow for a window of a few hundred ms; ``power.draw.instant`` is not.)"""
+    QUERY = "timestamp,index,clocks.sm,power.draw.instant,temperature.gpu,clocks_event_reasons.active"
 
     def __init__(self, on=True):
         self.exe = shutil.which("nvidia-smi") if on else None
@@ -361,10 +372,14 @@ class ClockSampler:
         return self.between(*self.window)
 
 
+POWER_CAP_REASONS = 0x4 | 0x80   # nvidia-smi clock-event reasons: software power cap, hardware power brake
+
+
 def clock_summary(text, t0, t1):
-    """Mean and lowest SM clock (MHz), mean power (W) and highest temperature (C) over every GPU's
+    """Mean and lowest SM clock (MHz), mean and highest power (W), highest temperature (C) and the share
+    of samples clocked down by the power cap (None where nvidia-smi gave no reasons) over every GPU's
     nvidia-smi samples (``ClockSampler.QUERY`` lines, local-time stamps) taken between t0 and t1."""
-    rows = []
+    rows, capped = [], []
     for line in text.splitlines():
         fields = [f.strip() for f in line.split(",")]
         try:
@@ -374,11 +389,17 @@ def clock_summary(text, t0, t1):
             continue
         if t0 <= stamp <= t1:
             rows.append((mhz, watts, celsius))
+            try:
+                capped.append(bool(int(fields[5], 16) & POWER_CAP_REASONS))
+            except (ValueError, IndexError):
+                pass
     if not rows:
         return None
     mhz, watts, celsius = zip(*rows)
     return {"sm_mhz_mean": round(statistics.mean(mhz)), "sm_mhz_min": min(mhz),
-            "power_w_mean": round(statistics.mean(watts), 1), "temp_c_max": max(celsius), "samples": len(rows)}
+            "power_w_mean": round(statistics.mean(watts), 1), "power_w_max": max(watts),
+            "temp_c_max": max(celsius), "power_capped": round(sum(capped) / len(capped), 2) if capped else None,
+            "samples": len(rows)}
 
 
 def exposed_collectives(path, steps):

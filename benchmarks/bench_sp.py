@@ -51,6 +51,8 @@ def _args(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pipelined", action="store_true", help="time --iters calls dispatched back to back and "
                     "waited for once (as a training loop runs), not each call waited for on its own")
+    ap.add_argument("--keep-outputs", action="store_true", help="with --pipelined: keep every timed call's "
+                    "results alive until the last one ran (the earlier default; a training loop frees them)")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--profile", default=None, help="directory: one jax.profiler trace per mode")
     ap.add_argument("--cpu-smoke", action="store_true", help="4 simulated CPU devices, tiny sizes")
@@ -60,6 +62,9 @@ def _args(argv=None):
                     "scatter=epi=None,stages=3,spread=4,handoff=tile); repeatable")
     ap.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature "
                     "with nvidia-smi while the fwd+bwd step is timed")
+    ap.add_argument("--processes", type=int, default=1, help="run each mode as this many processes, one GPU "
+                    "each (jax.distributed on this host), as multi-process training runs; default 1: one "
+                    "process drives every GPU")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -87,24 +92,31 @@ def _sizes(args):
 # ----------------------------------------------------------------------------------------------
 
 
-def _time(fn, args, iters, warmup, pipelined=False):
-    """Median ms of a call, each waited for on its own (host dispatch and the devices' start skew
-    included), or with ``pipelined`` the mean ms of ``iters`` calls dispatched back to back and waited
-    for once (what a training loop sees)."""
+def _time(fn, args, iters, warmup, pipelined=False, keep_outputs=False):
+    """(ms, dispatch ms): the median ms of a call, each waited for on its own (host dispatch and the
+    devices' start skew included), or with ``pipelined`` the mean ms of ``iters`` calls dispatched back
+    to back and waited for once (what a training loop sees; with ``keep_outputs`` every call's results
+    stay alive until the end, as no training loop keeps them), and then the mean ms the host took to
+    dispatch one of them: near the step time when each call blocks the host until the previous one ran."""
     import jax
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     if pipelined:
         t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(iters)]
-        jax.block_until_ready(outs)
-        return (time.perf_counter() - t0) / iters * 1e3
+        if keep_outputs:
+            out = [fn(*args) for _ in range(iters)]
+        else:   # a training loop keeps one step's results: each call's outputs are freed once it ran
+            for _ in range(iters):
+                out = fn(*args)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)   # one stream per GPU: the last call's results come after every call's
+        return (time.perf_counter() - t0) / iters * 1e3, (t1 - t0) / iters * 1e3
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, None
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*.+?\s([\w\-]+)\((.*)$")   # name = shape opcode(rest
@@ -162,13 +174,24 @@ def _child(args):
 
     # --tiling: this benchmark process's kernels try the given tilings first (the layers take no tiling)
     collective_gemm.TILINGS = _tilings(args.tiling)
+    rank = int(os.environ.get("JQ_BENCH_RANK", "0"))
+    if args.processes > 1:   # one GPU per process; process 0 reports
+        if args.cpu_smoke:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{os.environ['JQ_BENCH_PORT']}", num_processes=args.processes,
+                                   process_id=rank, local_device_ids=None if args.cpu_smoke else [rank])
     devices = jax.devices("cpu") if args.cpu_smoke else jax.devices()
     if not args.cpu_smoke and (jax.default_backend() != "gpu" or len(devices) < 2):
         print(json.dumps({"skip": f"needs 2+ GPUs, found {len(devices)} {jax.default_backend()} device(s)"}))
         return
     tp = len(devices)
     mesh = Mesh(np.array(devices), ("tp",))
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+
+    def put(a, spec):
+        """A global array from a value every process computed alike (the same keys)."""
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
+
     mode = args.child
     overlap = LAYER_OVERLAP.get(mode, mode)
 
@@ -209,14 +232,15 @@ def _child(args):
             args_fwd = (x, gamma, beta, q1, q2, m1, m2)
             fwd = jax.jit(mlp).lower(*args_fwd).compile()
             step = jax.jit(step_fn).lower(*args_fwd, g).compile()
-            fwd_ms = _time(fwd, args_fwd, args.iters, args.warmup, args.pipelined)
+            fwd_ms, _ = _time(fwd, args_fwd, args.iters, args.warmup, args.pipelined)
             from bench_e2e import ClockSampler   # same directory
-            with ClockSampler(args.clocks) as sampler:
-                step_ms = _time(step, (*args_fwd, g), args.iters, args.warmup, args.pipelined)
+            with ClockSampler(args.clocks and rank == 0) as sampler:
+                step_ms, dispatch_ms = _time(step, (*args_fwd, g), args.iters, args.warmup, args.pipelined,
+                                             args.keep_outputs)
             clocks = sampler.summary()
             schedule = overlap_report(step.as_text())
             trace = None
-            if args.profile:
+            if args.profile and rank == 0:
                 from bench_e2e import exposed_collectives   # same directory
                 path = os.path.join(args.profile, f"{mode}-{recipe}-{seq}x{hidden}x{ffn}")
                 with jax.profiler.trace(path, create_perfetto_trace=True):   # as timed: pipelined or not
@@ -224,10 +248,14 @@ def _child(args):
                             for _ in range(3)]
                     jax.block_until_ready(outs)
                 trace = exposed_collectives(path, steps=3)
-            print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
-                                  ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, device=str(devices[0].device_kind),
-                                  trace=trace, clocks=clocks, **schedule)),
-                  flush=True)
+            elif args.profile:   # the other processes run the traced steps too (the collectives need them)
+                jax.block_until_ready([step(*args_fwd, g) for _ in range(3)])
+            if rank == 0:
+                print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
+                                      ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, dispatch_ms=dispatch_ms,
+                                      processes=args.processes, device=str(devices[0].device_kind),
+                                      trace=trace, clocks=clocks, **schedule)),
+                      flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,17 +271,29 @@ def _run_mode(mode, argv, args):
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "") + " " + args.extra_flags + (" " + SYNC_FLAGS if mode == "sync" else "")
     if args.cpu_smoke:
-        flags += " --xla_force_host_platform_device_count=4"
+        flags += f" --xla_force_host_platform_device_count={4 // args.processes}"
     env["XLA_FLAGS"] = flags.strip()
-    proc = subprocess.run([sys.executable, __file__, *argv, "--child", mode], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    env["JQ_BENCH_PORT"] = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--child", mode], text=True,
+                              env={**env, "JQ_BENCH_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(args.processes)]
+    outputs = [p.communicate() for p in procs]   # (stdout, stderr) per process; process 0 reports
+    rows = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
     error = None
-    if proc.returncode:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        error = f"exit {proc.returncode}: " + " | ".join(lines[-3:])[-600:]
-        sys.stderr.write(f"bench_sp: the {mode!r} process failed; its stderr tail:\n{proc.stderr[-3000:]}\n")
+    failed = [(rank, p.returncode, err) for rank, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode]
+    if failed:
+        rank, code, err = failed[0]
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        error = f"process {rank} exit {code}: " + " | ".join(lines[-3:])[-600:]
+        sys.stderr.write(f"bench_sp: the {mode!r} process {rank} failed; its stderr tail:\n{err[-3000:]}\n")
     return rows, error
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv=None):
@@ -276,7 +316,8 @@ def main(argv=None):
         raise SystemExit("bench_sp: every mode failed")
     by_key = {(r["recipe"], r["seq"], r["hidden"], r["ffn"], r["mode"]): r for r in results}
     timing = f"mean ms of {args.iters} calls dispatched back to back" if args.pipelined else "median ms of a call"
-    print(f"tp={results[0]['tp']} batch={args.batch} device={results[0]['device']}; {timing} "
+    print(f"tp={results[0]['tp']} batch={args.batch} device={results[0]['device']} "
+          f"processes={args.processes}; {timing} "
           f"(fwd / fwd+bwd); ratios are fwd+bwd vs off")
     modes = args.modes.split(",")
     vs_off = [m for m in modes if m not in ("off", "sync")]
@@ -298,6 +339,9 @@ def main(argv=None):
             if any((c or {}).get("clocks") for c in cells.values()):
                 print("    clocks while timed: " + "; ".join(f"{m} {c['clocks']}" for m, c in cells.items()
                                                           if (c or {}).get("clocks")))
+            if any((c or {}).get("dispatch_ms") for c in cells.values()):
+                print("    host ms to dispatch one call: " + ", ".join(
+                    f"{m} {c['dispatch_ms']:.3f}" for m, c in cells.items() if (c or {}).get("dispatch_ms")))
             if any((c or {}).get("trace") for m, c in cells.items() if m in ("sync", "off")):
                 print("    " + overlap_target(cells))
     if args.json:

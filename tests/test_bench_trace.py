@@ -78,19 +78,24 @@ def test_overlap_rule_measures_against_the_synchronous_step():
 
 def test_clock_summary_keeps_the_window_and_skips_what_it_cannot_read():
     """nvidia-smi's samples (``ClockSampler.QUERY``) summarized over a time.time() window: samples outside
-    it, headers and "[N/A]" fields are left out; no sample in the window gives None."""
+    it, headers and "[N/A]" fields are left out; the power-cap share counts the samples whose clock-event
+    reasons name the software power cap (0x4) or the hardware power brake (0x80); no sample in the
+    window gives None."""
     from datetime import datetime
     stamp = lambda s: datetime(2026, 11, 27, 8, 0, s).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
     t = lambda s: datetime(2026, 11, 27, 8, 0, s).timestamp()
-    text = "\n".join(["timestamp, index, clocks.current.sm [MHz], power.draw [W], temperature.gpu",
-                      f"{stamp(1)}, 0, 1980, 300.0, 40",          # before the window
-                      f"{stamp(2)}, 0, 1755, 690.5, 61",
-                      f"{stamp(2)}, 1, 1665, 700.0, 63",
-                      f"{stamp(3)}, 0, [N/A], 650.0, 62",
-                      f"{stamp(4)}, 1, 1830, 600.0, 60",
-                      f"{stamp(9)}, 0, 1980, 100.0, 45"])         # after it
+    text = "\n".join(["timestamp, index, clocks.current.sm [MHz], power.draw.instant [W], temperature.gpu, "
+                      "clocks_event_reasons.active",
+                      f"{stamp(1)}, 0, 1980, 300.0, 40, 0x0000000000000000",          # before the window
+                      f"{stamp(2)}, 0, 1755, 690.5, 61, 0x0000000000000004",
+                      f"{stamp(2)}, 1, 1665, 700.0, 63, 0x0000000000000080",
+                      f"{stamp(3)}, 0, [N/A], 650.0, 62, 0x0000000000000004",
+                      f"{stamp(4)}, 1, 1830, 600.0, 60, 0x0000000000000000",
+                      f"{stamp(9)}, 0, 1980, 100.0, 45, 0x0000000000000001"])         # after it
     got = bench_e2e.clock_summary(text, t(2), t(5))
-    assert got == {"sm_mhz_mean": 1750, "sm_mhz_min": 1665.0, "power_w_mean": 663.5, "temp_c_max": 63.0,
-                   "samples": 3}
+    assert got == {"sm_mhz_mean": 1750, "sm_mhz_min": 1665.0, "power_w_mean": 663.5, "power_w_max": 700.0,
+                   "temp_c_max": 63.0, "power_capped": 0.67, "samples": 3}
+    no_reasons = "\n".join(",".join(line.split(",")[:5]) for line in text.splitlines())
+    assert bench_e2e.clock_summary(no_reasons, t(2), t(5))["power_capped"] is None
     assert bench_e2e.clock_summary(text, t(5), t(8)) is None
     assert bench_e2e.ClockSampler(on=False).__enter__().between(0, 1e12) is None
