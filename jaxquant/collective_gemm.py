@@ -55,8 +55,9 @@ class TileConfig:
     step's running sums have landed: ``"step"``, one semaphore count per step that every CTA of the
     neighbour waits for before the step's GEMM; ``"tile"``, one flag per output tile and consumer
     warpgroup, set once the tile's store has landed and waited for only by the epilogue that adds it,
-    so no CTA waits for another's stragglers (opt-in: not yet run on a GPU). ``tile_k`` is the K step of
-    16-bit operands; 8-bit operands step twice as far (``for_operands``: the same 128-byte rows)."""
+    so no CTA waits for another's stragglers (opt-in: 3-7% slower than "step" on 2 x H200).
+    ``tile_k`` is the K step of 16-bit operands; 8-bit operands step twice as far (``for_operands``:
+    the same 128-byte rows)."""
 
     tile_m: int = 128
     tile_n: int = 128
