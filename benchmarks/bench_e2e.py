@@ -372,6 +372,13 @@ class ClockSampler:
         return self.between(*self.window)
 
 
+def joules_per_step(clocks, step_ms):
+    """Energy one GPU spends on a step, estimated as the mean instantaneous power of the timed window
+    (``clock_summary``) times the step time; None without samples. Under the power cap a step takes
+    about its energy over the cap, whatever overlaps."""
+    return None if not clocks else round(clocks["power_w_mean"] * step_ms / 1e3, 3)
+
+
 POWER_CAP_REASONS = 0x4 | 0x80   # nvidia-smi clock-event reasons: software power cap, hardware power brake
 
 
@@ -551,7 +558,8 @@ def main(argv=None):
                   + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
                      f"exposed most {t['top_exposed_collectives']}, "
                      f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else "")
-                  + (f"  clocks {r['clocks']}" if r.get("clocks") else ""), flush=True)
+                  + (f"  clocks {r['clocks']}, ~{joules_per_step(r['clocks'], r['step_ms'])} J a step a GPU"
+                     if r.get("clocks") else ""), flush=True)
             write_json(a, results)   # after every config: a run stopped by a time limit keeps what it measured
     print_table(results, a)
     return 1 if any("error" in r for r in results) else 0

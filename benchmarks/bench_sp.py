@@ -337,8 +337,10 @@ def main(argv=None):
                          f", collective dtypes {ring['collective_dtypes']}")
             print(line)
             if any((c or {}).get("clocks") for c in cells.values()):
-                print("    clocks while timed: " + "; ".join(f"{m} {c['clocks']}" for m, c in cells.items()
-                                                          if (c or {}).get("clocks")))
+                from bench_e2e import joules_per_step   # same directory
+                print("    clocks while timed: " + "; ".join(
+                    f"{m} {c['clocks']} ~{joules_per_step(c['clocks'], c['step_ms'])} J a step a GPU"
+                    for m, c in cells.items() if (c or {}).get("clocks")))
             if any((c or {}).get("dispatch_ms") for c in cells.values()):
                 print("    host ms to dispatch one call: " + ", ".join(
                     f"{m} {c['dispatch_ms']:.3f}" for m, c in cells.items() if (c or {}).get("dispatch_ms")))

@@ -98,4 +98,40 @@ def test_clock_summary_keeps_the_window_and_skips_what_it_cannot_read():
     no_reasons = "\n".join(",".join(line.split(",")[:5]) for line in text.splitlines())
     assert bench_e2e.clock_summary(no_reasons, t(2), t(5))["power_capped"] is None
     assert bench_e2e.clock_summary(text, t(5), t(8)) is None
+    assert bench_e2e.joules_per_step(got, 20.0) == 13.27 and bench_e2e.joules_per_step(None, 20.0) is None
     assert bench_e2e.ClockSampler(on=False).__enter__().between(0, 1e12) is None
+
+
+def test_pipelined_timing_reports_the_dispatch_and_frees_outputs_unless_kept():
+    """bench_sp._time: timed one call at a time it gives (median ms, None); pipelined, (mean ms, the host's
+    mean ms to dispatch a call), both with each call's outputs freed once the next is dispatched and
+    with every output kept (``keep_outputs``)."""
+    import jax
+    import jax.numpy as jnp
+    timer = _bench_sp()._time
+    live = []
+
+    def fn(x):
+        out = x + 1
+        live.append(sum(1 for a in jax.live_arrays() if a.shape == (64, 64)))
+        return out
+
+    x = jnp.zeros((64, 64))
+    ms, dispatch = timer(fn, (x,), iters=4, warmup=1)
+    assert ms > 0 and dispatch is None
+    for keep in (False, True):
+        live.clear()
+        ms, dispatch = timer(fn, (x,), iters=4, warmup=1, pipelined=True, keep_outputs=keep)
+        assert 0 < dispatch <= ms
+        # counted as a call ends: x, the call's own result and the previous call's (still bound), or with
+        # kept outputs every earlier call's too
+        assert max(live) == (5 if keep else 3), live
+
+
+def test_bench_sp_runs_one_process_per_device():
+    """bench_sp --processes 2 on simulated CPU devices: each mode runs as 2 jax.distributed processes
+    (2 devices each, tp 4 over both), and process 0 reports its rows."""
+    results = _bench_sp().main(["--cpu-smoke", "--processes", "2", "--modes", "off", "--recipes", "bf16",
+                                "--pipelined", "--iters", "1", "--warmup", "1"])
+    assert [(r["mode"], r["tp"], r["processes"]) for r in results] == [("off", 4, 2)]
+    assert results[0]["step_ms"] > 0 and results[0]["dispatch_ms"] > 0
