@@ -32,6 +32,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MODES = ("sync", "ring", "off", "fused")
@@ -274,10 +275,18 @@ def _run_mode(mode, argv, args):
         flags += f" --xla_force_host_platform_device_count={4 // args.processes}"
     env["XLA_FLAGS"] = flags.strip()
     env["JQ_BENCH_PORT"] = str(_free_port())
+    # into files, not pipes: a process blocked on a full pipe would stall the others in its collectives
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(args.processes)]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--child", mode], text=True,
-                              env={**env, "JQ_BENCH_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(args.processes)]
-    outputs = [p.communicate() for p in procs]   # (stdout, stderr) per process; process 0 reports
+                              env={**env, "JQ_BENCH_RANK": str(rank)}, stdout=out, stderr=err)
+             for rank, (out, err) in enumerate(logs)]
+    for p in procs:
+        p.wait()
+    outputs = []   # (stdout, stderr) per process; process 0 reports
+    for out, err in logs:
+        out.seek(0), err.seek(0)
+        outputs.append((out.read(), err.read()))
+        out.close(), err.close()
     rows = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
     error = None
     failed = [(rank, p.returncode, err) for rank, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode]
