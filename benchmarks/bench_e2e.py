@@ -313,11 +313,12 @@ def run_one(a, config):
                 state, loss = fn(state, batch)
             jax.block_until_ready((state, loss))
             times = [(time.perf_counter() - t0) / a.steps]
-        for _ in range(0 if a.pipelined else a.steps):
-            t0 = time.perf_counter()
-            state, loss = fn(state, batch)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - t0)
+        else:
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                state, loss = fn(state, batch)
+                jax.block_until_ready(loss)
+                times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     trace = None
     if a.profile:

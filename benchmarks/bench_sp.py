@@ -310,6 +310,7 @@ def main(argv=None):
     args = _args(argv)
     if args.child:
         return _child(args)
+    from bench_e2e import joules_per_step   # same directory
     results, errors = [], {}
     for mode in args.modes.split(","):
         rows, error = _run_mode(mode, argv, args)
@@ -345,14 +346,14 @@ def main(argv=None):
                 line += (f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
                          f", collective dtypes {ring['collective_dtypes']}")
             print(line)
-            if any((c or {}).get("clocks") for c in cells.values()):
-                from bench_e2e import joules_per_step   # same directory
+            having = lambda key: {m: c for m, c in cells.items() if (c or {}).get(key)}   # modes that report key
+            if having("clocks"):
                 print("    clocks while timed: " + "; ".join(
                     f"{m} {c['clocks']} ~{joules_per_step(c['clocks'], c['step_ms'])} J a step a GPU"
-                    for m, c in cells.items() if (c or {}).get("clocks")))
-            if any((c or {}).get("dispatch_ms") for c in cells.values()):
+                    for m, c in having("clocks").items()))
+            if having("dispatch_ms"):
                 print("    host ms to dispatch one call: " + ", ".join(
-                    f"{m} {c['dispatch_ms']:.3f}" for m, c in cells.items() if (c or {}).get("dispatch_ms")))
+                    f"{m} {c['dispatch_ms']:.3f}" for m, c in having("dispatch_ms").items()))
             if any((c or {}).get("trace") for m, c in cells.items() if m in ("sync", "off")):
                 print("    " + overlap_target(cells))
     if args.json:
