@@ -179,13 +179,17 @@ def _kernel_call(body, out_types):
 
 
 def _ring(axis, n, ref):
-    """Inside a kernel body: (semaphore, warpgroup index, rank, the left neighbour's device id, ``ref`` on
-    the left neighbour)."""
+    """Inside a kernel body: (one semaphore per ring hand-off, warpgroup index, rank, the left
+    neighbour's device id, ``ref`` on the left neighbour). A hand-off counts on its own semaphore, not
+    on one running count: a neighbour's CTAs do not move through the steps together (a CTA with no
+    tile, or a fast one, signals step s + 1 while another still stores step s), so a running count can
+    reach ``(s + 1) x CTAs`` before every CTA has handed off step s (at tp >= 3: 4 x H100 read a chunk
+    before it landed, about once in 60 calls)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     me = lax.axis_index(axis)
     left = {axis: lax.rem(me + n - 1, n)}
-    return (pl.get_global(plgpu.SemaphoreType.REGULAR), lax.axis_index("wg"), me, left,
+    return (pl.get_global(plgpu.SemaphoreType.REGULAR((max(n - 1, 1),))), lax.axis_index("wg"), me, left,
             plgpu.remote_ref(ref, left))
 
 
@@ -402,9 +406,9 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
                 @pl.when(wg == 0)
                 def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(sem, device_id=left)
+                    pl.semaphore_signal(sem.at[s], device_id=left)
                 # every CTA of the right neighbour has stored its tiles of the next chunk
-                pl.semaphore_wait(sem, value=(s + 1) * sms, decrement=False)
+                pl.semaphore_wait(sem.at[s], value=sms, decrement=False)
 
     out, full = _kernel_call(collective_gather_gemm, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
                                     jax.ShapeDtypeStruct((n * rows, k), a.dtype)])(a, b)
@@ -451,14 +455,14 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
                                      keep_last=not last, out_smem=out_smem)
                 elif s:
                     # the right neighbour's running sum of this chunk is complete in slot s-1
-                    pl.semaphore_wait(sem, value=s * CONSUMERS * sms, decrement=False)
+                    pl.semaphore_wait(sem.at[s - 1], value=CONSUMERS * sms, decrement=False)
                 _gemm(a_ref.at[pl.ds(chunk * rows, rows)], b_ref, contract, recv_ref.at[s - 1] if s else None,
                       out_ref if last else left_recv.at[s], config, **hooks)
                 if not last and not by_tile:
                     @pl.when(wg < CONSUMERS)   # the consumers store the output tiles
                     def _():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                        pl.semaphore_signal(sem, device_id=left)
+                        pl.semaphore_signal(sem.at[s], device_id=left)
 
         if keep:   # the epilogue's shared memory outlives each step's GEMM: it carries a tile between them
             pl.run_scoped(steps, out_smem=_epilogue_smem(config, DTYPE), collective_axes="wg")
