@@ -16,6 +16,7 @@ against the no-overlap baseline (target: sync - mode >= 0.7 x sync's collective 
     python3 benchmarks/bench_sp.py                                   # 2+ GPUs (tp = all GPUs)
     python3 benchmarks/bench_sp.py --profile /tmp/sp_prof            # + a trace per mode
     python3 benchmarks/bench_sp.py --cpu-smoke                       # CPU check of the script
+    python3 benchmarks/bench_sp.py --layers 4 [--scan]               # 4 layers a call, as in a model step
 
 Sizes are SEQxHIDDENxFFN (batch 1 unless --batch): w1 [FFN, HIDDEN], w2 [HIDDEN, FFN] ([out, in]).
 Recipes: bf16 (bf16 weights), fp8 (Float8Tensor weights with data_t), nvfp4 (NVFP4Tensor weights with
@@ -66,6 +67,11 @@ def _args(argv=None):
     ap.add_argument("--processes", type=int, default=1, help="run each mode as this many processes, one GPU "
                     "each (jax.distributed on this host), as multi-process training runs; default 1: one "
                     "process drives every GPU")
+    ap.add_argument("--layers", type=int, default=1, help="sp_mlp layers per call, back to back with a residual "
+                    "add and the same weights (a model step runs many layers in one execution: per-execution "
+                    "costs, e.g. XLA's set-up of the fused kernels' peer addresses, are paid once per call)")
+    ap.add_argument("--scan", action="store_true", help="with --layers: the layers under lax.scan (one call "
+                    "site per kernel) instead of unrolled")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -162,6 +168,19 @@ def overlap_report(hlo_text):
     return {"async_transfers": total, "under_a_gemm": covered, "collective_dtypes": moved}
 
 
+def _stack(layer, x, layers, scan):
+    """``layer(x)``, or ``layers`` of it back to back (``x + layer(x)`` each), unrolled or under
+    ``lax.scan``."""
+    import jax
+    if layers == 1:
+        return layer(x)
+    if scan:
+        return jax.lax.scan(lambda h, _: (h + layer(h), None), x, None, length=layers)[0]
+    for _ in range(layers):
+        x = x + layer(x)
+    return x
+
+
 def _child(args):
     import dataclasses
 
@@ -222,7 +241,9 @@ def _child(args):
             as_weight = lambda q, m: q if m is None else jq.straight_through(q, m)
 
             def mlp(x, gamma, beta, q1, q2, m1, m2):
-                return jq.sp_mlp(x, gamma, beta, as_weight(q1, m1), as_weight(q2, m2), mesh=mesh, overlap=overlap)
+                layer = lambda h: jq.sp_mlp(h, gamma, beta, as_weight(q1, m1), as_weight(q2, m2), mesh=mesh,
+                                            overlap=overlap)
+                return _stack(layer, x, args.layers, args.scan)
 
             def step_fn(x, gamma, beta, q1, q2, m1, m2, g):
                 diff = lambda x, gamma, beta, a1, a2: mlp(x, gamma, beta, *((a1, a2, m1, m2) if m1 is None
@@ -253,7 +274,8 @@ def _child(args):
                 jax.block_until_ready([step(*args_fwd, g) for _ in range(3)])
             if rank == 0:
                 print(json.dumps(dict(mode=mode, recipe=recipe, tp=tp, batch=args.batch, seq=seq, hidden=hidden,
-                                      ffn=ffn, fwd_ms=fwd_ms, step_ms=step_ms, dispatch_ms=dispatch_ms,
+                                      ffn=ffn, layers=args.layers, scan=args.scan, fwd_ms=fwd_ms,
+                                      step_ms=step_ms, dispatch_ms=dispatch_ms,
                                       processes=args.processes, device=str(devices[0].device_kind),
                                       trace=trace, clocks=clocks, **schedule)),
                       flush=True)
@@ -328,7 +350,8 @@ def main(argv=None):
     timing = f"mean ms of {args.iters} calls dispatched back to back" if args.pipelined else "median ms of a call"
     print(f"tp={results[0]['tp']} batch={args.batch} device={results[0]['device']} "
           f"processes={args.processes}; {timing} "
-          f"(fwd / fwd+bwd); ratios are fwd+bwd vs off")
+          + (f"of {args.layers} layers{' under scan' if args.scan else ''} " if args.layers > 1 else "") +
+          "(fwd / fwd+bwd); ratios are fwd+bwd vs off")
     modes = args.modes.split(",")
     vs_off = [m for m in modes if m not in ("off", "sync")]
     print(f"{'recipe':6} {'seq x hidden x ffn':>20} " + " ".join(f"{m:>17}" for m in modes)

@@ -135,3 +135,23 @@ def test_bench_sp_runs_one_process_per_device():
                                 "--pipelined", "--iters", "1", "--warmup", "1"])
     assert [(r["mode"], r["tp"], r["processes"]) for r in results] == [("off", 4, 2)]
     assert results[0]["step_ms"] > 0 and results[0]["dispatch_ms"] > 0
+
+
+def test_bench_sp_stacks_layers_unrolled_or_under_scan():
+    """bench_sp --layers K: K layers back to back with a residual add, unrolled (K call sites) or under
+    lax.scan (one); the CPU smoke runs sp_mlp so stacked, "off" and "fused" (its plain-JAX schedule on
+    the CPU), and reports the stacking with each row."""
+    import jax
+    import jax.numpy as jnp
+    bench_sp = _bench_sp()
+    layer = lambda h: 2.0 * h
+    x = jnp.ones((4,))
+    assert float(bench_sp._stack(layer, x, 1, False)[0]) == 2.0
+    for scan in (False, True):
+        assert float(bench_sp._stack(layer, x, 3, scan)[0]) == 27.0   # x + 2x, three times
+        eqns = [e.primitive.name for e in jax.make_jaxpr(lambda v: bench_sp._stack(layer, v, 3, scan))(x).eqns]
+        assert ("scan" in eqns) == scan and eqns.count("mul") == (0 if scan else 3), eqns
+    results = bench_sp.main(["--cpu-smoke", "--modes", "off,fused", "--recipes", "bf16", "--layers", "2", "--scan",
+                             "--iters", "1", "--warmup", "1"])
+    assert [(r["mode"], r["layers"], r["scan"]) for r in results] == [("off", 2, True), ("fused", 2, True)]
+    assert all(r["step_ms"] > 0 for r in results)
