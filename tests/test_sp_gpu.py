@@ -31,6 +31,18 @@ def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
     check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)
 
 
+def _fused_operands(seed, tp, rows, k, n_cols, contract, a_dtype, b_dtype, scale=1):
+    """Random operands of _fused_programs' kernels for call ``seed``: ((a, b) of the all-gather GEMM,
+    (a2, b2) of the GEMM reduce-scatter), A scaled by ``scale``, B as ``contract`` lays it out."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
+    a = (jax.random.normal(keys[0], (tp * rows, k)) * scale).astype(a_dtype)
+    b = as_b(jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k))
+    a2 = (jax.random.normal(keys[2], (tp * rows, tp * k)) * scale).astype(a_dtype)
+    b2 = as_b(jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k))
+    return (a, b), (a2, b2)
+
+
 @pytest.mark.parametrize("tiling", list(FUSED_TILINGS))
 @pytest.mark.parametrize("operands", list(FUSED_OPERANDS))
 def test_fused_kernels_match_their_schedule(operands, tiling):
@@ -47,17 +59,12 @@ def test_fused_kernels_match_their_schedule(operands, tiling):
     # (and hand off) a tile during their next one, not only after their last; TileConfig() at a small shape
     rows, k, n_cols = (256, 512, 256) if tiling == "default" else (1024, 512, 4608)
     gather, scatter = _fused_programs(tp, contract, fused_tiling(tiling))
-    as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
     for i in range(4):
-        keys = jax.random.split(jax.random.key(i), 4)
-        a = (jax.random.normal(keys[0], (tp * rows, k)) * (i + 1)).astype(a_dtype)
-        b = as_b(jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k))
+        (a, b), (a2, b2) = _fused_operands(i, tp, rows, k, n_cols, contract, a_dtype, b_dtype, scale=i + 1)
         (out, full), (out_ref, full_ref) = gather["kernel"](a, b), gather["reference"](a, b)
         assert_bytes_equal(full, full_ref, f"gathered operand, call {i}")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32),
                                    rtol=2e-2, atol=2e-2 * (i + 1), err_msg=f"all-gather GEMM, call {i}")
-        a2 = (jax.random.normal(keys[2], (tp * rows, tp * k)) * (i + 1)).astype(a_dtype)
-        b2 = as_b(jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k))
         got, want = scatter["kernel"](a2, b2), scatter["reference"](a2, b2)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=3e-2, atol=3e-2 * (i + 1), err_msg=f"GEMM reduce-scatter, call {i}")
@@ -73,15 +80,9 @@ def test_fused_kernels_hand_off_each_ring_step_whole(contract):
     rounding of its plain-JAX schedule."""
     tp = len(jax.devices())
     gather, scatter = _fused_programs(tp, contract, fused_tiling("default"))
-    as_b = (lambda b: b.astype(jnp.bfloat16)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(jnp.bfloat16))
-    rows, k, n_cols = 256, 512, 256
     bad = []
     for i in range(120):
-        keys = jax.random.split(jax.random.key(1000 + i), 4)
-        a = jax.random.normal(keys[0], (tp * rows, k), jnp.bfloat16)
-        b = as_b(jax.random.normal(keys[1], (k, tp * n_cols)) / np.sqrt(k))
-        a2 = jax.random.normal(keys[2], (tp * rows, tp * k), jnp.bfloat16)
-        b2 = as_b(jax.random.normal(keys[3], (tp * k, n_cols)) / np.sqrt(tp * k))
+        (a, b), (a2, b2) = _fused_operands(1000 + i, tp, 256, 512, 256, contract, jnp.bfloat16, jnp.bfloat16)
         cases = (("all-gather GEMM", gather, (a, b), 2e-2), ("GEMM reduce-scatter", scatter, (a2, b2), 3e-2))
         for name, programs, args, tol in cases:
             got, want = programs["kernel"](*args), programs["reference"](*args)
