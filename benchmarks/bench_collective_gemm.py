@@ -43,6 +43,7 @@ CONFIGS = {   # name -> collective_gemm.TileConfig fields ("chosen": the kernels
     "epi-tile-s3-spread-8": dict(epi=None, stages=3, spread=8),
     # the reduce-scatter kernel's ring steps handed off tile by tile, not as whole steps (that kernel only)
     "spread-4-tile-handoff": dict(epi=None, stages=3, spread=4, handoff="tile"),
+    "spread-8-tile-handoff": dict(epi=None, stages=3, spread=8, handoff="tile"),
 }
 
 

@@ -55,7 +55,8 @@ class TileConfig:
     step's running sums have landed: ``"step"``, one semaphore count per step that every CTA of the
     neighbour waits for before the step's GEMM; ``"tile"``, one flag per output tile and consumer
     warpgroup, set once the tile's store has landed and waited for only by the epilogue that adds it,
-    so no CTA waits for another's stragglers (opt-in: 3-7% slower than "step" on 2 x H200).
+    so no CTA waits for another's stragglers (``SHORT_STEPS``: the choice at tp >= 3 where ring steps are
+    short; 3-7% slower than "step" at tp 2 on 2 x H200).
     ``tile_k`` is the K step of 16-bit operands; 8-bit operands step twice as far (``for_operands``:
     the same 128-byte rows)."""
 
@@ -96,6 +97,13 @@ TILINGS = {
     # kernel 0.492 -> 0.440 ms at 8192x4096x16384, 1.575 -> 1.495 at 8192x8192x32768)
     "scatter": (TileConfig(epi=None, stages=3, spread=4), TileConfig()),
 }
+# the reduce-scatter kernel's tiling, ahead of TILINGS["scatter"], where a call has several hand-offs (tp >= 3)
+# and each ring step at most SHORT_STEP_WAVES waves of output tiles: the step-wise hand-off leaves a step's last
+# stores exposed at every hand-off, a large share of a short step; tile by tile they are stored under the next
+# step's first tile (4 x H100, tp 4, bf16: kernel 0.456 -> 0.398 ms at 8192x4096x16384, 256 tiles a step;
+# at 8192x8192x32768, 1024 tiles a step, 1.482 -> 1.521, so the step-wise hand-off stays there)
+SHORT_STEPS = TileConfig(epi=None, stages=3, spread=8, handoff="tile")
+SHORT_STEP_WAVES = 2
 
 
 def _misfit(rows: int, k: int, n_cols: int, config: TileConfig):
@@ -110,6 +118,12 @@ def _misfit(rows: int, k: int, n_cols: int, config: TileConfig):
     return None
 
 
+def _tiles(rows: int, n_cols: int, config: TileConfig) -> int:
+    """Output tiles of one rank's ``[rows, n_cols]`` (one ring step) under ``config`` (rounded up)."""
+    cta_m, cta_n = config.cta_tile()
+    return -(-rows // cta_m) * -(-n_cols // cta_n)
+
+
 def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) -> None:
     """ValueError unless one rank's chunk ``[rows, k] @ [k, n_cols]`` fits the kernels' tiling."""
     bad = _misfit(rows, k, n_cols, config)
@@ -120,10 +134,14 @@ def check_shapes(name: str, rows: int, k: int, n_cols: int, config: TileConfig) 
                          f"{config.tile_k}-wide K steps; the {what} ({size}) must be a multiple of {unit}")
 
 
-def tiling(kernel: str, name: str, rows: int, k: int, n_cols: int, dtype=DTYPE) -> TileConfig:
+def tiling(kernel: str, name: str, rows: int, k: int, n_cols: int, dtype=DTYPE, n: int = 2) -> TileConfig:
     """The first tiling of ``TILINGS[kernel]`` (for operands of ``dtype``) that fits one rank's
-    ``[rows, k] @ [k, n_cols]``, or the ValueError (naming ``name``) of the most permissive one."""
-    configs = [c.for_operands(dtype) for c in TILINGS[kernel]]
+    ``[rows, k] @ [k, n_cols]`` on a ring of ``n`` ranks (``SHORT_STEPS`` first where it applies), or the
+    ValueError (naming ``name``) of the most permissive one."""
+    configs = TILINGS[kernel]
+    if kernel == "scatter" and n >= 3 and _tiles(rows, n_cols, SHORT_STEPS) <= SHORT_STEP_WAVES * _num_sms():
+        configs = (SHORT_STEPS,) + configs
+    configs = [c.for_operands(dtype) for c in configs]
     fit = next((c for c in configs if _misfit(rows, k, n_cols, c) is None), None)
     if fit is None:
         check_shapes(name, rows, k, n_cols, configs[-1])
@@ -486,12 +504,12 @@ _SCATTER_KERNEL = jax.jit(_matmul_reduce_scatter_kernel, static_argnums=(2, 3, 4
 # ----------------------------------------------------------------------------------------------
 
 
-def _tiling_of(kernel, a, b, contract, rows, config):
+def _tiling_of(kernel, a, b, contract, rows, n, config):
     """The checked operands' tiling: ``config`` (for their dtype) if given, else ``tiling``'s choice."""
     _check("b", a, b, contract)
     shape = (rows, a.shape[1], b.shape[1 - contract])
     if config is None:
-        return tiling(kernel, "b", *shape, a.dtype)
+        return tiling(kernel, "b", *shape, a.dtype, n)
     if kernel == "gather" and config.handoff != "step":
         raise ValueError(f"config: handoff={config.handoff!r} is the reduce-scatter kernel's; the all-gather "
                          "kernel hands off whole ring steps")
@@ -512,7 +530,7 @@ def gather_matmul(a, b, *, axis: str, n: int, contract: int = 0, impl: str = "ke
     gathered ``a [n*rows, K]`` in its own dtype), rows in rank order. FP8 operands (``contract=1``)
     give the products of their stored values: the caller multiplies by the scales. ``config`` None:
     the first of ``TILINGS["gather"]`` that fits."""
-    config = _tiling_of("gather", a, b, contract, a.shape[0], config)
+    config = _tiling_of("gather", a, b, contract, a.shape[0], n, config)
     if impl == "reference":
         full = lax.all_gather(a, axis, axis=0, tiled=True)
         return _mm(full, b, contract), full
@@ -525,10 +543,11 @@ def matmul_reduce_scatter(a, b, *, axis: str, n: int, contract: int = 0, impl: s
     ``contract=1``) summed over ``axis`` and scattered over the rows: this rank's ``[rows, N]`` (rows in
     rank order), bf16 partial sums on the wire. FP8 operands (``contract=1``) give unscaled products,
     so every rank's operands must share their scales (jaxquant's current scaling reduces amax over
-    tp). ``config`` None: the first of ``TILINGS["scatter"]`` that fits."""
+    tp). ``config`` None: ``tiling``'s choice (``SHORT_STEPS`` at tp >= 3 with short ring steps, else the
+    first of ``TILINGS["scatter"]`` that fits)."""
     if a.shape[0] % n:
         raise ValueError(f"a: its rows ({a.shape[0]}) must be a multiple of the axis size {n}")
-    config = _tiling_of("scatter", a, b, contract, a.shape[0] // n, config)
+    config = _tiling_of("scatter", a, b, contract, a.shape[0] // n, n, config)
     if impl == "reference":
         rows = a.shape[0] // n
         me = lax.axis_index(axis)

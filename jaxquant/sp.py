@@ -600,8 +600,8 @@ def _check_fused(ctx, x, w, recipe, hidden, features, rows=None):
     rows = math.prod(x.shape[:-2]) * x.shape[-2] // ctx.n if rows is None else rows
     # all-gather GEMMs: [rows, hidden] @ [hidden, features/n]; GEMM reduce-scatters: [.., features/n] @ [.., hidden]
     operands = FWD_DTYPE if recipe == "fp8" else collective_gemm.DTYPE
-    collective_gemm.tiling("gather", "w", rows, hidden, features // ctx.n, operands)
-    collective_gemm.tiling("scatter", "w", rows, features // ctx.n, hidden, operands)
+    collective_gemm.tiling("gather", "w", rows, hidden, features // ctx.n, operands, ctx.n)
+    collective_gemm.tiling("scatter", "w", rows, features // ctx.n, hidden, operands, ctx.n)
 
 
 def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap: str = "off",

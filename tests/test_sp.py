@@ -699,6 +699,25 @@ def test_fused_kernels_pick_the_first_tiling_that_fits():
         cg.tiling("gather", "w", 2048, 4096, 64)
 
 
+def test_reduce_scatter_hands_off_tile_by_tile_where_ring_steps_are_short():
+    """The reduce-scatter kernel's tiling: SHORT_STEPS (hand-off tile by tile) at tp >= 3 where a ring step
+    has at most SHORT_STEP_WAVES waves of output tiles (8192x4096x16384 at tp 4: 256 tiles a step), the
+    step-wise TILINGS["scatter"][0] where steps are long (8192x8192x32768 at tp 4: 1024 tiles) or a call has
+    one hand-off (tp 2); the gather kernel keeps its own; FP8 operands step twice as far along K."""
+    short, step = cg.SHORT_STEPS, cg.TILINGS["scatter"][0]
+    assert short.handoff == "tile" and step.handoff == "step"
+    assert cg.tiling("scatter", "w", 2048, 4096, 4096, n=4) == short
+    assert cg.tiling("scatter", "w", 2048, 8192, 8192, n=4) == step
+    assert cg.tiling("scatter", "w", 2048, 4096, 4096, n=2) == step
+    assert cg.tiling("gather", "w", 2048, 4096, 4096, n=4) == cg.TILINGS["gather"][0]
+    fp8 = cg.tiling("scatter", "w", 2048, 4096, 4096, jnp.float8_e4m3fn, 4)
+    assert fp8.handoff == "tile" and fp8.tile_k == 2 * short.tile_k
+    # the bound: SHORT_STEP_WAVES waves of the grid's CTAs (256x128 tiles), and one column of tiles more
+    waves = cg.SHORT_STEP_WAVES * cg._num_sms()
+    assert cg.tiling("scatter", "w", 256 * 2, 4096, 128 * waves // 2, n=3) == short
+    assert cg.tiling("scatter", "w", 256 * 2, 4096, 128 * (waves // 2 + 1), n=3) == step
+
+
 def test_fused_schedule_reads_weights_as_stored():
     """gather_matmul / matmul_reduce_scatter take B as [K, N] (contract=0) or [N, K] (contract=1, a
     weight [out, in] read without a transpose): both give all-gather(a) @ B (the plain-JAX schedule)."""
