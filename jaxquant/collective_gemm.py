@@ -12,8 +12,10 @@ Both collectives run round a ring, each rank writing to its left neighbour (rank
   chunk (r+s+1) mod n, adds the running sum that arrived in its receive slot s-1 and stores the bf16
   result into the left neighbour's slot s; at the last step the chunk is its own and the sum stays.
 
-Each step's stores are awaited and then signalled on the receiver's semaphore (one count per CTA and
-warpgroup that stores to the neighbour); a step that reads what arrived first waits for all of it. The
+Each step's stores are awaited and then signalled on the receiver's semaphore: by default one count per
+CTA and warpgroup that stores to the neighbour, and a step that reads what arrived first waits for all
+of it; or (the reduce-scatter kernel's ``handoff="tile"``, chosen where ring steps are short) one flag
+per output tile, which only the epilogue adding that tile waits for. The
 GEMM engine (``_gemm``) is jaxquant's own warp-specialized Hopper GEMM written with Pallas:Mosaic GPU:
 TMA loads several K steps ahead, wgmma with fp32 accumulation, B read as ``[K, N]`` or K-major
 ``[N, K]`` (a weight ``[out, in]`` as stored). Operands are bf16, or FP8 (E4M3 / E5M2, B K-major) whose
