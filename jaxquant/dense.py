@@ -134,15 +134,19 @@ def _dense2d_bwd(cfg: _Config, res, g):
 _dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _dense_sharded(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
-    return _dense_sharded_fwd(x2, shard, grad, cfg, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _dense_sharded(x2, shard, grad, gathered, cfg: _Config, spec: fsdp.WeightSpec):
+    return _dense_sharded_fwd(x2, shard, grad, gathered, cfg, spec)[0]
 
 
-def _dense_sharded_fwd(x2, shard, grad, cfg: _Config, spec: fsdp.WeightSpec):
+def _dense_sharded_fwd(x2, shard, grad, gathered, cfg: _Config, spec: fsdp.WeightSpec):
     """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation and this rank's
     quantized rows (FSDP2's reshard after forward: the backward gathers again, with no second cast), or with
-    ``spec.keep_gathered`` the gathered operands (no second gather)."""
+    ``spec.keep_gathered`` the gathered operands (no second gather). ``gathered``: the step's once-a-step
+    gather (``spec.per_use`` False), read forward and backward."""
+    if gathered is not None:
+        y, act = _forward(x2, gathered, cfg)
+        return y.astype(cfg.out_dtype), (act, gathered)
     stats = None if spec.recipe == "bf16" else fsdp.statistics(shard, spec)
     local = fsdp.quantize_shard(shard, spec, stats)
     gathered = fsdp.gathered_operands(local, spec, columnwise=False)
@@ -154,14 +158,14 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     act, kept = res
     # FP8 GEMMs need the transposed bytes (TN); NVFP4's bf16 GEMM reads the rowwise bytes transposed
     columnwise = spec.recipe == "fp8"
-    if spec.keep_gathered:
-        wops = fsdp.fp8_with_columnwise(kept) if columnwise else kept
+    if spec.keep_gathered or not spec.per_use:
+        wops = fsdp.with_columnwise(kept, spec) if columnwise else kept
     else:
         wops = fsdp.gathered_operands(kept, spec, columnwise=columnwise)
     dx, dw = _backward(act, wops, g, cfg)
     # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
-    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False)
+    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None
 
 
 _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
@@ -253,5 +257,5 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
     cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None)
     x2 = x.reshape(-1, n_in)
-    y = _dense_sharded(x2, w.shard, fsdp.vary_like(w.grad, x2), cfg, w.spec)
+    y = _dense_sharded(x2, w.shard, fsdp.vary_like(w.grad, x2), w.gathered, cfg, w.spec)
     return y.reshape(*x.shape[:-1], n_out)

@@ -64,7 +64,13 @@ class WeightSpec(NamedTuple):
     although replicated (the unsharded FSDP axis, the replicate axis), so its gradient is reduced here;
     ``keep_gathered``: ``jq.dense`` keeps the gathered operands for the backward instead of gathering again
     (FSDP2's ``reshard_after_forward=False``: less communication, the whole layer's weight held until its
-    backward).
+    backward);
+    ``per_use``: True, the weight is quantized and gathered where a layer reads it (ZeRO-3); False, the step
+    gathers it once before the first microbatch and hands it over in ``ShardedWeight.gathered`` (ZeRO 0-2:
+    the compute weights are whole on every rank for the whole step);
+    ``grad_sharded``: True, each microbatch's ``dW`` is reduce-scattered in the backward (ZeRO 2-3); False,
+    it stays this rank's unreduced sum over the full rows in the main-grads dtype and the step all-reduces it
+    once (ZeRO 0-1: one gradient all-reduce a step, as DDP does across microbatches).
     """
 
     recipe: str
@@ -74,6 +80,19 @@ class WeightSpec(NamedTuple):
     grad: GradReduce
     vary_axes: tuple = ()
     keep_gathered: bool = False
+    per_use: bool = True
+    grad_sharded: bool = True
+
+    @property
+    def grad_dtype(self):
+        """dtype of the gradient sink: what travels (comm dtype), or the unreduced main-dtype sum."""
+        return self.grad.comm_dtype if self.grad_sharded else self.grad.main_dtype
+
+
+def rows_axis(ndim: int) -> int:
+    """The axis a leaf's rows are split over FSDP along: ``out`` of ``[..., out, in]`` (a stack's layer axis
+    is never split), axis 0 of a vector."""
+    return ndim - 2 if ndim >= 2 else 0
 
 
 @jax.tree_util.register_dataclass
@@ -86,6 +105,7 @@ class ShardedWeight:
     shard: jax.Array
     grad: jax.Array
     spec: WeightSpec = dataclasses.field(metadata=dict(static=True))
+    gathered: Optional[dict] = None   # the step's once-a-step gathered operands (``spec.per_use`` False)
 
     @property
     def shape(self) -> tuple:
@@ -106,8 +126,9 @@ class ShardedWeight:
         ``jq.dense(x, w)``, a layer that keeps the result keeps the gathered weight for its backward."""
         _check_layer(self, "w")
         if self.spec.recipe == "bf16":
-            return gather_array(self.shard, self.grad, self.spec)
-        q = jax.lax.stop_gradient(gathered_tensor(self.shard, self.spec))
+            return gather_array(self.shard, self.grad, self.spec, None if self.gathered is None else self.gathered["w"])
+        operands = self.gathered if self.gathered is not None else gather_once(self.shard, self.spec)
+        q = jax.lax.stop_gradient(tensor_of(with_columnwise(operands, self.spec)))
         return straight_through(q, _grad_funnel(self.grad, self.spec, q.shape))
 
 
@@ -126,7 +147,7 @@ def _all_gather(a, spec: WeightSpec):
     """Rows of every FSDP rank in order; marked varying (not invariant) so that the consumers' gradients
     arrive per rank and are reduce-scattered here, in the comm dtype."""
     if spec.gather_axis is not None:
-        a = jax.lax.all_gather(a, spec.gather_axis, tiled=True)
+        a = jax.lax.all_gather(a, spec.gather_axis, axis=rows_axis(a.ndim), tiled=True)
     return pcast_varying(a, spec.vary_axes) if spec.vary_axes else a
 
 
@@ -151,7 +172,7 @@ def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
     amax, tiles = stats
     if spec.recipe == "fp8":
         data, scale_inv, _ = ops.fp8_quantize(shard, amax, dtype=FWD_FP8, compute_dtype=COMPUTE_DTYPE)
-        return {"data": data, "scale_inv": jnp.reshape(scale_inv, ())}
+        return {"data": data, "scale_inv": jnp.reshape(scale_inv, ()), "amax": amax}
     rows, cols = shard.shape
     data, scale_inv, _, _ = ops.nvfp4_quantize(shard, tiles, amax, compute_dtype=COMPUTE_DTYPE)
     return {"data": data, "scales": scale_inv[:rows, : cols // formats.TILE], "amax": amax}
@@ -159,39 +180,54 @@ def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
 
 def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
     """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7),
-    from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``; NVFP4
-    ``data``, ``scale_inv`` [``data_t``, ``scale_inv_t``], ``dec``."""
+    from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``, ``amax``;
+    NVFP4 ``data``, ``scale_inv`` [``data_t``, ``scale_inv_t``], ``dec``, ``amax``."""
     if spec.recipe == "bf16":
         return {"w": _all_gather(local["w"], spec)}
     data = _all_gather(local["data"], spec)
     if spec.recipe == "fp8":
-        out = {"data": data, "scale_inv": local["scale_inv"]}
-        return fp8_with_columnwise(out) if columnwise else out
-    rows, cols = data.shape[0], data.shape[1] * 2
-    pr, pc = formats.nvfp4_scale_shape(rows, cols)
-    scales = _all_gather(local["scales"], spec)
-    scale_inv = jnp.pad(scales, ((0, pr - rows), (0, pc - cols // formats.TILE)))   # §2.7 padding: zeros
-    out = {"data": data, "scale_inv": scale_inv, "dec": nvfp4_global_decode(local["amax"])}
-    if columnwise:
-        out["data_t"] = ops.nvfp4_transpose(data)
-        out["scale_inv_t"] = ops.nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols)
-    return out
+        out = {"data": data, "scale_inv": local["scale_inv"], "amax": local["amax"]}
+    else:
+        rows, cols = data.shape[0], data.shape[1] * 2
+        pr, pc = formats.nvfp4_scale_shape(rows, cols)
+        scales = _all_gather(local["scales"], spec)
+        scale_inv = jnp.pad(scales, ((0, pr - rows), (0, pc - cols // formats.TILE)))   # §2.7 padding: zeros
+        out = {"data": data, "scale_inv": scale_inv, "dec": nvfp4_global_decode(local["amax"]), "amax": local["amax"]}
+    return with_columnwise(out, spec) if columnwise else out
 
 
-def fp8_with_columnwise(operands: dict) -> dict:
-    """Gathered FP8 operands with ``data_t``, the byte transpose the dgrad GEMM reads (TN layout)."""
-    return operands | {"data_t": operands["data"].T}
-
-
-def gathered_tensor(shard, spec: WeightSpec):
-    """The whole (TP-local) weight as ``quantize_fp8`` / ``quantize_nvfp4`` with ``columnwise=True`` gives it."""
-    stats = statistics(shard, spec)
-    o = gathered_operands(quantize_shard(shard, spec, stats), spec, columnwise=True)
-    amax = stats[0]
+def with_columnwise(operands: dict, spec: WeightSpec) -> dict:
+    """Gathered operands with the columnwise copy the dgrad GEMM reads: FP8 ``data_t`` (TN layout), NVFP4
+    ``data_t`` and ``scale_inv_t`` (docs/numerics.md §2.6); bf16 and operands that have it: unchanged."""
+    if spec.recipe == "bf16" or "data_t" in operands:
+        return operands
+    data = operands["data"]
     if spec.recipe == "fp8":
-        return Float8Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(amax, ()), data_t=o["data_t"])
+        return operands | {"data_t": data.T}
+    rows, cols = data.shape[0], data.shape[1] * 2
+    return operands | {"data_t": ops.nvfp4_transpose(data),
+                       "scale_inv_t": ops.nvfp4_scale_transpose(operands["scale_inv"], rows=rows, cols=cols)}
+
+
+def gather_once(shard, spec: WeightSpec, columnwise: bool = False) -> dict:
+    """Quantize this rank's rows and gather them: :func:`gathered_operands` of one layer, or of every layer
+    of a stack ``[..., rows, in]`` (each layer with its own scales, all gathered in one collective)."""
+    fn = lambda s: gathered_operands(quantize_shard(s, spec, None if spec.recipe == "bf16" else statistics(s, spec)),
+                                     spec, columnwise)
+    for _ in range(shard.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(shard)
+
+
+def tensor_of(operands: dict):
+    """The ``Float8Tensor`` / ``NVFP4Tensor`` of :func:`gathered_operands` with ``columnwise=True``: what
+    ``quantize_fp8`` / ``quantize_nvfp4`` with ``columnwise=True`` give for the whole (TP-local) weight."""
+    o = operands
+    if "dec" not in o:
+        return Float8Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(o["amax"], ()),
+                            data_t=o["data_t"])
     rows, cols = o["data"].shape[0], o["data"].shape[1] * 2
-    return NVFP4Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(amax, (1,)), data_t=o["data_t"],
+    return NVFP4Tensor(data=o["data"], scale_inv=o["scale_inv"], amax=jnp.reshape(o["amax"], (1,)), data_t=o["data_t"],
                        scale_inv_t=o["scale_inv_t"], shape=(rows, cols))
 
 
@@ -202,14 +238,18 @@ def gathered_tensor(shard, spec: WeightSpec):
 
 def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
     """This rank's share of ``dW`` [rows, in] (in the gradient dtype of what the layer read: bf16 for compute
-    weights, the array's dtype for gathered arrays) -> its rows of the reduced gradient, comm dtype.
-    ``sum_vary_axes=False`` leaves the sum over ``spec.vary_axes`` to the caller's broadcast
-    (:func:`vary_like`)."""
+    weights, the array's dtype for gathered arrays) -> its rows of the reduced gradient, comm dtype; or, when
+    the gradient is not sharded (``spec.grad_sharded`` False), the scaled unreduced gradient in the main-grads
+    dtype (the step sums it over the data-parallel ranks once). ``sum_vary_axes=False`` leaves the sum over
+    ``spec.vary_axes`` to the caller's broadcast (:func:`vary_like`)."""
     g = spec.grad
     x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
-    x = formats.to_compute_dtype(formats.to_compute_dtype(x, g.main_dtype), g.comm_dtype)
+    x = formats.to_compute_dtype(x, g.main_dtype)
+    if not spec.grad_sharded:
+        return x
+    x = formats.to_compute_dtype(x, g.comm_dtype)
     if spec.gather_axis is not None:
-        x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=0, tiled=True)
+        x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=rows_axis(x.ndim), tiled=True)
     if spec.vary_axes and sum_vary_axes:
         x = jax.lax.psum(x, spec.vary_axes)
     return x
@@ -223,26 +263,28 @@ def vary_like(sink, x):
     return sink + zero
 
 
-def gather_array(shard, grad, spec: WeightSpec):
+def gather_array(shard, grad, spec: WeightSpec, gathered=None):
     """The gathered array: bf16 (``recipe="bf16"``) or in the shard's own dtype (any other recipe name,
-    e.g. ``"keep"``); its gradient is reduced into ``grad`` as for a weight."""
-    return _gather_array(shard, grad, spec)
+    e.g. ``"keep"``); its gradient is reduced into ``grad`` as for a weight. ``gathered``: the step's
+    once-a-step gather of it (``spec.per_use`` False), handed over as is."""
+    return _gather_array(shard, grad, gathered, spec)
 
 
-def _gathered_array(shard, spec):
+def gathered_array(shard, spec: WeightSpec):
     a = formats.to_compute_dtype(shard, COMPUTE_DTYPE) if spec.recipe == "bf16" else shard
     return _all_gather(a, spec)
 
 
-def _gather_array_fwd(shard, grad, spec):
-    return _gathered_array(shard, spec), None
+def _gather_array_fwd(shard, grad, gathered, spec):
+    return (gathered_array(shard, spec) if gathered is None else gathered), None
 
 
 def _gather_array_bwd(spec, _, ct):
-    return None, reduce_grad(ct, spec)
+    return None, reduce_grad(ct, spec), None
 
 
-_gather_array = jax.custom_vjp(lambda shard, grad, spec: _gathered_array(shard, spec), nondiff_argnums=(2,))
+_gather_array = jax.custom_vjp(lambda shard, grad, gathered, spec: _gather_array_fwd(shard, grad, gathered, spec)[0],
+                               nondiff_argnums=(3,))
 _gather_array.defvjp(_gather_array_fwd, _gather_array_bwd)
 
 

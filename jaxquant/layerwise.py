@@ -1,28 +1,37 @@
-"""The layer-wise FSDP training step (``make_train_step(strategy="optim_grads_params")``, the default).
+"""The training step of ``make_train_step``: per-leaf sharded state, every ZeRO strategy one mode of it.
 
 The fp32 (main) parameters stay a pytree like ``params``; each leaf is sharded on its own:
 
 * quantized leaves (``quantize_mask`` True; default every 2-D ``[out, in]`` and stacked 3-D ``[L, out, in]``
   leaf) are split by rows over ``fsdp_axis`` and reach ``loss_fn`` as :class:`jaxquant.fsdp.ShardedWeight`:
-  ``jq.dense`` quantizes and all-gathers one layer's weight where it reads it and reduce-scatters its
-  gradient right after the weight-gradient GEMM (see ``jaxquant.fsdp``). ``jax.lax.scan`` over a stacked
-  leaf hands the body one layer; each layer is quantized with its own scales;
+  with ``optim_grads_params`` (layer-wise FSDP, the default) ``jq.dense`` quantizes and all-gathers one
+  layer's weight where it reads it and reduce-scatters its gradient right after the weight-gradient GEMM
+  (see ``jaxquant.fsdp``). ``jax.lax.scan`` over a stacked leaf hands the body one layer; each layer is
+  quantized with its own scales;
 * other leaves (masked matrices: bf16; everything else: the main-params dtype) are split by rows too and
-  all-gathered as arrays when ``loss_fn`` starts (embeddings, norms, routers); their gradients are
-  reduce-scattered the same way.
+  all-gathered as arrays when ``loss_fn`` starts (embeddings, norms, routers); their gradients are reduced
+  the same way as the weights'.
+
+The other strategies change what is split (``jaxquant.policy.STRATEGY_SHARDING``), not this code path:
+``no_shard`` keeps master and optimizer state whole on every rank; ``optim`` / ``optim_grads`` gather every
+compute weight once, before the first microbatch (``WeightSpec.per_use`` False: the layers read the
+``ShardedWeight.gathered`` operands, the same bytes); ``no_shard`` / ``optim`` leave gradients unreduced
+(``WeightSpec.grad_sharded`` False: full-row accumulators in the main-grads dtype) and all-reduce them once
+after the microbatches, ``optim`` then keeping this rank's rows for the update.
 
 A leaf whose rows do not split evenly (NVFP4: into multiples of 16 rows) over ``fsdp_axis`` stays whole on
 every rank (its gradient is all-reduced), so small models still train; real models' leaves split.
 
-No whole-model gathered copy, no full-size gradient buffer: per device the state is the shards of the
-master and of the optimizer state and shard-sized gradient accumulators; no layer's gathered weight is a
-residual of the backward (how many layers' gathers XLA keeps in flight at once is its scheduler's choice).
+With ``optim_grads_params``, no whole-model gathered copy and no full-size gradient buffer: per device the
+state is the shards of the master and of the optimizer state and shard-sized gradient accumulators; no
+layer's gathered weight is a residual of the backward (how many layers' gathers XLA keeps in flight at once
+is its scheduler's choice).
 
 Mesh axes: ``fsdp_axis`` (required), ``tp_axis`` (tensor parallel, ``param_specs`` say which leaves split
-over it, as in ``jaxquant.train``) and ``replicate_axis`` (HSDP: parameters and optimizer state replicated
-over it, the batch split over ``(replicate_axis, fsdp_axis)``, gradients reduce-scattered over FSDP and
-summed over the replicate axis). The amax of a quantized weight is max-reduced over the axes that split
-it (FSDP rows, TP), never over the replicate axis (each replica holds the same master).
+over it) and ``replicate_axis`` (HSDP: parameters and optimizer state replicated over it, the batch split
+over ``(replicate_axis, fsdp_axis)``, gradients reduce-scattered over FSDP and summed over the replicate
+axis). The amax of a quantized weight is max-reduced over the axes that split it (FSDP rows, TP), never over
+the replicate axis (each replica holds the same master).
 """
 
 from __future__ import annotations
@@ -37,12 +46,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
-from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array
+from jaxquant.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
+                           rows_axis)
 from jaxquant.formats import to_compute_dtype
-from jaxquant.policy import (StepCalls, TrainState, _explain_tp_errors, _leaf_name, apply_update,
+from jaxquant.layout import TP_SPLITS
+from jaxquant.policy import (STRATEGY_SHARDING, TrainState, _explain_tp_errors, _leaf_name, apply_update,
                              value_and_grad_over_microbatches)
-
-TP_SPLITS = {"col": 0, "row": 1, None: None}     # param_specs leaf -> the matrix dimension split over tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +112,7 @@ def _split_leaves(param_specs, treedef, n):
 
 
 def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, microbatches, param_specs=None,
-              quantize_mask=None, reshard_after_forward=True) -> LayerPlan:
+              quantize_mask=None, reshard_after_forward=True, strategy="optim_grads_params") -> LayerPlan:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
         raise ValueError("params: the parameter tree has no leaves")
@@ -124,20 +133,20 @@ def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, micro
         if quantized and not matrix:
             raise ValueError(f"quantize_mask{name}: only 2-D [out, in] or stacked 3-D [L, out, in] leaves can be "
                              f"quantized, got shape {shape}")
-        if not isinstance(split, (str, type(None))) or split not in TP_SPLITS:
+        if split is not None and (not isinstance(split, str) or split not in TP_SPLITS):
             raise ValueError(f"param_specs{name}: must be 'col', 'row' or None, got {split!r}")
         if split is not None and not matrix:
             raise ValueError(f"param_specs{name}: only [out, in] (or stacked [L, out, in]) weights can be split "
                              f"over TP, got shape {shape}")
-        tp_dim = TP_SPLITS[split] if T > 1 else None
+        tp_dim = TP_SPLITS[split] if T > 1 and split is not None else None
         recipe = policy.compute_weights if quantized else ("bf16" if matrix else "keep")
         rules.append(_leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis,
-                                grad, not reshard_after_forward))
+                                grad, not reshard_after_forward, STRATEGY_SHARDING[strategy]))
     return LayerPlan(treedef, tuple(rules))
 
 
 def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis, grad,
-               keep_gathered=False):
+               keep_gathered, sharded_parts):
     lead = len(shape) - 2 if len(shape) >= 2 else 0    # stacked leaves: the layer axis is never split
     rows_dim = lead if len(shape) >= 2 else 0
     local = list(shape)
@@ -152,7 +161,7 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
                          f"16, got {tuple(local[-2:])}")
     rows = local[rows_dim] if local else 1
     unit = formats.TILE if quantized and recipe == "nvfp4" else 1
-    sharded = len(shape) > 0 and rows % S == 0 and (rows // S) % unit == 0
+    sharded = sharded_parts.optimizer and len(shape) > 0 and rows % S == 0 and (rows // S) % unit == 0
     spec = [None] * len(shape)
     if tp_dim == 0:
         spec[rows_dim] = (tp_axis, fsdp_axis) if sharded else tp_axis
@@ -163,7 +172,9 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
     amax_axes = ((fsdp_axis,) if sharded else ()) + ((tp_axis,) if tp_dim is not None else ())
     vary = (() if sharded else (fsdp_axis,)) + ((replicate_axis,) if replicate_axis is not None else ())
     weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary,
-                        keep_gathered)
+                        keep_gathered, per_use=sharded_parts.params, grad_sharded=sharded_parts.grads)
+    while spec and spec[-1] is None:   # as jit returns it: P(None, 'fsdp', None) would be a second cache entry
+        spec.pop()
     return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1)
 
 
@@ -182,14 +193,13 @@ def _spec_axes(spec) -> tuple:
     return tuple(out)
 
 
-class LayerwiseTrainStep(StepCalls):
+class LayerwiseTrainStep:
     """``make_train_step(..., strategy="optim_grads_params")``: ``init``, ``__call__``, ``params``, ``lower``."""
-
-    strategy = "optim_grads_params"
 
     def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
                  param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None,
-                 reshard_after_forward=True):
+                 reshard_after_forward=True, strategy="optim_grads_params"):
+        self.strategy = strategy
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
         self.microbatches, self.report_nan, self.fsdp_axis = microbatches, report_nan, fsdp_axis
         self.tp_axis = tp_axis if tp_axis is not None and int(mesh.shape[tp_axis]) > 1 else None
@@ -223,12 +233,18 @@ class LayerwiseTrainStep(StepCalls):
     def _body(self, plan, masters, batch):
         """Inside shard_map over every mesh axis: (mean loss, gradient shards[, non-finite flags])."""
         pol, k = self.policy, self.microbatches
-        sinks = [_varying_over(jnp.zeros(m.shape, pol.comm_dtype), _spec_axes(r.spec))
+        # ZeRO 0-2: every compute weight gathered once, before the first microbatch, held for the step
+        gathered = [None if r.weight.per_use else
+                    (gather_once(m, r.weight, columnwise=r.recipe == "fp8") if r.quantized else
+                     gathered_array(m, r.weight))
+                    for m, r in zip(masters, plan.rules)]
+        sinks = [_varying_over(jnp.zeros(self._sink_shape(m.shape, r), r.weight.grad_dtype),
+                               _spec_axes(r.spec) + self._unreduced_axes(r))
                  for m, r in zip(masters, plan.rules)]
 
         def loss_of(sinks, mb):
-            leaves = [ShardedWeight(m, s, r.weight) if r.quantized else gather_array(m, s, r.weight)
-                      for m, s, r in zip(masters, sinks, plan.rules)]
+            leaves = [ShardedWeight(m, s, r.weight, g) if r.quantized else gather_array(m, s, r.weight, g)
+                      for m, s, r, g in zip(masters, sinks, plan.rules, gathered)]
             loss = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb)
             if jnp.shape(loss) != ():
                 raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(loss)}")
@@ -239,6 +255,7 @@ class LayerwiseTrainStep(StepCalls):
         loss, grads = value_and_grad_over_microbatches(
             grad_fn, sinks, batch, k, to_main, zeros=lambda: [s.astype(pol.main_grads_dtype) for s in sinks],
             loss0=lambda: _varying_over(jnp.float32(0), self._batch_axes))
+        grads = [self._reduce_unsharded(g, r) for g, r in zip(grads, plan.rules)]
         axes = tuple(self.mesh.axis_names)
         if self.tp_axis is not None:   # the loss is the same on every TP rank: count TP rank 0's
             loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
@@ -248,6 +265,32 @@ class LayerwiseTrainStep(StepCalls):
         stats = jax.lax.psum(jnp.stack([_varying_over(p, axes) for p in parts]), axes)
         out = (stats[0] / (self.num_shards * self.replicas), grads)
         return out + ((stats[1:] > 0,) if self.report_nan else ())
+
+    def _unreduced_axes(self, rule) -> tuple:
+        """Data-parallel axes a gradient is left unreduced over until the end of the step (ZeRO 0-1)."""
+        return () if rule.weight.grad_sharded else self._batch_axes
+
+    def _sink_shape(self, shard_shape, rule) -> tuple:
+        """The gradient accumulator: this rank's rows, or with unsharded gradients every (TP-local) row."""
+        if rule.weight.grad_sharded or rule.weight.gather_axis is None:
+            return tuple(shard_shape)
+        shape = list(shard_shape)
+        shape[rows_axis(len(shape))] *= rule.weight.num_shards
+        return tuple(shape)
+
+    def _reduce_unsharded(self, g, rule):
+        """ZeRO 0-1: the step's one all-reduce of an accumulated gradient (comm dtype), then this rank's rows
+        of it where the master is sharded; sharded gradients were reduce-scattered in the backward."""
+        spec = rule.weight
+        if spec.grad_sharded:
+            return g
+        g = to_compute_dtype(jax.lax.psum(to_compute_dtype(g, spec.grad.comm_dtype), self._batch_axes),
+                             spec.grad.main_dtype)
+        if spec.gather_axis is None:
+            return g
+        axis = rows_axis(g.ndim)
+        rows = g.shape[axis] // spec.num_shards
+        return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(spec.gather_axis) * rows, rows, axis=axis)
 
     def _grads(self, plan, master, batch):
         out_specs = (P(), [r.spec for r in plan.rules]) + ((P(),) if self.report_nan else ())
@@ -266,7 +309,7 @@ class LayerwiseTrainStep(StepCalls):
         if self.report_nan:
             metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, list(flags[0]))
             metrics["update_skipped"] = jnp.logical_not(ok)
-        return TrainState(new_master, opt_state, None, state.step + 1, plan), metrics
+        return TrainState(new_master, opt_state, state.step + 1, plan), metrics
 
     def _compiled(self, plan):
         if plan not in self._steps:
@@ -276,11 +319,21 @@ class LayerwiseTrainStep(StepCalls):
 
     # -- public ------------------------------------------------------------------------------
 
+    def __call__(self, state: TrainState, batch):
+        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan)(state, batch)
+
+    def lower(self, state: TrainState, batch):
+        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
+        self._check_call(state, batch)
+        return self._compiled(state.plan).lower(state, batch)
+
     def plan(self, params) -> LayerPlan:
         return make_plan(params, policy=self.policy, mesh=self.mesh, fsdp_axis=self.fsdp_axis,
                          tp_axis=self.tp_axis, replicate_axis=self.replicate_axis, microbatches=self.microbatches,
                          param_specs=self.param_specs, quantize_mask=self.quantize_mask,
-                         reshard_after_forward=self.reshard_after_forward)
+                         reshard_after_forward=self.reshard_after_forward, strategy=self.strategy)
 
     def master_shardings(self, params):
         """``NamedSharding`` of each master leaf (a pytree like ``params``, which may hold
@@ -296,7 +349,12 @@ class LayerwiseTrainStep(StepCalls):
                          out_shardings=self._master_shardings(plan))(params)
         opt_shape = jax.eval_shape(self.optimizer.init, master)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
-        return TrainState(master, opt_state, None, jnp.int32(0), plan)
+        return TrainState(master, opt_state, self.step_count(0), plan)
+
+    def step_count(self, n) -> jax.Array:
+        """``TrainState.step`` for ``n`` steps taken: int32, replicated on the mesh as the step returns it (an
+        uncommitted one would be another jit cache entry, a second compile at step 2)."""
+        return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
 
     def state_dict(self, state: TrainState, *, hyperparams=None) -> dict:
         """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``jaxquant.state_dict``):

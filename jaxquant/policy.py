@@ -1,16 +1,27 @@
-"""What every training step shares: the mixed-precision policy, the train state, the non-finite report
-and small helpers (``jaxquant.train`` and ``jaxquant.layerwise`` build the steps)."""
+"""What the training step is built from: the mixed-precision policy, what each strategy shards, the train
+state, the non-finite report and small helpers (``jaxquant.layerwise`` builds the step)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+class Sharded(NamedTuple):
+    """What a data-parallel strategy splits over the FSDP axis (one training step runs them all)."""
+
+    optimizer: bool   # the fp32 master and the optimizer state (ZeRO-1)
+    grads: bool       # + gradients: reduce-scattered each microbatch, shard-sized accumulators (ZeRO-2)
+    params: bool      # + compute weights: quantized and gathered where each layer uses them (ZeRO-3)
+
+
+# Megatron-FSDP's names for ZeRO 0-3
+STRATEGY_SHARDING = {"no_shard": Sharded(False, False, False), "optim": Sharded(True, False, False),
+                     "optim_grads": Sharded(True, True, False), "optim_grads_params": Sharded(True, True, True)}
+STRATEGIES = tuple(STRATEGY_SHARDING)
 COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
 MASTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -61,13 +72,12 @@ class MixedPrecisionPolicy:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """``master``: ``{"matrices": flat, "others": flat}`` main params (sharded over ``fsdp_axis`` except
-    with ``no_shard``); ``opt_state``: the optimizer's state (sharded like ``master``); ``weights``: the
-    gathered compute weights (``optim`` / ``optim_grads``) or None; ``step``: int32 steps taken."""
+    """The training state of ``make_train_step``: ``master``, the main params (a pytree like ``params``, each
+    leaf sharded over ``fsdp_axis`` except with ``no_shard``); ``opt_state``, the optimizer's state (sharded
+    like ``master``); ``step``, int32 steps taken (replicated); ``plan``, the static per-leaf rules."""
 
-    master: dict
+    master: Any
     opt_state: Any
-    weights: Any
     step: jax.Array
     plan: Any = dataclasses.field(metadata=dict(static=True))
 
@@ -109,21 +119,6 @@ def raise_if_nonfinite(metrics) -> None:
     if bad:
         raise FloatingPointError(f"non-finite (NaN or ±inf) gradient in parameter(s) {', '.join(bad)}; "
                                  f"the update of this step was skipped")
-
-
-class StepCalls:
-    """What both training steps share: ``__call__`` and ``lower`` over ``self._check_call`` and
-    ``self._compiled(plan)`` (a jitted ``(state, batch) -> (state, metrics)``)."""
-
-    def __call__(self, state: TrainState, batch):
-        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan)(state, batch)
-
-    def lower(self, state: TrainState, batch):
-        """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan).lower(state, batch)
 
 
 def value_and_grad_over_microbatches(grad_fn, diff, batch, k: int, to_main, zeros, loss0):

@@ -240,7 +240,7 @@ def load_state_dict(step, sd, *, like, step_count=None):
                                    count)
     else:
         opt_state = _replace_state(like.opt_state, None, None, count)
-    return TrainState(master, opt_state, None, jnp.asarray(count, jnp.int32), plan)
+    return TrainState(master, opt_state, step.step_count(count), plan)
 
 
 def _replace_state(tree, old, new, count=None):

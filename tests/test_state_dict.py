@@ -193,23 +193,6 @@ def test_unmappable_states_are_named():
         lion.state_dict(trained(lion, 1), hyperparams=ADAM)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
-def test_flat_strategies_say_they_have_no_state_dict(strategy):
-    """The flat strategies (jaxquant/train.py) keep flat buffers with no per-parameter names: each state-dict
-    method raises, naming the strategy and what to use instead."""
-    from test_train import init_params as flat_params, loss_fn
-
-    step = jq.make_train_step(loss_fn, optax.adam(ADAM["lr"]), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
-                              strategy=strategy)
-    state = step.init(flat_params())
-    msg = rf"strategy '{strategy}' keeps the parameters .* as flat buffers .* use the default strategy " \
-          r"'optim_grads_params' \(layer-wise FSDP\).* or save step.params\(state\)"
-    for call in (lambda: step.state_dict(state, hyperparams=ADAM), lambda: step.state_dict_target(state),
-                 lambda: step.load_state_dict({}, like=state)):
-        with pytest.raises(NotImplementedError, match=msg):
-            call()
-
-
 torch_required = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None and os.environ.get("JAXQUANT_REQUIRE_TORCH") != "1",
     reason="torch Adam interop " + common.TORCH_SKIP_REASON)

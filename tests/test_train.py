@@ -175,18 +175,24 @@ def collective_types(text, name):
 
 @pytest.mark.parametrize("comm", [None, jnp.bfloat16])
 @pytest.mark.slow
-def test_grad_comm_dtype_in_lowered_module_flat(comm):
-    """optim: the flat gradient is all-reduced in grad_comm_dtype and reaches the optimizer in fp32."""
+def test_grad_comm_dtype_in_lowered_module_optim(comm):
+    """optim (ZeRO-1): each leaf's gradient is all-reduced whole, in grad_comm_dtype, and nothing is
+    reduce-scattered; it reaches the optimizer in fp32. (That the sum over ranks comes once, after the
+    microbatches, is what tests/test_train_microbatches.py's bitwise equality with the reference shows.)"""
     policy = jq.MixedPrecisionPolicy(compute_weights="nvfp4", grad_comm_dtype=comm)
     step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, strategy="optim",
                               microbatches=2)
     text = step.lower(step.init(init_params()), make_batch()).as_text()
     t = "bf16" if comm is not None else "f32"
-    n = D_HID * D_IN + D_OUT * D_HID                   # the matrices' flat gradient
-    assert (f"tensor<{n}x{t}>", f"tensor<{n}x{t}>") in collective_types(text, "all_reduce")
+    reduced = collective_types(text, "all_reduce")
+    for shape in (f"{D_HID}x{D_IN}", f"{D_OUT}x{D_HID}", f"{D_HID}"):     # w1, w2, b1: every row
+        assert (f"tensor<{shape}x{t}>", f"tensor<{shape}x{t}>") in reduced, reduced
+    assert collective_types(text, "reduce_scatter") == []
     if comm is not None:   # accumulated in fp32, sent in bf16, back to fp32 for the optimizer
-        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{n}xf32>\) -> tensor<{n}xbf16>", text)
-        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{n}xbf16>\) -> tensor<{n}xf32>", text)
+        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{D_HID}x{D_IN}xf32>\) -> tensor<{D_HID}x{D_IN}xbf16>",
+                         text)
+        assert re.search(rf"stablehlo\.convert %\S+ : \(tensor<{D_HID}x{D_IN}xbf16>\) -> tensor<{D_HID}x{D_IN}xf32>",
+                         text)
 
 
 @pytest.mark.parametrize("comm", [None, jnp.bfloat16])

@@ -96,24 +96,22 @@ def test_fp8_train_step_gemms_are_fp8():
 
 
 def test_strategies_agree_on_gpu():
+    """The four strategies are modes of one step: those that reduce gradients with the same collective (all-reduce:
+    no_shard, optim; reduce-scatter: optim_grads, optim_grads_params) agree bitwise; across the two, NCCL's fp32
+    summation orders differ, so after 2 SGD steps within bf16 rounding of dW (2^-8 of the largest update)."""
     n = 16 * len(jax.devices())
-    out = {}
+    out, init = {}, _params()
     for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
-        step = jq.make_train_step(_loss, optax.adam(1e-3), mesh=_mesh(), strategy=strategy,
+        step = jq.make_train_step(_loss, optax.sgd(0.1), mesh=_mesh(), strategy=strategy,
                                   policy=jq.MixedPrecisionPolicy(compute_weights="nvfp4"))
-        state = step.init(_params())
-        for _ in range(3):
+        state = step.init(init)
+        for _ in range(2):
             state, m = step(state, _batch(n))
-        out[strategy] = step.params(state)
-    for strategy, p in out.items():
-        for name in p:
-            a, b = np.asarray(p[name]), np.asarray(out["no_shard"][name])
-            if strategy != "optim_grads_params":
-                np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"{strategy} {name}")
-                continue
-            # layer-wise FSDP reduce-scatters each weight's gradient with its own NCCL call (another fp32
-            # summation order than the flat buffer's); Adam divides by sqrt(v), which magnifies that where a
-            # gradient element is near zero: nearly all elements within 1e-6, every one within 5% of lr
-            close = np.abs(a - b) <= 1e-6
-            assert close.mean() > 0.999, f"{name}: {close.mean():.5f} of the elements within 1e-6"
-            np.testing.assert_allclose(a, b, rtol=0, atol=5e-5, err_msg=f"{strategy} {name}")
+        out[strategy] = jax.tree.map(np.asarray, step.params(state))
+    for a, b in (("optim", "no_shard"), ("optim_grads", "optim_grads_params")):
+        for name in out[a]:
+            np.testing.assert_array_equal(out[a][name], out[b][name], err_msg=f"{a} vs {b}: {name}")
+    for name in out["no_shard"]:
+        update = float(np.max(np.abs(out["optim_grads_params"][name] - np.asarray(init[name]))))
+        np.testing.assert_allclose(out["no_shard"][name], out["optim_grads_params"][name], rtol=0,
+                                   atol=2 ** -8 * update, err_msg=name)

@@ -3,8 +3,8 @@ devices equals a single-device computation of the same math after 3 SGD steps (t
 ``reference_sgd``).
 
 With fp32 gradient communication the parameters are bitwise equal (the reference adds the ranks'
-contributions in rank order, as XLA:CPU's all-reduce and reduce-scatter do; layer-wise FSDP with several
-microbatches: within fp32 reordering, see check_strategy_equals_single_device); the reported loss is within
+contributions in rank order, as XLA:CPU's all-reduce and reduce-scatter do; strategies with sharded gradients
+and several microbatches: within fp32 reordering, see check_strategy_equals_single_device); the reported loss is within
 1e-6 relative (the reference averages the microbatch losses on the host in float64). bf16 gradient
 communication after one step within bf16 rounding of the 8 contributions and of their sum (2^-6 of the
 largest update: the reference adds in bf16 in rank order, XLA:CPU adds in fp32).
@@ -43,9 +43,9 @@ def check_strategy_equals_single_device(strategy, cw, microbatches):
     ref_params, ref_losses = reference(cw, microbatches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for name in ref_params:
-        if strategy == "optim_grads_params" and microbatches > 1:
-            # layer-wise FSDP reduce-scatters each microbatch's gradient (no full-size accumulator): the sum
-            # over ranks comes before the sum over microbatches, an fp32 reordering of the same terms
+        if strategy in ("optim_grads", "optim_grads_params") and microbatches > 1:
+            # sharded gradients are reduce-scattered each microbatch (no full-size accumulator): the sum over
+            # ranks comes before the sum over microbatches, an fp32 reordering of the same terms
             update = float(jnp.max(jnp.abs(ref_params[name] - init_params()[name])))
             np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-6 * update, err_msg=name)
         else:
