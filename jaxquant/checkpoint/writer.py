@@ -6,7 +6,9 @@ import dataclasses
 import functools
 import gc
 import json
+import numbers
 import os
+import time
 from typing import Iterable
 
 import jax
@@ -26,6 +28,16 @@ from jaxquant.checkpoint.tree import (QUANT_INFO_KEY, TransposeMap, components, 
 from jaxquant.tensors import NVFP4Tensor
 
 _PLAN_SUFFIX = ".jaxquant-plan.json"
+# The processes of a multi-process save meet through files in its staging directory, which they all write to (one
+# shared file system): JAX's own barrier (multihost_utils.sync_global_devices) waits forever for a process that is
+# gone, and the distributed client's timed barriers and key-value store are not public JAX API (jax 0.10/0.11).
+# The first process to decide creates this file (O_EXCL): "commit" (process 0, every plan present) or
+# "abort <rank>: <why>" (a failure or a timeout), so a process that gives up never removes what process 0 commits.
+_DECISION = ".jaxquant-decision"
+_POLL_MAX_S = 0.5  # longest sleep between two looks at the staging directory
+# staging gone and no .metadata at the destination: how long to take it for a rename not yet visible here
+# (file systems that cache directory entries) before calling the save aborted
+_GONE_GRACE_S = 2.0
 
 
 @dataclasses.dataclass
@@ -191,7 +203,7 @@ def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
 
 def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize=None,
              process_index: int | None = None, process_count: int | None = None, save_id: str | None = None,
-             finalize: bool = True, progress: bool = False) -> str:
+             finalize: bool = True, progress: bool = False, barrier_timeout_s: float = 600.0) -> str:
     """Write ``tree`` as a PyTorch Distributed Checkpoint directory at ``path``.
 
     Leaves: ``jax.Array`` (one chunk per addressable shard with ``replica_id == 0``, at its global
@@ -202,28 +214,54 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
 
     Multi-process: every process calls this with the same ``save_id``; each writes
     ``__<rank>_0.distcp`` plus a plan file into ``<path>.tmp-<save_id>``. With ``finalize=True`` under a
-    real JAX multi-process runtime the processes synchronise and process 0 merges the plans into one
-    ``.metadata`` and renames the directory. With ``finalize=False`` the caller must call
-    :func:`finalize_dcp` once after all processes have returned. Returns the staging or final path.
+    real JAX multi-process runtime the processes wait for each other through files in that directory (it must
+    be on a file system they all see) and process 0 merges the plans into one ``.metadata`` and renames the
+    directory; a failure or timeout on any process aborts the save on all of them and removes the directory.
+    With ``finalize=False`` the caller must call :func:`finalize_dcp` once after all processes have returned.
+    Returns the staging or final path.
+
+    Args:
+      barrier_timeout_s: multi-process saves with ``finalize=True``: how long one process waits for the others
+        at each barrier, in seconds: "written" (every process wrote its part) and "final" (process 0 committed
+        the checkpoint). A process that died or never calls ``save_dcp`` then makes the others raise
+        :class:`CheckpointError` naming the barrier instead of waiting forever, with nothing left at ``path``.
+        Set it above the longest gap between processes finishing their writes, and above the time process 0's
+        commit (an fsync of every file) takes. Not covered: with ``save_id=None`` the processes first agree on
+        an id through a JAX collective, which has no timeout (pass ``save_id``, e.g. the step, to bound every
+        wait); and ``jax.distributed`` itself terminates every process once one stops sending heartbeats
+        (``heartbeat_timeout_seconds`` of ``jax.distributed.initialize``, 100 s by default), before a longer
+        timeout here runs out.
     """
     rank = jax.process_index() if process_index is None else int(process_index)
     count = jax.process_count() if process_count is None else int(process_count)
     if not 0 <= rank < count:
         raise CheckpointError(f"save_dcp: process_index {rank} not in [0, {count})")
+    if isinstance(barrier_timeout_s, bool) or not isinstance(barrier_timeout_s, numbers.Real) \
+            or not barrier_timeout_s > 0:
+        raise CheckpointError(f"save_dcp: barrier_timeout_s must be a number of seconds > 0, got {barrier_timeout_s!r}")
     with interrupt.default_signals_clean_up():
-        return _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, progress)
+        return _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, progress,
+                     float(barrier_timeout_s))
 
 
-def _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, progress) -> str:
+def _draw_save_id() -> str:
+    """Process 0's random id, the same on every process: from os.urandom, so the user's numpy RNG is untouched
+    (``np.random`` would advance it, and two runs seeded alike would draw the same id)."""
+    from jax.experimental import multihost_utils
+    words = np.frombuffer(os.urandom(8), np.uint32) if jax.process_index() == 0 else np.zeros(2, np.uint32)
+    return "".join("%08x" % int(w) for w in np.asarray(multihost_utils.broadcast_one_to_all(words)))
+
+
+def _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, progress, barrier_timeout_s) -> str:
     fsutil.check_destination(path)
     plan = _plan(tree, TransposeMap(transpose), dequantize, rank)
     if count > 1 and save_id is None:
         if jax.process_count() != count:
             raise CheckpointError("save_dcp: save_id is required when process_count is given explicitly")
-        from jax.experimental import multihost_utils
-        save_id = "%08x" % int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(2 ** 31))))
+        save_id = _draw_save_id()
     staging = fsutil.staging_path(path, save_id)
     total = sum(_host_nbytes(c) for *_, kind, p in plan if kind == "array" for _, c in p[2])
+    together = finalize and jax.process_count() == count > 1  # the processes meet here (else finalize_dcp does)
     try:
         if count == 1:
             fsutil.remove_stale_staging(path)
@@ -241,18 +279,132 @@ def _save(path, tree, transpose, dequantize, rank, count, save_id, finalize, pro
             fsutil.commit(staging, path)
             return path
         _write_rank_plan(staging, rank, w)
-    except BaseException:
+    except BaseException as e:
         if count == 1:
             fsutil.remove_staging(staging)
+        elif together:
+            other = _give_up(path, staging, rank, e)
+            if other is not None and isinstance(e, OSError):  # our files vanished under us: say why
+                raise CheckpointError(f"save_dcp: {other}") from e
         raise
-    if finalize and jax.process_count() == count > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(f"jaxquant_save_dcp_{save_id}_written")
-        if rank == 0:
-            finalize_dcp(path, save_id=save_id, process_count=count)
-        multihost_utils.sync_global_devices(f"jaxquant_save_dcp_{save_id}_final")
+    if together:
+        try:
+            _meet(path, staging, save_id, rank, count, barrier_timeout_s)
+        except BaseException as e:
+            _give_up(path, staging, rank, e)  # (what _meet raises itself was decided already; an interrupt not)
+            raise
         return path
     return staging
+
+
+def _decision(staging: str) -> str | None:
+    """The save's decision (see _DECISION): None if none yet, "" while its maker is still writing it."""
+    try:
+        with open(os.path.join(staging, _DECISION)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _decide(staging: str, decision: str) -> str | None:
+    """Record ``decision`` unless another process made one first: None if ours stands, else theirs ("" while it
+    is being written, or when the staging directory is gone)."""
+    try:
+        with open(os.path.join(staging, _DECISION), "x") as f:
+            f.write(decision)
+        return None
+    except FileExistsError:
+        return _decision(staging) or ""
+    except FileNotFoundError:
+        return ""
+
+
+def _aborted(path: str, decision: str) -> str:
+    rank, _, why = decision[len("abort "):].partition(": ")
+    return f"process {rank} aborted the save of {path}: {why} (the staging directory is removed)"
+
+
+def _give_up(path: str, staging: str, rank: int, e: BaseException) -> str | None:
+    """Abort the save after this process failed, unless process 0 is already committing it, and remove the staging
+    directory once the save is aborted. Best effort (another error is propagating). Returns what happened instead
+    when another process had aborted the save first or the staging directory is gone."""
+    why = " ".join(f"{type(e).__name__}: {e}".split())[:500]  # one line
+    try:
+        other = _decide(staging, f"abort {rank}: {why}")
+    except OSError:
+        return None
+    if other is None or other.startswith("abort "):
+        fsutil.remove_staging(staging)
+    if other and other.startswith("abort "):
+        return _aborted(path, other)
+    if other == "" and not os.path.isdir(staging):
+        return f"{staging} vanished while this process wrote its part: another process aborted the save (see its error)"
+    return None
+
+
+def _meet(path: str, staging: str, save_id: str, rank: int, count: int, timeout: float) -> None:
+    """The barriers of a multi-process save, through files in ``staging``: "written" (every process's plan file is
+    there), then "final" (process 0 merged the plans and renamed ``staging`` to ``path``). A process still absent
+    after ``timeout`` seconds at either makes the one waiting abort the save, unless process 0 decided to commit."""
+    plans = [os.path.join(staging, f"__{r}{_PLAN_SUFFIX}") for r in range(count)]
+    barrier, deadline, gone_since, delay = "written", time.monotonic() + timeout, None, 0.01
+    while True:
+        interrupt.check()
+        now = time.monotonic()
+        if not os.path.isdir(staging):
+            if os.path.isfile(os.path.join(path, METADATA_FILE)):
+                return  # process 0 committed it
+            gone_since = now if gone_since is None else gone_since
+            if now - gone_since >= _GONE_GRACE_S:
+                raise CheckpointError(f"save_dcp: {staging} was removed and {path} not committed: another process "
+                                      f"aborted the save (see the error of process 0 or of the process that failed)")
+        else:
+            gone_since = None
+            decision = _decision(staging)
+            if decision and decision.startswith("abort "):
+                fsutil.remove_staging(staging)
+                raise CheckpointError(f"save_dcp: {_aborted(path, decision)}")
+            if barrier == "written" and (decision == "commit" or all(map(os.path.exists, plans))):
+                barrier, deadline = "final", now + timeout
+                if rank == 0:
+                    other = _decide(staging, "commit")
+                    if other == "commit":  # not ours: this save's own process 0 is this one
+                        raise CheckpointError(f"save_dcp: {staging} holds the commit decision of an earlier save "
+                                              f"with save_id {save_id!r} (its process 0 died while committing): "
+                                              f"delete the directory or use another save_id")
+                    if other is None:
+                        finalize_dcp(path, save_id=save_id, process_count=count)
+                        try:  # renamed along with the rest; no part of the checkpoint
+                            os.unlink(os.path.join(path, _DECISION))
+                        except OSError:
+                            pass
+                        return
+                continue  # (another process's abort: raised at the next look)
+            if now >= deadline:
+                if barrier == "written":
+                    missing = ", ".join(str(r) for r, p in enumerate(plans) if not os.path.exists(p))
+                    why = f"barrier 'written' timed out after {timeout:g} s waiting for process(es) {missing}"
+                    what = (f"process(es) {missing} of {count} did not write their part of {path} (no plan file in "
+                            f"{staging}); check that every process calls save_dcp for this save (same path and "
+                            f"save_id), that none died (see its log) and that all write to one shared file system")
+                else:
+                    why = f"barrier 'final' timed out after {timeout:g} s waiting for process 0 to commit"
+                    what = (f"every process wrote its part of {path}, but process 0 did not commit it; check that "
+                            f"process 0 is alive (see its log) and writes to the same file system")
+                error = f"save_dcp: barrier {barrier!r} timed out after {timeout:g} s (barrier_timeout_s): {what}"
+                if decision is None:
+                    if _decide(staging, f"abort {rank}: {why}") is None:
+                        fsutil.remove_staging(staging)
+                        raise CheckpointError(f"{error}; the save was aborted and its staging directory removed")
+                    continue  # another process decided first: take its decision at the next look
+                if decision == "commit":
+                    raise CheckpointError(f"{error}; process 0 began committing it, so {staging} is left as it is "
+                                          f"(process 0 may still complete it; if it died, delete the directory)")
+                if now >= deadline + _GONE_GRACE_S:  # "" for that long: its maker died while writing it
+                    raise CheckpointError(f"{error}; the save's decision in {staging} stays empty (the process "
+                                          f"making it died?), so the directory is left as it is: delete it")
+        time.sleep(delay)
+        delay = min(delay * 1.5, _POLL_MAX_S)
 
 
 def _host_nbytes(c) -> int:
