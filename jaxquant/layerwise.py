@@ -50,6 +50,7 @@ from jaxquant.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, 
                            rows_axis)
 from jaxquant.formats import to_compute_dtype
 from jaxquant.layout import TP_SPLITS
+from jaxquant.rules import decide
 from jaxquant.policy import (STRATEGY_SHARDING, TrainState, _explain_tp_errors, _leaf_name, apply_update,
                              value_and_grad_over_microbatches)
 
@@ -65,6 +66,7 @@ class LeafRule:
     spec: Any                    # PartitionSpec of the master leaf (global array)
     weight: WeightSpec           # gather / amax / gradient rules
     tp_size: int = 1             # TP ranks the leaf is split over (1: replicated over TP)
+    stacked: bool = False        # axis 0 is a layer axis (saved per layer, quantized per layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,72 +83,35 @@ class LayerPlan:
         return tuple(r.shape for r in self.rules)
 
 
-def _mask_leaves(quantize_mask, params, treedef, n):
-    if quantize_mask is None:
-        return [None] * n
-    mask = quantize_mask(params) if callable(quantize_mask) else quantize_mask
-    try:
-        leaves = treedef.flatten_up_to(mask)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"quantize_mask: must be a pytree of bools with the structure of params, or a callable "
-                         f"params -> such a pytree ({e})") from None
-    for v in leaves:
-        if not isinstance(v, (bool, np.bool_)):
-            raise ValueError(f"quantize_mask: leaves must be True or False, got {v!r}")
-    return [bool(v) for v in leaves]
-
-
-def _split_leaves(param_specs, treedef, n):
-    if param_specs is None:
-        return [None] * n
-    try:
-        specs = treedef.flatten_up_to(param_specs)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"param_specs: must be a pytree with the structure of params ({e})") from None
-    out = []
-    for spec in specs:
-        if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
-            spec = {0: "col", 1: "row"}.get(int(spec), spec)
-        out.append(spec)
-    return out
-
-
 def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, microbatches, param_specs=None,
-              quantize_mask=None, reshard_after_forward=True, strategy="optim_grads_params") -> LayerPlan:
+              quantize_mask=None, rules=None, reshard_after_forward=True, strategy="optim_grads_params") -> LayerPlan:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
         raise ValueError("params: the parameter tree has no leaves")
-    n = len(leaves_with_path)
-    masks, splits = _mask_leaves(quantize_mask, params, treedef, n), _split_leaves(param_specs, treedef, n)
+    for path, leaf in leaves_with_path:
+        if not hasattr(leaf, "shape") or not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"params{_leaf_name(path)}: every leaf must be a floating array, got {type(leaf).__name__}")
+    decisions = decide(params, rules=rules, quantize_mask=quantize_mask, param_specs=param_specs,
+                       compute_weights=policy.compute_weights)
     S = int(mesh.shape[fsdp_axis])
     T = 1 if tp_axis is None else int(mesh.shape[tp_axis])
     R = 1 if replicate_axis is None else int(mesh.shape[replicate_axis])
     grad = GradReduce(float(np.float32(1.0 / (R * S * microbatches))), policy.main_grads_dtype, policy.comm_dtype)
-    rules = []
-    for (path, leaf), mask, split in zip(leaves_with_path, masks, splits):
-        name = _leaf_name(path)
-        if not hasattr(leaf, "shape") or not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise TypeError(f"params{name}: every leaf must be a floating array, got {type(leaf).__name__}")
-        shape = tuple(int(d) for d in np.shape(leaf))
-        matrix = len(shape) in (2, 3)
-        quantized = matrix if mask is None else mask
-        if quantized and not matrix:
-            raise ValueError(f"quantize_mask{name}: only 2-D [out, in] or stacked 3-D [L, out, in] leaves can be "
-                             f"quantized, got shape {shape}")
-        if split is not None and (not isinstance(split, str) or split not in TP_SPLITS):
-            raise ValueError(f"param_specs{name}: must be 'col', 'row' or None, got {split!r}")
-        if split is not None and not matrix:
-            raise ValueError(f"param_specs{name}: only [out, in] (or stacked [L, out, in]) weights can be split "
-                             f"over TP, got shape {shape}")
-        tp_dim = TP_SPLITS[split] if T > 1 and split is not None else None
-        recipe = policy.compute_weights if quantized else ("bf16" if matrix else "keep")
-        rules.append(_leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis,
-                                grad, not reshard_after_forward, STRATEGY_SHARDING[strategy]))
-    return LayerPlan(treedef, tuple(rules))
+    out = []
+    for (path, leaf), d in zip(leaves_with_path, decisions):
+        shape = tuple(int(n) for n in np.shape(leaf))
+        quantized = d.recipe is not None
+        matrix = len(shape) - d.stacked == 2    # unquantized [out, in] layers get bf16 copies, others their dtype
+        recipe = d.recipe if quantized else ("bf16" if matrix else "keep")
+        tp_dim = TP_SPLITS[d.tp] if T > 1 and d.tp is not None else None
+        out.append(_leaf_rule(_leaf_name(path), shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
+                              replicate_axis, grad, not reshard_after_forward, STRATEGY_SHARDING[strategy],
+                              d.stacked))
+    return LayerPlan(treedef, tuple(out))
 
 
 def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis, grad,
-               keep_gathered, sharded_parts):
+               keep_gathered, sharded_parts, stacked):
     lead = len(shape) - 2 if len(shape) >= 2 else 0    # stacked leaves: the layer axis is never split
     rows_dim = lead if len(shape) >= 2 else 0
     local = list(shape)
@@ -175,7 +140,7 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
                         keep_gathered, per_use=sharded_parts.params, grad_sharded=sharded_parts.grads)
     while spec and spec[-1] is None:   # as jit returns it: P(None, 'fsdp', None) would be a second cache entry
         spec.pop()
-    return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1)
+    return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1, stacked)
 
 
 def _varying_over(x, axes):
@@ -198,8 +163,10 @@ class LayerwiseTrainStep:
 
     def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
                  param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None,
-                 reshard_after_forward=True, strategy="optim_grads_params"):
-        self.strategy = strategy
+                 reshard_after_forward=True, strategy="optim_grads_params", rules=None, has_aux=False,
+                 weighted_loss=False):
+        self.strategy, self.rules = strategy, rules
+        self.has_aux, self.weighted_loss = has_aux, weighted_loss
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
         self.microbatches, self.report_nan, self.fsdp_axis = microbatches, report_nan, fsdp_axis
         self.tp_axis = tp_axis if tp_axis is not None and int(mesh.shape[tp_axis]) > 1 else None
@@ -230,8 +197,8 @@ class LayerwiseTrainStep:
 
     # -- per rank ----------------------------------------------------------------------------
 
-    def _body(self, plan, masters, batch):
-        """Inside shard_map over every mesh axis: (mean loss, gradient shards[, non-finite flags])."""
+    def _body(self, plan, masters, batch, rng, extra):
+        """Inside shard_map over every mesh axis: (metrics, gradient shards[, non-finite flags])."""
         pol, k = self.policy, self.microbatches
         # ZeRO 0-2: every compute weight gathered once, before the first microbatch, held for the step
         gathered = [None if r.weight.per_use else
@@ -241,30 +208,80 @@ class LayerwiseTrainStep:
         sinks = [_varying_over(jnp.zeros(self._sink_shape(m.shape, r), r.weight.grad_dtype),
                                _spec_axes(r.spec) + self._unreduced_axes(r))
                  for m, r in zip(masters, plan.rules)]
+        kwargs = {} if extra is None else {"extra": extra}
+        # one key per data-parallel rank and microbatch (TP ranks of one batch share it)
+        keys = None if rng is None else jax.random.split(jax.random.fold_in(rng, self._batch_index()), k)
 
         def loss_of(sinks, mb):
+            mb, key = mb
             leaves = [ShardedWeight(m, s, r.weight, g) if r.quantized else gather_array(m, s, r.weight, g)
                       for m, s, r, g in zip(masters, sinks, plan.rules, gathered)]
-            loss = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb)
-            if jnp.shape(loss) != ():
-                raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(loss)}")
-            return loss.astype(jnp.float32)
+            kw = kwargs if key is None else kwargs | {"rng": key[0]}
+            out = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb, **kw)
+            stats = self._loss_stats(out)
+            return stats["loss"], stats
 
-        grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of), self.tp_axis)
+        grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of, has_aux=True), self.tp_axis)
         to_main = lambda g: [to_compute_dtype(a, pol.main_grads_dtype) for a in g]
-        loss, grads = value_and_grad_over_microbatches(
-            grad_fn, sinks, batch, k, to_main, zeros=lambda: [s.astype(pol.main_grads_dtype) for s in sinks],
-            loss0=lambda: _varying_over(jnp.float32(0), self._batch_axes))
+        first = jax.tree.map(lambda a: a[: a.shape[0] // k], (batch, keys))
+        zero_stats = lambda: jax.tree.map(lambda a: _varying_over(jnp.zeros(a.shape, a.dtype), self._batch_axes),
+                                          jax.eval_shape(loss_of, sinks, first)[1])
+        stats_and_grads = lambda d, mb: (lambda out: (out[0][1], out[1]))(grad_fn(d, mb))
+        stats, grads = value_and_grad_over_microbatches(
+            stats_and_grads, sinks, (batch, keys), k, to_main,
+            zeros=lambda: [s.astype(pol.main_grads_dtype) for s in sinks], loss0=zero_stats)
         grads = [self._reduce_unsharded(g, r) for g, r in zip(grads, plan.rules)]
         axes = tuple(self.mesh.axis_names)
         if self.tp_axis is not None:   # the loss is the same on every TP rank: count TP rank 0's
-            loss = jnp.where(jax.lax.axis_index(self.tp_axis) == 0, loss, jnp.float32(0))
-        parts = [loss]
-        if self.report_nan:   # each rank checks its shard of the reduced gradient (only > 0 is read)
-            parts += [jnp.any(~jnp.isfinite(g)).astype(jnp.float32) for g in grads]
-        stats = jax.lax.psum(jnp.stack([_varying_over(p, axes) for p in parts]), axes)
-        out = (stats[0] / (self.num_shards * self.replicas), grads)
-        return out + ((stats[1:] > 0,) if self.report_nan else ())
+            stats = jax.tree.map(lambda a: jnp.where(jax.lax.axis_index(self.tp_axis) == 0, a, 0), stats)
+        flags = ([jnp.any(~jnp.isfinite(g)).astype(jnp.float32) for g in grads] if self.report_nan else [])
+        # every statistic and non-finite flag in one small all-reduce
+        parts = [_varying_over(jnp.ravel(a).astype(jnp.float32), axes) for a in jax.tree.leaves(stats)]
+        total = jax.lax.psum(jnp.concatenate(parts + [_varying_over(jnp.stack(flags), axes)] if flags else parts),
+                             axes)
+        sizes = np.cumsum([p.size for p in parts])
+        summed = jax.tree.unflatten(jax.tree.structure(stats), [
+            c.reshape(jnp.shape(a)).astype(a.dtype) for c, a in zip(jnp.split(total[: sizes[-1]], sizes[:-1]),
+                                                                     jax.tree.leaves(stats))])
+        ranks = self.num_shards * self.replicas
+        metrics = {"loss": summed["loss"] / ranks}     # the mean of the per-rank mean losses
+        if self.weighted_loss:   # sum over every token / their weight: the gradient of that, not of a mean of means
+            # summed: sums over ranks of per-rank means over the k microbatches; the gradients came scaled by
+            # 1 / (ranks x k), so ranks / summed weight turns them into the gradient of sum / weight
+            weight = jnp.where(summed["weight"] > 0, summed["weight"], 1)
+            scale = jnp.float32(ranks) / weight
+            grads = [(g.astype(jnp.float32) * scale).astype(g.dtype) for g in grads]
+            metrics = {"loss": summed["loss"] / weight, "weight": summed["weight"] * k}
+        if self.has_aux:
+            metrics["aux"] = jax.tree.map(lambda a: a / ranks, summed["aux"])
+        out = (metrics, grads)
+        return out + ((total[sizes[-1]:] > 0,) if self.report_nan else ())
+
+    def _loss_stats(self, out) -> dict:
+        """What ``loss_fn`` returned, as ``{"loss", ["weight"], ["aux"]}`` float32 (checked)."""
+        stats = {}
+        if self.has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise ValueError("loss_fn: with has_aux=True must return (loss, aux)")
+            out, aux = out
+            stats["aux"] = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
+        if self.weighted_loss:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise ValueError("loss_fn: with weighted_loss=True must return (sum of the losses, sum of their "
+                                 "weights), e.g. (jnp.sum(token_loss * mask), jnp.sum(mask))")
+            out, weight = out
+            if jnp.shape(weight) != ():
+                raise ValueError(f"loss_fn: the weight sum must be a scalar, got shape {jnp.shape(weight)}")
+            stats["weight"] = jax.lax.stop_gradient(jnp.asarray(weight, jnp.float32))
+        if jnp.shape(out) != ():
+            raise ValueError(f"loss_fn: must return a scalar loss, got shape {jnp.shape(out)}")
+        stats["loss"] = jnp.asarray(out).astype(jnp.float32)
+        return stats
+
+    def _batch_index(self):
+        """This rank's index among the data-parallel ranks (the batch's shards)."""
+        i = jax.lax.axis_index(self.fsdp_axis)
+        return i if self.replicate_axis is None else jax.lax.axis_index(self.replicate_axis) * self.num_shards + i
 
     def _unreduced_axes(self, rule) -> tuple:
         """Data-parallel axes a gradient is left unreduced over until the end of the step (ZeRO 0-1)."""
@@ -292,20 +309,19 @@ class LayerwiseTrainStep:
         rows = g.shape[axis] // spec.num_shards
         return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(spec.gather_axis) * rows, rows, axis=axis)
 
-    def _grads(self, plan, master, batch):
+    def _grads(self, plan, master, batch, rng, extra):
         out_specs = (P(), [r.spec for r in plan.rules]) + ((P(),) if self.report_nan else ())
         fn = jax.shard_map(functools.partial(self._body, plan), mesh=self.mesh,
-                           in_specs=([r.spec for r in plan.rules], P(self._batch_axes)), out_specs=out_specs)
-        return fn(jax.tree_util.tree_leaves(master), batch)
+                           in_specs=([r.spec for r in plan.rules], P(self._batch_axes), P(), P()), out_specs=out_specs)
+        return fn(jax.tree_util.tree_leaves(master), batch, rng, extra)
 
-    def _step_fn(self, plan, state: TrainState, batch):
+    def _step_fn(self, plan, state: TrainState, batch, rng=None, extra=None):
         master = state.master
-        loss, grads, *flags = self._grads(plan, master, batch)
+        metrics, grads, *flags = self._grads(plan, master, batch, rng, extra)
         grads = jax.tree_util.tree_unflatten(plan.treedef, grads)
         new_master, opt_state, ok = apply_update(self.optimizer, grads, state, self._master_shardings(plan),
                                                  lambda o: self._opt_shardings(plan, o),
                                                  flags[0] if self.report_nan else None)
-        metrics = {"loss": loss}
         if self.report_nan:
             metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, list(flags[0]))
             metrics["update_skipped"] = jnp.logical_not(ok)
@@ -319,20 +335,34 @@ class LayerwiseTrainStep:
 
     # -- public ------------------------------------------------------------------------------
 
-    def __call__(self, state: TrainState, batch):
-        """One step: ``(new state, metrics)``; ``state`` is donated (do not use it afterwards)."""
-        self._check_call(state, batch)
-        return self._compiled(state.plan)(state, batch)
+    def __call__(self, state: TrainState, batch, *, rng=None, extra=None):
+        """One step.
 
-    def lower(self, state: TrainState, batch):
+        Args:
+          state: the ``TrainState`` (donated: do not use it afterwards).
+          batch: a pytree of arrays whose leading axis is split over the data-parallel ranks and microbatches.
+          rng: a PRNG key for this step (e.g. dropout): ``loss_fn`` gets ``rng=`` a key folded with the
+            data-parallel rank and split per microbatch (TP ranks of one batch share it). None: no ``rng``.
+          extra: a pytree of inputs that are not split with the batch (the same on every rank), passed to
+            ``loss_fn`` as ``extra=``. None: no ``extra``.
+
+        Returns:
+          ``(new state, metrics)``: ``metrics["loss"]`` (the mean loss; with ``weighted_loss`` the global sum
+          over the global weight, and ``metrics["weight"]`` that weight), ``metrics["aux"]`` with ``has_aux``
+          (the mean over ranks and microbatches), and the non-finite report with ``report_nan``.
+        """
+        self._check_call(state, batch)
+        return self._compiled(state.plan)(state, batch, rng, extra)
+
+    def lower(self, state: TrainState, batch, *, rng=None, extra=None):
         """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
         self._check_call(state, batch)
-        return self._compiled(state.plan).lower(state, batch)
+        return self._compiled(state.plan).lower(state, batch, rng, extra)
 
     def plan(self, params) -> LayerPlan:
         return make_plan(params, policy=self.policy, mesh=self.mesh, fsdp_axis=self.fsdp_axis,
                          tp_axis=self.tp_axis, replicate_axis=self.replicate_axis, microbatches=self.microbatches,
-                         param_specs=self.param_specs, quantize_mask=self.quantize_mask,
+                         param_specs=self.param_specs, quantize_mask=self.quantize_mask, rules=self.rules,
                          reshard_after_forward=self.reshard_after_forward, strategy=self.strategy)
 
     def master_shardings(self, params):

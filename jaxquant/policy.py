@@ -123,8 +123,9 @@ def raise_if_nonfinite(metrics) -> None:
 
 def value_and_grad_over_microbatches(grad_fn, diff, batch, k: int, to_main, zeros, loss0):
     """(mean loss, gradients in the main dtype) of ``grad_fn(diff, microbatch)`` over ``k`` microbatches cut
-    from ``batch``'s leading axis, summed in a ``lax.scan``; ``zeros()`` / ``loss0()`` start the sums (called
-    only when ``k > 1``; they carry the mesh axes the sums vary over)."""
+    from ``batch``'s leading axis, summed in a ``lax.scan``; the loss may be a pytree (the step's statistics).
+    ``zeros()`` / ``loss0()`` start the sums (called only when ``k > 1``; they carry the mesh axes the sums
+    vary over)."""
     if k == 1:
         loss, grads = grad_fn(diff, batch)
         return loss, to_main(grads)
@@ -133,10 +134,10 @@ def value_and_grad_over_microbatches(grad_fn, diff, batch, k: int, to_main, zero
     def accumulate(carry, mb):
         loss_sum, acc = carry
         loss, grads = grad_fn(diff, mb)
-        return (loss_sum + loss, jax.tree.map(jnp.add, acc, to_main(grads))), None
+        return (jax.tree.map(jnp.add, loss_sum, loss), jax.tree.map(jnp.add, acc, to_main(grads))), None
 
     (loss, grads), _ = jax.lax.scan(accumulate, (loss0(), zeros()), mbs)
-    return loss / k, grads
+    return jax.tree.map(lambda a: a / k, loss), grads
 
 
 def apply_update(optimizer, grads, state: TrainState, master_sharding, opt_sharding, nonfinite=None):

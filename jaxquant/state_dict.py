@@ -32,12 +32,13 @@ def _parts(path) -> tuple:
     return tuple(_part(k) for k in path)     # the key parts save_dcp joins with dots
 
 
-def _names(rule_parts, shape) -> list:
-    """The PyTorch names of one leaf: one, or one per layer of a stacked [L, out, in] leaf."""
-    if len(shape) != 3:
+def _names(rule_parts, rule) -> list:
+    """The PyTorch names of one leaf: one, or one per layer of a stacked leaf (``ParamRule(stacked=True)``, or
+    a 3-D leaf without rules), the layer index after the first part: ``blocks.0.w1``, ``blocks.0.norm``."""
+    if not rule.stacked:
         return [".".join(rule_parts)]
     head, rest = rule_parts[0], rule_parts[1:]
-    return [".".join((head, str(i)) + rest) for i in range(shape[0])]
+    return [".".join((head, str(i)) + rest) for i in range(rule.shape[0])]
 
 
 def _optax_parts(opt_state):
@@ -143,8 +144,8 @@ def state_dict(step, state, *, hyperparams=None) -> dict:
         per_param = {"momentum_buffer": jax.tree.leaves(trace.trace)}
     model, optim, names = {}, {}, []
     for i, ((path, master), rule) in enumerate(zip(leaves, plan.rules)):
-        leaf_names = _names(_parts(path), rule.shape)
-        split = ((lambda a: _layers(a, len(leaf_names), rule.spec, step.mesh)) if len(rule.shape) == 3
+        leaf_names = _names(_parts(path), rule)
+        split = ((lambda a: _layers(a, len(leaf_names), rule.spec, step.mesh)) if rule.stacked
                  else (lambda a: [a]))
         for name, value in zip(leaf_names, split(master)):
             model[name] = value
@@ -169,8 +170,8 @@ def state_dict_target(step, like) -> dict:
     adam, trace, _ = _optax_parts(like.opt_state)
     model, optim = {}, {}
     for (path, master), rule in zip(leaves, plan.rules):
-        leaf_names = _names(_parts(path), rule.shape)
-        stacked = len(rule.shape) == 3
+        leaf_names = _names(_parts(path), rule)
+        stacked = rule.stacked
         shape = rule.shape[1:] if stacked else rule.shape
         spec = P(*tuple(rule.spec)[1:]) if stacked else rule.spec
         struct = jax.ShapeDtypeStruct(shape, master.dtype, sharding=NamedSharding(step.mesh, spec))
@@ -202,13 +203,13 @@ def load_state_dict(step, sd, *, like, step_count=None):
     model, optim = sd["model"], sd["optim"]["state"]
 
     def gather_leaf(table, key, path, rule):
-        names = _names(_parts(path), rule.shape)
+        names = _names(_parts(path), rule)
         missing = [n for n in names if n not in table or (key is not None and key not in table[n])]
         if missing:
             raise KeyError(f"sd: no {key or 'tensor'} for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
         parts = [table[n] if key is None else table[n][key] for n in names]
         sharding = NamedSharding(step.mesh, rule.spec)
-        if len(rule.shape) == 3:
+        if rule.stacked:
             return _stack_fn(sharding)(*parts)
         # a fresh buffer even where sd's array already has this sharding: the loaded state must not share
         # buffers with a live state (e.g. sd = step.state_dict(state)) that a step then donates

@@ -41,14 +41,17 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
                     strategy: str = "optim_grads_params", microbatches: int = 1, report_nan: bool = False,
                     param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None,
                     replicate_axis: Optional[str] = None, quantize_mask=None, compiler_options=_DEFAULT,
-                    reshard_after_forward: bool = True):
+                    reshard_after_forward: bool = True, rules=None, has_aux: bool = False,
+                    weighted_loss: bool = False):
     """A jitted data-parallel training step with quantized compute weights.
 
     Args:
-      loss_fn: ``loss_fn(weights, batch) -> scalar``, run per rank: ``weights`` is a pytree like ``params`` whose
-        quantized leaves are ``jq.ShardedWeight`` (one layer's weight, or a stack to ``jax.lax.scan`` over) that
-        ``jq.dense`` reads, and whose other leaves are arrays (bf16 for masked matrices, else the main dtype);
-        ``batch`` is the rank's microbatch.
+      loss_fn: ``loss_fn(weights, batch[, rng=key][, extra=tree]) -> loss``, run per rank: ``weights`` is a pytree
+        like ``params`` whose quantized leaves are ``jq.ShardedWeight`` (one layer's weight, or a stack to
+        ``jax.lax.scan`` over) that ``jq.dense`` reads, and whose other leaves are arrays (bf16 for masked
+        matrices, else the main dtype); ``batch`` is the rank's microbatch; ``rng`` / ``extra`` only when the
+        step is called with them. ``loss`` is a scalar, ``(loss, aux)`` with ``has_aux``, and with
+        ``weighted_loss`` ``(sum of the per-token losses, sum of their weights)`` in place of the scalar.
       optimizer: an optax ``GradientTransformation``.
       mesh: a ``jax.sharding.Mesh`` with ``fsdp_axis``; other axes of size > 1 must be ``tp_axis`` or
         ``replicate_axis``.
@@ -62,13 +65,20 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
       fsdp_axis: the data-parallel mesh axis the state is sharded over.
       tp_axis: the tensor-parallel mesh axis, or None.
       replicate_axis: HSDP: parameters replicated over this axis, the batch split over it and ``fsdp_axis``.
-      quantize_mask: optax's mask convention (a pytree of bools like ``params`` or a callable ``params ->
-        pytree``): leaves masked False stay unquantized arrays.
+      quantize_mask: optax's mask convention (a pytree of bools like ``params``, a prefix of it whose bool covers a
+        subtree, or a callable ``params -> pytree``): leaves masked False stay unquantized arrays.
       compiler_options: XLA options of the step's executable (default: on GPU, cuBLAS GEMMs instead of Triton
         fusions; None: XLA's defaults).
       reshard_after_forward: PyTorch FSDP2's switch, ``optim_grads_params`` only: True (default) keeps no
         gathered weight past its layer's forward and gathers it again for the backward; False keeps it until
         its backward (one gather per layer and step instead of two).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of float arrays, e.g. accuracy, MoE losses)
+        comes back as ``metrics["aux"]``, averaged over microbatches and data-parallel ranks like the loss.
+      weighted_loss: ``loss_fn`` returns ``(loss_sum, weight_sum)`` (e.g. the masked token losses' sum and the
+        count of valid tokens): the step's loss is the global sum over the global weight, over every rank and
+        microbatch (MaxText's normalisation for padded batches), and the gradient is that loss's.
+      rules: a list of ``jq.ParamRule`` (path regex -> quantized or not, recipe, TP split, stacked layer axis;
+        first match wins, an unmatched leaf is an error), instead of ``quantize_mask`` / ``param_specs``.
 
     Returns:
       A step object: ``init(params) -> TrainState``, ``step(state, batch) -> (state, metrics)`` (``state`` is
@@ -95,6 +105,8 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         raise ValueError(f"tp_axis: {tp_axis!r} is not an axis of the mesh (axes {mesh.axis_names})")
     if tp_axis is not None and tp_axis == fsdp_axis:
         raise ValueError(f"tp_axis: must differ from fsdp_axis ({fsdp_axis!r})")
+    if rules is not None and (quantize_mask is not None or param_specs is not None):
+        raise ValueError("rules: give either rules or quantize_mask / param_specs, not both")
     if param_specs is not None and tp_axis is None:
         raise ValueError("param_specs: given without tp_axis; name the tensor-parallel mesh axis as tp_axis")
     if replicate_axis is not None and (replicate_axis not in mesh.axis_names
@@ -114,4 +126,4 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         compiler_options = default_compiler_options(mesh)
     return LayerwiseTrainStep(loss_fn, optimizer, mesh, policy, int(microbatches), bool(report_nan), fsdp_axis,
                               tp_axis, param_specs, replicate_axis, quantize_mask, compiler_options,
-                              reshard_after_forward, strategy)
+                              reshard_after_forward, strategy, rules, bool(has_aux), bool(weighted_loss))

@@ -1,0 +1,149 @@
+"""Which parameters are quantized, split over TP and stacked: rules on parameter paths, or the simple forms.
+
+``ParamRule`` (qwix's ``QtRule`` / MaxText's logical axis rules in spirit): a regular expression on a leaf's
+dotted path (``"blocks.w1"``, ``"layers.0.attention.wq"``; dict keys, sequence indices and attribute names
+joined by dots) and what to do with the leaves it matches. The first rule that matches a leaf decides; a leaf
+no rule matches is an error, so nothing is guessed.
+
+The simple forms stay: ``quantize_mask`` (optax's mask convention: a pytree of bools like ``params``, or a
+*prefix* of it whose bool covers a whole subtree, or a callable returning either) and ``param_specs`` (a
+pytree or prefix of ``"col"`` / ``"row"`` / None). Without rules, every 2-D leaf is a quantizable
+``[out, in]`` weight and every 3-D leaf a stacked ``[L, out, in]`` one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import NamedTuple, Optional, Union
+
+import jax
+import numpy as np
+
+from jaxquant.layout import TP_SPLITS
+from jaxquant.policy import COMPUTE_WEIGHTS
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRule:
+    """How the parameters whose dotted path fully matches ``pattern`` are trained.
+
+    Args:
+      pattern: a regular expression, matched with ``re.fullmatch`` against the leaf's dotted path.
+      quantize: False (default: an unquantized array, gathered whole when ``loss_fn`` starts), True (a
+        ``jq.ShardedWeight`` in the policy's ``compute_weights``) or a recipe name, ``"bf16"``, ``"fp8"`` or
+        ``"nvfp4"`` (this leaf's compute weights, whatever the policy says).
+      tp: None (replicated over the TP axis), ``"col"`` (``out`` split) or ``"row"`` (``in`` split).
+      stacked: axis 0 is a layer axis (the leaf is a stack of ``L`` layers to ``jax.lax.scan`` over): each
+        layer is quantized with its own scales and saved under its own name (``blocks.0.norm`` ...).
+    """
+
+    pattern: str
+    quantize: Union[bool, str] = False
+    tp: Optional[str] = None
+    stacked: bool = False
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"ParamRule.pattern: not a regular expression: {self.pattern!r} ({e})") from None
+        if not isinstance(self.quantize, bool) and self.quantize not in COMPUTE_WEIGHTS:
+            raise ValueError(f"ParamRule({self.pattern!r}).quantize: must be True, False or one of {COMPUTE_WEIGHTS}, "
+                             f"got {self.quantize!r}")
+        if self.tp is not None and self.tp not in TP_SPLITS:
+            raise ValueError(f"ParamRule({self.pattern!r}).tp: must be 'col', 'row' or None, got {self.tp!r}")
+        if not isinstance(self.stacked, bool):
+            raise ValueError(f"ParamRule({self.pattern!r}).stacked: must be a bool, got {self.stacked!r}")
+
+
+class LeafDecision(NamedTuple):
+    """What the rules (or the simple forms) decided for one leaf."""
+
+    recipe: Optional[str]      # compute weights of a quantized leaf, None: an array
+    tp: Optional[str]          # "col" / "row" / None
+    stacked: bool              # axis 0 is a layer axis
+
+
+def dotted_path(path) -> str:
+    """``blocks.w1`` for the key path ``['blocks']['w1']`` (what rules match, and the checkpoint's names)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def broadcast_prefix(tree, params, what: str) -> list:
+    """One entry per leaf of ``params`` from ``tree``: a pytree like ``params`` or a prefix of it (an entry at
+    a subtree's place covers every leaf below it, as ``optax.masked`` reads masks), or a callable
+    ``params -> such a tree``. None entries stay None (a pytree node to JAX, so they must be leaves here)."""
+    tree = tree(params) if callable(tree) else tree
+    leaf = lambda x: x is None or isinstance(x, (bool, str, int, np.bool_, np.integer))
+    try:
+        full = jax.tree_util.tree_map(lambda v, sub: jax.tree_util.tree_map(lambda _: v, sub), tree, params,
+                                      is_leaf=leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{what}: must be a pytree like params, or a prefix of it, or a callable params -> such a "
+                         f"pytree ({e})") from None
+    return jax.tree_util.tree_leaves(full, is_leaf=leaf)
+
+
+def decide(params, *, rules=None, quantize_mask=None, param_specs=None, compute_weights: str) -> list:
+    """A ``LeafDecision`` per leaf of ``params`` (in ``tree_flatten`` order), or a ``ValueError`` naming the leaf."""
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(params)[0]
+    if rules is not None:
+        if quantize_mask is not None or param_specs is not None:
+            raise ValueError("rules: give either rules or quantize_mask / param_specs, not both")
+        rules = list(rules)
+        for r in rules:
+            if not isinstance(r, ParamRule):
+                raise TypeError(f"rules: must be jaxquant.ParamRule objects, got {type(r).__name__}")
+        return [_by_rules(dotted_path(p), np.shape(a), rules, compute_weights) for p, a in leaves_with_path]
+    n = len(leaves_with_path)
+    masks = [None] * n if quantize_mask is None else broadcast_prefix(quantize_mask, params, "quantize_mask")
+    splits = [None] * n if param_specs is None else broadcast_prefix(param_specs, params, "param_specs")
+    out = []
+    for (path, leaf), mask, split in zip(leaves_with_path, masks, splits):
+        name, shape = jax.tree_util.keystr(path), np.shape(leaf)
+        if mask is not None and not isinstance(mask, (bool, np.bool_)):
+            raise ValueError(f"quantize_mask{name}: leaves must be True or False, got {mask!r}")
+        if isinstance(split, (int, np.integer)) and not isinstance(split, (bool, np.bool_)):
+            split = {0: "col", 1: "row"}.get(int(split), split)
+        if split is not None and (not isinstance(split, str) or split not in TP_SPLITS):
+            raise ValueError(f"param_specs{name}: must be 'col', 'row' or None, got {split!r}")
+        matrix = len(shape) in (2, 3)
+        quantized = matrix if mask is None else bool(mask)
+        if quantized and not matrix:
+            raise ValueError(f"quantize_mask{name}: only 2-D [out, in] or stacked 3-D [L, out, in] leaves can be "
+                             f"quantized, got shape {tuple(shape)}")
+        if split is not None and not matrix:
+            raise ValueError(f"param_specs{name}: only [out, in] (or stacked [L, out, in]) weights can be split "
+                             f"over TP, got shape {tuple(shape)}")
+        out.append(LeafDecision(compute_weights if quantized else None, split, len(shape) == 3))
+    return out
+
+
+def _by_rules(name: str, shape, rules, compute_weights: str) -> LeafDecision:
+    for r in rules:
+        if re.fullmatch(r.pattern, name):
+            break
+    else:
+        raise ValueError(f"rules: no rule matches the parameter {name} (shape {tuple(shape)}); add one, e.g. "
+                         f"ParamRule(r'.*', quantize=False) last for everything else")
+    where = f"rules: ParamRule({r.pattern!r}) matches {name} of shape {tuple(shape)}"
+    layer = tuple(shape[1:]) if r.stacked else tuple(shape)
+    if r.stacked and len(shape) < 1:
+        raise ValueError(f"{where}: stacked=True needs a layer axis (axis 0)")
+    recipe = None if r.quantize is False else (compute_weights if r.quantize is True else r.quantize)
+    if recipe is not None and len(layer) != 2:
+        hint = "; declare stacked=True if axis 0 is a layer axis" if len(shape) == 3 and not r.stacked else ""
+        raise ValueError(f"{where}: only [out, in] weights (per layer) can be quantized, got a layer of shape "
+                         f"{layer}{hint}")
+    if r.tp is not None and len(layer) != 2:
+        raise ValueError(f"{where}: only [out, in] weights (per layer) can be split over TP, got {layer}")
+    return LeafDecision(recipe, r.tp, r.stacked)
