@@ -19,7 +19,8 @@ profile and the 300-tensor group).
 On a GPU the defaults are sizes 8192² and 16384², 5 x 20 dispatches. On any other backend they are a
 smoke run that checks that everything runs and the JSON has its fields: 128x256, 3 x 3 dispatches, the
 layer's dims / 32 (about 5 s and 0.3 GB on 2 CPU cores). The GPU sizes on the CPU take minutes and GBs.
-The JSON is written only with --json PATH.
+The JSON is written only with --json PATH. The options are checked before anything is timed: a bad one
+is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import datetime
 import fnmatch
 import glob
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -53,6 +55,13 @@ LLAMA3_8B_LAYER = (("q_proj", (4096, 4096)), ("k_proj", (1024, 4096)), ("v_proj"
 # with --device-time (default on a GPU) also: kernel time of the custom calls and of the XLA reference
 # per call, and their ratios to the floor at the copy kernel's bandwidth (None on the CPU)
 DEVICE_FIELDS = ("dev_us", "dev_floor_us", "dev_x_floor", "xla_dev_us", "dev_x_xla")
+# The ops --ops selects from: the single-tensor quantizers, each pass on its own (--stages) and the
+# master-weight steps (--group): (op, recipe, columnwise, split); "-gathered": split=False, the step returns the
+# gathered buffers (as the baseline does) and each weight is cut out where it is read.
+QUANTIZE_OPS = ("quantize_fp8", "quantize_fp8+T", "quantize_nvfp4", "quantize_nvfp4+T")
+STAGE_OPS = ("fp8_stats", "fp8_quantize", "fp8_quantize+T", "nvfp4_stats", "nvfp4_quantize", "nvfp4_quantize+T")
+STEP_OPS = tuple((f"step_{recipe}{'+T' if columnwise else ''}{'' if split else '-gathered'}", recipe, columnwise, split)
+                 for recipe in ("nvfp4", "fp8") for columnwise in (False, True) for split in (True, False))
 
 
 def batch_seconds(fn, *args, iters: int, keep: bool = False) -> float:
@@ -135,27 +144,31 @@ def cases(x, stages: bool):
     n, itemsize = rows * cols, x.dtype.itemsize
     fp4_out = n // 2 + _nvfp4_scale_bytes(rows, cols)
     fp4_out_t = n // 2 + _nvfp4_scale_bytes(cols, rows)
+    q8, q8t, q4, q4t = QUANTIZE_OPS
     out = [
-        ("quantize_fp8", lambda x, impl: jq.quantize_fp8(x, impl=impl), 2 * n * itemsize + n),
-        ("quantize_fp8+T", lambda x, impl: jq.quantize_fp8(x, columnwise=True, impl=impl), 2 * n * itemsize + 2 * n),
-        ("quantize_nvfp4", lambda x, impl: jq.quantize_nvfp4(x, impl=impl), 2 * n * itemsize + fp4_out),
-        ("quantize_nvfp4+T", lambda x, impl: jq.quantize_nvfp4(x, columnwise=True, impl=impl),
-         2 * n * itemsize + fp4_out + fp4_out_t),
+        (q8, lambda x, impl: jq.quantize_fp8(x, impl=impl), 2 * n * itemsize + n),
+        (q8t, lambda x, impl: jq.quantize_fp8(x, columnwise=True, impl=impl), 2 * n * itemsize + 2 * n),
+        (q4, lambda x, impl: jq.quantize_nvfp4(x, impl=impl), 2 * n * itemsize + fp4_out),
+        (q4t, lambda x, impl: jq.quantize_nvfp4(x, columnwise=True, impl=impl), 2 * n * itemsize + fp4_out + fp4_out_t),
     ]
-    if stages:  # each pass on its own: one read of x plus its outputs
+    if stages:  # each pass on its own: one read of x plus its outputs (all from NVFP4's statistics)
+        s8, c8, c8t, s4, c4, c4t = STAGE_OPS
         tiles, amax, _ = ops.nvfp4_stats(x, impl="reference")
         out += [
-            ("fp8_stats", lambda x, impl: ops.fp8_stats(x, impl=impl), n * itemsize),
-            ("fp8_quantize", lambda x, impl: ops.fp8_quantize(x, amax, impl=impl), n * itemsize + n),
-            ("fp8_quantize+T", lambda x, impl: ops.fp8_quantize(x, amax, columnwise=True, impl=impl),
-             n * itemsize + 2 * n),
-            ("nvfp4_stats", lambda x, impl: ops.nvfp4_stats(x, impl=impl), n * itemsize + n // 64),
-            ("nvfp4_quantize", lambda x, impl: ops.nvfp4_quantize(x, tiles, amax, impl=impl),
-             n * itemsize + fp4_out),
-            ("nvfp4_quantize+T", lambda x, impl: ops.nvfp4_quantize(x, tiles, amax, columnwise=True, impl=impl),
+            (s8, lambda x, impl: ops.fp8_stats(x, impl=impl), n * itemsize),
+            (c8, lambda x, impl: ops.fp8_quantize(x, amax, impl=impl), n * itemsize + n),
+            (c8t, lambda x, impl: ops.fp8_quantize(x, amax, columnwise=True, impl=impl), n * itemsize + 2 * n),
+            (s4, lambda x, impl: ops.nvfp4_stats(x, impl=impl), n * itemsize + n // 64),
+            (c4, lambda x, impl: ops.nvfp4_quantize(x, tiles, amax, impl=impl), n * itemsize + fp4_out),
+            (c4t, lambda x, impl: ops.nvfp4_quantize(x, tiles, amax, columnwise=True, impl=impl),
              n * itemsize + fp4_out + fp4_out_t),
         ]
     return out
+
+
+def selected(name: str, ops: str | None) -> bool:
+    """Whether ``--ops`` (comma-separated op names or shell patterns; None: every op) selects op ``name``."""
+    return not ops or any(fnmatch.fnmatchcase(name, pat) for pat in ops.split(","))
 
 
 def _traced_planes(fn, arg, iters: int, pipelined: bool) -> list:
@@ -312,12 +325,7 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
     from jaxquant.distributed import gathered_bytes, quantize_master_weights
     from jaxquant.layout import FlatLayout
 
-    # "-gathered": split=False, the step returns the gathered buffers (as the baseline does) and each
-    # weight is cut out where it is read
-    steps = [(f"step_{recipe}" + ("+T" if columnwise else "") + ("" if split else "-gathered"),
-              recipe, columnwise, split)
-             for recipe in ("nvfp4", "fp8") for columnwise in (False, True) for split in (True, False)]
-    steps = [s for s in steps if not ops or any(fnmatch.fnmatchcase(s[0], pat) for pat in ops.split(","))]
+    steps = [s for s in STEP_OPS if selected(s[0], ops)]
     if not steps:
         return []
     devices = jax.devices()
@@ -377,15 +385,63 @@ def _git_commit() -> str | None:
         return None
 
 
+def check_args(args, gpu: bool) -> dict:
+    """The run's sizes, dtypes, iters, repeats and stages from ``args`` and this backend's defaults, checked before
+    any work: ``ValueError`` whose message starts with the option's name."""
+    from jaxquant import formats
+    from jaxquant.demo import check_writable_dir
+    from jaxquant.ops import INPUT_DTYPES
+
+    sizes = []
+    for size in (args.sizes or (GPU_SIZES if gpu else CPU_SIZES)).split(","):
+        try:
+            rows, cols = (int(v) for v in size.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--sizes: each size must be ROWSxCOLS, e.g. {CPU_SIZES}; got {size!r}") from None
+        if rows < 1 or cols < 1:
+            raise ValueError(f"--sizes: both dimensions must be positive, got {size!r}")
+        sizes.append((rows, cols))
+    dtypes = (args.dtypes or ("float32,bfloat16" if gpu else "float32")).split(",")
+    inputs = [d.name for d in INPUT_DTYPES]
+    for name in dtypes:
+        if name not in inputs:
+            raise ValueError(f"--dtypes: each must be one of the quantizers' input dtypes {', '.join(inputs)}; "
+                             f"got {name!r}")
+    for option, value in (("--iters", args.iters), ("--repeats", args.repeats)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option}: must be at least 1, got {value}")
+    stages = args.stages if args.stages is not None else gpu
+    single = QUANTIZE_OPS + (STAGE_OPS if stages else ())
+    available = single + (tuple(s[0] for s in STEP_OPS) if args.group else ())
+    for pattern in args.ops.split(",") if args.ops else ():
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in available):
+            off = ([] if stages else ["--stages adds " + ", ".join(STAGE_OPS)]) + ([] if args.group else
+                                                                                   ["--group adds step_*"])
+            raise ValueError(f"--ops: {pattern!r} selects none of this run's ops ({', '.join(available)})"
+                             + (f"; {'; '.join(off)}" if off else ""))
+    # NVFP4's 16x16 tiles: its ops, and every --stages row (they start from nvfp4_stats, see cases())
+    if stages or any("nvfp4" in name and selected(name, args.ops) for name in single):
+        for rows, cols in sizes:
+            formats.check_nvfp4_shape(rows, cols, "--sizes")
+    if args.json:   # the results must not be lost at the end of the run
+        if os.path.isdir(args.json):
+            raise ValueError(f"--json: {args.json} is a directory")
+        check_writable_dir(os.path.dirname(os.path.abspath(args.json)), "--json", create=False)
+    return dict(sizes=sizes, dtypes=dtypes, iters=args.iters or (GPU_ITERS if gpu else CPU_ITERS),
+                repeats=args.repeats or (GPU_REPEATS if gpu else CPU_REPEATS), stages=stages)
+
+
 def run(args) -> int:
     import jax
     import jax.numpy as jnp
 
     gpu = jax.default_backend() == "gpu"
-    sizes = args.sizes or (GPU_SIZES if gpu else CPU_SIZES)
-    iters = args.iters or (GPU_ITERS if gpu else CPU_ITERS)
-    repeats = args.repeats or (GPU_REPEATS if gpu else CPU_REPEATS)
-    dtypes = args.dtypes or ("float32,bfloat16" if gpu else "float32")
+    try:
+        settings = check_args(args, gpu)
+    except ValueError as e:
+        print(f"jaxquant bench: error: {e}", file=sys.stderr)
+        return 2
+    iters, repeats = settings["iters"], settings["repeats"]
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
           f"compute dtype bfloat16; times: median of {repeats} x {iters} dispatches")
@@ -404,15 +460,14 @@ def run(args) -> int:
     dispatch_us = median_seconds(jax.jit(lambda v: v + 1), jnp.ones((4,), jnp.float32), iters=iters,
                                  repeats=repeats) * 1e6
     print(f"{'(dispatch, 4 elts)':18s} {'':>12s} {'':>9s} {dispatch_us:9.1f}")
-    for size in sizes.split(","):
-        rows, cols = (int(v) for v in size.lower().split("x"))
+    for rows, cols in settings["sizes"]:
         bw, bw_dev = copy_bandwidth(rows * cols, iters=iters, repeats=repeats, device_time=dev_time)
         copies.append(dict(shape=f"{rows}x{cols}", copy_gbps=bw / 1e9, copy_dev_gbps=bw_dev and bw_dev / 1e9))
-        for dname in dtypes.split(","):
+        for dname in settings["dtypes"]:
             dtype = jnp.dtype(dname)
             x = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32).astype(dtype)
-            for name, fn, nbytes in cases(x, args.stages if args.stages is not None else gpu):
-                if args.ops and not any(fnmatch.fnmatchcase(name, pat) for pat in args.ops.split(",")):
+            for name, fn, nbytes in cases(x, settings["stages"]):
+                if not selected(name, args.ops):
                     continue
                 custom_fn = jax.jit(lambda v, f=fn: f(v, "custom_call"))
                 xla_fn = jax.jit(lambda v, f=fn: f(v, "reference"))
@@ -435,7 +490,7 @@ def run(args) -> int:
                 if args.timeline and gpu:
                     row["timeline"] = {impl: print_timeline(f"{name} {row['shape']} {dname} {impl}", f, x)
                                        for impl, f in (("custom_call", custom_fn), ("reference", xla_fn))}
-        print(f"{'(copy x+1 fp32)':18s} {size:>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
+        print(f"{'(copy x+1 fp32)':18s} {f'{rows}x{cols}':>12s} {'':>9s} {'':>9s} {'':>8s} {'':>9s} {'':>7s}  "
               f"{bw / 1e9:.0f} GB/s" + (f", kernel {bw_dev / 1e9:.0f} GB/s" if bw_dev else ""))
     group_rows = (group_step_rows(div=1 if gpu else 32, iters=iters, repeats=repeats, ops=args.ops,
                                   timeline=args.timeline and gpu)
@@ -482,7 +537,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "calls and XLA; the master-weight steps): span per call, busy and idle time, and "
                              "one call's events with the stream's idle gap before each")
     parser.add_argument("--json", default=None, metavar="PATH",
-                        help="write the results as JSON to PATH (default: no JSON file)")
+                        help="write the results as JSON to PATH, in an existing directory (default: no JSON file)")
     parser.set_defaults(func=run)
 
 

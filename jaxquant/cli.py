@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -40,9 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # First: SIGINT/SIGTERM become one exception (checkpoint writes clean up on it) and end in one line with
-    # exit status 128 + signal number, not a traceback.
-    from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
+    # SIGINT/SIGTERM become one exception (checkpoint writes clean up on it) and end in one line with exit status
+    # 128 + signal number, not a traceback. The commands' imports and work run inside cli_handlers; a SIGINT before
+    # they are in place (while this imports them) is Python's own KeyboardInterrupt: the same line. (One while Python
+    # imports the jaxquant package itself, before this module runs, cannot be caught here.)
+    try:
+        from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
+    except KeyboardInterrupt:
+        print("jaxquant: interrupted by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
     try:
         with cli_handlers():
@@ -54,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             if devices:
                 _force_host_devices(devices)
             return int(args.func(args) or 0)
-    except Interrupted as e:
+    except KeyboardInterrupt as e:   # Interrupted; or Python's own, from a SIGINT before or after the handlers
+        e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         return report(f"jaxquant: interrupted by {e.signame}", e)
 
 

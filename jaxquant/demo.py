@@ -17,8 +17,12 @@ model has them) and the NVFP4/FP8 weights.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import re
+import shlex
+import tempfile
 import time
 
 import numpy as np
@@ -34,6 +38,7 @@ class ModelConfig:
     seq: int = 32
 
 
+RECIPES = ("nvfp4", "fp8", "bf16")
 BLOCK_MATRICES = ("q", "k", "v", "o", "up", "down")
 TP_SPLIT = {"q": "col", "k": "col", "v": "col", "o": "row", "up": "col", "down": "row"}
 
@@ -189,7 +194,9 @@ def parse_mesh(spec: str | None, num_devices: int) -> tuple[int, int]:
         fsdp, tp = (int(v) for v in spec.lower().split("x"))
     except ValueError:
         raise ValueError(f"--mesh: must look like 8x1 (fsdp x tp), got {spec!r}") from None
-    if fsdp < 1 or tp < 1 or fsdp * tp > num_devices:
+    if fsdp < 1 or tp < 1:
+        raise ValueError(f"--mesh: both sizes must be positive, got {spec!r}")
+    if fsdp * tp > num_devices:
         raise ValueError(f"--mesh: {fsdp}x{tp} needs {fsdp * tp} devices, {num_devices} available")
     return fsdp, tp
 
@@ -252,6 +259,99 @@ class MissingOptaxError(ImportError):
                          '(from a checkout: pip install --no-build-isolation -e ".[train]")')
 
 
+class NonFiniteError(ArithmeticError):
+    """The loss or the parameters became NaN or ±inf: the run stops before saving that state."""
+
+
+def _os_error_text(e: OSError) -> str:
+    from jaxquant.checkpoint.fsutil import os_error_cause
+
+    return f"{e.filename}: {os_error_cause(e)}" if e.filename else os_error_cause(e)
+
+
+def check_writable_dir(directory: str, option: str, *, create: bool) -> None:
+    """Raise ``ValueError("{option}: ...")`` unless files can be made in ``directory`` (``create``: or in the
+    directory it will be made in, with its parents). Tried by making and removing a temporary directory, so a
+    destination that cannot be written is refused before the work whose results would go there, not after it."""
+    from jaxquant.checkpoint.fsutil import os_error_cause
+
+    path = os.path.abspath(directory)
+    existing = path
+    while create and not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "does not exist" if not os.path.lexists(existing) else "is not a directory"
+        on_the_way = "" if existing == path else f" (on the way to {directory})"
+        raise ValueError(f"{option}: {existing} {what}{on_the_way}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxquant-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(f"{option}: cannot write in {existing}: {os_error_cause(e)}") from None
+
+
+def _recorded(path: str, name: str, kind: type):
+    """The demo's record ``demo.{name}`` of checkpoint ``path``; None where it has none (written by another
+    program, or by the demo before it kept these records). Raises ``CheckpointError`` for an unreadable one."""
+    from jaxquant import checkpoint as ck
+
+    try:
+        return ck.load_dcp(path, {"demo": {name: kind}})["demo"][name]
+    except ck.KeyMismatchError:
+        return None
+
+
+def checkpoint_recipe(path: str) -> str | None:
+    """The recipe checkpoint ``path`` was trained with: its ``demo.recipe`` record, else the name the demo gives
+    its checkpoint directories (``{recipe}-step{N}``); None where neither says."""
+    recorded = _recorded(path, "recipe", str)
+    name = re.fullmatch(r"(nvfp4|fp8|bf16)-step\d+(-\d+)?", os.path.basename(os.path.normpath(path)))
+    return recorded or (name and name[1])
+
+
+def check_resume(path: str, recipe: str) -> float | None:
+    """Before any work: ``path`` must be a readable DCP checkpoint trained with ``recipe`` (resuming with
+    another would switch the compute weights mid-run). Returns the loss of its run's first step, None where the
+    checkpoint does not record it. The errors are ``jaxquant ckpt inspect``'s (jaxquant/checkpoint/errors.py)."""
+    from jaxquant import checkpoint as ck
+
+    try:
+        trained = checkpoint_recipe(path)
+        first_loss = _recorded(path, "first_loss", float)
+    except ck.CheckpointError as e:
+        raise ValueError(f"--resume: {e}") from None
+    except OSError as e:
+        raise ValueError(f"--resume: {_os_error_text(e)}") from None
+    if trained is not None and trained != recipe:
+        raise ValueError(f"--resume: {path} was trained with --recipe {trained}, this run asks for --recipe "
+                         f"{recipe}; pass --recipe {trained} to continue it")
+    return first_loss
+
+
+def _resumed_state(step, like, path: str):
+    """The training state of checkpoint ``path`` on ``step``'s mesh; ``ValueError("--resume: ...")`` for a
+    damaged checkpoint (a chunk's CRC-32 is checked as it is read) or one of another model."""
+    from jaxquant import checkpoint as ck
+
+    try:
+        return step.load_state_dict(ck.load_dcp(path, step.state_dict_target(like)), like=like)
+    except ck.KeyMismatchError as e:
+        raise ValueError(f"--resume: not a checkpoint of this demo's model: {e}") from None
+    except ck.CheckpointError as e:
+        raise ValueError(f"--resume: {e}") from None
+    except OSError as e:
+        raise ValueError(f"--resume: {_os_error_text(e)}") from None
+    except (KeyError, ValueError) as e:   # load_state_dict: entries that are no Adam state of this model
+        raise ValueError(f"--resume: not a checkpoint of this demo's training state: {path}: "
+                         f"{e.args[0] if e.args else e}") from None
+
+
+def _all_finite(tree) -> bool:
+    import jax
+    import jax.numpy as jnp
+
+    return all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(tree))
+
+
 def peak_memory_gib(devices) -> float | None:
     """The largest peak of device memory in use among ``devices`` (None where the backend does not say)."""
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
@@ -259,10 +359,26 @@ def peak_memory_gib(devices) -> float | None:
     return max(peaks) / 2 ** 30 if peaks else None
 
 
+def torch_load_command(path: str) -> str:
+    """A shell command that loads every tensor of DCP checkpoint ``path`` into a PyTorch dict (keyed as the
+    checkpoint names them: model.*, optim.state.*, model_nvfp4.*), with no model class: the dict is built from
+    the checkpoint's own metadata."""
+    code = (f"import torch, torch.distributed.checkpoint as dcp; r = dcp.FileSystemReader({json.dumps(path)}); "
+            'sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in '
+            'r.read_metadata().state_dict_metadata.items() if hasattr(m, "size")}; dcp.load(sd, storage_reader=r); '
+            'print(len(sd), "tensors; model.head", tuple(sd["model.head"].shape))')
+    return f"python -c {shlex.quote(code)}"
+
+
 def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, batch_per_device: int = 2,
         lr: float = 3e-3, ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True,
         cfg: ModelConfig = ModelConfig(), resume: str | None = None, save_every: int = 0):
-    """Train and checkpoint; returns a dict with the losses, the checkpoint path and the throughput."""
+    """Train and checkpoint; returns a dict with the losses, the checkpoint path and the throughput, and
+    ``first_loss`` (the loss of the training run's first step: this run's, or for ``resume`` the one the
+    checkpoint records; None where it does not) and ``step`` (the steps taken in all).
+
+    Every argument and the checkpoint to resume are checked before any training (``ValueError`` starting with
+    the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``)."""
     import jax
     try:
         import optax
@@ -273,8 +389,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
 
     import jaxquant as jq
     from jaxquant import checkpoint as ck
+    from jaxquant.checkpoint import interrupt
 
-    if recipe not in ("nvfp4", "fp8", "bf16"):
+    if recipe not in RECIPES:
         raise ValueError(f"--recipe: must be nvfp4, fp8 or bf16, got {recipe!r}")
     if steps < 1:
         raise ValueError(f"--steps: must be at least 1, got {steps}")
@@ -282,11 +399,13 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         raise ValueError(f"--batch-per-device: must be at least 1, got {batch_per_device}")
     if save_every < 0:
         raise ValueError(f"--save-every: must be 0 (off) or positive, got {save_every}")
-    if resume is not None and not os.path.isfile(os.path.join(resume, ".metadata")):
-        raise ValueError(f"--resume: {resume!r} is not a DCP checkpoint directory (no .metadata)")
+    if not 0 < lr <= float(np.finfo(np.float32).max):   # (the step computes in float32: a larger one is inf)
+        raise ValueError(f"--lr: must be a positive finite float32 number, got {lr}")
     devices = jax.devices()
     fsdp, tp = parse_mesh(mesh_spec, len(devices))
     check_tp(cfg, tp, recipe)
+    first_loss = check_resume(resume, recipe) if resume is not None else None
+    check_writable_dir(ckpt_dir, "--ckpt-dir", create=True)
     _print_backends()
     mesh = Mesh(np.array(devices[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
     batch = batch_per_device * fsdp * tp        # the TP ranks of one FSDP rank share its rows
@@ -296,7 +415,7 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     state = step.init(init_params(jax.random.key(seed), cfg))
     adam = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)     # optax.adam's, as torch names them
     if resume is not None:   # any mesh size: the checkpoint is read into this mesh's shards
-        state = step.load_state_dict(ck.load_dcp(resume, step.state_dict_target(state)), like=state)
+        state = _resumed_state(step, state, resume)
         print(f"resumed from {resume} at step {int(state.step)}")
     start = int(state.step)
     sent, sent_bf16 = bytes_gathered(state.plan, recipe)
@@ -307,33 +426,48 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     if sent_bf16:
         gathered = f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)"
         print(f"weights all-gathered per step (each layer where it is used): {gathered}")
-    else:   # fsdp = 1: every rank holds its whole (TP-local) weights
-        print("weights all-gathered per step: none (fsdp=1: each device holds its weights whole)")
+    else:   # fsdp = 1, or no weight's rows split evenly over fsdp (e.g. 3): every rank holds its weights whole
+        split = "" if fsdp == 1 else " splits no weight evenly"
+        print(f"weights all-gathered per step: none (fsdp={fsdp}{split}: each device holds its weights whole)")
     data = SyntheticData(cfg, batch, seed, skip=start)
 
     def save(total, final):
+        if not _all_finite(state.master):
+            raise NonFiniteError(f"the parameters hold NaN or inf after step {total} (--lr {lr:g}); stopped "
+                                 f"without saving them")
         tree = step.state_dict(state, hyperparams=adam)
         if final and recipe != "bf16":   # the compute weights too, per layer
             quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
             params = per_layer(step.params(state), cfg)
             tree[f"model_{recipe}"] = {n: quant(w) for n, w in params.items() if w.ndim == 2 and n != "embed"}
-        return ck.save_dcp(_fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")), tree | {"step": total})
+        # what --resume checks and judges by: the recipe, and the loss the training run started from
+        record = {"recipe": recipe} | ({} if first_loss is None else {"first_loss": first_loss})
+        return ck.save_dcp(_fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
+                           tree | {"step": total, "demo": record})
 
     tokens = batch * cfg.seq
     losses, times = [], []
     bar = tqdm(range(steps), desc=f"train {recipe}", disable=not progress, dynamic_ncols=True)
-    for i in bar:
-        b = data.next()
-        t0 = time.perf_counter()
-        state, metrics = step(state, b)
-        loss = float(metrics["loss"])           # waits for the step
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-        tok_s = tokens / (np.median(times[1:]) if len(times) > 1 else times[0])
-        bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s")
-        if save_every and (i + 1) % save_every == 0 and i + 1 < steps:
-            bar.write(f"saved {save(start + i + 1, final=False)}")
-    bar.close()
+    try:
+        for i in bar:
+            interrupt.check()   # a Ctrl-C whose raise Python dropped (in a GC callback) stops the run here
+            b = data.next()
+            t0 = time.perf_counter()
+            state, metrics = step(state, b)
+            loss = float(metrics["loss"])           # waits for the step
+            times.append(time.perf_counter() - t0)
+            if not math.isfinite(loss):
+                raise NonFiniteError(f"the loss is {loss} at step {start + i + 1} (--lr {lr:g}); stopped without "
+                                     f"saving")
+            losses.append(loss)
+            if resume is None and i == 0:
+                first_loss = loss
+            tok_s = tokens / (np.median(times[1:]) if len(times) > 1 else times[0])
+            bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s")
+            if save_every and (i + 1) % save_every == 0 and i + 1 < steps:
+                bar.write(f"saved {save(start + i + 1, final=False)}")
+    finally:
+        bar.close()
     path = save(start + steps, final=True)
     step_time = float(np.median(times[1:])) if len(times) > 1 else times[0]
     peak = peak_memory_gib(mesh.devices.flat)
@@ -341,38 +475,50 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps; step {step_time * 1e3:.1f} ms "
           f"({tokens / step_time:,.0f} tokens/s){' after the first (compile) step' if steps > 1 else ''}{memory}")
     print(f"checkpoint (parameters, Adam state, step {start + steps}): {path}\n"
-          f"  inspect it:        jaxquant ckpt inspect {path}\n"
-          f"  resume in JAX:     jaxquant demo --resume {path} --steps N   (any --mesh)\n"
-          f"  load in PyTorch:   m, o = get_state_dict(model, torch.optim.Adam(model.parameters())); "
-          f"torch.distributed.checkpoint.load({{'model': m, 'optim': o}}, checkpoint_id='{path}'); "
-          f"set_state_dict(model, optimizer, model_state_dict=m, optim_state_dict=o)")
+          f"  inspect it:        jaxquant ckpt inspect {shlex.quote(path)}\n"
+          f"  resume in JAX:     jaxquant demo --resume {shlex.quote(path)} --recipe {recipe} --steps N   "
+          f"(any --mesh)\n"
+          f"  load in PyTorch:   {torch_load_command(path)}")
     return {"losses": losses, "checkpoint": path, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-            "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16, "peak_gib": peak}
+            "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16, "peak_gib": peak, "first_loss": first_loss,
+            "step": start + steps}
+
+
+EXIT_STATUS = ("Exit status 0; 1 when the loss did not fall (the last step's loss is not below the first step's "
+               "loss of the training run: with --resume, the first step of the run the checkpoint continues, as it "
+               "records it, so a resumed run is judged as the uninterrupted one; a fresh one-step run is not "
+               "judged) or when the loss or the parameters became NaN or inf (the run stops before saving them); 2 "
+               "for a bad option or checkpoint to resume, found before any training; 130 / 143 when interrupted.")
 
 
 def add_demo_parser(sub) -> None:
-    demo = sub.add_parser("demo", help="train a small transformer with NVFP4/FP8 weights from fp32 master shards")
+    text = "train a small transformer with NVFP4/FP8 weights from fp32 master shards"
+    demo = sub.add_parser("demo", help=text, description=f"{text[0].upper()}{text[1:]}. {EXIT_STATUS}")
     demo.add_argument("--steps", type=int, default=40, help="training steps, at least 1 (default 40)")
-    demo.add_argument("--recipe", choices=("nvfp4", "fp8", "bf16"), default="nvfp4",
-                      help="compute weights (default nvfp4)")
-    demo.add_argument("--mesh", default=None, help="FSDPxTP, e.g. 4x2 (default: all devices, tp=2: 4x2 on 8)")
+    demo.add_argument("--recipe", choices=RECIPES, default="nvfp4",
+                      help="compute weights (default nvfp4; --resume needs the checkpoint's)")
+    demo.add_argument("--mesh", default=None,
+                      help="FSDPxTP, e.g. 4x2 (default: all devices, tp=2 on an even number: 4x2 on 8, 3x1 on 3)")
     demo.add_argument("--batch-per-device", type=int, default=2, help="sequences per device and step (default 2)")
-    demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    demo.add_argument("--ckpt-dir", default="jaxquant-demo-ckpt", help="checkpoints go under this directory")
+    demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate, positive (default 3e-3)")
+    demo.add_argument("--ckpt-dir", default="jaxquant-demo-ckpt",
+                      help="checkpoints go under this directory, made if missing (default jaxquant-demo-ckpt)")
     demo.add_argument("--devices", type=int, default=8,
                       help="simulated CPU devices when running on the CPU, at least 1 (default 8; ignored if "
                            "XLA_FLAGS sets it)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--resume", default=None, metavar="DIR",
-                      help="continue from a checkpoint this demo wrote (parameters, Adam state, step; any mesh)")
+                      help="continue from a checkpoint this demo wrote (parameters, Adam state, step; any mesh; "
+                           "the same --recipe)")
     demo.add_argument("--save-every", type=int, default=0, metavar="N",
                       help="also save a training checkpoint every N steps (default 0: only at the end)")
     demo.set_defaults(func=main)
 
 
 def main(args) -> int:
-    """0: the loss fell; 1: it did not (said on stderr); 2: bad arguments or a missing extra."""
+    """0: the loss fell (or a one-step run); 1: it did not, or it became non-finite (said on stderr); 2: bad
+    arguments, a checkpoint that cannot be resumed or a missing extra (see EXIT_STATUS)."""
     import sys
 
     try:
@@ -382,14 +528,17 @@ def main(args) -> int:
     except MissingOptaxError as e:
         print(f"jaxquant demo: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"jaxquant demo: error: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         if str(e).startswith("--"):
             print(f"jaxquant demo: error: {e}", file=sys.stderr)
             return 2
         raise
-    first, last = out["losses"][0], out["losses"][-1]
-    if len(out["losses"]) > 1 and not last < first:
-        print(f"jaxquant demo: the loss did not fall ({first:.3f} -> {last:.3f} over {len(out['losses'])} "
-              f"steps); try more --steps or another --lr", file=sys.stderr)
+    first, last = out["first_loss"], out["losses"][-1]
+    if first is not None and out["step"] > 1 and not last < first:
+        print(f"jaxquant demo: the loss did not fall ({first:.3f} at step 1 -> {last:.3f} at step {out['step']}); "
+              f"try more --steps or another --lr", file=sys.stderr)
         return 1
     return 0

@@ -164,3 +164,36 @@ def test_bench_defaults_are_the_ones_help_names_and_no_json_unless_asked(tmp_pat
     assert cli.main(["bench", "--sizes", "32x64", "--dtypes", "float32", "--ops", "quantize_fp8", "--no-group",
                      "--no-device-time", "--iters", "4", "--repeats", "2"]) == 0
     assert "times: median of 2 x 4 dispatches" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sizes", "foo"], "--sizes: each size must be ROWSxCOLS"),
+    (["--sizes", "0x0"], "--sizes: both dimensions must be positive, got '0x0'"),
+    (["--sizes", "20x32"], "--sizes: NVFP4 2D block scaling needs M (rows) to be a positive multiple of 16"),
+    (["--sizes", "32x20", "--ops", "quantize_nvfp4"], "--sizes: NVFP4 2D block scaling needs K (cols)"),
+    (["--sizes", "20x32", "--ops", "quantize_fp8", "--stages"], "multiple of 16"),   # the stages use NVFP4's stats
+    (["--dtypes", "int8"], "--dtypes: each must be one of the quantizers' input dtypes float32, bfloat16; got 'int8'"),
+    (["--ops", "nonexistent"], "--ops: 'nonexistent' selects none of this run's ops (quantize_fp8,"),
+    (["--ops", "step_*", "--no-group"], "--group adds step_*"),
+    (["--iters", "0"], "--iters: must be at least 1, got 0"),
+    (["--repeats", "0"], "--repeats: must be at least 1, got 0"),
+    (["--json", "{tmp}/missing/bench.json"], "--json: {tmp}/missing does not exist"),
+    (["--json", "{tmp}"], "--json: {tmp} is a directory"),
+])
+def test_bench_refuses_bad_options_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    """One line on stderr naming the option and its rule, exit 2, nothing timed (no table) and nothing written."""
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["bench", *(a.format(tmp=tmp_path) for a in argv)])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith("jaxquant bench: error: --") and message.format(tmp=tmp_path) in lines[0], lines[0]
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_bench_times_fp8_alone_on_any_shape(tmp_path, capsys):
+    """The 16-multiple rule is NVFP4's: FP8 rows of a 20x30 tensor are timed."""
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--sizes", "20x30", "--ops", "quantize_fp8", "--iters", "1", "--repeats", "1",
+                     "--no-group", "--no-device-time", "--dtypes", "float32", "--json", str(out)]) == 0
+    assert [(r["op"], r["shape"]) for r in json.loads(out.read_text())["rows"]] == [("quantize_fp8", "20x30")]

@@ -51,3 +51,16 @@ def test_every_option_of_ckpt_convert_inspect_and_bench_has_help():
             label = "/".join(action.option_strings) or action.dest
             assert action.help and action.help != argparse.SUPPRESS, f"jaxquant {name}: {label} has no help"
     assert commands["bench"].description and commands["ckpt"].description
+
+
+def test_every_demo_option_has_help_naming_its_default():
+    """`jaxquant demo --help` shows each default (--ckpt-dir's was missing) and the exit statuses."""
+    demo = _subparsers(cli.build_parser())["demo"]
+    for action in demo._actions:
+        label = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help != argparse.SUPPRESS, f"jaxquant demo: {label} has no help"
+        if action.default not in (None, False, argparse.SUPPRESS) and action.dest != "func":
+            assert "default" in action.help, f"jaxquant demo: {label}'s help does not name its default"
+    helps = {a.dest: a.help for a in demo._actions}
+    assert "default jaxquant-demo-ckpt" in helps["ckpt_dir"]
+    assert "a fresh one-step run is not judged" in demo.description and "130" in demo.description

@@ -80,21 +80,43 @@ def test_demo_without_optax_says_how_to_install_it(tmp_path, capsys, monkeypatch
 
 @pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps: must be at least 1, got 0"),
                                           (["--devices", "0"], "--devices: must be at least 1, got 0"),
-                                          (["--batch-per-device", "0"], "--batch-per-device: must be at least 1")])
+                                          (["--batch-per-device", "0"], "--batch-per-device: must be at least 1"),
+                                          (["--mesh", "0x8"], "--mesh: both sizes must be positive, got '0x8'"),
+                                          (["--lr", "nan"], "--lr: must be a positive finite float32 number"),
+                                          (["--lr", "0"], "--lr: must be a positive finite float32 number"),
+                                          (["--lr", "1e39"], "--lr: must be a positive finite float32 number")])
 def test_demo_refuses_bad_counts_on_stderr(tmp_path, capsys, argv, message):
     rc = cli.main(["demo", *argv, "--ckpt-dir", str(tmp_path), "--no-progress"])
-    captured = capsys.readouterr()
-    assert rc == 2 and message in captured.err and "Traceback" not in captured.err
+    assert rc == 2 and _one_error_line(capsys).startswith(f"jaxquant demo: error: {message}")
     assert not os.listdir(tmp_path)
 
 
-def test_demo_says_when_the_loss_did_not_fall(monkeypatch, capsys):
+def _one_error_line(capsys) -> str:
+    """The one line a refused command prints on stderr (no traceback)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("losses,first,step,rc", [
+    ([2.0, 2.5], 2.0, 2, 1),         # fresh run: judged from its first step
+    ([4.8], 4.8, 1, 0),              # fresh one-step run: nothing to judge
+    ([3.0, 3.1, 3.2], 4.8, 6, 0),    # resumed at step 3: judged from the first step the checkpoint records
+    ([4.9], 4.8, 4, 1),
+    ([3.0, 3.1], None, 6, 0),        # resumed from a checkpoint that records no first loss: not judged
+])
+def test_demo_judges_the_loss_from_the_first_step_of_training(monkeypatch, capsys, losses, first, step, rc):
+    """One rule for fresh and resumed runs: the last loss must be below the training run's first (a resumed run
+    gets the verdict the uninterrupted run would get); a fresh one-step run is not judged."""
     from jaxquant import demo
 
-    monkeypatch.setattr(demo, "run", lambda **kw: {"losses": [2.0, 2.5]})
-    args = cli.build_parser().parse_args(["demo", "--steps", "2"])
-    assert demo.main(args) == 1
-    assert "the loss did not fall (2.000 -> 2.500 over 2 steps)" in capsys.readouterr().err
+    monkeypatch.setattr(demo, "run", lambda **kw: {"losses": losses, "first_loss": first, "step": step})
+    args = cli.build_parser().parse_args(["demo", "--steps", str(len(losses))])
+    assert demo.main(args) == rc
+    err = capsys.readouterr().err
+    assert ("did not fall" in err) == (rc == 1)
+    if rc == 1:
+        assert f"the loss did not fall ({first:.3f} at step 1 -> {losses[-1]:.3f} at step {step})" in err
 
 
 @pytest.mark.slow
@@ -116,7 +138,8 @@ def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys):
     assert rc == 0, out
     first, _ = _loss_range(out)
     assert (tmp_path / "nvfp4-step6" / ".metadata").is_file() and (tmp_path / "nvfp4-step12").is_dir()
-    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step12'}" in out and "set_state_dict" in out
+    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step12'} --recipe nvfp4" in out
+    assert "load in PyTorch:   python -c 'import torch" in out
     rc = cli.main(["demo", "--steps", "6", "--mesh", "4x2", "--resume", str(tmp_path / "nvfp4-step6"),
                    "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
     out = capsys.readouterr().out
@@ -127,3 +150,165 @@ def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys):
     assert (tmp_path / "again" / "nvfp4-step12" / ".metadata").is_file()
     rc = cli.main(["demo", "--resume", str(tmp_path / "nowhere"), "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2 and "--resume: " in capsys.readouterr().err
+
+
+# --- what a new user hit (issue 45 item 6): each bad input is one line on stderr, exit 2, found before any
+# training, nothing written; a non-finite state is never saved.
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A one-step fp8 checkpoint of the demo (1x1 mesh) and what the demo printed."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("demo-ckpt")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["demo", "--steps", "1", "--mesh", "1x1", "--recipe", "fp8", "--ckpt-dir", str(root),
+                       "--no-progress"])
+    assert rc == 0, out.getvalue()
+    return root / "fp8-step1", out.getvalue()
+
+
+def _damage(src, dst, how):
+    """A copy of checkpoint ``src`` at ``dst``, damaged ``how``."""
+    import shutil
+
+    from jaxquant.checkpoint.metadata import read_metadata
+
+    shutil.copytree(src, dst)
+    data = dst / "__0_0.distcp"
+    if how == "crc":        # one byte in the middle of model.embed's record (its tensor data)
+        storage = read_metadata(str(src)).entries["model.embed"].chunks[0].storage
+        raw = bytearray(data.read_bytes())
+        raw[storage.offset + storage.length // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif how == "truncated":
+        data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+    elif how == "missing data file":
+        data.unlink()
+    elif how == "corrupt .metadata":
+        meta = dst / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:100])
+    return dst
+
+
+@pytest.mark.parametrize("how,message", [
+    ("crc", "CRC-32 mismatch"), ("truncated", "truncated"), ("missing data file", "is missing"),
+    ("corrupt .metadata", ".metadata: not a valid pickle")])
+def test_demo_refuses_a_damaged_checkpoint_to_resume(tmp_path, capsys, fp8_checkpoint, how, message):
+    """The errors `jaxquant ckpt inspect` reports, as one line."""
+    bad = _damage(fp8_checkpoint[0], tmp_path / "bad", how)
+    rc = cli.main(["demo", "--resume", str(bad), "--recipe", "fp8", "--mesh", "1x1", "--ckpt-dir",
+                   str(tmp_path / "out"), "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and line.startswith("jaxquant demo: error: --resume: ") and message in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_a_checkpoint_it_did_not_write(tmp_path, capsys):
+    """A sound DCP checkpoint of something else."""
+    import jax.numpy as jnp
+
+    from jaxquant import checkpoint as ck
+
+    foreign = ck.save_dcp(str(tmp_path / "foreign"), {"w": jnp.ones((4, 4)), "step": 3})
+    rc = cli.main(["demo", "--resume", foreign, "--mesh", "1x1", "--ckpt-dir", str(tmp_path / "out"),
+                   "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and "--resume: not a checkpoint of this demo's model" in line and "'model." in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_to_resume_with_another_recipe(tmp_path, capsys, fp8_checkpoint):
+    """Resuming an fp8 run as nvfp4 (the default) would switch the compute weights silently: refused, naming
+    both; the resume command the demo prints names the recipe."""
+    ckpt, printed = fp8_checkpoint
+    assert f"jaxquant demo --resume {ckpt} --recipe fp8 --steps N" in printed
+    rc = cli.main(["demo", "--resume", str(ckpt), "--mesh", "1x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and f"--resume: {ckpt} was trained with --recipe fp8, this run asks for --recipe nvfp4" in line
+    assert not os.listdir(tmp_path)
+
+
+def _unwritable_dir(tmp_path):
+    """A directory this process cannot create entries in (root ignores mode bits: /sys then), or None."""
+    import tempfile
+
+    if os.geteuid() != 0:
+        d = tmp_path / "read-only"
+        d.mkdir(mode=0o555)
+        return d
+    try:
+        os.rmdir(tempfile.mkdtemp(dir="/sys"))
+    except OSError:
+        return "/sys"
+    return None
+
+
+@pytest.mark.parametrize("where", ["file", "below a file", "unwritable"])
+def test_demo_checks_the_checkpoint_destination_before_training(tmp_path, capsys, where):
+    (tmp_path / "f").write_text("not a directory")
+    ckpt_dir = {"file": tmp_path / "f", "below a file": tmp_path / "f" / "ckpts"}.get(where)
+    if where == "unwritable":
+        parent = _unwritable_dir(tmp_path)
+        if parent is None:
+            pytest.skip("no unwritable directory here")
+        ckpt_dir = os.path.join(parent, "ckpts")
+    rc = cli.main(["demo", "--steps", "1", "--mesh", "1x1", "--ckpt-dir", str(ckpt_dir), "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and line.startswith("jaxquant demo: error: --ckpt-dir: "), line
+    assert ("cannot write in" if where == "unwritable" else "is not a directory") in line, line
+    assert sorted(os.listdir(tmp_path)) == ["f"] + (["read-only"] if where == "unwritable" and os.geteuid() else [])
+
+
+def test_demo_stops_on_a_nan_loss_before_saving(tmp_path, capsys):
+    """--lr 1e30: the first update makes the parameters ~1e30, the next loss is NaN: exit 1, one line, no checkpoint."""
+    rc = cli.main(["demo", "--steps", "2", "--mesh", "1x1", "--lr", "1e30", "--ckpt-dir", str(tmp_path),
+                   "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 1 and "the loss is nan at step 2" in line and "stopped without saving" in line, line
+    assert not os.listdir(tmp_path)
+
+
+def test_demo_never_saves_non_finite_parameters_and_names_its_mesh_once(tmp_path, capsys, monkeypatch):
+    """A state whose parameters are not all finite is not saved (exit 1, one line). On fsdp=3, which splits none
+    of the model's weights evenly, every line names the mesh as fsdp=3 (it once said fsdp=1 further down)."""
+    from jaxquant import demo
+
+    monkeypatch.setattr(demo, "_all_finite", lambda tree: False)
+    rc = cli.main(["demo", "--steps", "1", "--mesh", "3x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "the parameters hold NaN or inf after step 1" in lines[0], out.err
+    assert not os.listdir(tmp_path)
+    assert "mesh fsdp=3 x tp=1" in out.out and "fsdp=1" not in out.out, out.out
+    assert "weights all-gathered per step: none (fsdp=3 splits no weight evenly" in out.out, out.out
+
+
+def test_demo_prints_a_pytorch_load_command_that_works(fp8_checkpoint):
+    """The closing "load in PyTorch" line is a shell command that loads every tensor, with no model class."""
+    import subprocess
+
+    pytest.importorskip("torch")
+    ckpt, printed = fp8_checkpoint
+    command = printed.split("load in PyTorch:")[1].strip().splitlines()[0]
+    r = subprocess.run(["bash", "-c", command.replace("python -c", f"{sys.executable} -c", 1)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tensors; model.head (64, 64)" in r.stdout, r.stdout
+
+
+def test_demo_judges_a_resumed_run_as_the_uninterrupted_one(tmp_path, capsys):
+    """3 steps, then 3 more resumed from the checkpoint: exit 0 both times (the resumed run's loss is judged
+    against the first step of the run it continues, which the checkpoint records with the recipe)."""
+    from jaxquant import checkpoint as ck
+
+    common = ["--mesh", "1x1", "--recipe", "bf16", "--no-progress"]
+    assert cli.main(["demo", "--steps", "3", "--ckpt-dir", str(tmp_path / "a"), *common]) == 0
+    first, _ = _loss_range(capsys.readouterr().out)
+    assert cli.main(["demo", "--steps", "3", "--resume", str(tmp_path / "a" / "bf16-step3"), "--ckpt-dir",
+                     str(tmp_path / "b"), *common]) == 0
+    assert "did not fall" not in capsys.readouterr().err
+    record = ck.load_dcp(str(tmp_path / "b" / "bf16-step6"), {"demo": {"recipe": str, "first_loss": float}})
+    assert record["demo"]["recipe"] == "bf16" and f"{record['demo']['first_loss']:.3f}" == f"{first:.3f}"
