@@ -188,11 +188,17 @@ class LayerwiseTrainStep:
         return jax.tree_util.tree_unflatten(plan.treedef, [NamedSharding(self.mesh, r.spec) for r in plan.rules])
 
     def _opt_shardings(self, plan, opt_state):
-        """The optimizer state's shardings: every subtree shaped like params is sharded like the master."""
+        """The optimizer state's shardings: every subtree shaped like params is sharded like the master, also
+        where ``optax.masked`` / ``multi_transform`` left an ``optax.MaskedNode`` for a leaf (it stays one)."""
+        from optax import MaskedNode
+
         master = self._master_shardings(plan)
         replicated = NamedSharding(self.mesh, P())
-        like_params = lambda node: jax.tree_util.tree_structure(node) == plan.treedef
-        return jax.tree.map(lambda node: master if like_params(node) else replicated, opt_state,
+        masked = lambda x: isinstance(x, MaskedNode)
+        like_params = lambda node: (jax.tree_util.tree_structure(node, is_leaf=masked) == plan.treedef and all(
+            masked(x) or np.shape(x) == r.shape for x, r in zip(jax.tree.leaves(node, is_leaf=masked), plan.rules)))
+        like_master = lambda node: jax.tree.map(lambda x, s: x if masked(x) else s, node, master, is_leaf=masked)
+        return jax.tree.map(lambda node: like_master(node) if like_params(node) else replicated, opt_state,
                             is_leaf=like_params)
 
     # -- per rank ----------------------------------------------------------------------------
@@ -386,25 +392,54 @@ class LayerwiseTrainStep:
         uncommitted one would be another jit cache entry, a second compile at step 2)."""
         return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
 
-    def state_dict(self, state: TrainState, *, hyperparams=None) -> dict:
-        """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``jaxquant.state_dict``):
-        sharded arrays, ready for ``jaxquant.checkpoint.save_dcp``."""
+    def state_dict(self, state: TrainState, *, hyperparams=None, names=None) -> dict:
+        """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``jaxquant.state_dict``).
+
+        Args:
+          state: a ``TrainState`` of this step.
+          hyperparams: torch's param-group values (``lr``, ``betas``, ``eps``, ``weight_decay``; SGD: ``lr``,
+            ``momentum``, ``weight_decay``) that the optax state does not hold: one dict, or ``{label: dict}`` per
+            ``optax.multi_transform`` label.
+          names: a PyTorch twin's own names: a callable or a dict from the default names (``blocks.0.w1``,
+            ``embed``) to the twin's (``layers.0.feed_forward.w1.weight``); it must be one-to-one. None: defaults.
+
+        Returns:
+          ``{"model": ..., "optim": {"state": ..., "param_groups": [...]}}`` of sharded arrays, ready for
+          ``jaxquant.checkpoint.save_dcp``.
+        """
         from jaxquant import state_dict as sd
 
-        return sd.state_dict(self, state, hyperparams=hyperparams)
+        return sd.state_dict(self, state, hyperparams=hyperparams, names=names)
 
-    def state_dict_target(self, like: TrainState) -> dict:
-        """``load_dcp``'s target for :meth:`state_dict` on this step's mesh (any saved mesh size loads)."""
+    def state_dict_target(self, like: TrainState, *, names=None) -> dict:
+        """``load_dcp``'s target for :meth:`state_dict` on this step's mesh (any saved mesh size loads).
+
+        Args:
+          like: ``self.init(params)``.
+          names: the names the checkpoint was written with, as for :meth:`state_dict`.
+
+        Returns:
+          The state dict's layout with ``jax.ShapeDtypeStruct`` leaves in this step's shardings.
+        """
         from jaxquant import state_dict as sd
 
-        return sd.state_dict_target(self, like)
+        return sd.state_dict_target(self, like, names=names)
 
-    def load_state_dict(self, state_dict: dict, *, like: TrainState, step_count=None) -> TrainState:
-        """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout; ``like``: ``self.init(params)``;
-        ``step_count``: the steps taken, for an SGD state (PyTorch's SGD keeps no step count)."""
+    def load_state_dict(self, state_dict: dict, *, like: TrainState, step_count=None, names=None) -> TrainState:
+        """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout (written by JAX or by torch).
+
+        Args:
+          state_dict: the state dict, e.g. ``load_dcp(path, self.state_dict_target(like, names=names))``.
+          like: ``self.init(params)``.
+          step_count: the steps taken, for an SGD state (PyTorch's SGD keeps no step count).
+          names: the names in ``state_dict``, as for :meth:`state_dict` (the same callable or dict).
+
+        Returns:
+          The loaded ``TrainState``.
+        """
         from jaxquant import state_dict as sd
 
-        return sd.load_state_dict(self, state_dict, like=like, step_count=step_count)
+        return sd.load_state_dict(self, state_dict, like=like, step_count=step_count, names=names)
 
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""

@@ -5,17 +5,35 @@ optimizer)`` gives for the same model: ``{"model": {name: fp32 tensor}, "optim":
 {"exp_avg", "exp_avg_sq", "step"}}, "param_groups": [{..., "params": [names]}]}}`` for optax ``adam`` /
 ``adamw`` (``momentum_buffer`` for ``sgd`` with momentum; plain ``sgd``: no per-parameter state). Names
 join the params pytree path with dots (``{"blocks": {"w1": ...}}`` -> ``blocks.w1``); a stacked leaf
-``[L, out, in]`` becomes ``L`` tensors named with the layer index after the first path element
-(``blocks.0.w1`` ... ``blocks.{L-1}.w1``), as a PyTorch model holds them. Every tensor is a global
-``jax.Array`` sharded as the master is (rows over ``fsdp``; nothing gathered to one host), so
-``jaxquant.checkpoint.save_dcp`` writes each device's shard and ``load_dcp`` with
-:func:`state_dict_target` reads it back onto any mesh. Torch keeps ``step`` per parameter as a 0-d
-float32 tensor, ``betas`` as a tuple and the ``params`` list as one value; so does this.
+(``ParamRule(stacked=True)``, or a 3-D leaf without rules) becomes ``L`` tensors named with the layer index
+after the first path element (``blocks.0.w1`` ... ``blocks.{L-1}.w1``), as a PyTorch model holds them.
+``names=`` (a callable or a dict on those default names) renames them to a PyTorch twin's own names
+(``blocks.0.w1`` -> ``layers.0.feed_forward.w1.weight``), everywhere a name occurs: ``model``,
+``optim.state`` and every group's ``params``; loading reads the same names back (:class:`NameMap`).
+
+Optimizer states. The per-parameter tensors are those of optax's Adam (``ScaleByAdamState``) or momentum
+trace (``TraceState``), found anywhere in the state: inside ``optax.chain`` (e.g. after
+``clip_by_global_norm``), ``inject_hyperparams``, ``optax.masked`` and ``optax.multi_transform``. Each such
+state is one torch param group, holding the parameters it covers: ``multi_transform({"decay": adamw(...),
+"no_decay": adam(...)}, labels)`` gives two groups (in label order), each with its own ``lr`` /
+``weight_decay``. A parameter no such state covers (``optax.masked``'s masked-out leaves, a
+``multi_transform`` label with ``set_to_zero()``) is in ``model`` only: no ``optim.state`` entry and in no
+group, as torch has it for a parameter its optimizer does not hold (freeze it, or leave it out of the
+optimizer). Without any per-parameter state (plain SGD) one group holds every parameter. One torch
+optimizer is one class, so Adam and momentum states in one optax state are an error.
+
+Every tensor is a global ``jax.Array`` sharded as the master is (rows over ``fsdp``; nothing gathered to one
+host), so ``jaxquant.checkpoint.save_dcp`` writes each device's shard and ``load_dcp`` with
+:func:`state_dict_target` reads it back onto any mesh. Torch keeps ``step`` per parameter as a 0-d float32
+tensor, ``betas`` as a tuple and the ``params`` list as one value; so does this.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import numpy as np
 
@@ -25,56 +43,208 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant.checkpoint.tree import _part
 
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
 
 def _parts(path) -> tuple:
     return tuple(_part(k) for k in path)     # the key parts save_dcp joins with dots
 
 
 def _names(rule_parts, rule) -> list:
-    """The PyTorch names of one leaf: one, or one per layer of a stacked leaf (``ParamRule(stacked=True)``, or
-    a 3-D leaf without rules), the layer index after the first part: ``blocks.0.w1``, ``blocks.0.norm``."""
+    """The default PyTorch names of one leaf: one, or one per layer of a stacked leaf (``ParamRule(stacked=True)``,
+    or a 3-D leaf without rules), the layer index after the first part: ``blocks.0.w1``, ``blocks.0.norm``."""
     if not rule.stacked:
         return [".".join(rule_parts)]
     head, rest = rule_parts[0], rule_parts[1:]
     return [".".join((head, str(i)) + rest) for i in range(rule.shape[0])]
 
 
-def _optax_parts(opt_state):
-    """(Adam state or None, trace state or None, injected hyperparams or None) of an optax state; other
-    states that hold per-parameter tensors get an error naming them."""
+# -- names ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NameMap:
+    """The checkpoint names of one model's parameters, both ways (one-to-one, checked when built).
+
+    Attributes:
+      to_torch: default name (``blocks.0.w1``, ``embed``) -> the name in the checkpoint.
+      from_torch: the inverse, checkpoint name -> default name.
+    """
+
+    to_torch: dict
+    from_torch: dict
+
+    @classmethod
+    def build(cls, defaults, names=None) -> "NameMap":
+        """The map of ``names`` over the model's default names.
+
+        Args:
+          defaults: every default name of the model, in parameter order.
+          names: None (the default names), a callable ``default name -> name``, or a dict with one entry for
+            every default name (and no other).
+
+        Returns:
+          A :class:`NameMap`; a ``ValueError`` names missing or unknown dict keys, names that are not
+          non-empty strings, and two parameters given the same name.
+        """
+        defaults = list(defaults)
+        if names is None:
+            table = {d: d for d in defaults}
+        elif isinstance(names, Mapping):
+            known = set(defaults)
+            missing = [d for d in defaults if d not in names]
+            unknown = [k for k in names if k not in known]
+            if missing:
+                raise ValueError(f"names: no entry for the parameters {_few(missing)}; the dict must map every "
+                                 f"default name ({_few(defaults)}) to the PyTorch name")
+            if unknown:
+                raise ValueError(f"names: {_few(unknown)} are no parameters of this model (its default names: "
+                                 f"{_few(defaults)})")
+            table = {d: names[d] for d in defaults}
+        elif callable(names):
+            table = {d: names(d) for d in defaults}
+        else:
+            raise TypeError(f"names: must be None, a callable default name -> PyTorch name, or a dict, got "
+                            f"{type(names).__name__}")
+        bad = {d: t for d, t in table.items() if not isinstance(t, str) or not t}
+        if bad:
+            d, t = next(iter(bad.items()))
+            raise ValueError(f"names: every parameter needs a non-empty str name, got {t!r} for {d!r}"
+                             f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
+        inverse = {}
+        for d, t in table.items():
+            if t in inverse:      # loading could not tell the two apart
+                raise ValueError(f"names: {inverse[t]!r} and {d!r} both map to {t!r}; the mapping must be "
+                                 f"one-to-one")
+            inverse[t] = d
+        return cls(table, inverse)
+
+
+def _few(xs, n=4) -> str:
+    xs = list(xs)
+    return repr(xs[:n])[:-1] + (f", ... ({len(xs)} in all)]" if len(xs) > n else "]")
+
+
+def _default_names(like) -> list:
+    """[[default names] per master leaf] of a state ``like``."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(like.master)[0]]
+    return [_names(_parts(p), r) for p, r in zip(paths, like.plan.rules)]
+
+
+def name_map(like, names=None) -> NameMap:
+    """The names ``step.state_dict(like, names=names)`` gives each parameter, and back.
+
+    Args:
+      like: a ``TrainState`` of the model (``step.init(params)``).
+      names: as :meth:`NameMap.build`.
+
+    Returns:
+      A :class:`NameMap` (``to_torch`` / ``from_torch`` dicts).
+    """
+    return NameMap.build([n for leaf in _default_names(like) for n in leaf], names)
+
+
+def _mapped_names(like, names) -> tuple:
+    """(NameMap, [[checkpoint names] per master leaf])."""
+    defaults = _default_names(like)
+    nm = NameMap.build([n for leaf in defaults for n in leaf], names)
+    return nm, [[nm.to_torch[n] for n in leaf] for leaf in defaults]
+
+
+# -- optax states --------------------------------------------------------------------------------
+
+
+def _is_masked(x) -> bool:
     import optax
 
-    found = {"adam": None, "trace": None, "hyper": None}
+    return isinstance(x, optax.MaskedNode)
 
-    def walk(s):
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One optax state with per-parameter tensors: one torch param group."""
+
+    kind: str                  # "adam" (ScaleByAdamState) or "trace" (TraceState)
+    state: Any
+    label: Optional[str]       # the optax.multi_transform label(s) above it, dotted; None: none
+    hyper: Optional[dict]      # the nearest optax.inject_hyperparams' values, None: none
+    covered: tuple             # per master leaf: has tensors here (not an optax.MaskedNode)
+
+    def tensors(self) -> dict:
+        """{torch key: [per master leaf: array, or an optax.MaskedNode]}."""
+        trees = ({"exp_avg": self.state.mu, "exp_avg_sq": self.state.nu} if self.kind == "adam"
+                 else {"momentum_buffer": self.state.trace})
+        return {k: jax.tree.leaves(t, is_leaf=_is_masked) for k, t in trees.items()}
+
+
+def _optax_parts(opt_state, leaf_names) -> tuple:
+    """(the :class:`_Slot` s of an optax state, in pytree order; the hyperparameters of an outer
+    ``inject_hyperparams`` or None). ``leaf_names``: a name per master leaf, for errors. States that hold
+    per-parameter tensors torch has no name for are an error naming them."""
+    import optax
+
+    n_leaves = len(leaf_names)
+    slots, outer = [], {"hyper": None}
+
+    def add(kind, s, tree, label, hyper):
+        leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
+        if len(leaves) != n_leaves:
+            raise ValueError(f"optimizer: its {type(s).__name__} holds {len(leaves)} tensors for {n_leaves} "
+                             f"parameters; state_dict maps states shaped like the parameters")
+        slots.append(_Slot(kind, s, label, hyper, tuple(not _is_masked(x) for x in leaves)))
+
+    def walk(s, label, hyper):
         if isinstance(s, optax.ScaleByAdamState):
-            found["adam"] = s
+            add("adam", s, s.mu, label, hyper)
         elif isinstance(s, optax.TraceState):
-            found["trace"] = s
+            add("trace", s, s.trace, label, hyper)
         elif hasattr(s, "hyperparams") and hasattr(s, "inner_state"):   # optax.inject_hyperparams
-            found["hyper"] = {k: float(v) for k, v in s.hyperparams.items()}
-            walk(s.inner_state)
+            hyper = {k: float(v) for k, v in s.hyperparams.items()}
+            if label is None:
+                outer["hyper"] = hyper
+            walk(s.inner_state, label, hyper)
+        elif hasattr(s, "inner_states") and isinstance(s.inner_states, Mapping):   # optax.multi_transform
+            for k in sorted(s.inner_states):     # the pytree's order, so state_dict and its target agree
+                walk(s.inner_states[k], str(k) if label is None else f"{label}.{k}", hyper)
         elif isinstance(s, (tuple, list)) and not hasattr(s, "_fields"):
             for x in s:
-                walk(x)
-        elif isinstance(s, (optax.EmptyState, optax.ScaleByScheduleState)) or s is None:
+                walk(x, label, hyper)
+        elif isinstance(s, (optax.EmptyState, optax.ScaleByScheduleState, optax.MaskedNode)) or s is None:
             pass
-        elif hasattr(s, "inner_state"):          # masked / conditioned wrappers around empty states
-            walk(s.inner_state)
+        elif hasattr(s, "inner_state"):          # optax.masked and other wrappers
+            walk(s.inner_state, label, hyper)
         else:
             raise ValueError(f"optimizer: its state {type(s).__name__} has no PyTorch counterpart here; "
                              f"state_dict maps optax adam / adamw (exp_avg, exp_avg_sq, step) and sgd "
-                             f"(momentum_buffer)")
+                             f"(momentum_buffer), also under chain, masked, multi_transform and inject_hyperparams")
 
-    walk(opt_state)
-    if found["adam"] is not None and found["trace"] is not None:
-        raise ValueError("optimizer: both an Adam and a momentum trace state; state_dict maps one of them")
-    return found["adam"], found["trace"], found["hyper"]
+    walk(opt_state, None, None)
+    if len({s.kind for s in slots}) > 1:
+        raise ValueError("optimizer: both an Adam and a momentum trace state; a torch optimizer is one class, "
+                         "state_dict maps one of them")
+    for i, name in enumerate(leaf_names):
+        if sum(s.covered[i] for s in slots) > 1:      # torch keeps one state per parameter
+            raise ValueError(f"optimizer: {sum(s.covered[i] for s in slots)} Adam / momentum states cover the "
+                             f"parameter {name}; state_dict maps one per parameter (torch's optimizer state)")
+    return slots, outer["hyper"]
 
 
-def _param_group(kind, hyper, hyperparams, names):
+def _group_hyperparams(hyperparams, slots) -> list:
+    """(where, the ``hyperparams`` dict or None) per param group: one dict for every group, or one per
+    ``optax.multi_transform`` label."""
+    if hyperparams is None:
+        return [("hyperparams", None)] * max(len(slots), 1)
+    if not isinstance(hyperparams, Mapping):
+        raise TypeError(f"hyperparams: must be a dict, got {type(hyperparams).__name__}")
+    if not any(isinstance(v, Mapping) for v in hyperparams.values()):
+        return [("hyperparams", hyperparams)] * max(len(slots), 1)
+    labels = [s.label for s in slots if s.label is not None]
+    unknown = [k for k in hyperparams if k not in labels]
+    if unknown or not all(isinstance(v, Mapping) for v in hyperparams.values()):
+        raise ValueError(f"hyperparams: a dict of dicts is keyed by the optax.multi_transform labels of the groups "
+                         f"({labels}); {_few(unknown) if unknown else 'some values are no dicts'}")
+    return [(f"hyperparams[{s.label!r}]", hyperparams.get(s.label)) for s in slots]
+
+
+def _param_group(kind, hyper, hyperparams, names, where="hyperparams"):
     """Torch's param_group for Adam(W) / SGD from optax's injected hyperparameters or ``hyperparams``."""
     given = dict(hyperparams or {})
     if hyper is not None:    # optax.inject_hyperparams names
@@ -88,9 +258,9 @@ def _param_group(kind, hyper, hyperparams, names):
     need = ("lr", "betas", "eps", "weight_decay") if kind == "adam" else ("lr", "momentum", "weight_decay")
     missing = [k for k in need if given.get(k) is None]
     if missing:
-        raise ValueError(f"hyperparams: PyTorch's param_groups need {missing}; optax does not keep them in its "
+        raise ValueError(f"{where}: PyTorch's param_groups need {missing}; optax does not keep them in its "
                          f"state unless the optimizer is built with optax.inject_hyperparams, so pass "
-                         f"hyperparams=dict({', '.join(k + '=...' for k in need)})")
+                         f"{where}=dict({', '.join(k + '=...' for k in need)})")
     group = {k: given[k] for k in need}
     # the rest of torch's group (torch.distributed.checkpoint loads every key its template has)
     common = {"maximize": False, "foreach": None, "differentiable": False, "fused": None}
@@ -114,6 +284,9 @@ def _group_target(adam: bool) -> dict:
     return common | {"momentum": float, "dampening": float, "nesterov": bool}
 
 
+# -- sharded split / stack -----------------------------------------------------------------------
+
+
 def _layers(a, n, spec, mesh):
     """[a[0], ..., a[n-1]] of a stacked leaf, each sharded as the stack's rows are (no gather)."""
     return _split_fn(n, NamedSharding(mesh, P(*tuple(spec)[1:])))(a)
@@ -130,143 +303,202 @@ def _stack_fn(out):
     return jax.jit(lambda *x: jnp.stack(x), out_shardings=out)
 
 
-def state_dict(step, state, *, hyperparams=None) -> dict:
-    """See the module docstring. ``hyperparams``: torch's ``lr``, ``betas``, ``eps``, ``weight_decay``
-    (SGD: ``lr``, ``momentum``, ``weight_decay``) when the optax state does not hold them."""
-    plan = state.plan
-    leaves = jax.tree_util.tree_flatten_with_path(state.master)[0]
-    adam, trace, hyper = _optax_parts(state.opt_state)
-    per_param = {}
-    if adam is not None:
-        per_param = {"exp_avg": jax.tree.leaves(adam.mu), "exp_avg_sq": jax.tree.leaves(adam.nu)}
-        count = np.float32(np.asarray(adam.count))
-    elif trace is not None:
-        per_param = {"momentum_buffer": jax.tree.leaves(trace.trace)}
-    model, optim, names = {}, {}, []
-    for i, ((path, master), rule) in enumerate(zip(leaves, plan.rules)):
-        leaf_names = _names(_parts(path), rule)
-        split = ((lambda a: _layers(a, len(leaf_names), rule.spec, step.mesh)) if rule.stacked
-                 else (lambda a: [a]))
-        for name, value in zip(leaf_names, split(master)):
-            model[name] = value
-            names.append(name)
-        tensors = {k: split(v[i]) for k, v in per_param.items()}
-        for j, name in enumerate(leaf_names):
-            entry = {k: v[j] for k, v in tensors.items()}
-            if adam is not None:
-                entry["step"] = np.asarray(count, np.float32)
-            if entry:
-                optim[name] = entry
-    kind = "adam" if adam is not None else "sgd"
-    return {"model": model, "optim": {"state": optim, "param_groups": [_param_group(kind, hyper, hyperparams,
-                                                                                     names)]}}
+# -- public --------------------------------------------------------------------------------------
 
 
-def state_dict_target(step, like) -> dict:
-    """``load_dcp``'s target for :func:`state_dict` of a state like ``like``: ``jax.ShapeDtypeStruct``
-    leaves with this step's shardings, so a checkpoint written on any mesh loads onto this one."""
-    plan = like.plan
-    leaves = jax.tree_util.tree_flatten_with_path(like.master)[0]
-    adam, trace, _ = _optax_parts(like.opt_state)
-    model, optim = {}, {}
-    for (path, master), rule in zip(leaves, plan.rules):
-        leaf_names = _names(_parts(path), rule)
-        stacked = rule.stacked
-        shape = rule.shape[1:] if stacked else rule.shape
-        spec = P(*tuple(rule.spec)[1:]) if stacked else rule.spec
-        struct = jax.ShapeDtypeStruct(shape, master.dtype, sharding=NamedSharding(step.mesh, spec))
-        for name in leaf_names:
-            model[name] = struct
-            entry = {}
-            if adam is not None:
-                entry = {k: struct for k in _ADAM_KEYS} | {"step": jax.ShapeDtypeStruct((), jnp.float32)}
-            elif trace is not None:
-                entry = {"momentum_buffer": struct}
-            if entry:
-                optim[name] = entry
-    return {"model": model, "optim": {"state": optim, "param_groups": [_group_target(adam is not None)]}}
+def _dotted(like) -> list:
+    """A name per master leaf (``blocks.w1``), for errors about a whole leaf."""
+    return [".".join(_parts(p)) for p, _ in jax.tree_util.tree_flatten_with_path(like.master)[0]]
 
 
-def load_state_dict(step, sd, *, like, step_count=None):
+def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
+    """The training state as torch's ``get_state_dict(model, optimizer)`` names it (see the module docstring).
+
+    Args:
+      step: the layer-wise training step.
+      state: its ``TrainState``.
+      hyperparams: torch's ``lr``, ``betas``, ``eps``, ``weight_decay`` (SGD: ``lr``, ``momentum``,
+        ``weight_decay``; ``decoupled_weight_decay=True`` for AdamW) where the optax state does not hold them
+        (no ``inject_hyperparams``): one dict for every param group, or ``{label: dict}`` per
+        ``optax.multi_transform`` label.
+      names: None (default names), a callable default name -> PyTorch name, or a dict of them (:class:`NameMap`).
+
+    Returns:
+      ``{"model": {name: array}, "optim": {"state": {name: {...}}, "param_groups": [...]}}``.
+    """
+    _, leaf_names = _mapped_names(state, names)
+    rules = state.plan.rules
+    slots, outer_hyper = _optax_parts(state.opt_state, _dotted(state))
+
+    def split(a, i):
+        return _layers(a, len(leaf_names[i]), rules[i].spec, step.mesh) if rules[i].stacked else [a]
+
+    model = {}
+    for i, master in enumerate(jax.tree.leaves(state.master)):
+        model.update(zip(leaf_names[i], split(master, i)))
+    optim = {}
+    for slot in slots:
+        for key, per_leaf in slot.tensors().items():
+            for i in (i for i, c in enumerate(slot.covered) if c):
+                for n, v in zip(leaf_names[i], split(per_leaf[i], i)):
+                    optim.setdefault(n, {})[key] = v
+        if slot.kind == "adam":    # torch's per-parameter 0-d float32 step
+            count = np.float32(np.asarray(slot.state.count))
+            for n in _covered_names(slot, leaf_names):
+                optim[n]["step"] = np.asarray(count, np.float32)
+    wheres = _group_hyperparams(hyperparams, slots)
+    if not slots:      # plain SGD: no per-parameter state, one group of every parameter
+        return {"model": model, "optim": {"state": optim, "param_groups": [
+            _param_group("sgd", outer_hyper, wheres[0][1], [n for ns in leaf_names for n in ns])]}}
+    groups = [_param_group(s.kind, s.hyper, hp, _covered_names(s, leaf_names), where)
+              for s, (where, hp) in zip(slots, wheres)]
+    return {"model": model, "optim": {"state": optim, "param_groups": groups}}
+
+
+def _covered_names(slot, leaf_names) -> list:
+    return [n for i, ns in enumerate(leaf_names) if slot.covered[i] for n in ns]
+
+
+def state_dict_target(step, like, *, names=None) -> dict:
+    """``load_dcp``'s target for :func:`state_dict` of a state like ``like``.
+
+    Args:
+      step: the layer-wise training step (its mesh places the arrays).
+      like: a ``TrainState`` of the model (``step.init(params)``).
+      names: as for :func:`state_dict` (the names the checkpoint was written with).
+
+    Returns:
+      The state dict's layout with ``jax.ShapeDtypeStruct`` leaves in this step's shardings, so a checkpoint
+      written on any mesh loads onto this one.
+    """
+    _, leaf_names = _mapped_names(like, names)
+    rules = like.plan.rules
+    slots, _ = _optax_parts(like.opt_state, _dotted(like))
+
+    def struct(i, dtype):
+        shape = rules[i].shape[1:] if rules[i].stacked else rules[i].shape
+        spec = P(*tuple(rules[i].spec)[1:]) if rules[i].stacked else rules[i].spec
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(step.mesh, spec))
+
+    model = {n: struct(i, m.dtype) for i, m in enumerate(jax.tree.leaves(like.master)) for n in leaf_names[i]}
+    optim = {}
+    for slot in slots:
+        for key, per_leaf in slot.tensors().items():
+            for i in (i for i, c in enumerate(slot.covered) if c):
+                for n in leaf_names[i]:
+                    optim.setdefault(n, {})[key] = struct(i, per_leaf[i].dtype)
+        if slot.kind == "adam":
+            for n in _covered_names(slot, leaf_names):
+                optim[n]["step"] = jax.ShapeDtypeStruct((), jnp.float32)
+    groups = [_group_target(s.kind == "adam") for s in slots] or [_group_target(False)]
+    return {"model": model, "optim": {"state": optim, "param_groups": groups}}
+
+
+_FIELDS = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}   # torch key -> optax field
+
+
+def load_state_dict(step, sd, *, like, step_count=None, names=None):
     """A ``TrainState`` on ``step``'s mesh from ``sd`` (:func:`state_dict`'s layout, e.g. read by ``load_dcp``
-    from a checkpoint written on any mesh size), shaped like ``like`` (``step.init(params)``).
+    from a checkpoint written on any mesh size, by JAX or by torch).
 
     Every step counter of the optax state (Adam's, a schedule's, ``inject_hyperparams``') and the
     ``TrainState``'s become the checkpoint's Adam ``step``, so a learning-rate schedule resumes where it left
     off. PyTorch's SGD keeps no step count: for an SGD state pass ``step_count`` (the number of steps taken),
-    else the counters restart at 0. With Adam, ``step_count`` must equal the checkpoint's."""
+    else the counters restart at 0. With Adam, ``step_count`` must equal the checkpoint's. Parameters no
+    Adam / momentum state covers (``optax.masked``) read nothing from ``optim``.
+
+    Args:
+      step: the layer-wise training step.
+      sd: the state dict (``{"model": ..., "optim": {"state": ...}}``).
+      like: a ``TrainState`` of the model (``step.init(params)``): its structure, dtypes and optimizer.
+      step_count: the steps taken, for an SGD state.
+      names: as for :func:`state_dict` (the names in ``sd``).
+
+    Returns:
+      The ``TrainState``; a ``KeyError`` names the tensors ``sd`` lacks (and the JAX parameter of each).
+    """
     from jaxquant.policy import TrainState
 
+    nm, leaf_names = _mapped_names(like, names)
     plan = like.plan
-    leaves = jax.tree_util.tree_flatten_with_path(like.master)[0]
-    adam, trace, _ = _optax_parts(like.opt_state)
+    slots, _ = _optax_parts(like.opt_state, _dotted(like))
     model, optim = sd["model"], sd["optim"]["state"]
-
-    def gather_leaf(table, key, path, rule):
-        names = _names(_parts(path), rule)
-        missing = [n for n in names if n not in table or (key is not None and key not in table[n])]
-        if missing:
-            raise KeyError(f"sd: no {key or 'tensor'} for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-        parts = [table[n] if key is None else table[n][key] for n in names]
-        sharding = NamedSharding(step.mesh, rule.spec)
-        if rule.stacked:
-            return _stack_fn(sharding)(*parts)
-        # a fresh buffer even where sd's array already has this sharding: the loaded state must not share
-        # buffers with a live state (e.g. sd = step.state_dict(state)) that a step then donates
-        return jax.device_put(parts[0], sharding, may_alias=False)
-
-    def like_master(key):
-        out = [gather_leaf(model if key is None else optim, key, path, rule)
-               for (path, _), rule in zip(leaves, plan.rules)]
-        return jax.tree_util.tree_unflatten(plan.treedef, out)
-
     if step_count is not None and (isinstance(step_count, bool) or not isinstance(step_count, (int, np.integer))
                                    or step_count < 0):
         raise ValueError(f"step_count: must be a non-negative int (the steps taken), got {step_count!r}")
-    master = jax.tree.map(lambda new, old: new.astype(old.dtype), like_master(None), like.master)
+
+    def check(table, key, ns):
+        missing = [n for n in ns if n not in table or (key is not None and key not in table[n])]
+        if missing:
+            shown = [n if nm.from_torch[n] == n else f"{n} ({nm.from_torch[n]})" for n in missing[:3]]
+            strays = [n for n in table if n not in nm.from_torch]     # names no parameter maps to
+            raise KeyError(f"sd: no {key or 'tensor'} for {shown}{' ...' if len(missing) > 3 else ''}"
+                           + (f"; names in sd that no parameter maps to: {_few(strays)}" if strays else ""))
+
+    def gather_leaf(table, key, i, dtype):
+        ns, rule = leaf_names[i], plan.rules[i]
+        check(table, key, ns)
+        parts = [table[n] if key is None else table[n][key] for n in ns]
+        sharding = NamedSharding(step.mesh, rule.spec)
+        if rule.stacked:
+            return _stack_fn(sharding)(*parts).astype(dtype)
+        # a fresh buffer even where sd's array already has this sharding: the loaded state must not share
+        # buffers with a live state (e.g. sd = step.state_dict(state)) that a step then donates
+        return jax.device_put(parts[0], sharding, may_alias=False).astype(dtype)
+
+    master = jax.tree_util.tree_unflatten(plan.treedef, [gather_leaf(model, None, i, m.dtype)
+                                                         for i, m in enumerate(jax.tree.leaves(like.master))])
     count = 0 if step_count is None else int(step_count)
-    if adam is not None:
-        steps = {float(np.asarray(e["step"])) for e in optim.values()}
+    adam_names = [n for s in slots if s.kind == "adam" for n in _covered_names(s, leaf_names)]
+    if adam_names:
+        check(optim, "step", adam_names)
+        steps = {float(np.asarray(optim[n]["step"])) for n in adam_names}
         if len(steps) != 1:
             raise ValueError(f"sd: Adam 'step' differs between parameters ({sorted(steps)[:4]}); one step count "
                              f"for the whole model is what optax keeps")
         count = int(steps.pop())
         if step_count is not None and int(step_count) != count:
             raise ValueError(f"step_count: {step_count} differs from the checkpoint's Adam step {count}")
-        new_count = jax.device_put(jnp.asarray(count, adam.count.dtype), adam.count.sharding)   # as init placed it
-        new_adam = adam._replace(count=new_count, mu=like_master("exp_avg"), nu=like_master("exp_avg_sq"))
-        opt_state = _replace_state(like.opt_state, adam, new_adam, count)
-    elif trace is not None:
-        opt_state = _replace_state(like.opt_state, trace, trace._replace(trace=like_master("momentum_buffer")),
-                                   count)
-    else:
-        opt_state = _replace_state(like.opt_state, None, None, count)
+    new = {}
+    for slot in slots:
+        fields = {}
+        for key, per_leaf in slot.tensors().items():
+            # masked-out leaves keep their optax.MaskedNode: the state keeps optax's structure
+            leaves = [x if _is_masked(x) else gather_leaf(optim, key, i, x.dtype) for i, x in enumerate(per_leaf)]
+            treedef = jax.tree_util.tree_structure(getattr(slot.state, _FIELDS[key]), is_leaf=_is_masked)
+            fields[_FIELDS[key]] = jax.tree_util.tree_unflatten(treedef, leaves)
+        if slot.kind == "adam":   # placed as init placed it
+            fields["count"] = jax.device_put(jnp.asarray(count, slot.state.count.dtype), slot.state.count.sharding)
+        new[id(slot.state)] = slot.state._replace(**fields)
+    opt_state = _replace_state(like.opt_state, new, count)
     return TrainState(master, opt_state, step.step_count(count), plan)
 
 
-def _replace_state(tree, old, new, count=None):
-    """``tree`` (an optax state) with the sub-state ``old`` replaced by ``new`` (``old`` None: none); the step
+def _replace_state(tree, new, count=None):
+    """``tree`` (an optax state) with each sub-state whose id is a key of ``new`` replaced by its value; the step
     counters of ``optax.inject_hyperparams`` and of a schedule (``ScaleByScheduleState``, e.g.
     ``optax.adamw(learning_rate=schedule)``) become ``count`` (so the schedule resumes where it left off)."""
     import optax
 
-    if old is not None and tree is old:
-        return new
+    if id(tree) in new:
+        return new[id(tree)]
     at = lambda c: jax.device_put(jnp.asarray(count, c.dtype), c.sharding)
     if isinstance(tree, optax.ScaleByScheduleState):
         return tree if count is None else tree._replace(count=at(tree.count))
+    if hasattr(tree, "inner_states") and isinstance(tree.inner_states, Mapping) and hasattr(tree, "_replace"):
+        return tree._replace(inner_states={k: _replace_state(v, new, count) for k, v in tree.inner_states.items()})
     if hasattr(tree, "inner_state") and hasattr(tree, "_replace"):
-        out = tree._replace(inner_state=_replace_state(tree.inner_state, old, new, count))
+        out = tree._replace(inner_state=_replace_state(tree.inner_state, new, count))
         if count is None:
             return out
-        if hasattr(out, "count"):
+        if hasattr(getattr(out, "count", None), "dtype"):    # a counter, not tuple.count (optax.MaskedState)
             out = out._replace(count=at(out.count))
         if isinstance(getattr(out, "hyperparams_states", None), dict):   # a schedule's own counter
             out = out._replace(hyperparams_states={k: v._replace(count=at(v.count)) if hasattr(v, "count") else v
                                                    for k, v in out.hyperparams_states.items()})
         return out
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_replace_state(x, old, new, count) for x in tree)
+        return tuple(_replace_state(x, new, count) for x in tree)
     if isinstance(tree, list):
-        return [_replace_state(x, old, new, count) for x in tree]
+        return [_replace_state(x, new, count) for x in tree]
     return tree
