@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import formats, fsdp, ops
-from jaxquant.gemm import (BWD_FP8, FWD_FP8, NN, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
+from jaxquant.gemm import (BWD_FP8, FWD_FP8, NN, TN, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
                            quantize_current, resolve_recipe, scaled_gemm, weight_operands)
 from jaxquant.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
@@ -55,6 +55,7 @@ class _Config(NamedTuple):
     x_dtype: np.dtype
     w_grad_dtype: Optional[np.dtype]       # gradient of the weight argument (arrays), else None
     target_dtype: Optional[np.dtype]       # gradient of the straight_through master, else None
+    transposed: bool = False               # the weight is stored [in, out] (flax's kernels): y = x @ W
 
 
 def _weight_operands(w, cfg: _Config):
@@ -73,15 +74,17 @@ def _weight_operands(w, cfg: _Config):
 
 
 def _forward(x2, wops, cfg: _Config):
-    """(y fp32 [B, N], the activation's residuals for the backward)."""
+    """(y fp32 [B, N], the activation's residuals for the backward). A transposed weight ``K [in, out]`` is read
+    as ``W = K.T``: FP8 from its columnwise bytes (TN), NVFP4 and arrays from ``K`` itself contracted on axis 0."""
     if cfg.kind == "array":
         xc = x2.astype(wops["w"].dtype)
-        return scaled_gemm(xc, None, wops["w"], None), (xc,)
+        return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN), (xc,)
     if cfg.kind == "fp8":
         xq, sx, _ = quantize_current(x2, FWD_FP8, cfg.amax_axes)
-        return scaled_gemm(xq, sx, wops["data"], wops["scale_inv"]), (xq, sx)
+        return scaled_gemm(xq, sx, wops["data_t" if cfg.transposed else "data"], wops["scale_inv"]), (xq, sx)
     xb = x2.astype(jnp.bfloat16)
-    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"]), (xb,)
+    dims = NN if cfg.transposed else TN
+    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims), (xb,)
 
 
 BACKWARD_OPERANDS = {"array": ("w",), "fp8": ("data_t", "scale_inv"), "nvfp4": ("data_t", "scale_inv_t", "dec")}
@@ -93,23 +96,27 @@ def backward_operands(wops, kind: str) -> dict:
 
 
 def _backward(act, wops, g, cfg: _Config):
-    """(dx fp32 [B, K], dW fp32 [N, K]) from the output gradient ``g [B, N]``."""
+    """(dx fp32 [B, K], dW fp32 [N, K], or [K, N] for a transposed weight) from the output gradient ``g [B, N]``."""
+    wgrad = (lambda a, sa, b, sb: scaled_gemm(b, sb, a, sa)) if cfg.transposed else scaled_gemm   # dK = dW.T
     if cfg.kind == "array":
         (xc,), w = act, wops["w"]
         gc = g.astype(w.dtype)
         # dx = g @ W; dW = g.T @ x, both written TN.
-        return scaled_gemm(gc, None, w.T, None), scaled_gemm(gc.T, None, xc.T, None)
+        return scaled_gemm(gc, None, w if cfg.transposed else w.T, None), wgrad(gc.T, None, xc.T, None)
     if cfg.kind == "fp8":
         xq, sx = act
         gq, sg, _ = quantize_current(g, BWD_FP8, cfg.amax_axes)
-        return scaled_gemm(gq, sg, wops["data_t"], wops["scale_inv"]), scaled_gemm(gq.T, sg, xq.T, sx)
+        w_t = wops["data"] if cfg.transposed else wops["data_t"]      # W.T's bytes [in, out], K-major for TN
+        return scaled_gemm(gq, sg, w_t, wops["scale_inv"]), wgrad(gq.T, sg, xq.T, sx)
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
-    if "data_t" in wops:
+    if cfg.transposed:   # K [in, out] contracted on its minor axis: TN
+        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"])
+    elif "data_t" in wops:
         dx = scaled_gemm(gb, None, nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), wops["dec"])
     else:   # the rowwise bytes read transposed: the same bf16 values (a 16x16 tile's scale is its transpose's)
         dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN)
-    return dx, scaled_gemm(gb.T, None, xb.T, None)
+    return dx, wgrad(gb.T, None, xb.T, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -149,15 +156,17 @@ def _dense_sharded_fwd(x2, shard, grad, gathered, cfg: _Config, spec: fsdp.Weigh
         return y.astype(cfg.out_dtype), (act, gathered)
     stats = None if spec.recipe == "bf16" else fsdp.statistics(shard, spec)
     local = fsdp.quantize_shard(shard, spec, stats)
-    gathered = fsdp.gathered_operands(local, spec, columnwise=False)
+    # FP8 GEMMs read K-major (TN) operands: a transposed weight's forward reads its columnwise bytes
+    gathered = fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8" and spec.transposed)
     y, act = _forward(x2, gathered, cfg)
     return y.astype(cfg.out_dtype), (act, gathered if spec.keep_gathered else local)
 
 
 def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     act, kept = res
-    # FP8 GEMMs need the transposed bytes (TN); NVFP4's bf16 GEMM reads the rowwise bytes transposed
-    columnwise = spec.recipe == "fp8"
+    # FP8 GEMMs need the transposed bytes (TN) of an [out, in] weight; NVFP4's bf16 GEMM reads the rowwise bytes
+    # transposed; a transposed ([in, out]) weight's dgrad reads its rowwise bytes
+    columnwise = spec.recipe == "fp8" and not spec.transposed
     if spec.keep_gathered or not spec.per_use:
         wops = fsdp.with_columnwise(kept, spec) if columnwise else kept
     else:
@@ -228,12 +237,13 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
     return y.reshape(*lead, n_out)
 
 
-def _check_x_out(x, n_in, w_shape, out_dtype):
+def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
     ops._check_input("x", x)
     if x.ndim < 1:
         raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
     if x.shape[-1] != n_in:
-        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is [out, in] = "
+        layout = "[in, out]" if transposed else "[out, in]"
+        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is {layout} = "
                          f"{tuple(w_shape)}), got x of shape {tuple(x.shape)}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -245,17 +255,20 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     """``dense`` with a layer-wise FSDP weight (``jaxquant.fsdp``): gathered here, and again in the backward
     unless its spec keeps the gathered operands (``reshard_after_forward=False``)."""
     fsdp._check_layer(w, "w")
+    if w.spec.transposed and recipe is not None and recipe != w.spec.recipe:
+        raise ValueError(f"recipe: an [in, out] ShardedWeight is read in its own recipe {w.spec.recipe!r}, got "
+                         f"{recipe!r} (use None)")
     if recipe in RECIPES and w.spec.recipe == "bf16":   # bf16 weights quantized on the fly, as for an array
         return dense(x, w.gather(), recipe=recipe, out_dtype=out_dtype, amax_axes=amax_axes)
     if recipe is not None and recipe != w.spec.recipe:
         raise ValueError(f"recipe: {recipe!r} does not match the ShardedWeight's recipe {w.spec.recipe!r} "
                          f"(use None)")
-    n_out, n_in = w.shape
-    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype)
+    n_in, n_out = w.shape if w.spec.transposed else w.shape[::-1]
+    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype, w.spec.transposed)
     if isinstance(amax_axes, str):
         amax_axes = (amax_axes,)
     kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
-    cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None)
+    cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
     x2 = x.reshape(-1, n_in)
     y = _dense_sharded(x2, w.shard, fsdp.vary_like(w.grad, x2), w.gathered, cfg, w.spec)
     return y.reshape(*x.shape[:-1], n_out)

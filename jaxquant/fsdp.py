@@ -70,7 +70,10 @@ class WeightSpec(NamedTuple):
     the compute weights are whole on every rank for the whole step);
     ``grad_sharded``: True, each microbatch's ``dW`` is reduce-scattered in the backward (ZeRO 2-3); False,
     it stays this rank's unreduced sum over the full rows in the main-grads dtype and the step all-reduces it
-    once (ZeRO 0-1: one gradient all-reduce a step, as DDP does across microbatches).
+    once (ZeRO 0-1: one gradient all-reduce a step, as DDP does across microbatches);
+    ``transposed``: the weight is stored ``[in, out]`` (flax's kernels, ``ParamRule(kernel="in_out")``): its
+    rows are ``in``, and ``jq.dense(x, w)`` computes ``x @ w`` reading the same quantized bytes (per-tensor FP8
+    scaling and 16x16 NVFP4 tiles do not depend on the orientation).
     """
 
     recipe: str
@@ -82,17 +85,18 @@ class WeightSpec(NamedTuple):
     keep_gathered: bool = False
     per_use: bool = True
     grad_sharded: bool = True
+    transposed: bool = False
+    rows_from_end: int = 2       # the FSDP-split axis counted from the end: 2 for matrices, 1 for vectors
 
     @property
     def grad_dtype(self):
         """dtype of the gradient sink: what travels (comm dtype), or the unreduced main-dtype sum."""
         return self.grad.comm_dtype if self.grad_sharded else self.grad.main_dtype
 
-
-def rows_axis(ndim: int) -> int:
-    """The axis a leaf's rows are split over FSDP along: ``out`` of ``[..., out, in]`` (a stack's layer axis
-    is never split), axis 0 of a vector."""
-    return ndim - 2 if ndim >= 2 else 0
+    def rows_axis(self, ndim: int) -> int:
+        """The axis rows are split over FSDP along in an array of ``ndim`` (a whole leaf, a stack or one layer):
+        ``out`` of ``[..., out, in]``, a vector's own axis; never a stack's layer axis."""
+        return max(ndim - self.rows_from_end, 0)
 
 
 @jax.tree_util.register_dataclass
@@ -125,6 +129,9 @@ class ShardedWeight:
         (rowwise and columnwise) whose ``jq.dense`` weight gradient reaches ``grad``. Unlike
         ``jq.dense(x, w)``, a layer that keeps the result keeps the gathered weight for its backward."""
         _check_layer(self, "w")
+        if self.spec.transposed:
+            raise ValueError(f"w: an [in, out] ShardedWeight of shape {self.shape} is read by jq.dense only (x @ w); "
+                             f"gather() gives [out, in] weights")
         if self.spec.recipe == "bf16":
             return gather_array(self.shard, self.grad, self.spec, None if self.gathered is None else self.gathered["w"])
         operands = self.gathered if self.gathered is not None else gather_once(self.shard, self.spec)
@@ -147,7 +154,7 @@ def _all_gather(a, spec: WeightSpec):
     """Rows of every FSDP rank in order; marked varying (not invariant) so that the consumers' gradients
     arrive per rank and are reduce-scattered here, in the comm dtype."""
     if spec.gather_axis is not None:
-        a = jax.lax.all_gather(a, spec.gather_axis, axis=rows_axis(a.ndim), tiled=True)
+        a = jax.lax.all_gather(a, spec.gather_axis, axis=spec.rows_axis(a.ndim), tiled=True)
     return pcast_varying(a, spec.vary_axes) if spec.vary_axes else a
 
 
@@ -249,7 +256,7 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
         return x
     x = formats.to_compute_dtype(x, g.comm_dtype)
     if spec.gather_axis is not None:
-        x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=rows_axis(x.ndim), tiled=True)
+        x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=spec.rows_axis(x.ndim), tiled=True)
     if spec.vary_axes and sum_vary_axes:
         x = jax.lax.psum(x, spec.vary_axes)
     return x

@@ -46,8 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
-from jaxquant.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
-                           rows_axis)
+from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array
 from jaxquant.formats import to_compute_dtype
 from jaxquant.layout import TP_SPLITS
 from jaxquant.rules import decide
@@ -104,19 +103,23 @@ def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, micro
         matrix = len(shape) - d.stacked == 2    # unquantized [out, in] layers get bf16 copies, others their dtype
         recipe = d.recipe if quantized else ("bf16" if matrix else "keep")
         tp_dim = TP_SPLITS[d.tp] if T > 1 and d.tp is not None else None
+        if tp_dim is not None and d.transposed:   # [in, out]: "col" splits out, the minor axis
+            tp_dim = 1 - tp_dim
         out.append(_leaf_rule(_leaf_name(path), shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
                               replicate_axis, grad, not reshard_after_forward, STRATEGY_SHARDING[strategy],
-                              d.stacked))
+                              d.stacked, d.transposed))
     return LayerPlan(treedef, tuple(out))
 
 
 def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis, replicate_axis, grad,
-               keep_gathered, sharded_parts, stacked):
-    lead = len(shape) - 2 if len(shape) >= 2 else 0    # stacked leaves: the layer axis is never split
-    rows_dim = lead if len(shape) >= 2 else 0
+               keep_gathered, sharded_parts, stacked, transposed=False):
+    # rows: the first of a layer's [rows, cols] (a vector's only axis); a stack's layer axis is never split
+    per_layer = len(shape) - int(stacked)
+    rows_from_end = min(per_layer, 2)
+    rows_dim = len(shape) - rows_from_end if rows_from_end else None
     local = list(shape)
     if tp_dim is not None:
-        d = lead + tp_dim
+        d = len(shape) - 2 + tp_dim
         if shape[d] % T:
             raise ValueError(f"param_specs{name}: dimension {d} of shape {shape} is not divisible by the tp axis "
                              f"size {T}")
@@ -124,20 +127,21 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
     if quantized and recipe == "nvfp4" and (local[-2] % formats.TILE or local[-1] % formats.TILE):
         raise ValueError(f"params{name}: NVFP4 compute weights need (TP-local) dimensions that are multiples of "
                          f"16, got {tuple(local[-2:])}")
-    rows = local[rows_dim] if local else 1
     unit = formats.TILE if quantized and recipe == "nvfp4" else 1
-    sharded = sharded_parts.optimizer and len(shape) > 0 and rows % S == 0 and (rows // S) % unit == 0
+    sharded = (sharded_parts.optimizer and rows_dim is not None and local[rows_dim] % S == 0
+               and (local[rows_dim] // S) % unit == 0)
     spec = [None] * len(shape)
     if tp_dim == 0:
         spec[rows_dim] = (tp_axis, fsdp_axis) if sharded else tp_axis
     elif sharded:
         spec[rows_dim] = fsdp_axis
     if tp_dim == 1:
-        spec[lead + 1] = tp_axis
+        spec[len(shape) - 1] = tp_axis
     amax_axes = ((fsdp_axis,) if sharded else ()) + ((tp_axis,) if tp_dim is not None else ())
     vary = (() if sharded else (fsdp_axis,)) + ((replicate_axis,) if replicate_axis is not None else ())
     weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary,
-                        keep_gathered, per_use=sharded_parts.params, grad_sharded=sharded_parts.grads)
+                        keep_gathered, per_use=sharded_parts.params, grad_sharded=sharded_parts.grads,
+                        transposed=transposed, rows_from_end=max(rows_from_end, 1))
     while spec and spec[-1] is None:   # as jit returns it: P(None, 'fsdp', None) would be a second cache entry
         spec.pop()
     return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1, stacked)
@@ -298,7 +302,7 @@ class LayerwiseTrainStep:
         if rule.weight.grad_sharded or rule.weight.gather_axis is None:
             return tuple(shard_shape)
         shape = list(shard_shape)
-        shape[rows_axis(len(shape))] *= rule.weight.num_shards
+        shape[rule.weight.rows_axis(len(shape))] *= rule.weight.num_shards
         return tuple(shape)
 
     def _reduce_unsharded(self, g, rule):
@@ -311,7 +315,7 @@ class LayerwiseTrainStep:
                              spec.grad.main_dtype)
         if spec.gather_axis is None:
             return g
-        axis = rows_axis(g.ndim)
+        axis = spec.rows_axis(g.ndim)
         rows = g.shape[axis] // spec.num_shards
         return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(spec.gather_axis) * rows, rows, axis=axis)
 

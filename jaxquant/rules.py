@@ -24,6 +24,9 @@ from jaxquant.layout import TP_SPLITS
 from jaxquant.policy import COMPUTE_WEIGHTS
 
 
+KERNEL_LAYOUTS = ("out_in", "in_out")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamRule:
     """How the parameters whose dotted path fully matches ``pattern`` are trained.
@@ -35,13 +38,17 @@ class ParamRule:
         ``"nvfp4"`` (this leaf's compute weights, whatever the policy says).
       tp: None (replicated over the TP axis), ``"col"`` (``out`` split) or ``"row"`` (``in`` split).
       stacked: axis 0 is a layer axis (the leaf is a stack of ``L`` layers to ``jax.lax.scan`` over): each
-        layer is quantized with its own scales and saved under its own name (``blocks.0.norm`` ...).
+        layer is quantized with its own scales and saved under its own name (``blocks.0.norm`` ...); the layer
+        axis is never split over FSDP.
+      kernel: ``"out_in"`` (default, PyTorch's ``[out, in]``: ``jq.dense`` computes ``x @ W.T``) or ``"in_out"``
+        (flax's kernels: ``x @ K``, the master kept as it is, split over FSDP along ``in``).
     """
 
     pattern: str
     quantize: Union[bool, str] = False
     tp: Optional[str] = None
     stacked: bool = False
+    kernel: str = "out_in"
 
     def __post_init__(self):
         try:
@@ -53,6 +60,9 @@ class ParamRule:
                              f"got {self.quantize!r}")
         if self.tp is not None and self.tp not in TP_SPLITS:
             raise ValueError(f"ParamRule({self.pattern!r}).tp: must be 'col', 'row' or None, got {self.tp!r}")
+        if self.kernel not in KERNEL_LAYOUTS:
+            raise ValueError(f"ParamRule({self.pattern!r}).kernel: must be one of {KERNEL_LAYOUTS}, got "
+                             f"{self.kernel!r}")
         if not isinstance(self.stacked, bool):
             raise ValueError(f"ParamRule({self.pattern!r}).stacked: must be a bool, got {self.stacked!r}")
 
@@ -63,6 +73,7 @@ class LeafDecision(NamedTuple):
     recipe: Optional[str]      # compute weights of a quantized leaf, None: an array
     tp: Optional[str]          # "col" / "row" / None
     stacked: bool              # axis 0 is a layer axis
+    transposed: bool = False   # stored [in, out]
 
 
 def dotted_path(path) -> str:
@@ -146,4 +157,6 @@ def _by_rules(name: str, shape, rules, compute_weights: str) -> LeafDecision:
                          f"{layer}{hint}")
     if r.tp is not None and len(layer) != 2:
         raise ValueError(f"{where}: only [out, in] weights (per layer) can be split over TP, got {layer}")
-    return LeafDecision(recipe, r.tp, r.stacked)
+    if r.kernel == "in_out" and len(layer) != 2:
+        raise ValueError(f"{where}: kernel='in_out' needs [in, out] kernels (per layer), got {layer}")
+    return LeafDecision(recipe, r.tp, r.stacked, r.kernel == "in_out")

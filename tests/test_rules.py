@@ -57,6 +57,7 @@ def test_stacked_2d_norm_is_named_per_layer():
     step, state = run(params_2d_norm(), rules=RULES, steps=1)
     norm_rule = state.plan.rules[[r.name for r in state.plan.rules].index("['blocks']['norm']")]
     assert norm_rule.stacked and not norm_rule.quantized and norm_rule.recipe == "keep"
+    assert tuple(norm_rule.spec) == (None, "fsdp")          # each layer's [D] split over fsdp, never the layers
     sd = step.state_dict(state, hyperparams=dict(lr=0.05, momentum=0.0, weight_decay=0.0))
     L, D = params_2d_norm()["blocks"]["norm"].shape
     for i in range(L):
