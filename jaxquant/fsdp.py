@@ -87,6 +87,7 @@ class WeightSpec(NamedTuple):
     grad_sharded: bool = True
     transposed: bool = False
     rows_from_end: int = 2       # the FSDP-split axis counted from the end: 2 for matrices, 1 for vectors
+    pad_rows: int = 0            # zero rows after the (TP-local) rows so that they split (dropped when gathered)
 
     @property
     def grad_dtype(self):
@@ -114,7 +115,7 @@ class ShardedWeight:
     @property
     def shape(self) -> tuple:
         s = tuple(self.shard.shape)
-        return s[:-2] + (s[-2] * self.spec.num_shards, s[-1]) if len(s) >= 2 else s
+        return s[:-2] + (s[-2] * self.spec.num_shards - self.spec.pad_rows, s[-1]) if len(s) >= 2 else s
 
     @property
     def ndim(self) -> int:
@@ -154,7 +155,10 @@ def _all_gather(a, spec: WeightSpec):
     """Rows of every FSDP rank in order; marked varying (not invariant) so that the consumers' gradients
     arrive per rank and are reduce-scattered here, in the comm dtype."""
     if spec.gather_axis is not None:
-        a = jax.lax.all_gather(a, spec.gather_axis, axis=spec.rows_axis(a.ndim), tiled=True)
+        axis = spec.rows_axis(a.ndim)
+        a = jax.lax.all_gather(a, spec.gather_axis, axis=axis, tiled=True)
+        if spec.pad_rows:   # the padding rows are zeros that no layer reads
+            a = jax.lax.slice_in_dim(a, 0, a.shape[axis] - spec.pad_rows, axis=axis)
     return pcast_varying(a, spec.vary_axes) if spec.vary_axes else a
 
 
@@ -250,6 +254,10 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
     dtype (the step sums it over the data-parallel ranks once). ``sum_vary_axes=False`` leaves the sum over
     ``spec.vary_axes`` to the caller's broadcast (:func:`vary_like`)."""
     g = spec.grad
+    if spec.pad_rows:   # zero gradients for the padding rows
+        widths = [(0, 0)] * dw.ndim
+        widths[spec.rows_axis(dw.ndim)] = (0, spec.pad_rows)
+        dw = jnp.pad(dw, widths)
     x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
     x = formats.to_compute_dtype(x, g.main_dtype)
     if not spec.grad_sharded:

@@ -66,6 +66,47 @@ class LeafRule:
     weight: WeightSpec           # gather / amax / gradient rules
     tp_size: int = 1             # TP ranks the leaf is split over (1: replicated over TP)
     stacked: bool = False        # axis 0 is a layer axis (saved per layer, quantized per layer)
+    pad_rows: int = 0            # zero rows appended to each row block so that the rows split over fsdp
+    row_blocks: int = 1          # TP blocks along the rows axis (tp for a column-parallel [out, in] weight)
+
+    @property
+    def stored_shape(self) -> tuple:
+        """The master leaf's shape in the state: ``shape`` with each row block padded by ``pad_rows``."""
+        if not self.pad_rows:
+            return self.shape
+        axis = self.weight.rows_axis(len(self.shape))
+        return tuple(n + self.row_blocks * self.pad_rows if a == axis else n for a, n in enumerate(self.shape))
+
+    @property
+    def saved_spec(self):
+        """The sharding of the unpadded leaf (what the state dict holds): ``spec`` without fsdp on padded rows."""
+        if not self.pad_rows:
+            return self.spec
+        entries = [tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a != self.weight.gather_axis)
+                   for e in self.spec]
+        return P(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
+
+
+def pad_leaf(a, rule: LeafRule):
+    """``a`` (a leaf's logical shape) with ``rule.pad_rows`` zero rows after each row block (FSDP2's padding)."""
+    if not rule.pad_rows:
+        return a
+    axis = rule.weight.rows_axis(a.ndim)
+    blocks = a.reshape(a.shape[:axis] + (rule.row_blocks, a.shape[axis] // rule.row_blocks) + a.shape[axis + 1:])
+    widths = [(0, 0)] * blocks.ndim
+    widths[axis + 1] = (0, rule.pad_rows)
+    padded = jnp.pad(blocks, widths)
+    return padded.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 1:])
+
+
+def unpad_leaf(a, rule: LeafRule):
+    """The inverse of :func:`pad_leaf`: the leaf as the user gave it."""
+    if not rule.pad_rows:
+        return a
+    axis = rule.weight.rows_axis(a.ndim)
+    blocks = a.reshape(a.shape[:axis] + (rule.row_blocks, a.shape[axis] // rule.row_blocks) + a.shape[axis + 1:])
+    kept = jax.lax.slice_in_dim(blocks, 0, blocks.shape[axis + 1] - rule.pad_rows, axis=axis + 1)
+    return kept.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +169,16 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
         raise ValueError(f"params{name}: NVFP4 compute weights need (TP-local) dimensions that are multiples of "
                          f"16, got {tuple(local[-2:])}")
     unit = formats.TILE if quantized and recipe == "nvfp4" else 1
-    sharded = (sharded_parts.optimizer and rows_dim is not None and local[rows_dim] % S == 0
-               and (local[rows_dim] // S) % unit == 0)
+    sharded, pad = False, 0
+    if sharded_parts.optimizer and rows_dim is not None:
+        # rows that do not split into S shards of whole units are padded with zero rows (FSDP2's way) where that
+        # leaves each rank fewer rows than the whole leaf and at most doubles what is gathered (tiny leaves stay
+        # whole); the padding never reaches the numerics (zeros change no amax or tile scale, gathers drop them,
+        # their gradients are zeros)
+        rows, step = local[rows_dim], S * unit
+        padded = -(-rows // step) * step
+        sharded = padded == rows or (padded // S < rows and padded <= 2 * rows)
+        pad = padded - rows if sharded else 0
     spec = [None] * len(shape)
     if tp_dim == 0:
         spec[rows_dim] = (tp_axis, fsdp_axis) if sharded else tp_axis
@@ -141,10 +190,11 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
     vary = (() if sharded else (fsdp_axis,)) + ((replicate_axis,) if replicate_axis is not None else ())
     weight = WeightSpec(recipe, fsdp_axis if sharded else None, S if sharded else 1, amax_axes, grad, vary,
                         keep_gathered, per_use=sharded_parts.params, grad_sharded=sharded_parts.grads,
-                        transposed=transposed, rows_from_end=max(rows_from_end, 1))
+                        transposed=transposed, rows_from_end=max(rows_from_end, 1), pad_rows=pad)
     while spec and spec[-1] is None:   # as jit returns it: P(None, 'fsdp', None) would be a second cache entry
         spec.pop()
-    return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1, stacked)
+    return LeafRule(name, shape, quantized, recipe, P(*spec), weight, T if tp_dim is not None else 1, stacked, pad,
+                    T if tp_dim == 0 else 1)
 
 
 def _varying_over(x, axes):
@@ -200,7 +250,8 @@ class LayerwiseTrainStep:
         replicated = NamedSharding(self.mesh, P())
         masked = lambda x: isinstance(x, MaskedNode)
         like_params = lambda node: (jax.tree_util.tree_structure(node, is_leaf=masked) == plan.treedef and all(
-            masked(x) or np.shape(x) == r.shape for x, r in zip(jax.tree.leaves(node, is_leaf=masked), plan.rules)))
+            masked(x) or np.shape(x) == r.stored_shape
+            for x, r in zip(jax.tree.leaves(node, is_leaf=masked), plan.rules)))
         like_master = lambda node: jax.tree.map(lambda x, s: x if masked(x) else s, node, master, is_leaf=masked)
         return jax.tree.map(lambda node: like_master(node) if like_params(node) else replicated, opt_state,
                             is_leaf=like_params)
@@ -376,17 +427,20 @@ class LayerwiseTrainStep:
                          reshard_after_forward=self.reshard_after_forward, strategy=self.strategy)
 
     def master_shardings(self, params):
-        """``NamedSharding`` of each master leaf (a pytree like ``params``, which may hold
+        """``NamedSharding`` of each parameter as ``params`` holds it (a pytree like ``params``, which may hold
         ``jax.ShapeDtypeStruct``): build a large model directly sharded, ``jax.jit(init, out_shardings=...)``,
-        instead of on one device."""
-        return self._master_shardings(self.plan(params))
+        instead of on one device. A leaf the step pads to split it is not split over fsdp here (its rows do
+        not divide); ``init`` pads and splits it."""
+        plan = self.plan(params)
+        return jax.tree_util.tree_unflatten(plan.treedef, [NamedSharding(self.mesh, r.saved_spec) for r in plan.rules])
 
     def init(self, params) -> TrainState:
         """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
         plan = self.plan(params)
         dtype = self.policy.main_params_dtype
-        master = jax.jit(lambda p: jax.tree.map(lambda a: jnp.asarray(a, dtype), p),
-                         out_shardings=self._master_shardings(plan))(params)
+        master = jax.jit(lambda p: jax.tree_util.tree_unflatten(plan.treedef, [
+            pad_leaf(jnp.asarray(a, dtype), r) for a, r in zip(jax.tree.leaves(p), plan.rules)]),
+            out_shardings=self._master_shardings(plan))(params)
         opt_shape = jax.eval_shape(self.optimizer.init, master)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
         return TrainState(master, opt_state, self.step_count(0), plan)
@@ -450,7 +504,9 @@ class LayerwiseTrainStep:
         if not isinstance(state, TrainState):
             raise TypeError(f"state: must be the TrainState from step.init, got {type(state).__name__}")
         replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state.master)
-        return jax.jit(lambda m: m, out_shardings=replicated)(state.master)
+        unpad = lambda m: jax.tree_util.tree_unflatten(state.plan.treedef, [
+            unpad_leaf(a, r) for a, r in zip(jax.tree.leaves(m), state.plan.rules)])
+        return jax.jit(unpad, out_shardings=replicated)(state.master)
 
     def _check_call(self, state, batch):
         if not isinstance(state, TrainState) or not isinstance(state.plan, LayerPlan):

@@ -292,6 +292,34 @@ def _layers(a, n, spec, mesh):
     return _split_fn(n, NamedSharding(mesh, P(*tuple(spec)[1:])))(a)
 
 
+def _saved(a, rule, mesh):
+    """A master leaf as the state dict holds it: padding rows dropped (``LeafRule.pad_rows``)."""
+    if not rule.pad_rows:
+        return a
+    return _unpad_fn(rule, NamedSharding(mesh, rule.saved_spec))(a)
+
+
+def _stored(a, rule, mesh):
+    """The inverse of :func:`_saved`: the leaf padded and sharded as the master is."""
+    if not rule.pad_rows:
+        return a
+    return _pad_fn(rule, NamedSharding(mesh, rule.spec))(a)
+
+
+@functools.lru_cache(maxsize=256)
+def _unpad_fn(rule, out):
+    from jaxquant.layerwise import unpad_leaf
+
+    return jax.jit(lambda x: unpad_leaf(x, rule), out_shardings=out)
+
+
+@functools.lru_cache(maxsize=256)
+def _pad_fn(rule, out):
+    from jaxquant.layerwise import pad_leaf
+
+    return jax.jit(lambda x: pad_leaf(x, rule), out_shardings=out)
+
+
 # compiled once per (layer count, sharding), not at every save / load of a training run
 @functools.lru_cache(maxsize=256)
 def _split_fn(n, out):
@@ -331,7 +359,8 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
     slots, outer_hyper = _optax_parts(state.opt_state, _dotted(state))
 
     def split(a, i):
-        return _layers(a, len(leaf_names[i]), rules[i].spec, step.mesh) if rules[i].stacked else [a]
+        a = _saved(a, rules[i], step.mesh)
+        return _layers(a, len(leaf_names[i]), rules[i].saved_spec, step.mesh) if rules[i].stacked else [a]
 
     model = {}
     for i, master in enumerate(jax.tree.leaves(state.master)):
@@ -377,7 +406,7 @@ def state_dict_target(step, like, *, names=None) -> dict:
 
     def struct(i, dtype):
         shape = rules[i].shape[1:] if rules[i].stacked else rules[i].shape
-        spec = P(*tuple(rules[i].spec)[1:]) if rules[i].stacked else rules[i].spec
+        spec = P(*tuple(rules[i].saved_spec)[1:]) if rules[i].stacked else rules[i].saved_spec
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(step.mesh, spec))
 
     model = {n: struct(i, m.dtype) for i, m in enumerate(jax.tree.leaves(like.master)) for n in leaf_names[i]}
@@ -439,12 +468,12 @@ def load_state_dict(step, sd, *, like, step_count=None, names=None):
         ns, rule = leaf_names[i], plan.rules[i]
         check(table, key, ns)
         parts = [table[n] if key is None else table[n][key] for n in ns]
-        sharding = NamedSharding(step.mesh, rule.spec)
+        sharding = NamedSharding(step.mesh, rule.saved_spec)
         if rule.stacked:
-            return _stack_fn(sharding)(*parts).astype(dtype)
+            return _stored(_stack_fn(sharding)(*parts).astype(dtype), rule, step.mesh)
         # a fresh buffer even where sd's array already has this sharding: the loaded state must not share
         # buffers with a live state (e.g. sd = step.state_dict(state)) that a step then donates
-        return jax.device_put(parts[0], sharding, may_alias=False).astype(dtype)
+        return _stored(jax.device_put(parts[0], sharding, may_alias=False).astype(dtype), rule, step.mesh)
 
     master = jax.tree_util.tree_unflatten(plan.treedef, [gather_leaf(model, None, i, m.dtype)
                                                          for i, m in enumerate(jax.tree.leaves(like.master))])

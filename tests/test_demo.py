@@ -272,8 +272,9 @@ def test_demo_stops_on_a_nan_loss_before_saving(tmp_path, capsys):
 
 
 def test_demo_never_saves_non_finite_parameters_and_names_its_mesh_once(tmp_path, capsys, monkeypatch):
-    """A state whose parameters are not all finite is not saved (exit 1, one line). On fsdp=3, which splits none
-    of the model's weights evenly, every line names the mesh as fsdp=3 (it once said fsdp=1 further down)."""
+    """A state whose parameters are not all finite is not saved (exit 1, one line). On fsdp=3, which divides none
+    of the model's weights (the step pads them to split them), every line names the mesh as fsdp=3 (it once said
+    fsdp=1 further down)."""
     from jaxquant import demo
 
     monkeypatch.setattr(demo, "_all_finite", lambda tree: False)
@@ -283,7 +284,7 @@ def test_demo_never_saves_non_finite_parameters_and_names_its_mesh_once(tmp_path
     assert rc == 1 and len(lines) == 1 and "the parameters hold NaN or inf after step 1" in lines[0], out.err
     assert not os.listdir(tmp_path)
     assert "mesh fsdp=3 x tp=1" in out.out and "fsdp=1" not in out.out, out.out
-    assert "weights all-gathered per step: none (fsdp=3 splits no weight evenly" in out.out, out.out
+    assert "weights all-gathered per step (each layer where it is used)" in out.out, out.out
 
 
 def test_demo_prints_a_pytorch_load_command_that_works(fp8_checkpoint):

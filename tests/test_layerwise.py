@@ -169,10 +169,10 @@ def test_quantize_mask_leaves_arrive_as_arrays():
     assert losses[-1] < losses[0]
     assert float(jnp.max(jnp.abs(p["embed"] - init_params()["embed"]))) > 0      # the embedding trains
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    with pytest.raises(ValueError, match="quantize_mask: leaves must be True or False"):
+    with pytest.raises(ValueError, match=r"quantize_mask\[.embed.\]: leaves must be True or False"):
         bad = {**MASK(init_params()), "embed": "no"}
         jq.make_train_step(loss_scan, optax.sgd(LR), mesh=mesh, quantize_mask=bad).init(init_params())
-    with pytest.raises(ValueError, match="quantize_mask: must be a pytree of bools with the structure of params"):
+    with pytest.raises(ValueError, match="quantize_mask: must be a pytree like params, or a prefix of it"):
         jq.make_train_step(loss_scan, optax.sgd(LR), mesh=mesh, quantize_mask={"embed": False}).init(init_params())
 
 
