@@ -100,6 +100,28 @@ class WeightSpec(NamedTuple):
         return max(ndim - self.rows_from_end, 0)
 
 
+def pad_row_blocks(a, spec: WeightSpec, blocks: int = 1):
+    """A whole leaf ``a`` with ``spec.pad_rows`` zero rows after each of its ``blocks`` row blocks (one per TP rank
+    of a column-parallel weight): how the state stores a leaf whose rows do not split over FSDP (FSDP2's padding)."""
+    if not spec.pad_rows:
+        return a
+    axis = spec.rows_axis(a.ndim)
+    split = a.reshape(a.shape[:axis] + (blocks, a.shape[axis] // blocks) + a.shape[axis + 1:])
+    widths = [(0, 0)] * split.ndim
+    widths[axis + 1] = (0, spec.pad_rows)
+    return jnp.pad(split, widths).reshape(a.shape[:axis] + (-1,) + a.shape[axis + 1:])
+
+
+def unpad_row_blocks(a, spec: WeightSpec, blocks: int = 1):
+    """The inverse of :func:`pad_row_blocks`."""
+    if not spec.pad_rows:
+        return a
+    axis = spec.rows_axis(a.ndim)
+    split = a.reshape(a.shape[:axis] + (blocks, a.shape[axis] // blocks) + a.shape[axis + 1:])
+    kept = jax.lax.slice_in_dim(split, 0, split.shape[axis + 1] - spec.pad_rows, axis=axis + 1)
+    return kept.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 1:])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ShardedWeight:

@@ -46,7 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
-from jaxquant.fsdp import GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array
+from jaxquant.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
+                           pad_row_blocks, unpad_row_blocks)
 from jaxquant.formats import to_compute_dtype
 from jaxquant.layout import TP_SPLITS
 from jaxquant.rules import decide
@@ -89,24 +90,12 @@ class LeafRule:
 
 def pad_leaf(a, rule: LeafRule):
     """``a`` (a leaf's logical shape) with ``rule.pad_rows`` zero rows after each row block (FSDP2's padding)."""
-    if not rule.pad_rows:
-        return a
-    axis = rule.weight.rows_axis(a.ndim)
-    blocks = a.reshape(a.shape[:axis] + (rule.row_blocks, a.shape[axis] // rule.row_blocks) + a.shape[axis + 1:])
-    widths = [(0, 0)] * blocks.ndim
-    widths[axis + 1] = (0, rule.pad_rows)
-    padded = jnp.pad(blocks, widths)
-    return padded.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 1:])
+    return pad_row_blocks(a, rule.weight, rule.row_blocks)
 
 
 def unpad_leaf(a, rule: LeafRule):
     """The inverse of :func:`pad_leaf`: the leaf as the user gave it."""
-    if not rule.pad_rows:
-        return a
-    axis = rule.weight.rows_axis(a.ndim)
-    blocks = a.reshape(a.shape[:axis] + (rule.row_blocks, a.shape[axis] // rule.row_blocks) + a.shape[axis + 1:])
-    kept = jax.lax.slice_in_dim(blocks, 0, blocks.shape[axis + 1] - rule.pad_rows, axis=axis + 1)
-    return kept.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 1:])
+    return unpad_row_blocks(a, rule.weight, rule.row_blocks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant.checkpoint.tree import _part
+from jaxquant.fsdp import pad_row_blocks, unpad_row_blocks
 
 
 def _parts(path) -> tuple:
@@ -308,16 +309,12 @@ def _stored(a, rule, mesh):
 
 @functools.lru_cache(maxsize=256)
 def _unpad_fn(rule, out):
-    from jaxquant.layerwise import unpad_leaf
-
-    return jax.jit(lambda x: unpad_leaf(x, rule), out_shardings=out)
+    return jax.jit(lambda x: unpad_row_blocks(x, rule.weight, rule.row_blocks), out_shardings=out)
 
 
 @functools.lru_cache(maxsize=256)
 def _pad_fn(rule, out):
-    from jaxquant.layerwise import pad_leaf
-
-    return jax.jit(lambda x: pad_leaf(x, rule), out_shardings=out)
+    return jax.jit(lambda x: pad_row_blocks(x, rule.weight, rule.row_blocks), out_shardings=out)
 
 
 # compiled once per (layer count, sharding), not at every save / load of a training run
