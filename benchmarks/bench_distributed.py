@@ -11,10 +11,10 @@
    (one buffer per output array: ~900 for 300 tensors); "step in jit": one element of the first
    weight read inside jit, so the step runs whole (its custom calls write every result) and nothing
    else does (the step's own cost); "all read in jit": one element of every output array summed
-   inside jit, which adds XLA's cost of a consumer taking ~900 buffers (one H200 took 35 µs for 900
-   slices of one buffer against ~700 µs pipelined for 900 separate buffers: the consumer's launches,
-   not the step); "split=False returned": the GatheredWeights returned (a few buffers whatever the
-   number of tensors). Each blocked and pipelined.
+   inside jit, which adds XLA's cost of a consumer taking ~900 buffers (the consumer's launches over
+   separate buffers, not the step: docs/performance.md, "Host cost of many results"); "split=False
+   returned": the GatheredWeights returned (a few buffers whatever the number of tensors). Each blocked
+   and pipelined.
 
 Times: "blocked" waits for each call (latency: host dispatch and the launch of every custom call
 included); "pipelined" dispatches ``--iters`` calls back to back and waits once (device throughput, as
@@ -22,7 +22,7 @@ inside a jitted training step). ``--profile`` adds a per-kernel breakdown from a
 
 Runs on any number of devices, one included (fsdp = 1):
 
-    python3 benchmarks/bench_distributed.py                       # GPUs (e.g. 2 x H200, or 1)
+    python3 benchmarks/bench_distributed.py                       # GPUs (every visible one, or 1)
     XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. \
         python3 benchmarks/bench_distributed.py --small --iters 2  # CPU smoke run
 """

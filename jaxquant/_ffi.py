@@ -30,11 +30,9 @@ _TRAITS = {"cuda": {"traits": jaxlib.xla_client.CustomCallTargetTraits.COMMAND_B
 # On the CPU, impl="auto" runs the pure-JAX reference of these targets' ops although their CPU handlers are built:
 # there the reference that XLA compiles (vectorized, on every core) is faster (same bytes either way; the handlers
 # stay for impl="custom_call", the tests that hold them to the contract, and as the CUDA kernels' CPU twins).
-# Measured per op at 4096x4096 and 8192x8192 fp32 on 2 cores (custom call / reference time): fp8 cast and quantize
-# 3.1-3.9x, with the transpose 3.5-3.7x; nvfp4_quantize (rowwise) 1.9-2.1x; nvfp4_tile_amax 1.7-1.9x;
-# nvfp4_cast_partial 1.7-2.4x; nvfp4_transpose 1.0-35x; nvfp4_scale, nvfp4_scale_transpose (small) 8-40x. The
-# others keep the custom call on the CPU: amax (0.9-1.1x), fp8_stats (0.4x), nvfp4_stats (0.6x), nvfp4_quantize
-# with the columnwise copy (0.8-1.0x), and the grouped ops of the master-weight step (one call per stage).
+# The other ops keep the custom call on the CPU, where it is as fast as the reference or faster: amax, the
+# statistics passes (fp8_stats, nvfp4_stats), nvfp4_quantize with the columnwise copy, and the grouped ops of the
+# master-weight step (one call per stage). Per-op ratios: docs/performance.md, "The CPU backend".
 CPU_AUTO_REFERENCE = frozenset({
     "jq_fp8_cast", "jq_fp8_cast_t", "jq_fp8_quantize", "jq_fp8_quantize_t", "jq_nvfp4_quantize",
     "jq_nvfp4_tile_amax", "jq_nvfp4_scale", "jq_nvfp4_cast_partial", "jq_nvfp4_transpose",

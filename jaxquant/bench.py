@@ -18,7 +18,7 @@ profile and the 300-tensor group).
 
 On a GPU the defaults are sizes 8192² and 16384², 5 x 20 dispatches. On any other backend they are a
 smoke run that checks that everything runs and the JSON has its fields: 128x256, 3 x 3 dispatches, the
-layer's dims / 32 (about 5 s and 0.3 GB on 2 CPU cores). The GPU sizes on the CPU take minutes and GBs.
+layer's dims / 32 (small enough for a CPU to run in seconds). The GPU sizes on the CPU take minutes and GBs.
 The JSON is written only with --json PATH. The options are checked before anything is timed: a bad one
 is one line on stderr and exit status 2.
 """

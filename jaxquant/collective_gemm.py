@@ -58,7 +58,8 @@ class TileConfig:
     neighbour waits for before the step's GEMM; ``"tile"``, one flag per output tile and consumer
     warpgroup, set once the tile's store has landed and waited for only by the epilogue that adds it,
     so no CTA waits for another's stragglers (``SHORT_STEPS``: the choice at tp >= 3 where ring steps are
-    short; 3-7% slower than "step" at tp 2 on 2 x H200).
+    short; at tp 2, one hand-off a call with many tiles a step, "step" is faster and stays the default:
+    docs/performance.md).
     ``tile_k`` is the K step of 16-bit operands; 8-bit operands step twice as far (``for_operands``:
     the same 128-byte rows)."""
 
@@ -90,22 +91,22 @@ class TileConfig:
         return dataclasses.replace(self, tile_k=self.tile_k * 2 // jnp.dtype(dtype).itemsize)
 
 
-# per kernel, the tilings to use, best first (measured at the benchmark's per-rank shapes, tp 2 and 4,
-# hidden 4096 / 8192, on 4 x H100: docs/sp.md, benchmarks/bench_collective_gemm.py); the last one has
-# the smallest tiles, so a shape that it cannot tile fits none
+# per kernel, the tilings to use, best first (the fastest of benchmarks/bench_collective_gemm.py's sweep at the
+# sp benchmark's per-rank shapes, tp 2 and 4, hidden 4096 / 8192; figures in docs/performance.md); the last one
+# has the smallest tiles, so a shape that it cannot tile fits none
 TILINGS = {
     "gather": (TileConfig(tile_m=64, tile_n=256, walk="m", band=8), TileConfig()),
-    # stores spread over the next tile: the remote stores stop leaving every CTA at once (4 x H100, tp 4:
-    # kernel 0.492 -> 0.440 ms at 8192x4096x16384, 1.575 -> 1.495 at 8192x8192x32768)
+    # stores spread over the next tile: the remote stores stop leaving every CTA at once, so NVLink no longer
+    # takes them in bursts at the end of each tile (docs/performance.md, "What moved them")
     "scatter": (TileConfig(epi=None, stages=3, spread=4), TileConfig()),
 }
 # the reduce-scatter kernel's tiling, ahead of TILINGS["scatter"], where a call has several hand-offs (tp >= 3)
 # and each ring step at most SHORT_STEP_WAVES waves of output tiles: the step-wise hand-off leaves a step's last
 # stores exposed at every hand-off, a large share of a short step; tile by tile they are stored under the next
-# step's first tile (4 x H100, tp 4, bf16: kernel 0.456 -> 0.398 ms at 8192x4096x16384, 256 tiles a step;
-# at 8192x8192x32768, 1024 tiles a step, 1.482 -> 1.521, so the step-wise hand-off stays there)
+# step's first tile. With many waves a step those last stores are a small share of it and the tile-by-tile
+# hand-off is the slower one, so the step-wise hand-off stays there (docs/performance.md, the tp-4 kernel table)
 SHORT_STEPS = TileConfig(epi=None, stages=3, spread=8, handoff="tile")
-SHORT_STEP_WAVES = 2
+SHORT_STEP_WAVES = 2   # a ring step of at most this many waves of output tiles (tiles / SMs) is short
 
 
 def _misfit(rows: int, k: int, n_cols: int, config: TileConfig):
@@ -203,8 +204,8 @@ def _ring(axis, n, ref):
     neighbour's device id, ``ref`` on the left neighbour). A hand-off counts on its own semaphore, not
     on one running count: a neighbour's CTAs do not move through the steps together (a CTA with no
     tile, or a fast one, signals step s + 1 while another still stores step s), so a running count can
-    reach ``(s + 1) x CTAs`` before every CTA has handed off step s (at tp >= 3: 4 x H100 read a chunk
-    before it landed, about once in 60 calls)."""
+    reach ``(s + 1) x CTAs`` before every CTA has handed off step s (at tp >= 3 a rank then reads a chunk
+    before it has landed: the race in docs/performance.md)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     me = lax.axis_index(axis)

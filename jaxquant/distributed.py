@@ -58,24 +58,33 @@ RECIPES = ("nvfp4", "fp8")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NonFiniteReport:
-    """NaN/±inf found in the master weights (after ``compute_dtype`` conversion).
+    """NaN/±inf found in the master weights (after ``compute_dtype`` conversion), a pytree.
 
-    ``counts[r, p]`` (or ``counts[j, r, p]`` for an FSDP x TP layout, ``j`` the TP rank): int32
-    number of non-finite elements of parameter ``p`` in shard ``r``, the same on every rank.
-    ``names``: the parameter names (static). Call :meth:`raise_if_nonfinite` or
-    ``jq.raise_if_nonfinite(report)`` (the same; outside ``jit``: it reads the counts to the host) or
-    test :meth:`any` inside.
+    Returned by :func:`quantize_master_weights` (and the ``_local`` form) with ``check_finite=True``.
+    Call :meth:`raise_if_nonfinite` or ``jq.raise_if_nonfinite(report)`` (the same; outside ``jit``: it
+    reads the counts to the host) or test :meth:`any` inside.
+
+    Attributes:
+      counts: int32 ``[num_shards, num_params]``: ``counts[r, p]`` is the number of non-finite elements
+        of parameter ``p`` in shard ``r``, the same on every rank; ``[tp_size, num_shards, num_params]``
+        (``counts[j, r, p]``, ``j`` the TP rank) for an FSDP x TP layout.
+      names: the parameter names (static), as the layout's ``names``.
     """
 
     counts: jax.Array
     names: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     def any(self) -> jax.Array:
+        """True (a bool scalar array, usable inside ``jit``) where any count is non-zero."""
         return jnp.any(self.counts > 0)
 
     def findings(self) -> list[tuple]:
-        """Host side, one tuple per non-zero count: ``(param name, shard, count)``, or
-        ``(param name, tp rank, shard, count)`` for an FSDP x TP layout."""
+        """The non-zero counts, read to the host (outside ``jit``).
+
+        Returns:
+          One tuple per non-zero count: ``(param name, shard, count)``, or ``(param name, tp rank, shard,
+          count)`` for an FSDP x TP layout; empty when every weight is finite.
+        """
         counts = np.asarray(jax.device_get(self.counts))
         out = []
         for idx in zip(*np.nonzero(counts)):
@@ -85,7 +94,11 @@ class NonFiniteReport:
         return out
 
     def raise_if_nonfinite(self) -> None:
-        """Raise ``FloatingPointError`` naming every (parameter, [TP rank,] shard) holding NaN/±inf."""
+        """Raise if any master weight held NaN/±inf (outside ``jit``: reads the counts to the host).
+
+        Raises:
+          FloatingPointError: naming every (parameter, [TP rank,] shard) holding NaN/±inf, and its count.
+        """
         found = self.findings()
         if found:
             what = "; ".join(f"{f[0]} in tp rank {f[1]}, shard {f[2]}: {f[3]} element(s)" if len(f) == 4
@@ -146,10 +159,18 @@ def nvfp4_chunks(layout: FlatLayout) -> NVFP4Chunks:
 def gathered_bytes(layout: FlatLayout, recipe: str = "nvfp4") -> int:
     """Bytes the all-gather of :func:`quantize_master_weights` delivers to each rank (per TP rank).
 
-    NVFP4: ``num_shards * chunk`` where ``chunk`` is the largest shard's byte span; equals
-    ``sum(numel) / 2`` exactly when every shard boundary inside a parameter falls on an even
-    element and the shards own equally many bytes, and exceeds it by at most one byte a shard plus
-    the imbalance otherwise. FP8: ``total_size`` (the flat buffer, alignment padding included).
+    Args:
+      layout: the group's :class:`FlatLayout`.
+      recipe: "nvfp4" (default) or "fp8".
+
+    Returns:
+      NVFP4: ``num_shards * chunk`` where ``chunk`` is the largest shard's byte span; equals
+      ``sum(numel) / 2`` exactly when every shard boundary inside a parameter falls on an even element
+      and the shards own equally many bytes, and exceeds it by at most one byte a shard plus the
+      imbalance otherwise. FP8: ``total_size`` (the flat buffer, alignment padding included).
+
+    Raises:
+      ValueError: an unknown ``recipe``.
     """
     if recipe == "nvfp4":
         return layout.num_shards * nvfp4_chunks(layout).size
@@ -241,12 +262,25 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
                                   impl: str = "auto"):
     """The per-device body of :func:`quantize_master_weights`, for use inside your own ``shard_map``.
 
-    ``shard``: this device's ``[layout.shard_size]`` slice of its (TP rank's) flat master buffer
-    (shard index = ``lax.axis_index(axis)``; ``[1, shard_size]`` is accepted too). Returns this TP
-    rank's weights (identical on every rank of ``axis``; TP-local shapes), and with ``check_finite``
-    also a :class:`NonFiniteReport`. Collectives: one ``pmax`` over ``axis`` and ``tp_axis`` (int32,
-    all statistics of the group) and ``all_gather`` over ``axis`` (uint8, quantized bytes only: one
-    per gather piece).
+    Collectives: one ``pmax`` over ``axis`` and ``tp_axis`` (int32, all statistics of the group) and
+    ``all_gather`` over ``axis`` (uint8, quantized bytes only: one per gather piece).
+
+    Args:
+      shard: this device's ``[layout.shard_size]`` slice of its (TP rank's) flat float32/bfloat16 master
+        buffer (shard index = ``lax.axis_index(axis)``; ``[1, shard_size]`` is accepted too).
+      layout: the group's :class:`FlatLayout`; its ``num_shards`` must equal the size of ``axis``.
+      axis, tp_axis, recipe, compute_dtype, columnwise, manual_post_all_gather_processing, check_finite,
+      fp8_dtype, amax_epsilon, force_pow_2_scales, gather_pieces, split, impl: as in
+        :func:`quantize_master_weights`, the axes named as in the enclosing ``shard_map``.
+
+    Returns:
+      This TP rank's weights (identical on every rank of ``axis``; TP-local shapes): a list of
+      ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order, or a :class:`jaxquant.GatheredWeights`
+      with ``split=False``; with ``check_finite=True`` ``(weights, NonFiniteReport)``.
+
+    Raises:
+      TypeError, ValueError: as :func:`quantize_master_weights`, for a bad argument or a layout that
+        does not match the axes.
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
     pieces = _check_gather_pieces(gather_pieces)
@@ -405,8 +439,9 @@ def _check_split(split, tp_axis):
 
 
 def _check_gather_pieces(pieces) -> int:
-    """``gather_pieces`` as an int; None (automatic) is one piece: on 2 x H100 one gather beat 2, 4
-    and 8 pieces for every recipe (docs/decisions.md, "One gather piece by default")."""
+    """``gather_pieces`` as an int; None (automatic) is one piece: beside the casts a gather slows down to
+    about a cast's duration, so splitting it hides nothing and each piece adds a cast launch, a gather and
+    a split call (docs/decisions.md, "One gather piece by default"; figures in docs/performance.md)."""
     if pieces is None:
         return 1
     if isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer)) or pieces < 1:
@@ -593,34 +628,54 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
                             impl: str = "auto"):
     """Quantize a ZeRO-sharded flat fp32 master buffer into full (gathered) FP8 / NVFP4 weights.
 
-    ``master_flat``: global ``[layout.total_size]`` array sharded ``P(axis)`` on ``mesh`` (replicated
-    over the other mesh axes), or, for an FSDP x TP layout (``tp_axis`` set), ``[tp_size,
-    total_size]`` sharded ``P(tp_axis, axis)`` (:func:`master_sharding`). Returns the list of
-    ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order, bit-identical to ``quantize_nvfp4`` /
-    ``quantize_fp8`` of each whole weight after ``compute_dtype`` conversion; with ``check_finite=True``
-    returns ``(weights, NonFiniteReport)``.
+    The weights are bit-identical to ``quantize_nvfp4`` / ``quantize_fp8`` of each whole weight after
+    ``compute_dtype`` conversion. Without ``tp_axis`` they are replicated on every device. With
+    ``tp_axis``, each is a global array sharded over ``tp_axis`` along its TP dim (data and scale_inv;
+    columnwise data_t / scale_inv_t along the transposed dim) and replicated over ``axis``; amaxes are
+    reduced over the whole weight. Bytes equal whole-tensor quantization when the TP split is aligned to
+    the scale layout (docs/distributed.md, "FSDP x TP"); otherwise each TP rank's local tensor equals the
+    quantization of its slice with the shared global amax. Usable eagerly or inside ``jax.jit`` (donate
+    the previous step's weights to reuse their buffers).
 
-    Without ``tp_axis`` the weights are replicated on every device. With ``tp_axis``, each is a global
-    array sharded over ``tp_axis`` along its TP dim (data and scale_inv; columnwise data_t /
-    scale_inv_t along the transposed dim) and replicated over ``axis``; amaxes are reduced over the
-    whole weight. Bytes equal whole-tensor quantization when the TP split is aligned to the scale
-    layout (docs/distributed.md, "FSDP x TP"); otherwise each TP rank's local tensor equals the
-    quantization of its slice with the shared global amax.
+    Args:
+      master_flat: float32 (or bfloat16) global ``[layout.total_size]`` array sharded ``P(axis)`` on
+        ``mesh`` (replicated over the other mesh axes), or, for an FSDP x TP layout (``tp_axis`` set),
+        ``[tp_size, total_size]`` sharded ``P(tp_axis, axis)`` (:func:`master_sharding`;
+        ``layout.flatten`` builds it).
+      layout: the group's :class:`FlatLayout`; its ``num_shards`` must equal the size of ``axis``.
+      mesh: the ``jax.sharding.Mesh``.
+      axis: the mesh axis the master is sharded over (FSDP / ZeRO; default "fsdp").
+      tp_axis: the tensor-parallel mesh axis, for a layout built with ``tp_dims`` (default None: no TP).
+      recipe: "nvfp4" (default) or "fp8".
+      compute_dtype: the master is rounded to it before quantizing (default bfloat16; None: as is).
+      columnwise: also produce the columnwise data (``data_t`` and, for NVFP4, ``scale_inv_t``;
+        default False).
+      manual_post_all_gather_processing: with ``columnwise``, leave the columnwise data to the caller,
+        who runs :func:`post_all_gather_processing` when it suits, e.g. overlapped with the next layer's
+        compute (default True); False builds it in the step.
+      check_finite: also return a :class:`NonFiniteReport` (default False).
+      fp8_dtype, amax_epsilon, force_pow_2_scales: FP8 options, as in :func:`quantize_fp8`
+        (docs/numerics.md §1).
+      gather_pieces: cast and all-gather each shard's bytes in this many pieces, so that the gather of
+        one can overlap the cast of the next (None, the default: 1; more pieces slow each gather and add
+        launches, docs/decisions.md, "One gather piece by default"); the bytes do not depend on it.
+      split: True (default) returns a list of tensors. False (1-D meshes, no ``tp_axis``) returns a
+        :class:`jaxquant.GatheredWeights`: the gathered bytes, with each weight cut out where it is read
+        (``weights[i]``, ``weights.tensors()``; the same bytes). Inside the ``jit`` that consumes the
+        weights this skips the split pass over every weight's bytes (the slices are plain XLA ops, free
+        to fuse into their readers), as a bf16 gather whose caller slices its weights out of the
+        gathered buffer pays none (docs/distributed.md).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
 
-    ``columnwise``: also produce the columnwise data (``data_t`` and, for NVFP4, ``scale_inv_t``); with
-    ``manual_post_all_gather_processing=True`` (default) it is left to the caller, who runs
-    :func:`post_all_gather_processing` when it suits (e.g. overlapped with the next layer's compute).
-    ``fp8_dtype``, ``amax_epsilon``, ``force_pow_2_scales``: FP8 options (docs/numerics.md §1).
-    ``gather_pieces``: cast and all-gather each shard's bytes in this many pieces, so that the gather
-    of one can overlap the cast of the next (None: 1, which measured fastest on 2 x H100,
-    docs/decisions.md, "One gather piece by default"); the bytes do not depend on it.
-    ``split=False`` (1-D meshes, no ``tp_axis``): return a :class:`jaxquant.GatheredWeights` instead of
-    the list: the gathered bytes, with each weight cut out where it is read (``weights[i]``,
-    ``weights.tensors()``; the same bytes). Inside the ``jit`` that consumes the weights this skips the
-    split pass over every weight's bytes (the slices are plain XLA ops, free to fuse into their
-    readers), as a bf16 gather whose caller slices its weights out of the gathered buffer pays none
-    (docs/distributed.md).
-    Usable eagerly or inside ``jax.jit`` (donate the previous step's weights to reuse their buffers).
+    Returns:
+      The list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order (a ``GatheredWeights`` with
+      ``split=False``); with ``check_finite=True`` ``(weights, NonFiniteReport)``.
+
+    Raises:
+      TypeError: ``layout`` is not a ``FlatLayout``, ``mesh`` not a ``Mesh``, or a bad dtype.
+      ValueError: an axis not in the mesh, a layout whose shards or TP split do not match the mesh,
+        a ``master_flat`` of the wrong shape, weights the recipe cannot quantize (NVFP4: rank 2,
+        multiples of 16), or a bad option value.
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
     ops._check_impl(impl)
@@ -655,8 +710,16 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
 
 
 def master_sharding(mesh, axis: str = "fsdp", tp_axis=None) -> NamedSharding:
-    """The sharding ``quantize_master_weights`` expects for ``master_flat``: ``P(axis)``, or
-    ``P(tp_axis, axis)`` for an FSDP x TP layout."""
+    """The sharding :func:`quantize_master_weights` expects for ``master_flat``.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh``.
+      axis: the FSDP mesh axis (default "fsdp").
+      tp_axis: the tensor-parallel mesh axis of an FSDP x TP layout (default None).
+
+    Returns:
+      ``NamedSharding(mesh, P(axis))``, or ``P(tp_axis, axis)`` with ``tp_axis``.
+    """
     return NamedSharding(mesh, P(axis) if tp_axis is None else P(tp_axis, axis))
 
 
@@ -668,13 +731,24 @@ def master_sharding(mesh, axis: str = "fsdp", tp_axis=None) -> NamedSharding:
 def post_all_gather_processing(weights, *, impl: str = "auto"):
     """Build the columnwise data from the gathered rowwise data.
 
-    NVFP4: ``data_t`` and ``scale_inv_t``; FP8: ``data_t``, the byte transpose. Takes one tensor or a
-    list/tuple of them and returns the same structure; tensors that already have columnwise data are
-    returned unchanged. A list is processed as a group: one grouped transpose call for all its NVFP4
-    tensors (``ops.nvfp4_group_columnwise``) and one for all its FP8 tensors
-    (``ops.fp8_group_transpose``), whatever their number.
-    For FSDP x TP weights whose TP split is not aligned to the scale layout, run it per TP rank
-    (inside ``shard_map``) or pass ``manual_post_all_gather_processing=False``.
+    NVFP4: ``data_t`` and ``scale_inv_t``; FP8: ``data_t``, the byte transpose. A list is processed as
+    a group: one grouped transpose call for all its NVFP4 tensors (``ops.nvfp4_group_columnwise``) and
+    one for all its FP8 tensors (``ops.fp8_group_transpose``), whatever their number. For FSDP x TP
+    weights whose TP split is not aligned to the scale layout, run it per TP rank (inside
+    ``shard_map``) or pass ``manual_post_all_gather_processing=False`` to the quantizer.
+
+    Args:
+      weights: one ``NVFP4Tensor`` / ``Float8Tensor``, or a list/tuple of them (e.g. what
+        :func:`quantize_master_weights` returned).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+
+    Returns:
+      The same structure with columnwise data; tensors that already have it are returned unchanged.
+
+    Raises:
+      TypeError: ``weights`` holds something other than quantized tensors.
+      ValueError: an FP8 tensor whose data is not rank 2, or an NVFP4 tensor whose scales are a TP shard
+        not aligned to the scale layout.
     """
     if isinstance(weights, (list, tuple)):
         for w in weights:

@@ -53,8 +53,17 @@ def nvfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
 
 
 def check_nvfp4_shape(rows: int, cols: int, name: str = "shape") -> None:
-    """Raise ValueError (naming ``name``) unless [rows, cols] is a valid NVFP4 2D-block-scaled shape:
-    both positive multiples of 16. The one shape rule of every NVFP4 path (ops, group tables)."""
+    """Check that ``[rows, cols]`` is a valid NVFP4 2D-block-scaled shape: both positive multiples of 16.
+
+    The one shape rule of every NVFP4 path (ops, group tables).
+
+    Args:
+      rows, cols: the tensor's shape M, K.
+      name: what the error message names (default "shape").
+
+    Raises:
+      ValueError: naming ``name``, unless both are positive int multiples of 16.
+    """
     for what, n in (("M (rows)", rows), ("K (cols)", cols)):
         if not isinstance(n, (int, np.integer)) or n <= 0 or n % TILE:
             raise ValueError(

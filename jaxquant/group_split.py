@@ -32,12 +32,16 @@ class GatheredWeights:
     split result. Read inside the ``jit`` that consumes the weights, the slices are ordinary XLA ops
     that XLA may fuse into their readers, instead of one split custom call over every weight's bytes
     before anything runs: the same footing as a plain bf16 gather whose caller slices its weights out
-    of the gathered buffer. Read outside ``jit``, each access copies.
+    of the gathered buffer. Read outside ``jit``, each access copies. ``len(weights)`` is the number of
+    parameters; ``weights[i]`` raises ``IndexError`` outside ``[-len, len)``.
 
-    ``sources``: the arrays the weights are cut from; ``data_t`` / ``scale_inv_t``: per-parameter
-    columnwise arrays (already one per weight) or None. Static: ``recipe`` ("nvfp4" / "fp8"),
-    ``results`` (per parameter, the ``(shape, segments)`` of its data, scale_inv and amax, as
-    ``split`` takes them), ``shapes`` (each weight's logical shape).
+    Attributes:
+      sources: the arrays the weights are cut from.
+      data_t, scale_inv_t: per-parameter columnwise arrays (already one per weight), or None (default).
+      recipe: "nvfp4" (default) or "fp8" (static).
+      results: per parameter, the ``(shape, segments)`` of its data, scale_inv and amax, as ``split``
+        takes them (static).
+      shapes: each weight's logical shape (static).
     """
 
     sources: tuple
@@ -57,11 +61,24 @@ class GatheredWeights:
         return self.tensor(p, reference.group_split(self.sources, self.results[p]))   # static slices
 
     def tensors(self) -> list:
-        """Every weight, in the layout's order (what ``split=True`` returns)."""
+        """Every weight cut out with static slices.
+
+        Returns:
+          The list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order (what ``split=True``
+          returns).
+        """
         return [self[p] for p in range(len(self))]
 
     def tensor(self, p: int, arrays):
-        """Weight ``p`` from its three cut arrays (data, scale_inv, amax)."""
+        """Weight ``p`` from its three cut arrays.
+
+        Args:
+          p: the parameter index.
+          arrays: its ``(data, scale_inv, amax)``.
+
+        Returns:
+          The ``NVFP4Tensor`` / ``Float8Tensor``, with its columnwise arrays where the group has them.
+        """
         data, scale_inv, amax = arrays
         data_t = None if self.data_t is None else self.data_t[p]
         if self.recipe == "nvfp4":
@@ -71,7 +88,16 @@ class GatheredWeights:
         return Float8Tensor(data=data, scale_inv=scale_inv, amax=amax, data_t=data_t)
 
     def materialize(self, *, stage_of_source=None, impl: str = "auto") -> list:
-        """Every weight as its own arrays, written by one ``split`` custom call (or one per stage)."""
+        """Every weight as its own arrays, written by one :func:`split` call (or one per stage).
+
+        Args:
+          stage_of_source: as in :func:`split` (default None: one call).
+          impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+
+        Returns:
+          The list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order, the same bytes as
+          :meth:`tensors`.
+        """
         pieces = [result for per_param in self.results for result in per_param]
         arrays = split(self.sources, pieces, stage_of_source=stage_of_source, impl=impl)
         return [self.tensor(p, arrays[3 * p:3 * p + 3]) for p in range(len(self))]

@@ -74,20 +74,39 @@ class FlatLayout:
     ``FlatLayout(shapes, num_shards, align=1)`` puts parameter ``p`` at the first multiple of
     ``align`` at or after the end of parameter ``p - 1`` and pads the total to a multiple of
     ``num_shards``. :meth:`from_param_offsets` takes explicit offsets, :meth:`from_start_offsets`
-    TransformerEngine-style per-rank start offsets.
+    TransformerEngine-style per-rank start offsets. A layout is static and hashable.
 
-    **Tensor parallelism** (docs/distributed.md, "FSDP x TP"): with ``tp_dims`` (one entry per
-    parameter, the names of ``make_train_step``'s ``param_specs``: ``"col"`` = TP splits rows, i.e.
-    ``out`` of a column-parallel ``[out, in]`` weight; ``"row"`` = TP splits columns, row-parallel;
-    None = replicated over TP; 0 and 1 are accepted for "col" and "row") every TP rank's flat buffer
-    holds its TP-local slices, laid out and ZeRO-cut as above; all TP ranks share one layout of the local
-    shapes. :meth:`flatten` then returns the global master ``[tp_size, total_size]`` (even with
+    **Tensor parallelism** (docs/distributed.md, "FSDP x TP"): with ``tp_dims`` every TP rank's flat
+    buffer holds its TP-local slices, laid out and ZeRO-cut as above; all TP ranks share one layout of
+    the local shapes. :meth:`flatten` then returns the global master ``[tp_size, total_size]`` (even with
     ``tp_size=1``) and :meth:`unflatten` inverts it.
 
-    Attributes: ``shapes`` (global), ``local_shapes`` (TP-local; = ``shapes`` without TP),
-    ``numels`` (TP-local), ``names``, ``num_params``, ``num_shards``, ``shard_size``, ``total_size``
-    (``num_shards * shard_size``), ``param_offsets``, ``align`` (None for layouts built from explicit
-    offsets), ``tp_size``, ``tp_dims`` (None without TP; stored as dimensions, 0 for "col", 1 for "row").
+    Args:
+      shapes: one shape (a tuple of ints, or an int) per parameter, in buffer order.
+      num_shards: the number of equal shards (the FSDP / ZeRO axis size), >= 1.
+      align: each parameter starts at a multiple of this many elements (default 1: no padding between
+        parameters).
+      names: one name per parameter, used in error messages and reports (default ``param0``, ``param1``...).
+      tp_size: the tensor-parallel size (default 1).
+      tp_dims: one entry per parameter, the names of ``make_train_step``'s ``param_specs``: ``"col"``
+        = TP splits rows, i.e. ``out`` of a column-parallel ``[out, in]`` weight; ``"row"`` = TP splits
+        columns, row-parallel; None = replicated over TP; 0 and 1 are accepted for "col" and "row".
+        Default None: no TP (then ``tp_size`` must be 1).
+
+    Raises:
+      TypeError: a shape, count or size that is not an int.
+      ValueError: a negative size, a ``tp_dims`` of the wrong length or value, a TP-split parameter that
+        is not rank 2 or whose split dimension does not divide by ``tp_size``, or ``names`` of the wrong
+        length.
+
+    Attributes:
+      shapes: the global shapes; ``local_shapes``: the TP-local ones (= ``shapes`` without TP).
+      numels: elements of each parameter (TP-local).
+      names, num_params, num_shards, shard_size: as named; ``total_size`` = ``num_shards * shard_size``.
+      param_offsets: the first flat element of each parameter.
+      align: as given (None for layouts built from explicit offsets).
+      tp_size, tp_dims: as given (``tp_dims`` None without TP; stored as dimensions, 0 for "col", 1 for
+        "row").
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], num_shards: int, align: int = 1, *,
@@ -178,7 +197,18 @@ class FlatLayout:
                            names: Optional[Sequence[str]] = None) -> "FlatLayout":
         """A layout with explicit parameter offsets (any gaps, odd offsets included).
 
-        ``shard_size`` defaults to the smallest that covers the last parameter.
+        Args:
+          shapes: one shape per parameter.
+          param_offsets: the first flat element of each parameter, in order, not overlapping.
+          num_shards: the number of equal shards, >= 1.
+          shard_size: elements per shard (default: the smallest that covers the last parameter).
+          names: one name per parameter (default ``param0``, ``param1``...).
+
+        Returns:
+          The :class:`FlatLayout` (no TP; ``align`` None).
+
+        Raises:
+          ValueError: a wrong number of offsets, overlapping parameters, or shards that do not cover them.
         """
         shapes = cls._check_shapes(shapes)
         num_shards = _as_int("num_shards", num_shards, minimum=1)
@@ -199,18 +229,28 @@ class FlatLayout:
                            names: Optional[Sequence[str]] = None) -> "FlatLayout":
         """A layout from the per-rank arguments TransformerEngine's ``quantize_master_weights`` takes.
 
-        ``start_offsets[r][p]``: the element of flattened parameter ``p`` where rank ``r``'s master
-        piece begins (TE's ``start_offsets`` on rank ``r``; ``None`` where rank ``r`` holds nothing of
-        ``p``); ``lengths[r][p]``: that piece's element count (``master_weights[p].numel()`` on rank
-        ``r``, 0 where it is ``None``). The number of ranks is ``len(start_offsets)``.
-
         The per-rank arguments do not say where padding sits inside a shard, so this convention is
         used: each rank's pieces lie end to end from the start of its shard in parameter order, except
         that a last piece continued on the next rank ends the shard (padding goes just before it, or
         at the end of the shard). Which rank owns which elements, all quantization depends on, is
-        exactly as given. ``shard_size`` defaults to the largest rank total.
-        The pieces must tile every parameter in rank order; anything else is a ``ValueError`` naming
-        the rank and the parameter.
+        exactly as given.
+
+        Args:
+          shapes: one shape per parameter.
+          start_offsets: ``start_offsets[r][p]``, the element of flattened parameter ``p`` where rank
+            ``r``'s master piece begins (TE's ``start_offsets`` on rank ``r``; ``None`` where rank ``r``
+            holds nothing of ``p``). The number of ranks is ``len(start_offsets)``.
+          lengths: ``lengths[r][p]``, that piece's element count (``master_weights[p].numel()`` on rank
+            ``r``, 0 where it is ``None``).
+          shard_size: elements per shard (default: the largest rank total).
+          names: one name per parameter (default ``param0``, ``param1``...).
+
+        Returns:
+          The :class:`FlatLayout`; :meth:`te_start_offsets` gives the arguments back.
+
+        Raises:
+          ValueError: the pieces do not tile every parameter in rank order (naming the rank and the
+            parameter), or the rows have the wrong length.
         """
         shapes = cls._check_shapes(shapes)
         num_params = len(shapes)
@@ -363,9 +403,19 @@ class FlatLayout:
         return jax.lax.slice_in_dim(jnp.asarray(array), tp_rank * n, (tp_rank + 1) * n, axis=d)
 
     def flatten(self, arrays: Sequence, dtype=None):
-        """Lay ``arrays`` (one whole parameter each, shapes as ``shapes``) into the flat master buffer:
-        ``[total_size]``, or ``[tp_size, total_size]`` (row ``j``: TP rank ``j``'s slices) for a layout
-        built with ``tp_dims``; padding is 0. ``dtype`` defaults to the arrays' result type."""
+        """Lay whole parameters into the flat master buffer.
+
+        Args:
+          arrays: one whole parameter each, in order, shapes as ``shapes``.
+          dtype: the buffer's dtype (default: the arrays' result type; float32 for an empty layout).
+
+        Returns:
+          ``[total_size]``, or ``[tp_size, total_size]`` (row ``j``: TP rank ``j``'s slices) for a layout
+          built with ``tp_dims``; padding is 0.
+
+        Raises:
+          ValueError: the wrong number of arrays or a wrong shape.
+        """
         arrays = list(arrays)
         if len(arrays) != self.num_params:
             raise ValueError(f"arrays: expected {self.num_params} arrays (one per parameter), got {len(arrays)}")
@@ -393,7 +443,17 @@ class FlatLayout:
         return jnp.concatenate(parts)
 
     def unflatten(self, flat) -> list:
-        """The whole parameters, in their shapes, from a flat buffer as :meth:`flatten` returns it."""
+        """The inverse of :meth:`flatten`.
+
+        Args:
+          flat: a buffer as :meth:`flatten` returns it.
+
+        Returns:
+          The list of whole parameters, in their (global) shapes.
+
+        Raises:
+          ValueError: ``flat`` has the wrong shape.
+        """
         want = (self.total_size,) if self.tp_dims is None else (self.tp_size, self.total_size)
         if tuple(np.shape(flat)) != want:
             raise ValueError(f"flat: shape must be {want}, got {tuple(np.shape(flat))}")

@@ -195,10 +195,19 @@ def _whole_tensor(arrays, kwargs) -> bool:
 @sharded(Rule("amax", ("*",), results=lambda return_nonfinite=False, **_: ("", "") if return_nonfinite else "",
                reduce={0: "max", 1: "sum"}))
 def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
-    """max |x| over every element (NaN ignored, 0 when empty or all NaN), fp32 scalar.
+    """max |x| over every element (NaN ignored, 0 when empty or all NaN).
 
-    With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements, found in the
-    same pass over memory.
+    Args:
+      x: float32 or bfloat16 array of any shape.
+      return_nonfinite: also return the count of NaN/±inf elements, found in the same pass over memory
+        (default False).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      The fp32 scalar amax; with ``return_nonfinite`` ``(amax, count)``, ``count`` an int32 scalar.
+
+    Raises:
+      TypeError: ``x`` is not a float32/bfloat16 array.
     """
     _check_impl(impl)
     _check_input("x", x)
@@ -214,10 +223,25 @@ def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
 @sharded(Rule("fp8_cast", ("*", "-"), _FP8_OUT, fold=_fold_elementwise))
 def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.0,
              force_pow_2_scales: bool = False, columnwise: bool = False, impl: str = "auto"):
-    """Scale from ``amax_value`` and cast ``x`` to fp8. Returns (data, scale_inv, data_t or None).
+    """Scale from ``amax_value`` and cast ``x`` to fp8 (docs/numerics.md §1), no compute-dtype rounding.
 
-    ``x`` may have any shape (a flat master-weight shard included) unless ``columnwise``, which
-    needs rank 2 and also returns ``data_t``, the byte transpose of ``data``.
+    Args:
+      x: float32 or bfloat16 array of any shape (a flat master-weight shard included); rank 2 with
+        ``columnwise``.
+      amax_value: the (global) amax, a float32 scalar or ``[1]`` array.
+      dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float8_e5m2``.
+      amax_epsilon: lower bound on the amax used for the scale (default 0.0).
+      force_pow_2_scales: round the scale down to a power of 2 (default False).
+      columnwise: also return ``data_t``, the byte transpose of ``data`` (default False).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(data, scale_inv, data_t or None)``: fp8 data of ``x``'s shape, the fp32 scalar ``scale_inv``,
+      and fp8 ``[K, M]`` with ``columnwise``.
+
+    Raises:
+      TypeError: a bad ``x``, ``amax_value`` or ``dtype``.
+      ValueError: ``columnwise`` with ``x`` not rank 2, or a negative / non-finite ``amax_epsilon``.
     """
     _check_input("x", x)
     dtype = _check_fp8_cast_args(x, amax_value, dtype, amax_epsilon, columnwise)
@@ -248,15 +272,28 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
                reduce={1: "sum"}, applies=_whole_tensor, fold=_fold_tile_amax))
 def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfinite: bool = False,
                     impl: str = "auto"):
-    """Tile amax [rows/16, cols/16] of the tiles that flat elements [start, start+len) touch.
+    """Tile amaxes of the 16x16 tiles that flat elements ``[start, start + shard.size)`` touch.
 
-    ``shard`` is a flat (or any-shape, read flat) range of the row-major [rows, cols] tensor;
-    tiles it does not touch give 0, so a max over shards gives the whole tensor's tile amax.
-    With ``return_nonfinite`` also returns the int32 count of NaN/±inf elements of the shard,
-    found in the same pass over memory.
-
+    Tiles the shard does not touch give 0, so a max over shards gives the whole tensor's tile amax.
     Sharded under jit: a whole [rows, cols] tensor (``start=0``) is tiled per block, no collectives
     (the count is sum-reduced); a flat range has no rule and is replicated (docs/sharding.md).
+
+    Args:
+      shard: float32 or bfloat16, a flat (or any-shape, read flat) range of the row-major
+        ``[rows, cols]`` tensor.
+      rows, cols: the whole tensor's shape, both positive multiples of 16.
+      start: the flat element where ``shard`` begins (default 0).
+      return_nonfinite: also return the count of NaN/±inf elements of the shard, found in the same
+        pass over memory (default False).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      fp32 ``[rows/16, cols/16]``; with ``return_nonfinite`` ``(tile_amax, count)``, ``count`` an int32
+      scalar.
+
+    Raises:
+      TypeError: ``shard`` is not a float32/bfloat16 array.
+      ValueError: a shape that is not a multiple of 16, or a range outside the tensor.
     """
     _check_impl(impl)
     check_nvfp4_shape(rows, cols)
@@ -278,7 +315,21 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
 @sharded(Rule("nvfp4_scale", (_NVFP4_TILES, "-"), _NVFP4_DATA[1], tile=TILE,
                frame_kwargs={"rows": "m", "cols": "k"}))
 def nvfp4_scale(tile_amax, amax_value, *, rows: int, cols: int, impl: str = "auto") -> jax.Array:
-    """Tile amaxes + global amax -> padded E4M3 scale_inv [ru(rows,128), ru(cols/16,4)] (uint8)."""
+    """The NVFP4 tile scales from the tile amaxes and the global amax (docs/numerics.md §2).
+
+    Args:
+      tile_amax: fp32 ``[rows/16, cols/16]`` (``nvfp4_tile_amax``, reduced over the shards).
+      amax_value: the global amax, a float32 scalar or ``[1]`` array.
+      rows, cols: the tensor's shape, both positive multiples of 16.
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      The padded E4M3 ``scale_inv``, uint8 ``[ru(rows,128), ru(cols/16,4)]`` (``ru``: rounded up to a
+      multiple).
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong dtype or shape.
+    """
     check_nvfp4_shape(rows, cols)
     _check_array("tile_amax", tile_amax, jnp.float32, (rows // TILE, cols // TILE))
     _check_amax(amax_value)
@@ -290,15 +341,28 @@ def nvfp4_scale(tile_amax, amax_value, *, rows: int, cols: int, impl: str = "aut
 
 def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, cols: int,
                        start: int = 0, impl: str = "auto") -> jax.Array:
-    """Quantize flat elements [start, start+len) into their bytes of the packed [rows, cols/2] data.
-
-    ``data_bytes`` is the existing byte range [start//2, (start+len+1)//2) of the packed data; the
-    result is that range with only the shard's nibbles replaced (the neighbour's nibble of a shared
-    boundary byte is kept). Under jit the result aliases ``data_bytes``; donate it to update in place.
+    """Quantize flat elements ``[start, start + len)`` into their bytes of the packed ``[rows, cols/2]`` data.
 
     No sharding rule: a flat element range is not a block of a sharded 2-D array, so under jit the
     partitioner replicates the operands (all-gathers a sharded ``shard``). Call it per shard inside
     ``shard_map`` instead (docs/sharding.md).
+
+    Args:
+      shard: float32 or bfloat16, a flat (or any-shape, read flat) range of the row-major ``[rows, cols]``
+        tensor, ``len = shard.size`` elements.
+      data_bytes: uint8, the existing byte range ``[start//2, (start+len+1)//2)`` of the packed data.
+      scale_inv: uint8 ``[ru(rows,128), ru(cols/16,4)]``, the tensor's scales (``nvfp4_scale``).
+      amax_value: the global amax, a float32 scalar or ``[1]`` array.
+      rows, cols: the whole tensor's shape, both positive multiples of 16.
+      start: the flat element where ``shard`` begins (default 0).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``data_bytes`` with only the shard's nibbles replaced (the neighbour's nibble of a shared boundary
+      byte is kept). Under jit the result aliases ``data_bytes``; donate it to update in place.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong dtype or shape, or a range outside the tensor.
     """
     _check_impl(impl)
     check_nvfp4_shape(rows, cols)
@@ -327,7 +391,19 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
 
 @sharded(Rule("nvfp4_transpose", (_NVFP4_DATA[0],), _NVFP4_DATA[2], tile=TILE))
 def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
-    """Packed NVFP4 data [M, K/2] -> packed transpose [K, M/2] (uint8)."""
+    """The packed transpose of NVFP4 data (the columnwise copy's ``data_t``).
+
+    Args:
+      data: uint8 ``[M, K/2]``, two E2M1 codes a byte; M and K positive multiples of 16.
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      uint8 ``[K, M/2]``.
+
+    Raises:
+      TypeError: ``data`` is not a rank-2 uint8 array.
+      ValueError: M or K not a positive multiple of 16.
+    """
     _not_quantized("data", data)
     if not hasattr(data, "dtype") or jnp.dtype(data.dtype) != jnp.uint8 or data.ndim != 2:
         raise TypeError(f"data: must be a rank-2 uint8 array, got "
@@ -342,7 +418,19 @@ def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
 @sharded(Rule("nvfp4_scale_transpose", (_NVFP4_DATA[1],), _NVFP4_DATA[3], tile=TILE,
                frame_kwargs={"rows": "m", "cols": "k"}))
 def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto") -> jax.Array:
-    """Rowwise scales [ru(M,128), ru(K/16,4)] -> columnwise scales [ru(K,128), ru(M/16,4)]."""
+    """The columnwise copy's scales (``scale_inv_t``) from the rowwise ones.
+
+    Args:
+      scale_inv: uint8 ``[ru(rows,128), ru(cols/16,4)]``.
+      rows, cols: the tensor's shape M, K, both positive multiples of 16.
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      uint8 ``[ru(cols,128), ru(rows/16,4)]``.
+
+    Raises:
+      TypeError, ValueError: ``scale_inv`` of the wrong dtype or shape, or a bad shape.
+    """
     check_nvfp4_shape(rows, cols)
     _check_array("scale_inv", scale_inv, jnp.uint8, formats.nvfp4_scale_shape(rows, cols))
     out = jax.ShapeDtypeStruct(formats.nvfp4_scale_shape(cols, rows), jnp.uint8)
@@ -402,9 +490,21 @@ def _nvfp4_quantize_reference(v, tile_amax, amax_value, *, rows: int, cols: int,
 
 @sharded(Rule("fp8_stats", ("*",), ("", ""), reduce={0: "max", 1: "sum"}))
 def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
-    """(amax fp32 scalar, non-finite count int32 scalar) of ``x`` after ``compute_dtype`` rounding.
+    """The FP8 statistics pass: amax and non-finite count of ``x`` after ``compute_dtype`` rounding.
 
-    One read of ``x`` (custom call ``jq_fp8_stats``; the rounding is fused in)."""
+    One read of ``x`` (custom call ``jq_fp8_stats``; the rounding is fused in).
+
+    Args:
+      x: float32 or bfloat16 array of any shape.
+      compute_dtype: values are rounded to it first (default bfloat16; None: as is).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(amax, count)``: fp32 scalar, int32 scalar (NaN/±inf elements).
+
+    Raises:
+      TypeError: a bad ``x`` or ``compute_dtype``.
+    """
     _check_impl(impl)
     round_bf16 = _round_bf16(x, compute_dtype)
     if x.size == 0:
@@ -419,9 +519,23 @@ def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
 def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bfloat16,
                  amax_epsilon: float = 0.0, force_pow_2_scales: bool = False, columnwise: bool = False,
                  impl: str = "auto"):
-    """(data, scale_inv, data_t or None) of ``x`` (after ``compute_dtype`` rounding) for the given
-    (global) amax: docs/numerics.md §1.2-§1.7. One read of ``x``; with ``columnwise`` the same
-    pass writes ``data_t``."""
+    """The FP8 cast pass: ``x`` (after ``compute_dtype`` rounding) quantized for the given (global) amax.
+
+    docs/numerics.md §1.2-§1.7. One read of ``x``; with ``columnwise`` the same pass writes ``data_t``.
+
+    Args:
+      x: float32 or bfloat16 array of any shape; rank 2 with ``columnwise``.
+      amax_value: the (global) amax, a float32 scalar or ``[1]`` array (``fp8_stats``, max-reduced).
+      dtype, amax_epsilon, force_pow_2_scales, columnwise: as in :func:`fp8_cast`.
+      compute_dtype: values are rounded to it first (default bfloat16; None: as is).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(data, scale_inv, data_t or None)`` as :func:`fp8_cast`.
+
+    Raises:
+      TypeError, ValueError: as :func:`fp8_cast`, or a bad ``compute_dtype``.
+    """
     _check_impl(impl)
     round_bf16 = _round_bf16(x, compute_dtype)
     dtype = _check_fp8_cast_args(x, amax_value, dtype, amax_epsilon, columnwise)
@@ -447,8 +561,22 @@ def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bf
 @sharded(Rule("nvfp4_stats", ("m k",), (_NVFP4_TILES, "1", ""), reduce={1: "max", 2: "sum"}, tile=TILE,
                fold=_fold_nvfp4_stats))
 def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
-    """(tile_amax fp32 [M/16, K/16], amax fp32 [1], non-finite count int32 scalar) of a [M, K] ``x``
-    after ``compute_dtype`` rounding. One read of ``x`` (custom call ``jq_nvfp4_stats``)."""
+    """The NVFP4 statistics pass of a ``[M, K]`` ``x`` after ``compute_dtype`` rounding.
+
+    One read of ``x`` (custom call ``jq_nvfp4_stats``).
+
+    Args:
+      x: float32 or bfloat16 ``[M, K]``, M and K positive multiples of 16.
+      compute_dtype: values are rounded to it first (default bfloat16; None: as is).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(tile_amax, amax, count)``: fp32 ``[M/16, K/16]``, fp32 ``[1]``, int32 scalar (NaN/±inf elements).
+
+    Raises:
+      TypeError: a bad ``x`` or ``compute_dtype``.
+      ValueError: ``x`` not rank 2, or a shape that is not a multiple of 16.
+    """
     _check_impl(impl)
     round_bf16 = _round_bf16(x, compute_dtype)
     rows, cols = _nvfp4_rows_cols(x)
@@ -467,10 +595,26 @@ def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
 @sharded(Rule("nvfp4_quantize", ("m k", _NVFP4_TILES, "-"), _NVFP4_DATA, tile=TILE, fold=_fold_nvfp4_quantize))
 def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, columnwise: bool = False,
                    impl: str = "auto"):
-    """(data, scale_inv, data_t or None, scale_inv_t or None) of a [M, K] ``x`` (after
-    ``compute_dtype`` rounding) from its tile amaxes and the (global) amax: docs/numerics.md §2.2-§2.7.
-    One read of ``x`` (custom call ``jq_nvfp4_quantize[_t]``): tile scales are derived inside, and
-    with ``columnwise`` the same pass writes ``data_t`` and ``scale_inv_t``."""
+    """The NVFP4 cast pass of a ``[M, K]`` ``x`` (after ``compute_dtype`` rounding): docs/numerics.md §2.2-§2.7.
+
+    One read of ``x`` (custom call ``jq_nvfp4_quantize[_t]``): tile scales are derived inside, and with
+    ``columnwise`` the same pass writes ``data_t`` and ``scale_inv_t``.
+
+    Args:
+      x: float32 or bfloat16 ``[M, K]``, M and K positive multiples of 16.
+      tile_amax: fp32 ``[M/16, K/16]`` (``nvfp4_stats``).
+      amax_value: the (global) amax, a float32 scalar or ``[1]`` array.
+      compute_dtype: values are rounded to it first (default bfloat16; None: as is).
+      columnwise: also write the columnwise copy (default False).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(data, scale_inv, data_t or None, scale_inv_t or None)``: uint8 ``[M, K/2]``, uint8
+      ``[ru(M,128), ru(K/16,4)]``, and with ``columnwise`` uint8 ``[K, M/2]`` and ``[ru(K,128), ru(M/16,4)]``.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong dtype or shape, or a bad ``compute_dtype``.
+    """
     _check_impl(impl)
     round_bf16 = _round_bf16(x, compute_dtype)
     rows, cols = _nvfp4_rows_cols(x)
@@ -506,8 +650,22 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
 
 
 def group_table(offsets, shapes, *, num_shards: int, shard_size: int, nvfp4: bool) -> np.ndarray:
-    """Static int64 [P, F] parameter table of a group (``jaxquant.group_table``: the fields, by name,
-    are ``GROUP_TABLE_FIELDS``, defined once in ``csrc/jaxquant/group_table.h``)."""
+    """The static parameter table the grouped ops take.
+
+    Args:
+      offsets: the first flat element of each of the P parameters in the group buffer.
+      shapes: each parameter's shape (rank 2 for NVFP4).
+      num_shards: the number of ZeRO shards of the buffer.
+      shard_size: elements per shard.
+      nvfp4: lay out the NVFP4 tiles, bytes and scales (True) or FP8 only (False).
+
+    Returns:
+      A numpy int64 ``[P, F]`` table (``jaxquant.group_table``: the fields, by name, are
+      ``GROUP_TABLE_FIELDS``, defined once in ``csrc/jaxquant/group_table.h``).
+
+    Raises:
+      ValueError: parameters that overlap, leave the buffer, or (NVFP4) do not tile into 16x16 blocks.
+    """
     return gtable.build(offsets, shapes, num_shards=num_shards, shard_size=shard_size, nvfp4=nvfp4)
 
 
@@ -555,11 +713,27 @@ def _i64_operand(a: np.ndarray) -> jax.Array:
 
 def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
                           compute_dtype=None, impl: str = "auto"):
-    """(tile amaxes, amaxes) of every parameter of the group over this shard's elements: tiles packed
-    [T] (tile ``tile_base + i * cols/16 + j``; tiles the shard does not touch 0) and per-parameter
-    amax [P]; with ``return_nonfinite`` also the int32 [P] count of NaN/±inf elements per parameter
-    (all from one pass over memory). ``compute_dtype`` (None, float32, bfloat16): the shard's values
-    are rounded to it as they are read, as ``formats.to_compute_dtype`` does."""
+    """Tile amaxes and amaxes of every parameter of the group over this shard's elements, one pass.
+
+    Args:
+      shard: float32 or bfloat16 ``[shard_size]``, this shard of the group buffer.
+      shard_index: integer scalar array, this shard's index (e.g. ``lax.axis_index``).
+      table: the group's table (:func:`group_table`, ``nvfp4=True``).
+      num_shards: the number of shards.
+      return_nonfinite: also return the NaN/±inf counts (default False).
+      compute_dtype: None (default), float32 or bfloat16: the shard's values are rounded to it as they
+        are read, as ``formats.to_compute_dtype`` does.
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(tile_amax, amax)``: fp32 ``[T]``, every parameter's tiles packed (tile ``tile_base + i * cols/16
+      + j``; tiles the shard does not touch 0), and fp32 ``[P]``, the per-parameter amax over the shard;
+      with ``return_nonfinite`` also the int32 ``[P]`` count of NaN/±inf elements per parameter.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong type, dtype or shape, or a table not built by
+        :func:`group_table`.
+    """
     table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
     round_bf16, convert = _group_compute(shard, compute_dtype)
     P = table.shape[0]
@@ -577,12 +751,21 @@ def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_
 
 
 def nvfp4_group_scale(tile_amax, amax, *, table, impl: str = "auto"):
-    """Scales of every parameter of the group, one call: (scale_inv, enc).
+    """Scales of every parameter of the group, one call.
 
-    ``tile_amax``: fp32 [T], every parameter's tile amaxes (reduced over the shards); ``amax``: fp32
-    [P], every parameter's global amax. ``scale_inv``: uint8, every parameter's padded
-    [ru(rows,128), ru(cols/16,4)] E4M3 scales, row-major from ``scale_base``; ``enc``: fp32 [T],
-    each tile's encode multiplier (docs/numerics.md §2.4, §2.5), what ``nvfp4_group_cast`` takes.
+    Args:
+      tile_amax: fp32 ``[T]``, every parameter's tile amaxes (reduced over the shards).
+      amax: fp32 ``[P]``, every parameter's global amax.
+      table: the group's table (:func:`group_table`, ``nvfp4=True``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(scale_inv, enc)``: uint8, every parameter's padded ``[ru(rows,128), ru(cols/16,4)]`` E4M3
+      scales, row-major from ``scale_base``; fp32 ``[T]``, each tile's encode multiplier
+      (docs/numerics.md §2.4, §2.5), what :func:`nvfp4_group_cast` takes.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong dtype or shape.
     """
     _check_impl(impl)
     table, rows = _check_table(table)
@@ -635,13 +818,23 @@ def _transpose_ranges(rows, sizes, nvfp4: bool) -> np.ndarray:
 
 
 def nvfp4_group_columnwise(data, scale_inv, *, table, space=None, impl: str = "auto"):
-    """Columnwise data and scales of every parameter of the group, one call: (list of data_t, list of
-    scale_inv_t), one array per parameter, written in place (no copy out of a packed buffer).
+    """Columnwise data and scales of every parameter of the group, one call.
 
-    ``data``: uint8 [sum numel/2], every parameter's packed rowwise data from ``byte_base``; or with
-    ``space`` (a ``GatheredSpace``) the list of gather pieces that hold it, read where they lie (no
-    assembled copy). ``scale_inv``: the packed rowwise scales (``nvfp4_group_scale``). Parameter p's
-    data_t: uint8 [cols, rows/2]; its scale_inv_t: uint8 [ru(cols,128), ru(rows/16,4)].
+    Args:
+      data: uint8 ``[sum numel/2]``, every parameter's packed rowwise data from ``byte_base``; or, with
+        ``space``, the list of gather pieces that hold it, read where they lie (no assembled copy).
+      scale_inv: uint8, the packed rowwise scales (:func:`nvfp4_group_scale`).
+      table: the group's table (:func:`group_table`, ``nvfp4=True``).
+      space: a ``group_table.GatheredSpace`` describing the gather pieces (default None: ``data`` is one
+        buffer).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      ``(data_t, scale_inv_t)``: two lists with one array per parameter, written in place (no copy out
+      of a packed buffer): parameter p's uint8 ``[cols, rows/2]`` and ``[ru(cols,128), ru(rows/16,4)]``.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong dtype or shape, or a ``space`` that does not match.
     """
     _check_impl(impl)
     table, rows = _check_table(table)
@@ -672,11 +865,23 @@ def nvfp4_group_columnwise(data, scale_inv, *, table, space=None, impl: str = "a
 
 
 def fp8_group_transpose(data, *, table, space=None, dtype=None, impl: str = "auto") -> list:
-    """Byte transpose of every FP8 parameter of a flat buffer, one call: a list with parameter p's
-    [cols, rows] transpose (rank-1 and scalar parameters: [1, numel]), written in place.
-    ``data``: fp8 or uint8 [N], N >= the end of the last parameter; the results have its dtype (or
-    ``dtype``, a 1-byte type). With ``space`` (a ``GatheredSpace`` of N bytes): the list of gather
-    pieces (uint8) that hold the flat buffer, read where they lie; the results are ``dtype`` or uint8."""
+    """Byte transpose of every FP8 parameter of a flat buffer, one call, written in place.
+
+    Args:
+      data: fp8 or uint8 ``[N]``, N >= the end of the last parameter; or, with ``space``, the list of
+        gather pieces (uint8) that hold the flat buffer, read where they lie.
+      table: the group's table (:func:`group_table`).
+      space: a ``group_table.GatheredSpace`` of N bytes (default None: ``data`` is one buffer).
+      dtype: the results' 1-byte dtype (default None: ``data``'s dtype, or uint8 with ``space``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      A list with parameter p's ``[cols, rows]`` transpose (rank-1 and scalar parameters: ``[1, numel]``).
+
+    Raises:
+      TypeError: ``data`` or ``dtype`` not of 1-byte elements.
+      ValueError: ``data`` shorter than the table, or a ``space`` that does not match.
+    """
     _check_impl(impl)
     table, rows = _check_table(table)
     _check_space(space)
@@ -717,10 +922,21 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
     """This shard's chunk of the group's packed NVFP4 bytes.
 
     The group's param-byte space lays every parameter's packed data end to end (parameter p at its
-    ``byte_base``). Shard r returns positions [chunk_lo[r], chunk_lo[r] + chunk_size); nibbles of
-    elements it does not own are 0, so a byte split between two shards is the OR of their chunks.
-    ``enc``: fp32 [T] encode multiplier of every tile (``nvfp4_group_scale``); ``compute_dtype`` as
-    in ``nvfp4_group_tile_amax``.
+    ``byte_base``). Nibbles of elements the shard does not own are 0, so a byte split between two shards
+    is the OR of their chunks.
+
+    Args:
+      shard, shard_index, table, num_shards, compute_dtype: as in :func:`nvfp4_group_tile_amax`.
+      enc: fp32 ``[T]``, every tile's encode multiplier (:func:`nvfp4_group_scale`).
+      chunk_lo: one int per shard, where shard r's chunk starts in the param-byte space.
+      chunk_size: bytes per chunk.
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      uint8 ``[chunk_size]``: positions ``[chunk_lo[r], chunk_lo[r] + chunk_size)`` for shard r.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong type, dtype or shape.
     """
     table, index, rows, num_tiles = _check_group_args(impl, shard, shard_index, table)
     round_bf16, convert = _group_compute(shard, compute_dtype)
@@ -743,9 +959,21 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
 
 def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfinite: bool = False,
                    compute_dtype=None, impl: str = "auto"):
-    """amax of every parameter over this shard's elements [P] (0 where it owns none); with
-    ``return_nonfinite`` also the int32 [P] non-finite counts (same pass over memory); ``compute_dtype``
-    as in ``nvfp4_group_tile_amax``."""
+    """The amax of every parameter over this shard's elements, one pass.
+
+    Args:
+      shard, shard_index, table, num_shards, compute_dtype: as in :func:`nvfp4_group_tile_amax` (a table
+        built with ``nvfp4=False`` or True).
+      return_nonfinite: also return the NaN/±inf counts (default False).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      fp32 ``[P]`` (0 where the shard owns none of a parameter); with ``return_nonfinite``
+      ``(amax, count)``, ``count`` int32 ``[P]``.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong type, dtype or shape.
+    """
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
     round_bf16, convert = _group_compute(shard, compute_dtype)
     outs = [jax.ShapeDtypeStruct((table.shape[0],), jnp.float32), jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)]
@@ -763,9 +991,23 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfini
 
 def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=jnp.float8_e4m3fn,
                    compute_dtype=None, first: int = 0, count=None, impl: str = "auto") -> jax.Array:
-    """fp8 [count]: shard elements ``[first, first + count)`` (default: the whole shard), each times its
-    parameter's ``scale`` (fp32 [P]), RNE, saturating; elements outside every parameter (alignment
-    padding) are 0. ``compute_dtype`` as in ``nvfp4_group_tile_amax``."""
+    """FP8 cast of a range of this shard, each element with its parameter's scale.
+
+    Args:
+      shard, shard_index, table, num_shards, compute_dtype: as in :func:`fp8_group_amax`.
+      scale: fp32 ``[P]``, each parameter's FP8 scale (docs/numerics.md §1).
+      dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float8_e5m2``.
+      first: the first shard element to cast (default 0).
+      count: how many (default None: to the end of the shard).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+
+    Returns:
+      fp8 ``[count]``: shard elements ``[first, first + count)`` times their parameter's scale, RNE,
+      saturating; elements outside every parameter (alignment padding) are 0.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong type, dtype or shape, or a range outside the shard.
+    """
     table, index, rows, _ = _check_group_args(impl, shard, shard_index, table)
     round_bf16, convert = _group_compute(shard, compute_dtype)
     formats.fp8_max(dtype)

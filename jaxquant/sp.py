@@ -608,15 +608,34 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
                        recipe: Optional[str] = None, eps: float = 1e-5, impl: str = "auto"):
     """Column-parallel layer: layernorm, then all-gather over the sequence, then ``@ w.T``.
 
-    x: ``[..., S, H]`` sharded on the sequence over ``tp_axis``; gamma, beta: ``[H]``; w: ``[F, H]``
-    (``[out, in]``: a float array, ``Float8Tensor`` or ``NVFP4Tensor``, e.g. from
-    ``quantize_master_weights(tp_axis=...)`` with tp_dims 0) sharded ``P(tp_axis, None)``. Returns
-    ``[..., S, F]`` in x's dtype, sharded on the features. ``recipe`` (the names of ``jq.dense``): None
-    follows the weight's type; "fp8" (E4M3 activations and weight, E5M2 gradients; a Float8Tensor, or a
-    float weight quantized inside), "nvfp4" (an NVFP4Tensor, read as bf16 blockwise values with bf16
-    activations and gradients; its former spelling "bf16" is still accepted) or "bf16" (a float weight,
-    no quantization). Differentiable in x, gamma, beta and a float w;
-    a quantized w passes dW to the master attached with ``jq.straight_through`` (docs/sp.md).
+    Differentiable in x, gamma, beta and a float w; a quantized w passes dW to the master attached with
+    ``jq.straight_through`` (docs/sp.md).
+
+    Args:
+      x: float ``[..., S, H]`` sharded on the sequence over ``tp_axis`` (S a multiple of the axis size).
+      gamma, beta: the layernorm's float ``[H]`` scale and shift.
+      w: ``[F, H]`` (``[out, in]``: a float array, ``Float8Tensor`` or ``NVFP4Tensor``, e.g. from
+        ``quantize_master_weights(tp_axis=...)`` with tp_dims "col") sharded ``P(tp_axis, None)``;
+        F a multiple of the axis size.
+      mesh: the ``jax.sharding.Mesh`` (Auto axis types).
+      tp_axis: the tensor-parallel mesh axis (default "tp").
+      overlap: how the all-gather meets the GEMM: "off" (default: one all-gather, then one GEMM),
+        "ring" (ppermute ring, chunk i's GEMM while chunk i+1 travels) or "fused" (bf16 or FP8:
+        collective GEMM kernels on Hopper GPUs, their plain-JAX schedule with ``impl="reference"``).
+      recipe: the names of ``jq.dense``. None (default) follows the weight's type; "fp8" (E4M3
+        activations and weight, E5M2 gradients; a Float8Tensor, or a float weight quantized inside),
+        "nvfp4" (an NVFP4Tensor, read as bf16 blockwise values with bf16 activations and gradients; its
+        former spelling "bf16" is still accepted) or "bf16" (a float weight, no quantization).
+      eps: the layernorm's epsilon (default 1e-5).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+
+    Returns:
+      ``[..., S, F]`` in x's dtype, sharded on the features over ``tp_axis``.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``Mesh``, or an operand of the wrong type or dtype.
+      ValueError: ``tp_axis`` not in the mesh, shapes that do not match or divide by the axis size, an
+        unknown ``overlap``, a recipe the weight cannot run, or a "fused" call the kernels cannot take.
     """
     ctx = _context(mesh, tp_axis, overlap, impl)
     _check_x(x, ctx)
@@ -636,9 +655,21 @@ def sp_dense_reduce_scatter(x, w, *, mesh, tp_axis: str = "tp", overlap: str = "
                             recipe: Optional[str] = None, impl: str = "auto"):
     """Row-parallel layer: ``x @ w.T`` with the partial sums reduce-scattered over the sequence.
 
-    x: ``[..., S, F]`` sharded on the features over ``tp_axis``; w: ``[H, F]`` (``[out, in]``, tp_dims 1)
-    sharded ``P(None, tp_axis)``. Returns ``[..., S, H]`` in x's dtype, sharded on the sequence.
-    ``recipe`` and weight gradients as in :func:`sp_layernorm_dense`.
+    Weight gradients as in :func:`sp_layernorm_dense`.
+
+    Args:
+      x: float ``[..., S, F]`` sharded on the features over ``tp_axis`` (S and F multiples of the axis
+        size).
+      w: ``[H, F]`` (``[out, in]``, tp_dims "row") sharded ``P(None, tp_axis)``; the weight types of
+        :func:`sp_layernorm_dense`.
+      mesh, tp_axis, overlap, recipe, impl: as in :func:`sp_layernorm_dense` (defaults "tp", "off",
+        None, "auto"); the overlap modes apply to the reduce-scatter.
+
+    Returns:
+      ``[..., S, H]`` in x's dtype, sharded on the sequence over ``tp_axis``.
+
+    Raises:
+      TypeError, ValueError: as :func:`sp_layernorm_dense`.
     """
     ctx = _context(mesh, tp_axis, overlap, impl)
     _check_x(x, ctx)
@@ -653,9 +684,21 @@ def sp_mlp(x, gamma, beta, w1, w2, *, mesh, tp_axis: str = "tp", overlap: str = 
            recipe: Optional[str] = None, activation=jax.nn.gelu, eps: float = 1e-5, impl: str = "auto"):
     """``sp_dense_reduce_scatter(activation(sp_layernorm_dense(x, gamma, beta, w1)), w2)``.
 
-    x: ``[..., S, H]`` sequence-sharded; w1 ``[F, H]``, w2 ``[H, F]`` (``[out, in]``). Returns
-    ``[..., S, H]`` sequence-sharded (add the residual yourself). The activation runs on
-    feature-sharded values without communication.
+    The activation runs on feature-sharded values without communication.
+
+    Args:
+      x: float ``[..., S, H]`` sharded on the sequence over ``tp_axis``.
+      gamma, beta: the layernorm's ``[H]`` scale and shift.
+      w1: ``[F, H]`` (``[out, in]``) column-parallel weight, sharded ``P(tp_axis, None)``.
+      w2: ``[H, F]`` (``[out, in]``) row-parallel weight, sharded ``P(None, tp_axis)``.
+      mesh, tp_axis, overlap, recipe, eps, impl: as in :func:`sp_layernorm_dense`, for both layers.
+      activation: elementwise function between the layers (default ``jax.nn.gelu``).
+
+    Returns:
+      ``[..., S, H]`` sequence-sharded (add the residual yourself).
+
+    Raises:
+      TypeError, ValueError: as the two layers.
     """
     kw = dict(mesh=mesh, tp_axis=tp_axis, overlap=overlap, recipe=recipe, impl=impl)
     h = activation(sp_layernorm_dense(x, gamma, beta, w1, eps=eps, **kw))
@@ -702,17 +745,34 @@ def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl):
 
 def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None, overlap: str = "off",
                     impl: str = "auto"):
-    """Per-rank column-parallel layer of sequence parallelism, for code already inside ``shard_map`` (the
-    ``loss_fn`` of ``make_train_step(..., tp_axis=...)``): this rank's sequence rows ``x [..., S/n, in]``
-    are all-gathered over ``tp_axis`` (in x's dtype) and multiplied by this rank's output rows of ``w``
-    (``[out/n, in]``: anything ``jq.dense`` takes, a ``ShardedWeight`` included) -> ``[..., S, out/n]``.
-    The FP8/NVFP4 activation amax is max-reduced over ``tp_axis``. JAX's transpose of the all-gather
+    """Per-rank column-parallel layer of sequence parallelism, for code already inside ``shard_map``.
+
+    For the ``loss_fn`` of ``make_train_step(..., tp_axis=...)``: this rank's sequence rows are
+    all-gathered over ``tp_axis`` (in x's dtype) and multiplied by this rank's output rows of ``w``. The
+    FP8/NVFP4 activation amax is max-reduced over ``tp_axis``. JAX's transpose of the all-gather
     reduce-scatters dX back to the sequence rows (Megatron's "g" with sequence parallelism).
-    ``overlap="fused"`` (bf16 x; a bf16 or FP8 weight, recipe "bf16" or "fp8"; a ``ShardedWeight`` is
-    gathered first) runs the all-gather GEMM and, in the backward, the GEMM reduce-scatter as collective
-    GEMM kernels on Hopper GPUs (their plain-JAX schedule elsewhere or with ``impl="reference"``;
-    docs/sp.md): the sp layers' own custom VJP per rank, keeping the gathered ``x`` for the weight
-    gradient."""
+
+    Args:
+      x: this rank's sequence rows, ``[..., S/n, in]``.
+      w: this rank's output rows, ``[out/n, in]``: anything ``jq.dense`` takes, a ``ShardedWeight``
+        included.
+      tp_axis: the tensor-parallel axis name of the enclosing ``shard_map``.
+      recipe: as in ``jq.dense`` (default None: follow the weight's type).
+      out_dtype: the output dtype (default None: x's dtype).
+      overlap: "off" (default: ``lax.all_gather``, then ``jq.dense``) or "fused" (bf16 x; a bf16 or FP8
+        weight, recipe "bf16" or "fp8"; a ``ShardedWeight`` is gathered first): the all-gather GEMM and,
+        in the backward, the GEMM reduce-scatter as collective GEMM kernels on Hopper GPUs (their
+        plain-JAX schedule elsewhere or with ``impl="reference"``; docs/sp.md), the sp layers' own custom
+        VJP per rank, keeping the gathered ``x`` for the weight gradient.
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+
+    Returns:
+      ``[..., S, out/n]``.
+
+    Raises:
+      ValueError: an ``overlap`` other than "off" / "fused", ``x`` of rank < 2, or a "fused" call the
+        kernels cannot take; ``jq.dense``'s errors for the weight.
+    """
     if overlap == "fused":
         return _per_rank_fused_call("column", x, w, tp_axis, recipe, out_dtype, impl)
     if overlap != "off":
@@ -723,13 +783,30 @@ def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dty
 
 def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=None, overlap: str = "off",
                  impl: str = "auto"):
-    """Per-rank row-parallel layer of sequence parallelism (inside ``shard_map``): ``x [..., S, in/n]`` (the
-    features this rank holds) times this rank's input columns of ``w`` (``[out, in/n]``, anything
-    ``jq.dense`` takes), partial sums reduce-scattered over ``tp_axis`` onto the sequence rows in
-    ``out_dtype`` (default x's dtype: bf16 partial sums on the wire, as Megatron) -> ``[..., S/n, out]``.
-    JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs. ``overlap="fused"``
-    (bf16 or FP8) runs the GEMM reduce-scatter and, in the backward, the all-gather GEMM (dY gathered once for
-    both backward GEMMs) as collective GEMM kernels, as in ``sp_column_dense``."""
+    """Per-rank row-parallel layer of sequence parallelism, for code already inside ``shard_map``.
+
+    ``x`` times this rank's input columns of ``w``, the partial sums reduce-scattered over ``tp_axis``
+    onto the sequence rows. JAX's transpose of the reduce-scatter all-gathers dY for the backward GEMMs.
+
+    Args:
+      x: ``[..., S, in/n]``, the features this rank holds.
+      w: this rank's input columns, ``[out, in/n]``: anything ``jq.dense`` takes.
+      tp_axis: the tensor-parallel axis name of the enclosing ``shard_map``.
+      recipe: as in ``jq.dense`` (default None: follow the weight's type).
+      out_dtype: the dtype the partial sums travel and come out in (default None: x's dtype, i.e. bf16
+        partial sums on the wire, as Megatron); with "fused" it must be x's dtype.
+      overlap: "off" (default: ``jq.dense``, then ``lax.psum_scatter``) or "fused" (bf16 or FP8): the GEMM
+        reduce-scatter and, in the backward, the all-gather GEMM (dY gathered once for both backward
+        GEMMs) as collective GEMM kernels, as in :func:`sp_column_dense`.
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+
+    Returns:
+      ``[..., S/n, out]``.
+
+    Raises:
+      ValueError: an ``overlap`` other than "off" / "fused", ``x`` of rank < 2, or a "fused" call the
+        kernels cannot take; ``jq.dense``'s errors for the weight.
+    """
     if overlap == "fused":
         return _per_rank_fused_call("row", x, w, tp_axis, recipe, out_dtype, impl)
     if overlap != "off":

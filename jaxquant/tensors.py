@@ -45,12 +45,20 @@ class _LogicalArray:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Float8Tensor(_LogicalArray):
-    """FP8 per-tensor current-scaled tensor.
+    """FP8 per-tensor current-scaled tensor (docs/numerics.md §1.7), a pytree.
 
-    data: fp8 [M, K] (any shape for a 1-D shard); scale_inv, amax: fp32 scalars;
-    data_t: fp8 [K, M], the byte transpose of ``data``, or None.
-    ``shape`` (= ``data.shape``: one fp8 element per logical element), ``ndim``, ``size``: the logical
-    tensor's; ``dtype``: float32, the dequantized dtype (the fp8 format is ``data.dtype``).
+    Built by :func:`jaxquant.quantize_fp8` and :func:`jaxquant.quantize_master_weights`; construct it
+    directly only from bytes that follow the layout.
+
+    Attributes:
+      data: fp8 ``[M, K]`` (``float8_e4m3fn`` or ``float8_e5m2``; any shape for a 1-D shard).
+      scale_inv: fp32 scalar, the dequantization multiplier.
+      amax: fp32 scalar, the amax the scale came from.
+      data_t: fp8 ``[K, M]``, the byte transpose of ``data``, or None (default) when no columnwise copy
+        was built.
+      shape, ndim, size: the logical tensor's (``shape`` = ``data.shape``: one fp8 element per logical
+        element).
+      dtype: float32, the dequantized dtype (the fp8 format is ``data.dtype``).
     """
 
     data: jax.Array
@@ -63,20 +71,34 @@ class Float8Tensor(_LogicalArray):
         return tuple(self.data.shape)
 
     def dequantize(self, dtype=DEQUANTIZED_DTYPE) -> jax.Array:
-        """docs/numerics.md §1.8: float(data) * scale_inv."""
+        """The logical tensor, ``float(data) * scale_inv`` (docs/numerics.md §1.8).
+
+        Args:
+          dtype: dtype of the result (default float32).
+
+        Returns:
+          An array of ``shape`` in ``dtype``.
+        """
         return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NVFP4Tensor(_LogicalArray):
-    """NVFP4 tensor with 2D 16x16 block scales.
+    """NVFP4 tensor with 2D 16x16 block scales (docs/numerics.md §2.7), a pytree.
 
-    data: uint8 [M, K/2] (two E2M1 codes a byte, element 2c in the low nibble);
-    scale_inv: uint8 [ru(M,128), ru(K/16,4)] E4M3 bit patterns; amax: fp32 [1];
-    data_t: uint8 [K, M/2] and scale_inv_t: uint8 [ru(K,128), ru(M/16,4)], or None.
-    ``shape`` = (M, K) (static; from ``data`` when not given), ``ndim``, ``size``: the logical tensor's;
-    ``dtype``: float32, the dequantized dtype (the packed storage is ``data.dtype``, uint8).
+    Built by :func:`jaxquant.quantize_nvfp4` and :func:`jaxquant.quantize_master_weights`; construct it
+    directly only from bytes that follow the layout. ``ru(n, m)``: n rounded up to a multiple of m.
+
+    Attributes:
+      data: uint8 ``[M, K/2]``, two E2M1 codes a byte (element 2c in the low nibble).
+      scale_inv: uint8 ``[ru(M,128), ru(K/16,4)]``, the tile scales as E4M3 bit patterns.
+      amax: fp32 ``[1]``, the global amax.
+      data_t: uint8 ``[K, M/2]``, the columnwise copy, or None (default).
+      scale_inv_t: uint8 ``[ru(K,128), ru(M/16,4)]``, its scales, or None (default).
+      shape: ``(M, K)``, the logical shape (static pytree metadata; taken from ``data`` when not given).
+      ndim, size: the logical tensor's.
+      dtype: float32, the dequantized dtype (the packed storage is ``data.dtype``, uint8).
     """
 
     data: jax.Array
@@ -92,13 +114,30 @@ class NVFP4Tensor(_LogicalArray):
             object.__setattr__(self, "shape", (int(m), int(half_k) * 2))
 
     def dequantize(self, dtype=DEQUANTIZED_DTYPE) -> jax.Array:
-        """docs/numerics.md §2.8: (value(q) * float(s8)) * (amax * (1/2688))."""
+        """The logical tensor, ``(value(q) * float(s8)) * (amax * (1/2688))`` (docs/numerics.md §2.8).
+
+        Args:
+          dtype: dtype of the result (default float32).
+
+        Returns:
+          An array ``[M, K]`` in ``dtype``.
+        """
         from jaxquant import reference
 
         return reference.nvfp4_dequantize(self.data, self.scale_inv, self.amax, self.shape).astype(dtype)
 
     def dequantize_t(self, dtype=DEQUANTIZED_DTYPE) -> jax.Array:
-        """Dequantize the columnwise copy: returns x̂.T of shape [K, M]."""
+        """Dequantize the columnwise copy.
+
+        Args:
+          dtype: dtype of the result (default float32).
+
+        Returns:
+          x̂.T, an array ``[K, M]`` in ``dtype``.
+
+        Raises:
+          ValueError: the tensor has no columnwise copy (``data_t`` or ``scale_inv_t`` is None).
+        """
         if self.data_t is None or self.scale_inv_t is None:
             raise ValueError("data_t: this NVFP4Tensor has no columnwise data")
         from jaxquant import reference
@@ -125,11 +164,22 @@ class _NVFP4WithMaster(NVFP4Tensor):
 
 
 def straight_through(q, master):
-    """``q`` (a ``Float8Tensor`` or ``NVFP4Tensor``) whose ``dense`` weight gradient goes to ``master``.
+    """Attach a straight-through gradient target to a quantized weight.
 
-    The result is still a ``Float8Tensor`` / ``NVFP4Tensor`` (a subclass that also holds ``master``); the
-    forward never reads ``master``, and differentiating with respect to it gives ``dW`` in
-    ``master.dtype``. ``master`` may be a zeros placeholder of the weight's shape (XLA never builds it).
+    The forward never reads ``master``; differentiating ``jq.dense`` (or the ``jq.sp_*`` layers) with
+    respect to it gives ``dW`` in ``master.dtype``.
+
+    Args:
+      q: the quantized weight, a :class:`Float8Tensor` or :class:`NVFP4Tensor`.
+      master: a floating array of the weight's logical shape ``q.shape``; may be a zeros placeholder
+        (XLA never builds it).
+
+    Returns:
+      ``q`` as a ``Float8Tensor`` / ``NVFP4Tensor`` subclass that also holds ``master``.
+
+    Raises:
+      TypeError: ``q`` is not a quantized tensor, or ``master`` is not floating.
+      ValueError: ``master``'s shape is not ``q.shape``.
     """
     if not isinstance(q, (Float8Tensor, NVFP4Tensor)):
         raise TypeError(f"q: must be a Float8Tensor or NVFP4Tensor, got {type(q).__name__}")

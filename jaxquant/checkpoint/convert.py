@@ -127,12 +127,32 @@ def _dequantized_chunks(source, key, info, dtype):
 
 def convert(src: str, dst: str, *, to: str, dequantize=None, transpose: Iterable[str] | str = (),
             progress: bool = False, verify: bool = True) -> str:
-    """Convert the checkpoint ``src`` (DCP or Orbax, detected) to ``dst`` in format ``to`` ("dcp"/"orbax").
+    """Convert the checkpoint ``src`` (DCP or Orbax, detected) to ``dst`` in format ``to``.
 
-    ``dequantize``: a dtype (e.g. "bfloat16"); quantized tensors (listed in the ``__jaxquant__`` entry)
-    become one tensor of their logical shape. ``transpose``: fnmatch patterns of 2-D keys to transpose
-    (``[out, in]`` <-> ``[in, out]``). ``dst`` is written atomically; ``src`` is only read. An exception,
-    SIGINT or SIGTERM removes the staging directory (see ``interrupt``).
+    ``dst`` is written atomically, streaming chunk by chunk; ``src`` is only read. An exception, SIGINT
+    or SIGTERM removes the staging directory (see ``interrupt``).
+
+    Args:
+      src: the source checkpoint directory.
+      dst: the destination; it must not exist, or be an empty directory, and differ from ``src``.
+      to: "dcp" or "orbax" (Orbax needs the ``orbax`` extra; an Orbax source converts to "dcp" only).
+      dequantize: a dtype (e.g. "bfloat16"): quantized tensors (listed in the ``__jaxquant__`` entry)
+        become one tensor of their logical shape (default None: copied as components).
+      transpose: fnmatch pattern(s) of 2-D keys to transpose (``[out, in]`` <-> ``[in, out]``; default
+        none).
+      progress: print a progress bar on stderr (default False).
+      verify: check the CRC-32 of every DCP record read (default True).
+
+    Returns:
+      ``dst``.
+
+    Raises:
+      DestinationExistsError: ``dst`` exists and is not an empty directory.
+      MissingDependencyError: ``to="orbax"`` or an Orbax source without Orbax installed.
+      CorruptCheckpointError: ``src`` is neither format, or is damaged.
+      CheckpointError: a bad argument, or another problem with either checkpoint (its subclasses above
+        included).
+      Interrupted: SIGINT or SIGTERM during the write, after the cleanup.
     """
     with interrupt.default_signals_clean_up():
         return _convert(src, dst, to, dequantize, transpose, progress, verify)
@@ -212,7 +232,19 @@ def _convert(src, dst, to, dequantize, transpose, progress, verify) -> str:
 
 
 def dcp_to_orbax(src: str, dst: str, **kw) -> str:
-    """DCP directory -> Orbax PyTree checkpoint (flat ``{dcp_key: array}``); see :func:`convert`."""
+    """DCP directory -> Orbax PyTree checkpoint (flat ``{dcp_key: array}``).
+
+    Args:
+      src: the DCP checkpoint directory.
+      dst: the destination directory.
+      **kw: :func:`convert`'s keyword arguments (``dequantize``, ``transpose``, ``progress``, ``verify``).
+
+    Returns:
+      ``dst``.
+
+    Raises:
+      CorruptCheckpointError: ``src`` has no ``.metadata``; and :func:`convert`'s errors.
+    """
     fsutil.check_source_dir(src, "source")
     if not os.path.exists(os.path.join(src, ".metadata")):
         raise CorruptCheckpointError(f"{src}: missing .metadata; not a DCP checkpoint directory")
@@ -220,7 +252,19 @@ def dcp_to_orbax(src: str, dst: str, **kw) -> str:
 
 
 def orbax_to_dcp(src: str, dst: str, **kw) -> str:
-    """Orbax PyTree checkpoint -> DCP directory (nested keys joined with '.'); see :func:`convert`."""
+    """Orbax PyTree checkpoint -> DCP directory (nested keys joined with '.').
+
+    Args:
+      src: the Orbax checkpoint directory.
+      dst: the destination directory.
+      **kw: :func:`convert`'s keyword arguments (``dequantize``, ``transpose``, ``progress``, ``verify``).
+
+    Returns:
+      ``dst``.
+
+    Raises:
+      CorruptCheckpointError: ``src`` is not an Orbax checkpoint; and :func:`convert`'s errors.
+    """
     fsutil.check_source_dir(src, "source")
     if not is_orbax(src):
         raise CorruptCheckpointError(f"{src}: not an Orbax checkpoint directory")
@@ -228,7 +272,19 @@ def orbax_to_dcp(src: str, dst: str, **kw) -> str:
 
 
 def dcp_to_dcp(src: str, dst: str, **kw) -> str:
-    """DCP -> DCP (to dequantize or transpose keys); see :func:`convert`."""
+    """DCP -> DCP, to dequantize or transpose keys.
+
+    Args:
+      src: the DCP checkpoint directory.
+      dst: the destination directory.
+      **kw: :func:`convert`'s keyword arguments (``dequantize``, ``transpose``, ``progress``, ``verify``).
+
+    Returns:
+      ``dst``.
+
+    Raises:
+      CorruptCheckpointError: ``src`` has no ``.metadata``; and :func:`convert`'s errors.
+    """
     fsutil.check_source_dir(src, "source")
     if not os.path.exists(os.path.join(src, ".metadata")):
         raise CorruptCheckpointError(f"{src}: missing .metadata; not a DCP checkpoint directory")

@@ -15,12 +15,17 @@ from jaxquant.checkpoint.reader import ChunkReader
 
 
 def inspect_dcp(path: str, *, verify: bool = False) -> dict:
-    """A report on the checkpoint at ``path``; ``report["ok"]`` is False when it is not sound.
+    """A report on whether the DCP checkpoint at ``path`` is sound.
 
-    Per key: kind, dtype, global shape, number of chunks, tensor data bytes and problems (coverage gaps,
-    overlaps, out-of-bounds chunks, unknown dtype, a chunk whose record is missing, truncated or does not
-    match the metadata). ``verify`` also reads every zip entry of every record and checks its CRC-32 (in
-    blocks).
+    Args:
+      path: the checkpoint directory.
+      verify: also read every zip entry of every record and check its CRC-32, in blocks (default False).
+
+    Returns:
+      A dict; ``report["ok"]`` is False when the checkpoint is not sound, ``report["problems"]`` lists why.
+      Per key (``report["keys"]``): kind, dtype, global shape, number of chunks, tensor data bytes and
+      problems (coverage gaps, overlaps, out-of-bounds chunks, unknown dtype, a chunk whose record is
+      missing, truncated or does not match the metadata).
 
     Byte counts, each of one thing: ``total_bytes`` is the tensor data (elements x itemsize of every chunk, the
     sum of the keys' ``nbytes``); ``disk_bytes`` the size on disk of the ``.distcp`` files (each record also
@@ -30,8 +35,10 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
     (``records`` of ``records_total``), their zip entries, the bytes of those entries (``bytes``: tensor data
     plus pickles and version records; no zip headers), the tensor data among them (``tensor_bytes``) and the
     files they lie in; a record not read or not matching is also a problem, so the checkpoint is not sound.
-    Raises :class:`CheckpointError` when the directory cannot be read at all (missing or unsafe
-    ``.metadata``, an interrupted write's staging directory).
+
+    Raises:
+      CheckpointError: the directory cannot be read at all (missing or unsafe ``.metadata``, an
+        interrupted write's staging directory).
     """
     keys, problems = [], []
     records = 0
@@ -98,15 +105,25 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
 
 
 def inspect_orbax(path: str, *, verify: bool = False) -> dict:
-    """A report on the Orbax PyTree checkpoint at ``path`` (the fields of :func:`inspect_dcp`'s, ``format``
-    "orbax"): per key its kind, dtype, shape, number of zarr chunks (None where Orbax records no chunk shape)
-    and bytes. Nested keys are joined with '.'; DCP byte entries that ``convert --to orbax`` keeps in its
-    metadata leaf are listed as bytes. ``verify`` restores every tensor and value through Orbax, one at a time
-    (memory: the largest tensor); a key that cannot be read is a problem. Needs the ``orbax`` extra.
+    """A report on the Orbax PyTree checkpoint at ``path``. Needs the ``orbax`` extra.
+
+    Args:
+      path: the checkpoint directory.
+      verify: restore every tensor and value through Orbax, one at a time (memory: the largest tensor);
+        a key that cannot be read is a problem (default False).
+
+    Returns:
+      A dict with the fields of :func:`inspect_dcp`'s (``format`` "orbax"): per key its kind, dtype, shape,
+      number of zarr chunks (None where Orbax records no chunk shape) and bytes. Nested keys are joined
+      with '.'; DCP byte entries that ``convert --to orbax`` keeps in its metadata leaf are listed as bytes.
 
     Byte counts: ``total_bytes`` is the tensor data (elements x itemsize), ``disk_bytes`` the size on disk of
     every file of the checkpoint (zstd-compressed arrays and Orbax's metadata files); with ``verify``,
     ``report["verified"]`` counts the keys restored (``keys`` of ``keys_total``) and their tensor data (``bytes``).
+
+    Raises:
+      CheckpointNotFoundError: ``path`` is not a directory; IncompleteCheckpointError: it is an
+        interrupted write's staging directory; MissingDependencyError: Orbax is not installed.
     """
     from jaxquant.checkpoint.orbax_io import OrbaxSource
 
@@ -146,8 +163,19 @@ def inspect_orbax(path: str, *, verify: bool = False) -> dict:
 
 
 def inspect_checkpoint(path: str, *, verify: bool = False) -> dict:
-    """:func:`inspect_orbax` for an Orbax checkpoint (no DCP ``.metadata``, Orbax's ``_METADATA`` or
-    ``_CHECKPOINT_METADATA`` present), else :func:`inspect_dcp`."""
+    """A report on the checkpoint at ``path``, whichever format it is.
+
+    Args:
+      path: the checkpoint directory.
+      verify: as in :func:`inspect_dcp` / :func:`inspect_orbax` (default False).
+
+    Returns:
+      :func:`inspect_orbax`'s report for an Orbax checkpoint (no DCP ``.metadata``, Orbax's ``_METADATA``
+      or ``_CHECKPOINT_METADATA`` present), else :func:`inspect_dcp`'s.
+
+    Raises:
+      CheckpointError: as the function it picks.
+    """
     from jaxquant.checkpoint.orbax_io import is_orbax
 
     if not os.path.exists(os.path.join(path, ".metadata")) and is_orbax(path):

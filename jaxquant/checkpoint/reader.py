@@ -177,11 +177,30 @@ def load_dcp(path: str, target, *, transpose: Iterable[str] | str = (), verify: 
              progress: bool = False):
     """Read the DCP directory ``path`` into the structure of ``target``.
 
-    ``target`` leaves: ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` (no sharding: one device),
-    a ``Float8Tensor``/``NVFP4Tensor`` whose components are such structs, or ``int``/``float``/``bool``/
-    ``str`` (a type or an example value) for byte entries. Each process reads only the chunks that
-    intersect its addressable shards; chunks are resharded to the target layout. ``transpose``: fnmatch
-    patterns of 2-D keys stored ``[out, in]`` and wanted ``[in, out]``. ``verify``: check CRC-32s.
+    Each process reads only the chunks that intersect its addressable shards; chunks are resharded to
+    the target layout.
+
+    Args:
+      path: the checkpoint directory.
+      target: a pytree whose leaves say what to read: ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``
+        (no sharding: one device), a ``Float8Tensor``/``NVFP4Tensor`` whose components are such structs,
+        or ``int``/``float``/``bool``/``str`` (a type or an example value) for byte entries. Keys are the
+        tree paths joined with '.'.
+      transpose: fnmatch pattern(s) of 2-D keys stored ``[out, in]`` and wanted ``[in, out]`` (default
+        none).
+      verify: check the CRC-32 of every record read (default True).
+      progress: print a progress bar on stderr (default False).
+
+    Returns:
+      A pytree of ``target``'s structure holding ``jax.Array``s (sharded as asked), quantized tensors and
+      Python values.
+
+    Raises:
+      CheckpointNotFoundError: ``path`` is not a directory.
+      CorruptCheckpointError: a missing, truncated or corrupt file, or a CRC-32 mismatch.
+      KeyMismatchError: a key missing, or of another shape, dtype or kind than ``target`` asks.
+      CoverageError: the stored chunks do not cover a requested region.
+      CheckpointError: other problems (its subclasses above included).
     """
     items, treedef = flatten(target, "load_dcp: target")
     tmap = TransposeMap(transpose)

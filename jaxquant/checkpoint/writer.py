@@ -44,9 +44,14 @@ _GONE_GRACE_S = 2.0
 class LocalShards:
     """A leaf for :func:`save_dcp`: this process's blocks of a global tensor, as host arrays.
 
-    ``shards``: [(global offsets, numpy array)]. Use it for data that is not a ``jax.Array`` (or to
-    drive a multi-process save from separate processes); all processes' blocks together must tile
-    ``shape`` exactly (checked when the metadata is written).
+    Use it for data that is not a ``jax.Array`` (or to drive a multi-process save from separate
+    processes); all processes' blocks together must tile ``shape`` exactly (checked when the metadata is
+    written).
+
+    Attributes:
+      shape: the global tensor's shape.
+      dtype: its dtype (numpy or ml_dtypes).
+      shards: ``[(global offsets, numpy array)]``, this process's blocks.
     """
 
     shape: tuple
@@ -195,7 +200,7 @@ def _write_plan(w: DcpWriter, plan, rank: int, progress: Progress) -> None:
                 arr, offsets = np.ascontiguousarray(arr.T), offsets[::-1]
             progress.update(w.write_chunk(key, offsets, arr))
             del arr  # host memory: one chunk at a time (plus its transpose)
-            if copied:  # a device buffer's host copy is freed only by the garbage collector (jaxlib 0.11, H100)
+            if copied:  # a device buffer's host copy is freed only by the garbage collector (jaxlib 0.11, GPU)
                 gc.collect(1)
             interrupt.stage("chunk")
             interrupt.check()
@@ -206,11 +211,8 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
              finalize: bool = True, progress: bool = False, barrier_timeout_s: float = 600.0) -> str:
     """Write ``tree`` as a PyTorch Distributed Checkpoint directory at ``path``.
 
-    Leaves: ``jax.Array`` (one chunk per addressable shard with ``replica_id == 0``, at its global
-    offsets), numpy arrays, ``Float8Tensor``/``NVFP4Tensor`` (stored as components, see
-    docs/checkpoint.md, or dequantized to ``dequantize`` (e.g. ``jnp.bfloat16``) when given), and Python
-    int/float/bool/str (DCP byte entries). ``transpose``: fnmatch patterns of 2-D keys stored as the
-    transpose (JAX ``[in, out]`` -> PyTorch ``[out, in]``).
+    The directory is written atomically: under a staging name, renamed once complete; an exception,
+    SIGINT or SIGTERM removes the staging directory.
 
     Multi-process: every process calls this with the same ``save_id``; each writes
     ``__<rank>_0.distcp`` plus a plan file into ``<path>.tmp-<save_id>``. With ``finalize=True`` under a
@@ -218,9 +220,24 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
     be on a file system they all see) and process 0 merges the plans into one ``.metadata`` and renames the
     directory; a failure or timeout on any process aborts the save on all of them and removes the directory.
     With ``finalize=False`` the caller must call :func:`finalize_dcp` once after all processes have returned.
-    Returns the staging or final path.
 
     Args:
+      path: the checkpoint directory; it must not exist, or be an empty directory.
+      tree: a pytree whose leaves are ``jax.Array`` (one chunk per addressable shard with
+        ``replica_id == 0``, at its global offsets), numpy arrays, :class:`LocalShards`,
+        ``Float8Tensor``/``NVFP4Tensor`` (stored as components, see docs/checkpoint.md), or Python
+        int/float/bool/str (DCP byte entries). Keys are the tree paths joined with '.'.
+      transpose: fnmatch pattern(s) of 2-D keys stored as the transpose (JAX ``[in, out]`` -> PyTorch
+        ``[out, in]``; default none).
+      dequantize: a dtype (e.g. ``jnp.bfloat16``): store quantized tensors dequantized to it, as one
+        tensor of their logical shape (default None: as components).
+      process_index, process_count: this process's rank and the number of processes (default None: JAX's
+        ``jax.process_index()`` / ``jax.process_count()``).
+      save_id: the id every process of one save shares (default None: drawn by process 0 and broadcast
+        through a JAX collective; required when ``process_count`` is given explicitly).
+      finalize: commit the checkpoint here (default True); False leaves the staging directory for
+        :func:`finalize_dcp`.
+      progress: print a progress bar on stderr (default False).
       barrier_timeout_s: multi-process saves with ``finalize=True``: how long one process waits for the others
         at each barrier, in seconds: "written" (every process wrote its part) and "final" (process 0 committed
         the checkpoint). A process that died or never calls ``save_dcp`` then makes the others raise
@@ -230,7 +247,16 @@ def save_dcp(path: str, tree, *, transpose: Iterable[str] | str = (), dequantize
         an id through a JAX collective, which has no timeout (pass ``save_id``, e.g. the step, to bound every
         wait); and ``jax.distributed`` itself terminates every process once one stops sending heartbeats
         (``heartbeat_timeout_seconds`` of ``jax.distributed.initialize``, 100 s by default), before a longer
-        timeout here runs out.
+        timeout here runs out. Default 600 s.
+
+    Returns:
+      The final path, or the staging path when the caller must still run :func:`finalize_dcp`.
+
+    Raises:
+      DestinationExistsError: ``path`` exists and is not an empty directory.
+      CheckpointError: a bad argument or leaf, a barrier timeout, or another process's failure (and its
+        subclasses for what they name).
+      Interrupted: SIGINT or SIGTERM during the write (a ``KeyboardInterrupt``), after the cleanup.
     """
     rank = jax.process_index() if process_index is None else int(process_index)
     count = jax.process_count() if process_count is None else int(process_count)
@@ -432,8 +458,22 @@ def _write_rank_plan(staging: str, rank: int, w: DcpWriter) -> None:
 def finalize_dcp(path: str, *, save_id: str, process_count: int) -> str:
     """Merge the per-process plans of a multi-process :func:`save_dcp` into ``.metadata`` and commit.
 
-    Call once (e.g. on process 0) after every process's ``save_dcp`` returned. Checks that all ranks
-    wrote their plan, that dtypes and global shapes agree, and that the chunks tile every tensor.
+    Call once (e.g. on process 0) after every process's ``save_dcp(..., finalize=False)`` returned.
+    Checks that all ranks wrote their plan, that dtypes and global shapes agree, and that the chunks tile
+    every tensor.
+
+    Args:
+      path: the checkpoint directory given to ``save_dcp``.
+      save_id: the ``save_id`` of that save.
+      process_count: the number of processes that wrote it.
+
+    Returns:
+      ``path``, now a complete checkpoint.
+
+    Raises:
+      CheckpointError: a process's plan is missing, or the processes disagree on a key (its subclasses,
+        e.g. :class:`CoverageError`, for chunks that do not tile a tensor). On an error while writing
+        the metadata or committing, the staging directory is removed.
     """
     staging = fsutil.staging_path(path, save_id)
     entries, planner = {}, {}
