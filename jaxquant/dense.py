@@ -206,17 +206,25 @@ def _check_recipe(w, recipe) -> tuple[str, bool]:
 
 
 def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
-    """``y = x @ W.T`` for ``x [..., in]`` and a weight ``W [out, in]`` (PyTorch convention).
+    """``y = x @ W.T`` for ``x [..., in]`` and a weight ``W [out, in]`` (PyTorch convention), with its own backward.
 
-    ``w``: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3), an ``NVFP4Tensor``, or one layer's
-    ``jq.ShardedWeight`` (layer-wise FSDP, ``make_train_step``: quantized and all-gathered here, gathered
-    again in the backward unless ``reshard_after_forward=False``, its gradient reduce-scattered into
-    ``w.grad``; docs/fsdp.md).
-    ``recipe``: None (follow the weight's type), ``"fp8"`` or ``"nvfp4"``; with an array weight it is
-    quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
-    ``out_dtype``: dtype of ``y`` (default ``x.dtype``). ``amax_axes``: mesh axis name(s) over which the
-    FP8 activation/gradient amax is max-reduced (inside ``shard_map``; default: none).
-    A quantized weight gets no gradient unless it comes from :func:`straight_through`.
+    Args:
+      x: the activation ``[..., in]``, float32 or bfloat16.
+      w: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3), an ``NVFP4Tensor``, or one layer's
+        ``jq.ShardedWeight`` from ``make_train_step`` (quantized and all-gathered here, gathered again in the
+        backward unless ``reshard_after_forward=False``, its gradient reduced into ``w.grad``; docs/fsdp.md).
+        A ``ShardedWeight`` of an ``[in, out]`` kernel (``ParamRule(kernel="in_out")``) gives ``x @ W``.
+      recipe: None (follow the weight's type), ``"bf16"``, ``"fp8"`` or ``"nvfp4"``; with an array weight it is
+        quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
+      out_dtype: dtype of ``y`` (default ``x.dtype``).
+      amax_axes: mesh axis name(s) over which the FP8 activation / gradient amax is max-reduced (inside
+        ``shard_map``; default: none).
+
+    Returns:
+      ``y [..., out]``. A quantized weight gets no gradient unless it comes from :func:`straight_through`.
+
+    Raises:
+      ValueError / TypeError naming the argument: shapes that do not match, a recipe the weight cannot take.
     """
     if isinstance(w, fsdp.ShardedWeight):
         return _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes)

@@ -37,10 +37,11 @@ COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)   # dtype of compute weights and of thei
 class MixedPrecisionPolicy:
     """Dtypes of a training step (Megatron-FSDP's mixed-precision controls).
 
-    ``main_params_dtype``: master weights and optimizer inputs (float32 or bfloat16);
-    ``main_grads_dtype``: gradient accumulation over microbatches and the optimizer's gradient;
-    ``grad_comm_dtype``: dtype gradients travel in (None: ``main_grads_dtype``);
-    ``compute_weights``: what ``loss_fn`` receives for 2-D parameters, ``"bf16"``, ``"fp8"`` or ``"nvfp4"``.
+    Args:
+      main_params_dtype: master weights and optimizer inputs, float32 (default) or bfloat16.
+      main_grads_dtype: gradient accumulation over microbatches and the optimizer's gradient (float32 default).
+      grad_comm_dtype: the dtype gradients travel in (None: ``main_grads_dtype``).
+      compute_weights: what layers read for quantized leaves: ``"bf16"`` (default), ``"fp8"`` or ``"nvfp4"``.
     """
 
     main_params_dtype: Any = jnp.float32
@@ -106,10 +107,16 @@ def _leaf_name(path) -> str:
 
 
 def raise_if_nonfinite(metrics) -> None:
-    """Raise ``FloatingPointError`` naming every parameter whose gradient was non-finite in the step
-    that produced ``metrics`` (``make_train_step(..., report_nan=True)``), or, given a
-    ``NonFiniteReport`` (``quantize_master_weights``), every non-finite master weight (its method
-    ``raise_if_nonfinite``). Reads device values."""
+    """Raise ``FloatingPointError`` naming every parameter whose gradient was non-finite.
+
+    Args:
+      metrics: the metrics of a step built with ``make_train_step(..., report_nan=True)`` (the step skipped the
+        update), or a ``NonFiniteReport`` of ``quantize_master_weights`` (non-finite master weights).
+
+    Raises:
+      FloatingPointError: naming the parameters; ValueError: metrics without a non-finite report. Reads device
+      values.
+    """
     if callable(getattr(metrics, "raise_if_nonfinite", None)):   # a NonFiniteReport (duck typed: no import cycle)
         return metrics.raise_if_nonfinite()
     if not isinstance(metrics, dict) or "nonfinite" not in metrics:
