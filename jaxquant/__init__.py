@@ -23,6 +23,7 @@ from jaxquant.group_split import GatheredWeights
 from jaxquant.layout import FlatLayout
 from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
 from jaxquant.rules import ParamRule
+from jaxquant.flax_adapter import FlaxKernelError, flax_intercept, flax_loss, flax_merge, flax_params, flax_rules
 from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
 from jaxquant.tensors import Float8Tensor, NVFP4Tensor
 from jaxquant.sp import sp_column_dense, sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp, sp_row_dense
@@ -53,6 +54,12 @@ __all__ = [
     "MixedPrecisionPolicy",
     "make_train_step",
     "ParamRule",
+    "flax_params",
+    "flax_loss",
+    "flax_merge",
+    "flax_rules",
+    "flax_intercept",
+    "FlaxKernelError",
     "raise_if_nonfinite",
     "TrainState",
     "sp_layernorm_dense",

@@ -1,7 +1,8 @@
-"""``[in, out]`` kernels (flax's layout, ``jq.ParamRule(kernel="in_out")``) trained as they are: tests/test_layerwise.py's
-model with every matrix stored transposed equals the ``[out, in]`` model (parameters after 3 steps, transposed
-back, within bf16 rounding of dW: the GEMMs contract other axes, the quantized bytes are the same), under scan,
-for every recipe, with a once-a-step strategy, with reshard_after_forward=False and split over TP."""
+"""``[in, out]`` kernels (flax's layout, ``jq.ParamRule(kernel="in_out")``) trained as they are:
+tests/test_layerwise.py's model with every matrix stored transposed equals the ``[out, in]`` model (parameters
+after 3 steps, transposed back, within bf16 rounding of dW: the GEMMs contract other axes, the quantized bytes are
+the same), under scan, for every recipe, with a once-a-step strategy, with reshard_after_forward=False and split
+over TP."""
 
 import functools
 
