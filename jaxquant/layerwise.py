@@ -79,13 +79,25 @@ class LeafRule:
         return tuple(n + self.row_blocks * self.pad_rows if a == axis else n for a, n in enumerate(self.shape))
 
     @property
+    def saved_shape(self) -> tuple:
+        """The leaf as the state dict holds it: unpadded, and an ``[in, out]`` kernel as PyTorch's ``[out, in]``."""
+        s = self.shape
+        return s[:-2] + (s[-1], s[-2]) if self.weight.transposed else s
+
+    @property
     def saved_spec(self):
-        """The sharding of the unpadded leaf (what the state dict holds): ``spec`` without fsdp on padded rows."""
-        if not self.pad_rows:
-            return self.spec
-        entries = [tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a != self.weight.gather_axis)
-                   for e in self.spec]
-        return P(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
+        """The sharding of :attr:`saved_shape`: ``spec`` without fsdp on padded rows, swapped with the axes of a
+        transposed kernel."""
+        entries = list(self.spec) + [None] * (len(self.shape) - len(self.spec))
+        if self.pad_rows:
+            entries = [tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a != self.weight.gather_axis)
+                       for e in entries]
+            entries = [None if not e else e[0] if len(e) == 1 else e for e in entries]
+        if self.weight.transposed:
+            entries[-2:] = entries[-2:][::-1]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
 
 
 def pad_leaf(a, rule: LeafRule):

@@ -294,27 +294,32 @@ def _layers(a, n, spec, mesh):
 
 
 def _saved(a, rule, mesh):
-    """A master leaf as the state dict holds it: padding rows dropped (``LeafRule.pad_rows``)."""
-    if not rule.pad_rows:
+    """A master leaf as the state dict holds it (``LeafRule.saved_shape``): padding rows dropped, an ``[in, out]``
+    kernel transposed to PyTorch's ``[out, in]``."""
+    if not (rule.pad_rows or rule.weight.transposed):
         return a
-    return _unpad_fn(rule, NamedSharding(mesh, rule.saved_spec))(a)
+    return _to_saved_fn(rule, NamedSharding(mesh, rule.saved_spec))(a)
 
 
 def _stored(a, rule, mesh):
-    """The inverse of :func:`_saved`: the leaf padded and sharded as the master is."""
-    if not rule.pad_rows:
+    """The inverse of :func:`_saved`: the leaf as the master holds it, sharded as the master is."""
+    if not (rule.pad_rows or rule.weight.transposed):
         return a
-    return _pad_fn(rule, NamedSharding(mesh, rule.spec))(a)
+    return _to_stored_fn(rule, NamedSharding(mesh, rule.spec))(a)
+
+
+def _swap(a, rule):
+    return jnp.swapaxes(a, -1, -2) if rule.weight.transposed else a
 
 
 @functools.lru_cache(maxsize=256)
-def _unpad_fn(rule, out):
-    return jax.jit(lambda x: unpad_row_blocks(x, rule.weight, rule.row_blocks), out_shardings=out)
+def _to_saved_fn(rule, out):
+    return jax.jit(lambda x: _swap(unpad_row_blocks(x, rule.weight, rule.row_blocks), rule), out_shardings=out)
 
 
 @functools.lru_cache(maxsize=256)
-def _pad_fn(rule, out):
-    return jax.jit(lambda x: pad_row_blocks(x, rule.weight, rule.row_blocks), out_shardings=out)
+def _to_stored_fn(rule, out):
+    return jax.jit(lambda x: pad_row_blocks(_swap(x, rule), rule.weight, rule.row_blocks), out_shardings=out)
 
 
 # compiled once per (layer count, sharding), not at every save / load of a training run
@@ -402,7 +407,7 @@ def state_dict_target(step, like, *, names=None) -> dict:
     slots, _ = _optax_parts(like.opt_state, _dotted(like))
 
     def struct(i, dtype):
-        shape = rules[i].shape[1:] if rules[i].stacked else rules[i].shape
+        shape = rules[i].saved_shape[1:] if rules[i].stacked else rules[i].saved_shape
         spec = P(*tuple(rules[i].saved_spec)[1:]) if rules[i].stacked else rules[i].saved_spec
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(step.mesh, spec))
 

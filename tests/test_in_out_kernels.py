@@ -82,3 +82,22 @@ def test_in_out_kernel_errors():
     with pytest.raises(ValueError, match=r"blocks\.norm of shape \(3, 1, 128\): kernel='in_out' needs \[in, out\] "
                                          r"kernels \(per layer\), got \(3, 1, 128\)"):
         step.init(init_params())
+
+
+def test_state_dict_holds_in_out_kernels_as_pytorch_does():
+    """The state dict holds an [in, out] kernel as PyTorch's Linear does, [out, in] (stacked ones per layer): the
+    transposed model's state dict equals the [out, in] model's, and each loads into the other."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    steps = {k: jq.make_train_step(loss_scan, optax.adam(1e-3), mesh=mesh, rules=rules(k),
+                                   policy=jq.MixedPrecisionPolicy(compute_weights="fp8")) for k in ("in_out", "out_in")}
+    states = {"in_out": steps["in_out"].init(transposed(init_params())), "out_in": steps["out_in"].init(init_params())}
+    adam = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sds = {k: steps[k].state_dict(states[k], hyperparams=adam) for k in steps}
+    assert sds["in_out"]["model"]["blocks.0.w1"].shape == init_params()["blocks"]["w1"].shape[1:]
+    for name, a in sds["out_in"]["model"].items():
+        np.testing.assert_array_equal(np.asarray(sds["in_out"]["model"][name]), np.asarray(a), err_msg=name)
+    back = steps["in_out"].load_state_dict(sds["out_in"], like=states["in_out"])
+    want = jax.tree.leaves(states["in_out"].master)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(back.master)[0], want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+        assert a.sharding == b.sharding
