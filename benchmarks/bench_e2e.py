@@ -267,7 +267,15 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off"):
         loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
         step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy,
                                   reshard_after_forward=not keep)
-    params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=step.master_shardings(shapes_))()
+    return jq_runner(step, lambda: init_params(a, stacked=scan))
+
+
+def jq_runner(step, init):
+    """(run, state) of a make_train_step ``step``: the parameters built directly in the step's shardings (a large
+    model does not fit one device whole); ``run(state, batch) -> (state, loss)``."""
+    import jax
+
+    params = jax.jit(init, out_shardings=step.master_shardings(jax.eval_shape(init)))()
     state = step.init(params)
     del params
 

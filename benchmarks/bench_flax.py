@@ -214,15 +214,7 @@ def make_jq(a, mesh, recipe, flax):
                 x = hand_block(a, x, p)
             return e2e.mse(x, batch["y"])
         step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, policy=policy, quantize_mask=mask)
-    params = jax.jit(init, out_shardings=step.master_shardings(jax.eval_shape(init)))()
-    state = step.init(params)
-    del params
-
-    def run(state, batch):
-        state, metrics = step(state, batch)
-        return state, metrics["loss"]
-
-    return run, state
+    return e2e.jq_runner(step, init)
 
 
 def run_one(a, config):
