@@ -12,8 +12,10 @@ on how the test runner was started.
 """
 
 import gc
+import os
 import signal
 
+import numpy as np
 import pytest
 
 from jaxquant.checkpoint import interrupt
@@ -142,3 +144,19 @@ def test_an_interrupt_caught_outside_a_write_does_not_silence_the_next():
         with pytest.raises(Interrupted):
             signal.raise_signal(signal.SIGTERM)
             pytest.fail("the second signal was ignored")
+
+
+def test_a_signal_left_pending_by_a_command_does_not_reach_a_later_write(in_gc_callback, tmp_path):
+    """A signal recorded inside cli_handlers but never raised (dropped in a GC callback) ends with the block: a later
+    save_dcp in the same process, with SIGINT and SIGTERM ignored (so the write takes neither over), completes."""
+    from jaxquant import checkpoint as ck
+
+    with interrupt.cli_handlers():
+        in_gc_callback(lambda: signal.raise_signal(signal.SIGINT))
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        path = ck.save_dcp(str(tmp_path / "ckpt"), {"w": np.zeros((4, 4), np.float32)})
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert os.path.isfile(os.path.join(path, ".metadata"))

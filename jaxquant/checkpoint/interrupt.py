@@ -146,6 +146,9 @@ def cli_handlers():
             signal.signal(s, h)
         if sys.unraisablehook is ours:  # (report() may have replaced it: the process is exiting)
             sys.unraisablehook = previous_hook
+        # a signal recorded but never raised in the block (dropped in a GC callback) ends with it: left pending, a
+        # later write of this process that finds SIGINT not at its default (e.g. ignored) would raise it
+        _STATE.reset()
 
 
 @contextlib.contextmanager
