@@ -2,7 +2,9 @@
 
 Flat public API: single-tensor quantization (``quantize_fp8``, ``quantize_nvfp4``), the quantized
 tensor pytrees, ZeRO master-weight quantization on meshes (``FlatLayout``,
-``quantize_master_weights``, ``post_all_gather_processing``), sequence-parallel layers with FP8
+``quantize_master_weights``, ``post_all_gather_processing``), the training step (``make_train_step``,
+``MixedPrecisionPolicy``, ``ParamRule``, ``dense``, ``ShardedWeight``), flax models trained unchanged
+(``flax_params``, ``flax_loss``, ``flax_rules``, ``flax_merge``), sequence-parallel layers with FP8
 and comm/GEMM overlap (``sp_layernorm_dense``, ``sp_dense_reduce_scatter``, ``sp_mlp``), the
 primitives in ``jaxquant.ops`` and their pure-JAX references in ``jaxquant.reference``.
 Checkpoints: ``jaxquant.checkpoint``.
