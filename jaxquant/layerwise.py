@@ -43,6 +43,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import formats
@@ -98,16 +99,6 @@ class LeafRule:
         while entries and entries[-1] is None:
             entries.pop()
         return P(*entries)
-
-
-def pad_leaf(a, rule: LeafRule):
-    """``a`` (a leaf's logical shape) with ``rule.pad_rows`` zero rows after each row block (FSDP2's padding)."""
-    return pad_row_blocks(a, rule.weight, rule.row_blocks)
-
-
-def unpad_leaf(a, rule: LeafRule):
-    """The inverse of :func:`pad_leaf`: the leaf as the user gave it."""
-    return unpad_row_blocks(a, rule.weight, rule.row_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +279,10 @@ class LayerwiseTrainStep:
         first = jax.tree.map(lambda a: a[: a.shape[0] // k], (batch, keys))
         zero_stats = lambda: jax.tree.map(lambda a: _varying_over(jnp.zeros(a.shape, a.dtype), self._batch_axes),
                                           jax.eval_shape(loss_of, sinks, first)[1])
-        stats_and_grads = lambda d, mb: (lambda out: (out[0][1], out[1]))(grad_fn(d, mb))
+        def stats_and_grads(sinks, mb):
+            (_, stats), grads = grad_fn(sinks, mb)
+            return stats, grads
+
         stats, grads = value_and_grad_over_microbatches(
             stats_and_grads, sinks, (batch, keys), k, to_main,
             zeros=lambda: [s.astype(pol.main_grads_dtype) for s in sinks], loss0=zero_stats)
@@ -298,13 +292,10 @@ class LayerwiseTrainStep:
             stats = jax.tree.map(lambda a: jnp.where(jax.lax.axis_index(self.tp_axis) == 0, a, 0), stats)
         flags = ([jnp.any(~jnp.isfinite(g)).astype(jnp.float32) for g in grads] if self.report_nan else [])
         # every statistic and non-finite flag in one small all-reduce
-        parts = [_varying_over(jnp.ravel(a).astype(jnp.float32), axes) for a in jax.tree.leaves(stats)]
-        total = jax.lax.psum(jnp.concatenate(parts + [_varying_over(jnp.stack(flags), axes)] if flags else parts),
+        packed, unpack = ravel_pytree(stats)       # float32 throughout (_loss_stats)
+        total = jax.lax.psum(_varying_over(jnp.concatenate([packed] + ([jnp.stack(flags)] if flags else [])), axes),
                              axes)
-        sizes = np.cumsum([p.size for p in parts])
-        summed = jax.tree.unflatten(jax.tree.structure(stats), [
-            c.reshape(jnp.shape(a)).astype(a.dtype) for c, a in zip(jnp.split(total[: sizes[-1]], sizes[:-1]),
-                                                                     jax.tree.leaves(stats))])
+        summed = unpack(total[: packed.size])
         ranks = self.num_shards * self.replicas
         metrics = {"loss": summed["loss"] / ranks}     # the mean of the per-rank mean losses
         if self.weighted_loss:   # sum over every token / their weight: the gradient of that, not of a mean of means
@@ -317,7 +308,7 @@ class LayerwiseTrainStep:
         if self.has_aux:
             metrics["aux"] = jax.tree.map(lambda a: a / ranks, summed["aux"])
         out = (metrics, grads)
-        return out + ((total[sizes[-1]:] > 0,) if self.report_nan else ())
+        return out + ((total[packed.size:] > 0,) if self.report_nan else ())
 
     def _loss_stats(self, out) -> dict:
         """What ``loss_fn`` returned, as ``{"loss", ["weight"], ["aux"]}`` float32 (checked)."""
@@ -439,9 +430,10 @@ class LayerwiseTrainStep:
         """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
         plan = self.plan(params)
         dtype = self.policy.main_params_dtype
-        master = jax.jit(lambda p: jax.tree_util.tree_unflatten(plan.treedef, [
-            pad_leaf(jnp.asarray(a, dtype), r) for a, r in zip(jax.tree.leaves(p), plan.rules)]),
-            out_shardings=self._master_shardings(plan))(params)
+        stored = lambda p: jax.tree_util.tree_unflatten(plan.treedef, [
+            pad_row_blocks(jnp.asarray(a, dtype), r.weight, r.row_blocks)
+            for a, r in zip(jax.tree.leaves(p), plan.rules)])
+        master = jax.jit(stored, out_shardings=self._master_shardings(plan))(params)
         opt_shape = jax.eval_shape(self.optimizer.init, master)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
         return TrainState(master, opt_state, self.step_count(0), plan)
@@ -506,7 +498,7 @@ class LayerwiseTrainStep:
             raise TypeError(f"state: must be the TrainState from step.init, got {type(state).__name__}")
         replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state.master)
         unpad = lambda m: jax.tree_util.tree_unflatten(state.plan.treedef, [
-            unpad_leaf(a, r) for a, r in zip(jax.tree.leaves(m), state.plan.rules)])
+            unpad_row_blocks(a, r.weight, r.row_blocks) for a, r in zip(jax.tree.leaves(m), state.plan.rules)])
         return jax.jit(unpad, out_shardings=replicated)(state.master)
 
     def _check_call(self, state, batch):
