@@ -1,9 +1,11 @@
 """Layer-wise FSDP: a master weight shard that is quantized and all-gathered where a layer reads it.
 
-``ShardedWeight`` is what ``make_train_step`` (strategy ``"optim_grads_params"``) hands ``loss_fn`` for a
-quantized parameter: this rank's rows of the fp32 master (``shard``), a gradient sink (``grad``) and
-static rules (``WeightSpec``). It is a pytree, so ``jax.lax.scan`` over a stacked ``[L, out, in]`` leaf
-hands the body one layer's ``ShardedWeight``. A layer uses it in one of two ways:
+``ShardedWeight`` is what ``make_train_step`` (every strategy) hands ``loss_fn`` for a quantized parameter:
+this rank's rows of the fp32 master (``shard``), a gradient sink (``grad``), static rules (``WeightSpec``) and,
+for the strategies that gather once a step (``WeightSpec.per_use`` False), the gathered operands
+(``gathered``; then ``jq.dense`` reads those and neither quantizes nor gathers). It is a pytree, so
+``jax.lax.scan`` over a stacked ``[L, out, in]`` leaf hands the body one layer's ``ShardedWeight``. A layer
+uses it in one of two ways:
 
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
@@ -125,9 +127,11 @@ def unpad_row_blocks(a, spec: WeightSpec, blocks: int = 1):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ShardedWeight:
-    """This rank's rows of a master weight ``[..., out, in]`` (``shard``: ``[..., out / num_shards, in]``) and
-    its gradient sink ``grad`` (zeros of the shard's shape in the comm dtype; differentiate with respect to
-    it). ``shape`` is the logical (gathered) shape, ``dtype`` the compute dtype the layer sees."""
+    """This rank's rows of a master weight ``[..., out, in]`` (``[..., in, out]`` when ``spec.transposed``;
+    ``shard``: the rows split over ``num_shards``, padding rows included) and its gradient sink ``grad`` (zeros
+    in ``spec.grad_dtype``: the shard's shape, or every row where the gradient is reduced once a step;
+    differentiate with respect to it). ``shape`` is the logical (gathered, unpadded) shape, ``dtype`` the
+    compute dtype the layer sees; ``gathered``: the step's once-a-step gathered operands, or None."""
 
     shard: jax.Array
     grad: jax.Array
