@@ -19,8 +19,9 @@ compute weight once, before the first microbatch (``WeightSpec.per_use`` False: 
 (``WeightSpec.grad_sharded`` False: full-row accumulators in the main-grads dtype) and all-reduce them once
 after the microbatches, ``optim`` then keeping this rank's rows for the update.
 
-A leaf whose rows do not split evenly (NVFP4: into multiples of 16 rows) over ``fsdp_axis`` stays whole on
-every rank (its gradient is all-reduced), so small models still train; real models' leaves split.
+A leaf whose rows do not split evenly (NVFP4: into multiples of 16 rows) over ``fsdp_axis`` is padded with
+zero rows (``LeafRule.pad_rows``) and split; one so small that padding would more than double it stays whole on
+every rank (its gradient is all-reduced).
 
 With ``optim_grads_params``, no whole-model gathered copy and no full-size gradient buffer: per device the
 state is the shards of the master and of the optimizer state and shard-sized gradient accumulators; no
