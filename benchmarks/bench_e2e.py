@@ -542,36 +542,47 @@ def main(argv=None):
     if bad:
         print(f"unknown config or flag set: {bad}", file=sys.stderr)
         return 2
-    argv = [x for x in (sys.argv[1:] if argv is None else argv)]
+    results = run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
+    print_table(results, a)
+    return 1 if any("error" in r for r in results) else 0
+
+
+def describe(r) -> str:
+    """A result's progress line after its flags and config."""
+    t = r.get("trace")
+    return (f"{r['step_ms']:8.1f} ms  {r['tflops_per_gpu']:6.0f} TFLOP/s  {r['peak_gib']:6.1f} GiB  "
+            f"compile {r['compile_s']:6.1f} s"
+            + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
+               f"exposed most {t['top_exposed_collectives']}, "
+               f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else "")
+            + (f"  clocks {r['clocks']}, ~{joules_per_step(r['clocks'], r['step_ms'])} J a step a GPU"
+               if r.get("clocks") else ""))
+
+
+def run_configs(a, configs, flag_sets, script, argv, describe):
+    """Every config under every flag set, each in its own process of ``script`` (``--one CONFIG``, the flag set's
+    XLA flags); prints ``describe(result)`` per config and writes ``--json`` after each (a run stopped by a time
+    limit keeps what it measured). Returns the results (``{"error": ...}`` for a config that failed)."""
     results = []
     for flags in flag_sets:
         for config in configs:
             env = dict(os.environ)
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]).strip()
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", config, "--flag-set", flags]
+            cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode or not line:
                 tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
                 took = time.perf_counter() - t0
-                print(f"{flags:8s} {config:14s} FAILED (exit {proc.returncode}, {took:.0f} s):\n{tail}", flush=True)
+                print(f"{flags:8s} {config:16s} FAILED (exit {proc.returncode}, {took:.0f} s):\n{tail}", flush=True)
                 results.append({"config": config, "flags": flags, "error": tail})
-                write_json(a, results)
-                continue
-            r = json.loads(line[0][7:]) | {"flags": flags}
-            results.append(r)
-            t = r.get("trace")
-            print(f"{flags:8s} {config:14s} {r['step_ms']:8.1f} ms  {r['tflops_per_gpu']:6.0f} TFLOP/s  "
-                  f"{r['peak_gib']:6.1f} GiB  compile {r['compile_s']:6.1f} s"
-                  + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
-                     f"exposed most {t['top_exposed_collectives']}, "
-                     f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else "")
-                  + (f"  clocks {r['clocks']}, ~{joules_per_step(r['clocks'], r['step_ms'])} J a step a GPU"
-                     if r.get("clocks") else ""), flush=True)
-            write_json(a, results)   # after every config: a run stopped by a time limit keeps what it measured
-    print_table(results, a)
-    return 1 if any("error" in r for r in results) else 0
+            else:
+                r = json.loads(line[0][7:]) | {"flags": flags}
+                results.append(r)
+                print(f"{flags:8s} {config:16s} {describe(r)}", flush=True)
+            write_json(a, results)
+    return results
 
 
 def write_json(a, results):

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e as e2e  # noqa: E402
@@ -247,27 +245,9 @@ def main(argv=None):
     if bad:
         print(f"unknown config or flag set: {bad} (configs: {CONFIGS + EXTRA_CONFIGS})", file=sys.stderr)
         return 2
-    argv = list(sys.argv[1:] if argv is None else argv)
-    results = []
-    for flags in flag_sets:
-        for config in configs:
-            env = dict(os.environ)
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + e2e.FLAG_SETS[flags]).strip()
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one", config, "--flag-set", flags]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode or not line:
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-                print(f"{flags:8s} {config:16s} FAILED (exit {proc.returncode}, {time.perf_counter() - t0:.0f} s):"
-                      f"\n{tail}", flush=True)
-                results.append({"config": config, "flags": flags, "error": tail})
-            else:
-                r = json.loads(line[0][7:]) | {"flags": flags}
-                results.append(r)
-                print(f"{flags:8s} {config:16s} {r['step_ms']:8.2f} ms  {r['tflops_per_gpu']:6.1f} TFLOP/s  "
-                      f"{r['peak_gib']:6.2f} GiB  compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}", flush=True)
-            e2e.write_json(a, results)   # after every config: a run stopped by a time limit keeps what it measured
+    describe = lambda r: (f"{r['step_ms']:8.2f} ms  {r['tflops_per_gpu']:6.1f} TFLOP/s  {r['peak_gib']:6.2f} GiB  "
+                          f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}")
+    results = e2e.run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
     print_table(results, a)
     return 1 if any("error" in r for r in results) else 0
 
