@@ -160,3 +160,28 @@ def test_a_signal_left_pending_by_a_command_does_not_reach_a_later_write(in_gc_c
         for s, h in before.items():
             signal.signal(s, h)
     assert os.path.isfile(os.path.join(path, ".metadata"))
+
+
+@pytest.mark.parametrize("at", ["chunk", "commit"])
+def test_sigint_cancels_the_write_while_sigterm_stays_ignored(monkeypatch, tmp_path, at):
+    """A supervisor may start us with SIGTERM ignored (inherited), so a write takes SIGINT alone. A SIGINT up to the
+    last check point before the rename still cancels the write: KeyboardInterrupt, no checkpoint, no staging left
+    (the critical section around the rename once swapped both signals for a recorder and delivered SIGINT after
+    the rename: a complete checkpoint reported as interrupted)."""
+    from jaxquant import checkpoint as ck
+
+    seen = []
+
+    def stage(name):
+        seen.append(name)
+        if name == at:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(interrupt, "stage", stage)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_dcp(str(tmp_path / "ckpt"), {"w": np.ones((4, 4), np.float32)})
+    assert "renamed" not in seen and "cleanup" in seen, seen
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

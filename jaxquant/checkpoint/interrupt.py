@@ -77,6 +77,9 @@ def _on_signal(signum, _frame):
         raise Interrupted(signum)  # that something caught or dropped does not silence the next)
 
 
+_on_signal.counts_handled = True  # stage() waits for handlers so marked (they count in _HANDLED)
+
+
 def _keep_lost_interrupt(previous_hook):
     """An ``unraisablehook`` for commands: an :class:`Interrupted` that Python could not raise (the handler ran
     inside a GC callback or ``__del__``) stays pending for the next check point or signal, unprinted."""
@@ -86,10 +89,6 @@ def _keep_lost_interrupt(previous_hook):
             previous_hook(unraisable)
 
     return hook
-
-
-def _ours() -> bool:
-    return all(signal.getsignal(s) is _on_signal for s in SIGNALS)
 
 
 def _in_main_thread() -> bool:
@@ -201,18 +200,25 @@ def deferred():
     if not _in_main_thread():
         yield
         return
-    if _ours():
+    # per signal: one a write took (_on_signal) is recorded by the section; any other handler (the program's own,
+    # SIGTERM's default) is swapped for a recorder and gets the signal after; an ignored one stays ignored. (A
+    # write may take SIGINT while SIGTERM stays ignored, inherited from a supervisor: both kinds at once.)
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    swapped = {s: h for s, h in previous.items() if h is not _on_signal and h is not signal.SIG_IGN}
+    caught = []
+
+    def record(signum, _frame):
+        _HANDLED[0] += 1
+        caught.append(signum)
+
+    record.counts_handled = True
+    for s in swapped:
+        signal.signal(s, record)
+    try:
         with _section():
             yield
-        return
-    caught = []  # a program's own handlers: swap in a recorder for the section, deliver to them after
-    previous = {s: signal.getsignal(s) for s in SIGNALS}
-    for s in SIGNALS:
-        signal.signal(s, lambda signum, _frame: caught.append(signum))
-    try:
-        yield
     finally:
-        for s, h in previous.items():
+        for s, h in swapped.items():
             signal.signal(s, h)
         for signum in caught[:1]:
             signal.raise_signal(signum)
@@ -247,9 +253,11 @@ def _wait_at_stage(spec: str, name: str) -> None:
         return
     signum = int(reply)  # sent to this process: Python runs its handler in the main thread at the next check of
     deadline = time.monotonic() + 60  # the eval loop, which the sleeps below give it (whichever thread took it)
-    while _ours() and _HANDLED[0] == handled and time.monotonic() < deadline:
+    # only this signal's own disposition counts: a write takes SIGINT while SIGTERM may stay ignored (inherited)
+    counted = lambda: getattr(signal.getsignal(signum), "counts_handled", False)  # noqa: E731
+    while counted() and _HANDLED[0] == handled and time.monotonic() < deadline:
         time.sleep(0.0005)
-    if _ours() and _HANDLED[0] == handled:
+    if counted() and _HANDLED[0] == handled:
         raise RuntimeError(f"{STAGES_ENV}: {signal.Signals(signum).name} sent at stage {name!r} never reached "
                            f"the handler")
 
