@@ -15,7 +15,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from jaxquant import bench
+from jaxquant.cli import bench
 
 
 def main():

@@ -1,4 +1,4 @@
-"""The collective GEMM kernels of ``overlap="fused"`` (jaxquant/collective_gemm.py) alone, per tiling,
+"""The collective GEMM kernels of ``overlap="fused"`` (jaxquant/tp/collective_gemm.py) alone, per tiling,
 against what they replace: XLA's all-gather + GEMM and GEMM + reduce-scatter (NCCL + cuBLAS), over all
 GPUs of one host as the tp axis. Kernel times come from a profiler trace of GPU 0, so the ratios are
 free of host overhead:
@@ -85,7 +85,7 @@ def main(argv=None):
     from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxquant import collective_gemm as cg
+    from jaxquant.tp import collective_gemm as cg
 
     devices = jax.devices("cpu")[:4] if args.cpu_smoke else jax.devices()
     if not args.cpu_smoke and (jax.default_backend() != "gpu" or len(devices) < 2):

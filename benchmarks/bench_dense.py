@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 
 import jaxquant as jq
-from jaxquant.bench import median_seconds
+from jaxquant.cli.bench import median_seconds
 
 
 def timeit(fn, *args, iters: int = 20, repeats: int = 5) -> float:
-    """Median seconds per call (jaxquant.bench's timing: batches of back-to-back dispatches)."""
+    """Median seconds per call (jaxquant.cli.bench's timing: batches of back-to-back dispatches)."""
     return median_seconds(fn, *args, iters=iters, repeats=repeats)
 
 

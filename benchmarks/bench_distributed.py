@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.bench import LLAMA3_8B_LAYER, bf16_gather, gather_summary, print_kernel_profile, random_master
-from jaxquant.distributed import gathered_bytes, quantize_master_weights
-from jaxquant.layout import FlatLayout
+from jaxquant.cli.bench import LLAMA3_8B_LAYER, bf16_gather, gather_summary, print_kernel_profile, random_master
+from jaxquant.zero.distributed import gathered_bytes, quantize_master_weights
+from jaxquant.zero.layout import FlatLayout
 
 def many_small_shapes(side: int, count: int = 300):
     """``count`` tensors [r, side/8] whose element total is side x side: count - 1 of equal height

@@ -228,13 +228,13 @@ def _tp_loss(a, scan, sp, overlap="off"):
     import jax.numpy as jnp
 
     import jaxquant as jq
-    from jaxquant.gemm import pcast_varying
+    from jaxquant.primitives.varying import mark_varying
 
     if sp:
         col = lambda x, w: jq.sp_column_dense(x, w, tp_axis="tp", overlap=overlap)
         row = lambda x, w: jq.sp_row_dense(x, w, tp_axis="tp", overlap=overlap)
     else:
-        col = lambda x, w: jq.dense(pcast_varying(x, ("tp",)), w, amax_axes=("tp",))
+        col = lambda x, w: jq.dense(mark_varying(x, ("tp",)), w, amax_axes=("tp",))
         row = lambda x, w: jax.lax.psum(jq.dense(x, w, out_dtype=jnp.float32, amax_axes=("tp",)), "tp").astype(x.dtype)
 
     def loss(w, batch):
@@ -492,7 +492,7 @@ def _idle_gaps(busy, named, steps, top=4):
 
 
 _GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
-# jaxquant/collective_gemm.py's kernels (overlap="fused"): GEMM and transfers in one kernel, named after
+# jaxquant/tp/collective_gemm.py's kernels (overlap="fused"): GEMM and transfers in one kernel, named after
 # their Pallas bodies; they count as computation that hides nothing but themselves
 _COLLECTIVE_GEMM_KERNEL = re.compile(r"collective_(gather_gemm|gemm_scatter)")
 # the one-block cross-GPU barrier XLA launches before each Mosaic GPU kernel that addresses other GPUs

@@ -1,4 +1,4 @@
-"""A flax NNX Llama trained unchanged under ``jq.make_train_step`` (jaxquant/flax_adapter.py) beside the same NNX
+"""A flax NNX Llama trained unchanged under ``jq.make_train_step`` (training/flax_adapter.py) beside the same NNX
 model trained without jaxquant and the same math hand-written with ``jq.dense``, each configuration in its own
 process, timed as benchmarks/bench_e2e.py times its configurations (whose machinery this file reuses).
 

@@ -22,9 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_distributed import many_small_shapes, step, time_fn  # noqa: E402
-from jaxquant import group_split  # noqa: E402
-from jaxquant.bench import print_kernel_profile, random_master  # noqa: E402
-from jaxquant.layout import FlatLayout  # noqa: E402
+from jaxquant.zero import group_split  # noqa: E402
+from jaxquant.cli.bench import print_kernel_profile, random_master  # noqa: E402
+from jaxquant.zero.layout import FlatLayout  # noqa: E402
 
 
 def split_results(counts, iters):

@@ -6,7 +6,7 @@ array of the same size as the op's input (read + write).
 
   python benchmarks/bench_ops.py [--sizes 8192x8192,4096x14336] [--json out.json]
 
-The quantizers against the memory floor: ``jaxquant bench`` (jaxquant/bench.py, whose timing
+The quantizers against the memory floor: ``jaxquant bench`` (jaxquant/cli/bench.py, whose timing
 helpers this script shares).
 """
 
@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxquant as jq
-from jaxquant import bench, ops
+from jaxquant.cli import bench
+from jaxquant.primitives import ops
 
 
 def timeit(fn, *args, iters: int = 30, repeats: int = 5) -> float:

@@ -3,7 +3,7 @@ per overlap mode, for bf16 and FP8 weights, on all GPUs of one host as the TP ax
 
 Modes: "ring" (the layers' ppermute ring), "off" (the layers' one all-gather /
 reduce-scatter, which XLA runs asynchronously and places under independent GEMMs), "fused" (bf16 and
-FP8: the collective GEMM kernels of jaxquant/collective_gemm.py) and "sync" (the
+FP8: the collective GEMM kernels of jaxquant/tp/collective_gemm.py) and "sync" (the
 "off" program with every collective synchronous, --xla_gpu_disable_async_collectives: nothing
 overlaps, the no-overlap baseline). Each mode runs in its own process (a failing mode is reported and
 the others still run); --extra-flags adds XLA_FLAGS to every mode. Prints per size the step times (median
@@ -78,7 +78,7 @@ def _args(argv=None):
 
 def _tilings(specs):
     """collective_gemm.TILINGS with each ``KERNEL=FIELD=VALUE,...`` of ``specs`` tried first for its kernel."""
-    from jaxquant import collective_gemm as cg
+    from jaxquant.tp import collective_gemm as cg
     tilings = dict(cg.TILINGS)
     for spec in specs:
         kernel, _, fields = spec.partition("=")
@@ -190,7 +190,7 @@ def _child(args):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import jaxquant as jq
-    from jaxquant import collective_gemm
+    from jaxquant.tp import collective_gemm
 
     # --tiling: this benchmark process's kernels try the given tilings first (the layers take no tiling)
     collective_gemm.TILINGS = _tilings(args.tiling)

@@ -25,8 +25,8 @@ import optax
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from jaxquant import demo
-from jaxquant.bench import kernel_profile
+from jaxquant.cli import demo
+from jaxquant.cli.bench import kernel_profile
 
 
 def time_steps(steps_and_states, batch, rounds: int, per_round: int = 1, warmup: int = 2):

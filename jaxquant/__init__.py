@@ -6,13 +6,13 @@ tensor pytrees, ZeRO master-weight quantization on meshes (``FlatLayout``,
 ``MixedPrecisionPolicy``, ``ParamRule``, ``dense``, ``ShardedWeight``), flax models trained unchanged
 (``flax_params``, ``flax_loss``, ``flax_rules``, ``flax_merge``), sequence-parallel layers with FP8
 and comm/GEMM overlap (``sp_layernorm_dense``, ``sp_dense_reduce_scatter``, ``sp_mlp``), the
-primitives in ``jaxquant.ops`` and their pure-JAX references in ``jaxquant.reference``.
+primitives in ``jaxquant.primitives.ops`` and their pure-JAX references in ``jaxquant.primitives.reference``.
 Checkpoints: ``jaxquant.checkpoint``.
 """
 
-from jaxquant import formats, ops, reference
-from jaxquant.dense import dense, straight_through
-from jaxquant.distributed import (
+from jaxquant.primitives import formats, ops, reference
+from jaxquant.training.dense import dense, straight_through
+from jaxquant.zero.distributed import (
     NonFiniteReport,
     gathered_bytes,
     master_sharding,
@@ -20,15 +20,16 @@ from jaxquant.distributed import (
     quantize_master_weights,
     quantize_master_weights_local,
 )
-from jaxquant.fsdp import ShardedWeight
-from jaxquant.group_split import GatheredWeights
-from jaxquant.layout import FlatLayout
-from jaxquant.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
-from jaxquant.rules import ParamRule
-from jaxquant.flax_adapter import FlaxKernelError, flax_intercept, flax_loss, flax_merge, flax_params, flax_rules
-from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
-from jaxquant.sp import sp_column_dense, sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp, sp_row_dense
+from jaxquant.training.fsdp import ShardedWeight
+from jaxquant.zero.group_split import GatheredWeights
+from jaxquant.zero.layout import FlatLayout
+from jaxquant.training.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
+from jaxquant.training.rules import ParamRule
+from jaxquant.training.flax_adapter import (FlaxKernelError, flax_intercept, flax_loss, flax_merge, flax_params,
+                                            flax_rules)
+from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.tp.sp import sp_column_dense, sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp, sp_row_dense
 
 __version__ = "0.1.0"
 

@@ -40,7 +40,7 @@ elif ! python3 build.py --cuda on -v > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log" | tee -a "$report"; exit 1
 fi
 python3 - <<'PY' 2>&1 | tee -a "$report"
-import jaxquant._ffi as f, jax
+import jaxquant.primitives._ffi as f, jax
 print("registered platforms:", f.built_platforms(), "default backend:", jax.default_backend())
 PY
 

@@ -26,8 +26,8 @@ ops = {"fp8": lambda x: jq.quantize_fp8(x), "fp8T": lambda x: jq.quantize_fp8(x,
 def master_weights(recipe, columnwise):
     """quantize_master_weights of the Llama-3-8B layer (benchmarks/bench_distributed.py) on one device."""
     import numpy as np
-    from jaxquant.distributed import quantize_master_weights
-    from jaxquant.layout import FlatLayout
+    from jaxquant.zero.distributed import quantize_master_weights
+    from jaxquant.zero.layout import FlatLayout
     from bench_distributed import LLAMA3_8B_LAYER
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     layout = FlatLayout([s for _, s in LLAMA3_8B_LAYER], 1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prints jaxquant.bench.source_digest() of the checkout this script lies in, without importing
+# Prints jaxquant.cli.bench.source_digest() of the checkout this script lies in, without importing
 # jaxquant (no built extension needed): sha1 of the Python and C++/CUDA sources under csrc/ and
 # jaxquant/, concatenated in byte-sorted path order; first 12 hex digits. Reports name the measured
 # code by it, since a working tree copied onto a device machine can keep a stale git HEAD.

@@ -30,7 +30,7 @@ q_nvfp4 = functools.partial(
 q_fp8 = functools.partial(jax.jit(jaxquant.quantize_fp8, static_argnames=(
     "dtype", "columnwise", "amax_epsilon", "force_pow_2_scales", "compute_dtype", "impl")),
     dtype=jnp.float8_e4m3fn, columnwise=False, amax_epsilon=0.0, force_pow_2_scales=False, compute_dtype=None)
-fp8_cast_j = jax.jit(jaxquant.ops.fp8_cast, static_argnames=(
+fp8_cast_j = jax.jit(jaxquant.primitives.ops.fp8_cast, static_argnames=(
     "dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxquant import bench, cli
+from jaxquant.cli import bench
+
+from jaxquant import cli
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout these tests belong to
 

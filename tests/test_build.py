@@ -79,7 +79,7 @@ def test_cuda_off_removes_a_stale_cuda_extension(build, tmp_path, monkeypatch, c
 def test_backend_summary_says_what_auto_runs_here():
     import jax
 
-    from jaxquant import _ffi
+    from jaxquant.primitives import _ffi
 
     line = _ffi.backend_summary()
     assert jax.default_backend() in line and "custom calls built for: " in line

@@ -260,10 +260,10 @@ def per_tp_rank_nvfp4(x, mesh, tp_dim):
     quantize_master_weights(..., tp_axis=) returns it: each TP rank's local tensor is the quantization of its
     slice with the whole weight's amax, and the global components concatenate the local ones along the TP dim."""
     tp = mesh.shape["tp"]
-    _, amax, _ = jaxquant.ops.nvfp4_stats(x)
+    _, amax, _ = jaxquant.primitives.ops.nvfp4_stats(x)
     locals_ = []
     for piece in jnp.split(x, tp, axis=tp_dim):
-        tiles, _, _ = jaxquant.ops.nvfp4_stats(piece)
+        tiles, _, _ = jaxquant.primitives.ops.nvfp4_stats(piece)
         data, scale_inv, data_t, scale_inv_t = jaxquant.ops.nvfp4_quantize(piece, tiles, amax, columnwise=True)
         locals_.append(dict(data=data, scale_inv=scale_inv, data_t=data_t, scale_inv_t=scale_inv_t))
     comps = {attr: jnp.concatenate([p[attr] for p in locals_], axis=_component_tp_dim(attr, locals_[0][attr], tp_dim))
@@ -296,7 +296,7 @@ def test_tp_nvfp4_unaligned_split_round_trips_per_rank_and_refuses_dequantize(tm
     assert not os.path.exists(tmp_path / "conv")
 
 
-_HAS_TP_MASTER = "tp_axis" in inspect.signature(jaxquant.distributed.quantize_master_weights).parameters
+_HAS_TP_MASTER = "tp_axis" in inspect.signature(jaxquant.zero.distributed.quantize_master_weights).parameters
 
 
 @pytest.mark.skipif(not _HAS_TP_MASTER, reason="needs quantize_master_weights(..., tp_axis=) (issue 8 item 1)")
@@ -304,14 +304,14 @@ _HAS_TP_MASTER = "tp_axis" in inspect.signature(jaxquant.distributed.quantize_ma
 def test_quantize_master_weights_tp_output_round_trips_through_dcp(tmp_path, request, recipe):
     if common.rerun_if_few_devices(request):
         return
-    from jaxquant.layout import FlatLayout
+    from jaxquant.zero.layout import FlatLayout
 
     mesh = _mesh(2, 2)
     shapes, tp_dims = [(256, 32), (32, 128), (16, 32), (128, 32)], [0, 1, None, 0]  # the last: unaligned NVFP4
     layout = FlatLayout(shapes, 2, tp_size=2, tp_dims=tp_dims)
     master = jax.device_put(layout.flatten([jnp.asarray(_x(s, 30 + p)) for p, s in enumerate(shapes)]),
-                            jaxquant.distributed.master_sharding(mesh, "fsdp", "tp"))
-    weights = jaxquant.distributed.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+                            jaxquant.zero.distributed.master_sharding(mesh, "fsdp", "tp"))
+    weights = jaxquant.zero.distributed.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
                                                            columnwise=True, manual_post_all_gather_processing=False)
     tree = {f"w{p}": w for p, w in enumerate(weights)}
     for w, d in zip(weights, tp_dims):  # the layout the other tests (and the torch worker) assume

@@ -41,7 +41,7 @@ def _assert_one_interrupt_line(p, tmp_path):
 
 
 @pytest.mark.xfail(reason="`python -m jaxquant` and the `jaxquant` script import the package first, and "
-                          "jaxquant/__init__.py imports jax (~0.8 s) before jaxquant/cli.py runs: a SIGINT then is "
+                          "jaxquant/__init__.py imports jax (~0.8 s) before the cli module runs: a SIGINT then is "
                           "a traceback until the package imports lazily", strict=False)
 def test_ctrl_c_in_the_first_half_second_is_one_line(tmp_path):
     p = _start_demo(tmp_path)
@@ -71,7 +71,7 @@ def test_keyboard_interrupt_before_the_handlers_is_one_line(monkeypatch, capsys)
 
 def test_plain_keyboard_interrupt_inside_the_command_is_one_line(monkeypatch, capsys):
     """A KeyboardInterrupt that is not the handlers' Interrupted (raised by code that took SIGINT itself) too."""
-    from jaxquant import demo
+    from jaxquant.cli import demo
 
     def interrupted(args):
         raise KeyboardInterrupt

@@ -108,7 +108,7 @@ def _one_error_line(capsys) -> str:
 def test_demo_judges_the_loss_from_the_first_step_of_training(monkeypatch, capsys, losses, first, step, rc):
     """One rule for fresh and resumed runs: the last loss must be below the training run's first (a resumed run
     gets the verdict the uninterrupted run would get); a fresh one-step run is not judged."""
-    from jaxquant import demo
+    from jaxquant.cli import demo
 
     monkeypatch.setattr(demo, "run", lambda **kw: {"losses": losses, "first_loss": first, "step": step})
     args = cli.build_parser().parse_args(["demo", "--steps", str(len(losses))])
@@ -275,7 +275,7 @@ def test_demo_never_saves_non_finite_parameters_and_names_its_mesh_once(tmp_path
     """A state whose parameters are not all finite is not saved (exit 1, one line). On fsdp=3, which divides none
     of the model's weights (the step pads them to split them), every line names the mesh as fsdp=3 (it once said
     fsdp=1 further down)."""
-    from jaxquant import demo
+    from jaxquant.cli import demo
 
     monkeypatch.setattr(demo, "_all_finite", lambda tree: False)
     rc = cli.main(["demo", "--steps", "1", "--mesh", "3x1", "--ckpt-dir", str(tmp_path), "--no-progress"])

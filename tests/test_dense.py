@@ -156,7 +156,7 @@ def test_bad_input():
         jq.dense(x, w, recipe="int8")
     with pytest.raises(ValueError, match="recipe: 'nvfp4' does not match"):
         jq.dense(x, jq.quantize_fp8(w), recipe="nvfp4")
-    # one error style for every layer (jaxquant/gemm.py resolve_recipe): the argument, the allowed values
+    # one error style for every layer (jaxquant/primitives/gemm.py resolve_recipe): the argument, the allowed values
     with pytest.raises(ValueError, match=r"^recipe: must be None, 'bf16', 'fp8' or 'nvfp4', got 'int8'$"):
         jq.dense(x, w, recipe="int8")
     with pytest.raises(ValueError, match=r"^recipe: 'bf16' does not match w, a Float8Tensor \(use None or 'fp8'\)$"):
@@ -182,8 +182,8 @@ def test_recipe_bf16_is_no_quantization_like_none():
 
 def test_weight_operands_are_one_function():
     """gemm.weight_operands: what jq.dense reads (the columnwise copy built when missing) and, with
-    fill_columnwise=False, what jaxquant.sp reads (no columnwise keys when the tensor lacks them)."""
-    from jaxquant import gemm
+    fill_columnwise=False, what jaxquant.tp.sp reads (no columnwise keys when the tensor lacks them)."""
+    from jaxquant.primitives import gemm
     _, w, _ = _problem()
     f8 = jq.quantize_fp8(w)
     assert f8.data_t is None

@@ -17,12 +17,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import distributed as D, ops
-from jaxquant import group_table as gtable
-from jaxquant.group_split import GatheredWeights
-from jaxquant.layout import FlatLayout
-from jaxquant.quantize import quantize_fp8, quantize_nvfp4
-from jaxquant.tensors import NVFP4Tensor
+from jaxquant.zero import distributed as D
+from jaxquant.primitives import ops
+from jaxquant.zero import group_table as gtable
+from jaxquant.zero.group_split import GatheredWeights
+from jaxquant.zero.layout import FlatLayout
+from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4
+from jaxquant.primitives.tensors import NVFP4Tensor
 
 IMPL = os.environ.get("JAXQUANT_TEST_IMPL", "auto")
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant.layout import FlatLayout
+from jaxquant.zero.layout import FlatLayout
 from conftest import assert_bytes_equal
 
 pytestmark = [pytest.mark.gpu,

@@ -1,12 +1,12 @@
 """Every FFI handler is declared command-buffer compatible in C++ and registered so for CUDA, the two
-places XLA reads the trait from (csrc/jaxquant/handlers.h, jaxquant/_ffi.py)."""
+places XLA reads the trait from (csrc/jaxquant/handlers.h, jaxquant/primitives/_ffi.py)."""
 
 import re
 from pathlib import Path
 
 import jaxlib.xla_client
 
-from jaxquant import _ffi
+from jaxquant.primitives import _ffi
 
 HANDLERS = Path(__file__).resolve().parents[1] / "csrc" / "jaxquant" / "handlers.h"
 

@@ -1,4 +1,4 @@
-"""Flax models unchanged (jaxquant/flax_adapter.py): a Llama-style NNX model and linen model (tests/flax_llama.py),
+"""Flax models unchanged (training/flax_adapter.py): a Llama-style NNX model and linen model (tests/flax_llama.py),
 layers in a Python loop and under ``nnx.scan`` / ``nn.scan``, train under ``jq.make_train_step`` on an 8-device
 FSDP mesh with bf16 / FP8 / NVFP4 ``[in, out]`` kernels through the interception of flax's dot_general / einsum /
 promote_dtype, and equal the same model hand-written with ``jq.dense``; 8 devices equal 1; rng keys and counters
@@ -20,8 +20,8 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
-from jaxquant import flax_adapter as jqf  # noqa: E402
-from jaxquant.rules import decide  # noqa: E402
+from jaxquant.training import flax_adapter as jqf  # noqa: E402
+from jaxquant.training.rules import decide  # noqa: E402
 import flax_llama as fl  # noqa: E402
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")

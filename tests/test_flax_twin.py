@@ -26,8 +26,8 @@ pytest.importorskip("flax")
 
 import jaxquant as jq  # noqa: E402
 from jaxquant import checkpoint as ck  # noqa: E402
-from jaxquant.rules import dotted_path  # noqa: E402
-from jaxquant.state_dict import name_map  # noqa: E402
+from jaxquant.training.rules import dotted_path  # noqa: E402
+from jaxquant.training.state_dict import name_map  # noqa: E402
 import flax_llama as fl  # noqa: E402
 from test_state_dict import ADAM, NEXT_STEP_TOL, torch_required  # noqa: E402
 from test_state_dict_names import torch_load, torch_save  # noqa: E402

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import ops
+from jaxquant.primitives import ops
 from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_edge_inputs,
                       nvfp4_edge_inputs, random_tiled)
 
@@ -294,7 +294,7 @@ def test_quantizers_are_two_custom_calls(columnwise):
         assert "reduce_precision" not in hlo, f"{name}: the bf16 rounding must be fused into the kernels"
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu" or "cpu" not in jq._ffi.built_platforms(),
+@pytest.mark.skipif(jax.default_backend() != "cpu" or "cpu" not in jq.primitives._ffi.built_platforms(),
                     reason="impl='auto' on the CPU backend with the CPU extension built")
 def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
     """On the CPU, impl="auto" keeps the stats passes as custom calls and runs the casts, the rowwise NVFP4

@@ -24,7 +24,7 @@ import glob, json, os, re, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxquant as jq
-from jaxquant.layout import FlatLayout
+from jaxquant.zero.layout import FlatLayout
 
 x = jax.random.normal(jax.random.key(3), (512, 768), jnp.float32) * 3
 def nvfp4(v): return jq.quantize_nvfp4(v, impl="custom_call")
@@ -129,7 +129,7 @@ def test_fp8_stats_and_cast_large_custom_equals_reference(dtype_name, compute):
     spans: amax, count and the FP8 bytes equal the reference; then the same without specials."""
     import jax
     import jax.numpy as jnp
-    from jaxquant import ops
+    from jaxquant.primitives import ops
 
     cdt = None if compute == "none" else jnp.bfloat16
     stats = jax.jit(ops.fp8_stats, static_argnames=("compute_dtype", "impl"))
@@ -155,7 +155,7 @@ def test_nvfp4_quantize_e2m1_every_fp32_in_decision_range():
     CUDA quantize with an encode multiplier of exactly 1 (tile amax 6, global amax 2688, as in
     test_nvfp4_quantize_e2m1_rounding_sweep): the packed codes equal the reference's."""
     import jax.numpy as jnp
-    from jaxquant import ops
+    from jaxquant.primitives import ops
 
     mags = np.arange(0x3E000000, 0x41000000, dtype=np.uint32)  # [2^-3, 2^3)
     x = np.concatenate([mags, mags | np.uint32(0x80000000)]).view(np.float32).reshape(-1, 4096)
@@ -179,7 +179,7 @@ def test_nvfp4_bf16_grid_stride_custom_equals_reference(rows, cols):
     small enough for the sanitizer): stats, and the quantize's rowwise and columnwise bytes (one
     item per block) from them, equal the reference."""
     import jax.numpy as jnp
-    from jaxquant import ops
+    from jaxquant.primitives import ops
 
     rng = np.random.default_rng(5)
     tile_scale = np.exp2(rng.integers(-8, 8, (rows // 16, 1, cols // 16, 1))).astype(np.float32)

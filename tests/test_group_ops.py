@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import _ffi, formats, ops, reference
-from jaxquant import group_table as gtable
-from jaxquant.group_table import FIELD
+from jaxquant.primitives import _ffi, formats, ops, reference
+from jaxquant.zero import group_table as gtable
+from jaxquant.zero.group_table import FIELD
 from conftest import assert_bytes_equal
 
 
@@ -418,7 +418,7 @@ def test_group_handler_rejects_out_of_range_shard_index_on_cpu():
 @pytest.mark.parametrize("impl", ["reference", pytest.param("custom_call", marks=pytest.mark.skipif(
     not _ffi.built_platforms(), reason="needs the compiled extension"))])
 def test_group_split_equals_slices(impl):
-    from jaxquant import group_split
+    from jaxquant.zero import group_split
     rng = np.random.default_rng(7)
     big = rng.integers(0, 256, 400_003).astype(np.uint8)
     small = rng.integers(0, 256, 333).astype(np.uint8)
@@ -447,7 +447,7 @@ def test_group_split_many_segments_equals_slices(impl):
     two at random offsets: tiny ones, ones crossing the kernel's 32 KiB chunks at offsets that do
     and do not agree modulo 16 with their destination, and a 2-segment result whose pieces come from
     two sources; every result equals its slices."""
-    from jaxquant import group_split
+    from jaxquant.zero import group_split
     rng = np.random.default_rng(21)
     src = [rng.integers(0, 256, 3_000_003).astype(np.uint8), rng.integers(0, 256, 50_001).astype(np.uint8)]
     pieces, want = [], []
@@ -472,7 +472,7 @@ def test_group_split_many_segments_equals_slices(impl):
         assert_bytes_equal(np.asarray(g), w, f"result {r}")
 
 def test_group_split_rejects_bad_pieces():
-    from jaxquant import group_split
+    from jaxquant.zero import group_split
     a, b = jnp.zeros(10, jnp.uint8), jnp.zeros(4, jnp.float32)
     with pytest.raises(ValueError, match=r"pieces\[0\].*one dtype"):
         group_split.split([a, b], [((2,), ((0, 0, 1), (1, 0, 1)))])
@@ -506,7 +506,7 @@ def test_group_split_handler_rejects_bad_plan():
 def test_group_split_stages_same_bytes(rng, impl):
     """Staged copies (one call per stage, results aliased from one call to the next) give the bytes
     of one call, with results spread over sources of several stages, and one call per stage."""
-    from jaxquant import group_split
+    from jaxquant.zero import group_split
     srcs = [jnp.asarray(rng.integers(0, 256, n, dtype=np.uint8)) for n in (40, 24, 32)]
     srcs.append(jnp.asarray(rng.standard_normal(6).astype(np.float32)))
     pieces = [((2, 8), ((0, 0, 10), (1, 3, 6))),          # stages 0 and 1

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxquant.layout import FlatLayout
+from jaxquant.zero.layout import FlatLayout
 
 
 def _check_invariants(lay: FlatLayout):

@@ -1,5 +1,5 @@
 """Custom call (impl="custom_call") == pure-JAX reference (impl="reference"), bit for bit, for every
-primitive of jaxquant.ops and both public quantizers, on jax.default_backend(); plus partial-shard
+primitive of jaxquant.primitives.ops and both public quantizers, on jax.default_backend(); plus partial-shard
 assembly, transposes, non-finite counts, and every error path.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxquant
-from jaxquant import formats, ops
+from jaxquant.primitives import formats, ops
 from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_cast_j, fp8_edge_inputs,
                       nvfp4_edge_inputs, q_fp8, q_nvfp4, random_tiled, requires_gpu)
 
@@ -64,7 +64,7 @@ def assert_fp8_equal(a, b, what=""):
 
 def test_custom_call_is_built_for_this_backend():
     platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
-    assert platform in jaxquant._ffi.built_platforms()
+    assert platform in jaxquant.primitives._ffi.built_platforms()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,14 +615,14 @@ _S = jax.ShapeDtypeStruct
 ])
 def test_ffi_handler_rejects_inconsistent_calls(target, results, args, attrs):
     with pytest.raises(Exception, match="jaxquant"):
-        out = jaxquant._ffi.call(target, results, *args, **attrs)
+        out = jaxquant.primitives._ffi.call(target, results, *args, **attrs)
         jax.block_until_ready(out)
 
 
 def test_ffi_handler_consistent_direct_call_works():
     """Control for the test above: the same direct call with consistent attributes succeeds."""
     x = jnp.arange(256, dtype=jnp.float32) - 200.0
-    t, n = jaxquant._ffi.call("jq_nvfp4_tile_amax", [_S((1, 1), _F32), _S((), jnp.int32)], x,
+    t, n = jaxquant.primitives._ffi.call("jq_nvfp4_tile_amax", [_S((1, 1), _F32), _S((), jnp.int32)], x,
                               rows=np.int64(16), cols=np.int64(16), start=np.int64(0))
     assert float(t[0, 0]) == 200.0 and int(n) == 0
 

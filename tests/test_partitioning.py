@@ -1,4 +1,4 @@
-"""jaxquant.partitioning internals (issue 30): decoding an undecoded sharding into mesh-axis names
+"""jaxquant.primitives.partitioning internals (issue 30): decoding an undecoded sharding into mesh-axis names
 axis by axis, same names as the former search over every axis order and assignment."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxquant import partitioning
+from jaxquant.primitives import partitioning
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: run with "
                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
@@ -190,7 +190,7 @@ def built(monkeypatch):
 
 
 def test_same_static_config_reuses_the_partitioning_objects(built):
-    from jaxquant import ops
+    from jaxquant.primitives import ops
     mesh = _mesh((2, 4), ("tp", "fsdp"))
     x = jax.device_put(np.ones((64, 128), np.float32), NamedSharding(mesh, P("tp", "fsdp")))
     stats = lambda v: ops.nvfp4_stats(v, compute_dtype=None, impl="reference")
@@ -223,7 +223,7 @@ def test_static_key_tells_types_apart_and_refuses_unhashable():
 
 def test_unhashable_static_config_still_runs(built):
     """A keyword argument that cannot key the cache: the objects are built per call, as before."""
-    from jaxquant import ops
+    from jaxquant.primitives import ops
     x = np.ones((64, 128), np.float32)
     calls = []
     original = partitioning._static_key

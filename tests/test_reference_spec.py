@@ -182,25 +182,25 @@ def test_oracle_e2m1_tie_table():
 def test_e2m1_tie_table():
     ties = jnp.asarray(np.array(list(E2M1_TIES), np.float32))
     expected = np.array(list(E2M1_TIES.values()), np.uint8)
-    np.testing.assert_array_equal(np.asarray(jaxquant.reference.fp32_to_e2m1_code(ties)), expected)
-    np.testing.assert_array_equal(np.asarray(jaxquant.reference.fp32_to_e2m1_code(-ties)), expected | 8)
+    np.testing.assert_array_equal(np.asarray(jaxquant.primitives.reference.fp32_to_e2m1_code(ties)), expected)
+    np.testing.assert_array_equal(np.asarray(jaxquant.primitives.reference.fp32_to_e2m1_code(-ties)), expected | 8)
 
 
 def test_e2m1_all_16_code_values():
     spec = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
     spec = np.concatenate([spec, -spec])
-    got = np.asarray(jaxquant.reference.e2m1_code_to_fp32(jnp.arange(16, dtype=jnp.uint8)))
+    got = np.asarray(jaxquant.primitives.reference.e2m1_code_to_fp32(jnp.arange(16, dtype=jnp.uint8)))
     assert_bytes_equal(got, spec, "code values")  # code 8 is -0.0 (sign bit set)
     assert np.signbit(got[8]) and not np.signbit(got[0])
-    np.testing.assert_array_equal(jaxquant.formats.E2M1_VALUES.view(np.uint32), spec.view(np.uint32))
+    np.testing.assert_array_equal(jaxquant.primitives.formats.E2M1_VALUES.view(np.uint32), spec.view(np.uint32))
     # Each grid value encodes to its own code and back.
-    codes = np.asarray(jaxquant.reference.fp32_to_e2m1_code(jnp.asarray(spec)))
+    codes = np.asarray(jaxquant.primitives.reference.fp32_to_e2m1_code(jnp.asarray(spec)))
     np.testing.assert_array_equal(codes, np.arange(16, dtype=np.uint8))
 
 
 def test_e2m1_negative_zero_and_sign_of_values_rounding_to_zero():
     v = jnp.asarray(np.array([-0.0, 0.0, -0.1, 0.1, -0.25, 0.25, -1e-30], np.float32))
-    got = np.asarray(jaxquant.reference.fp32_to_e2m1_code(v))
+    got = np.asarray(jaxquant.primitives.reference.fp32_to_e2m1_code(v))
     np.testing.assert_array_equal(got, np.array([8, 0, 8, 0, 8, 0, 8], np.uint8))
 
 
@@ -210,7 +210,7 @@ def test_e2m1_saturation_and_random_values(rng):
         rng.uniform(-8, 8, size=4000).astype(np.float32),
         (rng.integers(-24, 25, size=400) / np.float32(4)).astype(np.float32),  # quarters: many ties
     ])
-    got = np.asarray(jaxquant.reference.fp32_to_e2m1_code(jnp.asarray(v)))
+    got = np.asarray(jaxquant.primitives.reference.fp32_to_e2m1_code(jnp.asarray(v)))
     np.testing.assert_array_equal(got, np_e2m1_code(v))
     np.testing.assert_array_equal(got[:6], 7)
     np.testing.assert_array_equal(got[6:10], 15)
@@ -227,8 +227,8 @@ def test_packing_order_low_nibble_is_even_element():
     assert data[0, 0] == 0xF1 and data[0, 1] == 0x07 and data[1, 7] == 0x28
     # pack/unpack helpers of the reference agree with the numpy packing
     codes = rng_codes = np.random.default_rng(1).integers(0, 16, size=(4, 10)).astype(np.uint8)
-    assert_bytes_equal(jaxquant.reference.pack_codes(jnp.asarray(codes)), np_pack(codes), "pack")
-    assert_bytes_equal(jaxquant.reference.unpack_codes(jnp.asarray(np_pack(rng_codes))), codes, "unpack")
+    assert_bytes_equal(jaxquant.primitives.reference.pack_codes(jnp.asarray(codes)), np_pack(codes), "pack")
+    assert_bytes_equal(jaxquant.primitives.reference.unpack_codes(jnp.asarray(np_pack(rng_codes))), codes, "unpack")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -439,7 +439,7 @@ def test_fp8_amax_ignores_nan_and_degenerate_scales():
     # empty: amax 0, scale 1
     t = q_fp8(jnp.zeros((0, 16), jnp.float32), impl="reference")
     assert float(t.amax) == 0.0 and float(t.scale_inv) == 1.0 and t.data.shape == (0, 16)
-    assert float(jaxquant.ops.amax(jnp.zeros((0,), jnp.float32), impl="reference")) == 0.0
+    assert float(jaxquant.primitives.ops.amax(jnp.zeros((0,), jnp.float32), impl="reference")) == 0.0
     # inf amax -> scale 1
     t = q_fp8(jnp.asarray(np.array([[np.inf, 1.0]], np.float32)), impl="reference")
     assert float(t.amax) == np.inf and float(t.scale_inv) == 1.0

@@ -1,4 +1,4 @@
-"""Quantization and layout declared, not guessed (jaxquant/rules.py): ``jq.ParamRule`` on parameter paths and
+"""Quantization and layout declared, not guessed (jaxquant/training/rules.py): ``jq.ParamRule`` on parameter paths and
 optax-style prefix masks give the same step as a full mask; a stacked ``[L, H]`` norm is named per layer; a rule
 can give a leaf its own recipe; what the rules leave unclear is an error naming the leaf."""
 

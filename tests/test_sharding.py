@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import ops
+from jaxquant.primitives import ops
 from conftest import assert_bytes_equal, assert_bytes_equal_nan_aware
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: run with "
@@ -237,7 +237,7 @@ def test_check_finite_sharded_sums_over_shards(recipe):
 
 
 # ----------------------------------------------------------------------------------------------
-# Primitives of jaxquant.ops under jit on sharded inputs
+# Primitives of jaxquant.primitives.ops under jit on sharded inputs
 # ----------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Sequence-parallel layers (jaxquant.sp) on 8 simulated CPU devices.
+"""Sequence-parallel layers (jaxquant.tp.sp) on 8 simulated CPU devices.
 
 Each layer's forward and gradients are compared with a single-device computation of the same
 quantized math (whole-tensor current scaling, one GEMM); the overlap modes are compared with each
@@ -19,7 +19,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import collective_gemm as cg, gemm, sp
+from jaxquant.tp import collective_gemm as cg, sp
+from jaxquant.primitives import gemm
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 (simulated) CPU devices: "
                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -459,20 +460,20 @@ def test_weights_from_quantize_master_weights_pass_directly(recipe):
     tp_dims 1: row parallel) on an fsdp x tp mesh go into the layers as they are. NVFP4 with a TP split
     not aligned to the scale layout (local rows 32, local cols 32): each rank's padded scales are read
     with its own bytes. FP8: the per-tensor bytes equal whole-tensor quantization."""
-    from jaxquant.layout import FlatLayout
+    from jaxquant.zero.layout import FlatLayout
     tp = 2
     mesh = Mesh(np.array(jax.devices("cpu")[:4]).reshape(2, tp), ("fsdp", "tp"))
     col_args, row_args = _layer_args(4, "bf16", "float")
     w1, w2 = col_args[3], row_args[1]
     layout = FlatLayout([w1.shape, w2.shape], 2, tp_size=tp, tp_dims=[0, 1])
-    master = jax.device_put(layout.flatten([w1, w2]), jq.distributed.master_sharding(mesh, "fsdp", "tp"))
-    q1, q2 = jq.distributed.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
+    master = jax.device_put(layout.flatten([w1, w2]), jq.zero.distributed.master_sharding(mesh, "fsdp", "tp"))
+    q1, q2 = jq.zero.distributed.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
                                                     columnwise=True, manual_post_all_gather_processing=False)
     col_args, row_args = (*col_args[:3], q1, col_args[4]), (row_args[0], q2, row_args[2])
     run = jax.jit(lambda c, r: (_column_vjp(mesh, "ring", None, *c), _row_vjp(mesh, "ring", None, *r)))
     results = run(col_args, row_args)
     if recipe == "nvfp4":
-        from jaxquant import formats
+        from jaxquant.primitives import formats
         assert tuple(q1.scale_inv.shape) != formats.nvfp4_scale_shape(*w1.shape)   # the TP-local layout
         assert tuple(q2.scale_inv.shape) != formats.nvfp4_scale_shape(*w2.shape)
         col_args = (*col_args[:3], _tp_local_nvfp4_operand(q1, tp, 0), col_args[4])

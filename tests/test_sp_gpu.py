@@ -1,4 +1,4 @@
-"""jaxquant.sp on the GPUs of one host (tp = every GPU): each layer against the single-GPU computation
+"""jaxquant.tp.sp on the GPUs of one host (tp = every GPU): each layer against the single-GPU computation
 of the same quantized math, in every overlap mode and for every weight type ([out, in] bf16 array,
 Float8Tensor, float weight quantized inside under "fp8", NVFP4Tensor; quantized weights' gradients on
 straight-through masters). Skipped unless the default backend is a GPU with

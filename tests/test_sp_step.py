@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from jaxquant import demo
+from jaxquant.cli import demo
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 CFG = demo.ModelConfig(layers=2, seq=32)
@@ -148,7 +148,7 @@ def test_fused_per_rank_kernels_type_check_inside_shard_map(monkeypatch):
     is a Hopper GPU."""
     import jax.numpy as jnp
 
-    from jaxquant import collective_gemm
+    from jaxquant.tp import collective_gemm
     monkeypatch.setattr(collective_gemm, "device_problem", lambda device: None)
     from jax.sharding import PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))

@@ -1,4 +1,4 @@
-"""The layer-wise step's training state as PyTorch names it (jaxquant/state_dict.py), through DCP: the layout
+"""The layer-wise step's training state as PyTorch names it (jaxquant/training/state_dict.py), through DCP: the layout
 torch's get_state_dict gives, resume on the same mesh continuing bitwise, resharding to 4 and 2 devices,
 optax states it cannot map, and (with torch) the checkpoint loaded by torch.distributed.checkpoint +
 set_state_dict into torch.optim.Adam, whose next step equals optax's on the same gradient, and back."""

@@ -1,4 +1,4 @@
-"""Checkpoint names a PyTorch twin loads (jaxquant/state_dict.py, issue 43 item 4): ``names=`` maps the default
+"""Checkpoint names a PyTorch twin loads (jaxquant/training/state_dict.py, issue 43 item 4): ``names=`` maps the default
 names (``blocks.0.w1``) to a twin's own (``layers.0.feed_forward.w1.weight``) in ``model``, ``optim.state`` and the
 param groups, and back on load; a Llama-style ``torch.nn.Module`` with its own names loads the JAX checkpoint
 strictly and takes the same next Adam step, and JAX resumes the twin's checkpoint; optax states under ``chain``,
@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 from jaxquant import checkpoint as ck
-from jaxquant.state_dict import name_map
+from jaxquant.training.state_dict import name_map
 from test_layerwise import make_batch
 from test_state_dict import ADAM, NEXT_STEP_TOL, torch_required
 

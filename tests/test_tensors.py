@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import ops, tensors
+from jaxquant.primitives import ops, tensors
 
 ROWS, COLS = 48, 64
 

@@ -1,4 +1,4 @@
-"""The four strategies are modes of one training step (jaxquant/train.py): on a model with stacked
+"""The four strategies are modes of one training step (jaxquant/training/train.py): on a model with stacked
 ``[L, out, in]`` leaves under ``jax.lax.scan`` (tests/test_layerwise.py's), on 8 simulated CPU devices, each
 strategy quantizes the stacked leaves (its NVFP4 step differs from its bf16 step), all four agree after 2 steps
 within bf16 rounding of dW, each round-trips its state dict (and a checkpoint of one strategy loads into
@@ -144,12 +144,12 @@ def test_step_compiles_once(strategy):
 
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
 def test_once_a_step_gather_is_each_layers_quantization(recipe):
-    """What ZeRO 0-2 hand the layers (jaxquant.fsdp.gather_once over a stack, one collective for every layer)
+    """What ZeRO 0-2 hand the layers (jaxquant.training.fsdp.gather_once over a stack, one collective for every layer)
     are, layer by layer, the bytes of quantize_fp8 / quantize_nvfp4 (columnwise=True) of that layer's whole
     weight, with its own scales; tensor_of builds the same tensor."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxquant import fsdp
+    from jaxquant.training import fsdp
 
     mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
     stack = jax.random.normal(jax.random.key(3), (3, 256, 64), jnp.float32)

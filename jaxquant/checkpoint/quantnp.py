@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxquant.checkpoint.errors import CheckpointError
-from jaxquant.formats import nvfp4_scale_shape
+from jaxquant.primitives.formats import nvfp4_scale_shape
 
 # E2M1 code -> value (code 8 is -0)
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)

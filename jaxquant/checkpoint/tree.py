@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import jax
 
 from jaxquant.checkpoint.errors import CheckpointError, KeyMismatchError
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 
 # Reserved DCP key holding {"version": 1, "quantized": {key: {"format", "shape", "columnwise"}}}.
 QUANT_INFO_KEY = "__jaxquant__"

@@ -25,7 +25,7 @@ from jaxquant.checkpoint.quantnp import check_nvfp4_scale_layout
 from jaxquant.checkpoint.safepickle import dumps
 from jaxquant.checkpoint.tree import (QUANT_INFO_KEY, TransposeMap, components, flatten, is_quantized,
                                       is_value_list, quant_info)
-from jaxquant.tensors import NVFP4Tensor
+from jaxquant.primitives.tensors import NVFP4Tensor
 
 _PLAN_SUFFIX = ".jaxquant-plan.json"
 # The processes of a multi-process save meet through files in its staging directory, which they all write to (one

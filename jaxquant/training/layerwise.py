@@ -3,16 +3,16 @@
 The fp32 (main) parameters stay a pytree like ``params``; each leaf is sharded on its own:
 
 * quantized leaves (``quantize_mask`` True; default every 2-D ``[out, in]`` and stacked 3-D ``[L, out, in]``
-  leaf) are split by rows over ``fsdp_axis`` and reach ``loss_fn`` as :class:`jaxquant.fsdp.ShardedWeight`:
+  leaf) are split by rows over ``fsdp_axis`` and reach ``loss_fn`` as :class:`jaxquant.training.fsdp.ShardedWeight`:
   with ``optim_grads_params`` (layer-wise FSDP, the default) ``jq.dense`` quantizes and all-gathers one
   layer's weight where it reads it and reduce-scatters its gradient right after the weight-gradient GEMM
-  (see ``jaxquant.fsdp``). ``jax.lax.scan`` over a stacked leaf hands the body one layer; each layer is
+  (see ``jaxquant.training.fsdp``). ``jax.lax.scan`` over a stacked leaf hands the body one layer; each layer is
   quantized with its own scales;
 * other leaves (masked matrices: bf16; everything else: the main-params dtype) are split by rows too and
   all-gathered as arrays when ``loss_fn`` starts (embeddings, norms, routers); their gradients are reduced
   the same way as the weights'.
 
-The other strategies change what is split (``jaxquant.policy.STRATEGY_SHARDING``), not this code path:
+The other strategies change what is split (``jaxquant.training.policy.STRATEGY_SHARDING``), not this code path:
 ``no_shard`` keeps master and optimizer state whole on every rank; ``optim`` / ``optim_grads`` gather every
 compute weight once, before the first microbatch (``WeightSpec.per_use`` False: the layers read the
 ``ShardedWeight.gathered`` operands, the same bytes); ``no_shard`` / ``optim`` leave gradients unreduced
@@ -47,13 +47,14 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import formats
-from jaxquant.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
+from jaxquant.primitives import formats
+from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
                            pad_row_blocks, unpad_row_blocks)
-from jaxquant.formats import to_compute_dtype
-from jaxquant.layout import TP_SPLITS
-from jaxquant.rules import decide
-from jaxquant.policy import (STRATEGY_SHARDING, TrainState, _explain_tp_errors, _leaf_name, apply_update,
+from jaxquant.primitives.formats import to_compute_dtype
+from jaxquant.primitives.varying import mark_varying
+from jaxquant.zero.layout import TP_SPLITS
+from jaxquant.training.rules import decide
+from jaxquant.training.policy import (STRATEGY_SHARDING, TrainState, _explain_tp_errors, _leaf_name, apply_update,
                              value_and_grad_over_microbatches)
 
 
@@ -190,14 +191,6 @@ def _leaf_rule(name, shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
                     T if tp_dim == 0 else 1)
 
 
-def _varying_over(x, axes):
-    """``x`` marked varying over ``axes`` whatever it varies over already (a no-op on values): a zero that
-    varies over each axis is added, and JAX broadcasts the rest."""
-    for a in axes:
-        x = x + (jax.lax.axis_index(a) * 0).astype(x.dtype)
-    return x
-
-
 def _spec_axes(spec) -> tuple:
     out = []
     for entry in spec:
@@ -259,7 +252,7 @@ class LayerwiseTrainStep:
                     (gather_once(m, r.weight, columnwise=r.recipe == "fp8") if r.quantized else
                      gathered_array(m, r.weight))
                     for m, r in zip(masters, plan.rules)]
-        sinks = [_varying_over(jnp.zeros(self._sink_shape(m.shape, r), r.weight.grad_dtype),
+        sinks = [mark_varying(jnp.zeros(self._sink_shape(m.shape, r), r.weight.grad_dtype),
                                _spec_axes(r.spec) + self._unreduced_axes(r))
                  for m, r in zip(masters, plan.rules)]
         kwargs = {} if extra is None else {"extra": extra}
@@ -278,7 +271,7 @@ class LayerwiseTrainStep:
         grad_fn = _explain_tp_errors(jax.value_and_grad(loss_of, has_aux=True), self.tp_axis)
         to_main = lambda g: [to_compute_dtype(a, pol.main_grads_dtype) for a in g]
         first = jax.tree.map(lambda a: a[: a.shape[0] // k], (batch, keys))
-        zero_stats = lambda: jax.tree.map(lambda a: _varying_over(jnp.zeros(a.shape, a.dtype), self._batch_axes),
+        zero_stats = lambda: jax.tree.map(lambda a: mark_varying(jnp.zeros(a.shape, a.dtype), self._batch_axes),
                                           jax.eval_shape(loss_of, sinks, first)[1])
         def stats_and_grads(sinks, mb):
             (_, stats), grads = grad_fn(sinks, mb)
@@ -294,7 +287,7 @@ class LayerwiseTrainStep:
         flags = ([jnp.any(~jnp.isfinite(g)).astype(jnp.float32) for g in grads] if self.report_nan else [])
         # every statistic and non-finite flag in one small all-reduce
         packed, unpack = ravel_pytree(stats)       # float32 throughout (_loss_stats)
-        total = jax.lax.psum(_varying_over(jnp.concatenate([packed] + ([jnp.stack(flags)] if flags else [])), axes),
+        total = jax.lax.psum(mark_varying(jnp.concatenate([packed] + ([jnp.stack(flags)] if flags else [])), axes),
                              axes)
         summed = unpack(total[: packed.size])
         ranks = self.num_shards * self.replicas
@@ -445,7 +438,7 @@ class LayerwiseTrainStep:
         return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
 
     def state_dict(self, state: TrainState, *, hyperparams=None, names=None) -> dict:
-        """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``jaxquant.state_dict``).
+        """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``training.state_dict``).
 
         Args:
           state: a ``TrainState`` of this step.
@@ -459,7 +452,7 @@ class LayerwiseTrainStep:
           ``{"model": ..., "optim": {"state": ..., "param_groups": [...]}}`` of sharded arrays, ready for
           ``jaxquant.checkpoint.save_dcp``.
         """
-        from jaxquant import state_dict as sd
+        from jaxquant.training import state_dict as sd
 
         return sd.state_dict(self, state, hyperparams=hyperparams, names=names)
 
@@ -473,7 +466,7 @@ class LayerwiseTrainStep:
         Returns:
           The state dict's layout with ``jax.ShapeDtypeStruct`` leaves in this step's shardings.
         """
-        from jaxquant import state_dict as sd
+        from jaxquant.training import state_dict as sd
 
         return sd.state_dict_target(self, like, names=names)
 
@@ -489,7 +482,7 @@ class LayerwiseTrainStep:
         Returns:
           The loaded ``TrainState``.
         """
-        from jaxquant import state_dict as sd
+        from jaxquant.training import state_dict as sd
 
         return sd.load_state_dict(self, state_dict, like=like, step_count=step_count, names=names)
 

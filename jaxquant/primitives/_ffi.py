@@ -14,6 +14,8 @@ import jax
 import jaxlib
 import jaxlib.xla_client
 
+from jaxquant.primitives.varying import varying_like
+
 REBUILD_HINT = (
     "Rebuild it against the installed jaxlib with `pip install --no-build-isolation -e .` "
     "(or `python build.py` for an in-place build) from the jaxquant source tree."
@@ -93,22 +95,13 @@ def require() -> None:
         raise ExtensionError("impl='custom_call' needs jaxquant's compiled extension. " + REBUILD_HINT)
 
 
-def varying_axes(x) -> frozenset:
-    """Manual mesh axes ``x`` varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def call(target: str, results, *args, input_output_aliases=None, **attrs):
     """Invoke FFI target ``target``; returns the list of results.
 
     Inside ``shard_map`` the results vary over every mesh axis some input varies over, as any
     elementwise op's would (ffi_call alone marks them invariant, which check_vma rejects).
 
-    Batching: the ops with a rule in ``jaxquant.partitioning`` never reach this under ``vmap`` (their
+    Batching: the ops with a rule in ``jaxquant.primitives.partitioning`` never reach this under ``vmap`` (their
     batching rule folds the batch or loops over it); for the others (flat-range and grouped ops,
     whose handlers take one tensor) the FFI runs the batch item by item ("sequential").
     """
@@ -116,17 +109,6 @@ def call(target: str, results, *args, input_output_aliases=None, **attrs):
                           input_output_aliases=input_output_aliases)
     out = fn(*args, **attrs)
     return varying_like(list(out) if isinstance(out, (list, tuple)) else [out], args)
-
-
-def varying_like(outs, ins, extra_axes=()) -> list:
-    """``outs`` typed as varying over every manual mesh axis some of ``ins`` varies over, and over
-    ``extra_axes`` (inside ``shard_map``; a no-op on values): what an elementwise op's results would be.
-    A custom call's or a Pallas kernel's results carry no such type, which check_vma and custom VJPs reject."""
-    axes = frozenset(extra_axes).union(*(varying_axes(a) for a in ins))
-    if not axes:
-        return list(outs)
-    return [o if axes <= varying_axes(o) else jax.lax.pcast(o, tuple(sorted(axes - varying_axes(o))), to="varying")
-            for o in outs]
 
 
 def _has_devices(platform: str) -> bool:

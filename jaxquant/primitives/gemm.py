@@ -1,4 +1,4 @@
-"""GEMMs and GEMM operands shared by the quantized layers (``jq.dense``, ``jaxquant.sp``): the GEMM, the
+"""GEMMs and GEMM operands shared by the quantized layers (``jq.dense``, ``jaxquant.tp.sp``): the GEMM, the
 current-scaling quantizer, a quantized weight's operands (:func:`weight_operands`) and the one recipe
 vocabulary (:func:`resolve_recipe`).
 
@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import formats, ops, reference
-from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives import formats, ops, reference
+from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives.varying import mark_varying
 
 FWD_FP8 = jnp.dtype(jnp.float8_e4m3fn)     # activations (and weights) in the forward
 BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
@@ -32,12 +33,6 @@ def scaled_gemm(a, a_scale, b, b_scale, dims=TN):
     return acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
 
 
-def pcast_varying(x, axes):
-    """Mark ``x`` as varying over the manual mesh ``axes`` (``shard_map``)."""
-    pcast = getattr(jax.lax, "pcast", None)
-    return pcast(x, axes, to="varying") if pcast is not None else jax.lax.pvary(x, axes)
-
-
 def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=False, impl="auto"):
     """FP8 current scaling of a block: (data, scale_inv, data_t or None). The amax is the block's,
     max-reduced over the mesh ``amax_axes`` first, so every rank derives the same scale and quantizes
@@ -45,7 +40,7 @@ def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=F
     amax, _ = ops.fp8_stats(v, compute_dtype=compute_dtype, impl=impl)
     if amax_axes:
         # varying again after the reduction: ops' custom-call and reference branches must agree on it
-        amax = pcast_varying(jax.lax.pmax(amax, amax_axes), amax_axes)
+        amax = mark_varying(jax.lax.pmax(amax, amax_axes), amax_axes)
     return ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=compute_dtype, columnwise=columnwise, impl=impl)
 
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import _ffi, ops, reference
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives import _ffi, ops, reference
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +92,7 @@ class GatheredWeights:
 
         Args:
           stage_of_source: as in :func:`split` (default None: one call).
-          impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+          impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
         Returns:
           The list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order, the same bytes as

@@ -2,8 +2,8 @@
 ``MixedPrecisionPolicy``, ``TrainState`` and ``raise_if_nonfinite``.
 
 The fp32 (main) parameters stay a pytree like ``params``, each leaf sharded on its own
-(``jaxquant.layerwise``). The four strategies (Megatron-FSDP's names for ZeRO 0-3) are modes of that one step;
-they differ only in what is split over ``fsdp_axis`` (``jaxquant.policy.STRATEGY_SHARDING``):
+(``jaxquant.training.layerwise``). The four strategies (Megatron-FSDP's names for ZeRO 0-3) are modes of that one step;
+they differ only in what is split over ``fsdp_axis`` (``jaxquant.training.policy.STRATEGY_SHARDING``):
 
 =====================  ==========================  ==================================  ===========================
 strategy               master + optimizer state    gradients                           compute weights
@@ -30,8 +30,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxquant.layerwise import LayerwiseTrainStep, default_compiler_options
-from jaxquant.policy import STRATEGIES, MixedPrecisionPolicy, TrainState, raise_if_nonfinite  # noqa: F401
+from jaxquant.training.layerwise import LayerwiseTrainStep, default_compiler_options
+from jaxquant.training.policy import STRATEGIES, MixedPrecisionPolicy, TrainState, raise_if_nonfinite  # noqa: F401
 
 
 _DEFAULT = object()

@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import formats, ops
-from jaxquant.gemm import FWD_FP8, nvfp4_global_decode, pcast_varying
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor, straight_through
+from jaxquant.primitives import formats, ops
+from jaxquant.primitives.gemm import FWD_FP8, nvfp4_global_decode
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, straight_through
+from jaxquant.primitives.varying import mark_varying, vary_like
 
 RECIPES = ("bf16", "fp8", "nvfp4")
 COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)
@@ -185,7 +186,7 @@ def _all_gather(a, spec: WeightSpec):
         a = jax.lax.all_gather(a, spec.gather_axis, axis=axis, tiled=True)
         if spec.pad_rows:   # the padding rows are zeros that no layer reads
             a = jax.lax.slice_in_dim(a, 0, a.shape[axis] - spec.pad_rows, axis=axis)
-    return pcast_varying(a, spec.vary_axes) if spec.vary_axes else a
+    return mark_varying(a, spec.vary_axes)
 
 
 def statistics(shard, spec: WeightSpec):
@@ -196,7 +197,7 @@ def statistics(shard, spec: WeightSpec):
         tiles, amax, _ = ops.nvfp4_stats(shard, compute_dtype=COMPUTE_DTYPE)
     if spec.amax_axes:
         # varying again after the reduction: ops' custom-call and reference branches must agree on it
-        amax = pcast_varying(jax.lax.pmax(amax, spec.amax_axes), spec.amax_axes)
+        amax = mark_varying(jax.lax.pmax(amax, spec.amax_axes), spec.amax_axes)
     return amax, tiles
 
 
@@ -296,14 +297,6 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
     return x
 
 
-def vary_like(sink, x):
-    """``sink`` marked varying over every mesh axis ``x`` varies over (a no-op on values): where a weight is
-    replicated over an axis its activations vary over (e.g. a TP-replicated weight under sequence-parallel
-    activations), JAX's transpose of this broadcast sums the gradient over that axis."""
-    zero = jax.lax.stop_gradient(jnp.sum(x.reshape(-1)[:0])).astype(sink.dtype)
-    return sink + zero
-
-
 def gather_array(shard, grad, spec: WeightSpec, gathered=None):
     """The gathered array: bf16 (``recipe="bf16"``) or in the shard's own dtype (any other recipe name,
     e.g. ``"keep"``); its gradient is reduced into ``grad`` as for a weight. ``gathered``: the step's
@@ -332,7 +325,7 @@ _gather_array.defvjp(_gather_array_fwd, _gather_array_bwd)
 def _funnel_zeros(grad, spec, shape):
     """The straight-through target of a gathered weight: zeros (never built) varying as the gathered weight."""
     z = vary_like(jnp.zeros(shape, COMPUTE_DTYPE), grad)   # grad, a shard, varies over the gather axis
-    return pcast_varying(z, spec.vary_axes) if spec.vary_axes else z
+    return mark_varying(z, spec.vary_axes)
 
 
 def _funnel_fwd(grad, spec, shape):

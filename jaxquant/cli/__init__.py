@@ -1,5 +1,5 @@
-"""The ``jaxquant`` command: ``demo`` (train a small transformer with quantized weights, jaxquant/demo.py),
-``bench`` (time the quantizers, jaxquant/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/checkpoint/cli.py).
+"""The ``jaxquant`` command: ``demo`` (train a small transformer with quantized weights, jaxquant/cli/demo.py),
+``bench`` (time the quantizers, jaxquant/cli/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/checkpoint/cli.py).
 ``DESCRIPTION`` is what ``jaxquant --help`` prints."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ DESCRIPTION = ("FP8 and NVFP4 weights for sharded JAX training. Commands: demo (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxquant.demo import add_demo_parser
+    from jaxquant.cli.demo import add_demo_parser
 
     parser = argparse.ArgumentParser(prog="jaxquant", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_parser(sub)
-    from jaxquant.bench import configure_parser as configure_bench  # sets func=bench.run
+    from jaxquant.cli.bench import configure_parser as configure_bench  # sets func=bench.run
     configure_bench(sub.add_parser("bench", help="time the quantizers against the memory floor and XLA"))
     try:
         from jaxquant.checkpoint.cli import add_ckpt_parser

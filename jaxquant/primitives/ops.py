@@ -1,7 +1,7 @@
 """Low-level quantization primitives: validated, jit-able, dispatched to a custom call or the reference.
 
 Every op takes ``impl``:
-  "reference"    the pure-JAX reference (``jaxquant.reference``),
+  "reference"    the pure-JAX reference (``jaxquant.primitives.reference``),
   "custom_call"  the XLA FFI custom call (error if the extension is not built),
   "auto"         the custom call on each platform it is built for, the reference elsewhere; on the CPU the
                  reference also for the ops whose reference is faster there (``_ffi.CPU_AUTO_REFERENCE``).
@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import _ffi, formats, reference
-from jaxquant import group_table as gtable
-from jaxquant.formats import check_nvfp4_shape  # re-exported: ops.check_nvfp4_shape
-from jaxquant.group_table import GROUP_TABLE_FIELDS  # noqa: F401  (re-exported)
-from jaxquant.partitioning import Rule, sharded
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
-from jaxquant.formats import TILE
+from jaxquant.primitives import _ffi, formats, reference
+from jaxquant.zero import group_table as gtable
+from jaxquant.primitives.formats import check_nvfp4_shape  # re-exported: ops.check_nvfp4_shape
+from jaxquant.zero.group_table import GROUP_TABLE_FIELDS  # noqa: F401  (re-exported)
+from jaxquant.primitives.partitioning import Rule, sharded
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives.formats import TILE
 
 IMPLS = ("auto", "reference", "custom_call")
 INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -121,7 +121,7 @@ def _scalar(x) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# Batching folds (jaxquant.partitioning): a batch as one unbatched call where the op allows it
+# Batching folds (jaxquant.primitives.partitioning): a batch as one unbatched call where the op allows it
 # ----------------------------------------------------------------------------------------------
 
 
@@ -174,7 +174,7 @@ def _fold_nvfp4_quantize(op, n, batched, xs, kwargs):
     return data.reshape(n, rows, -1), scale_inv.reshape(n, rows, -1), None, None
 
 
-# Sharding rules (jaxquant.partitioning; docs/sharding.md). Spec letters: m, k = the op's [M, K]
+# Sharding rules (jaxquant.primitives.partitioning; docs/sharding.md). Spec letters: m, k = the op's [M, K]
 # (a..: each dimension of an any-rank input); /d divides, ^p pads to a multiple of p; "" scalar.
 _NVFP4_TILES = "m/16 k/16"
 _NVFP4_DATA = ("m k/2", "m^128 k/16^4", "k m/2", "k^128 m/16^4")  # data, scale_inv, data_t, scale_inv_t
@@ -201,7 +201,7 @@ def amax(x, *, return_nonfinite: bool = False, impl: str = "auto"):
       x: float32 or bfloat16 array of any shape.
       return_nonfinite: also return the count of NaN/±inf elements, found in the same pass over memory
         (default False).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       The fp32 scalar amax; with ``return_nonfinite`` ``(amax, count)``, ``count`` an int32 scalar.
@@ -233,7 +233,7 @@ def fp8_cast(x, amax_value, *, dtype=jnp.float8_e4m3fn, amax_epsilon: float = 0.
       amax_epsilon: lower bound on the amax used for the scale (default 0.0).
       force_pow_2_scales: round the scale down to a power of 2 (default False).
       columnwise: also return ``data_t``, the byte transpose of ``data`` (default False).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(data, scale_inv, data_t or None)``: fp8 data of ``x``'s shape, the fp32 scalar ``scale_inv``,
@@ -285,7 +285,7 @@ def nvfp4_tile_amax(shard, *, rows: int, cols: int, start: int = 0, return_nonfi
       start: the flat element where ``shard`` begins (default 0).
       return_nonfinite: also return the count of NaN/±inf elements of the shard, found in the same
         pass over memory (default False).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       fp32 ``[rows/16, cols/16]``; with ``return_nonfinite`` ``(tile_amax, count)``, ``count`` an int32
@@ -321,7 +321,7 @@ def nvfp4_scale(tile_amax, amax_value, *, rows: int, cols: int, impl: str = "aut
       tile_amax: fp32 ``[rows/16, cols/16]`` (``nvfp4_tile_amax``, reduced over the shards).
       amax_value: the global amax, a float32 scalar or ``[1]`` array.
       rows, cols: the tensor's shape, both positive multiples of 16.
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       The padded E4M3 ``scale_inv``, uint8 ``[ru(rows,128), ru(cols/16,4)]`` (``ru``: rounded up to a
@@ -355,7 +355,7 @@ def nvfp4_cast_partial(shard, data_bytes, scale_inv, amax_value, *, rows: int, c
       amax_value: the global amax, a float32 scalar or ``[1]`` array.
       rows, cols: the whole tensor's shape, both positive multiples of 16.
       start: the flat element where ``shard`` begins (default 0).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``data_bytes`` with only the shard's nibbles replaced (the neighbour's nibble of a shared boundary
@@ -395,7 +395,7 @@ def nvfp4_transpose(data, *, impl: str = "auto") -> jax.Array:
 
     Args:
       data: uint8 ``[M, K/2]``, two E2M1 codes a byte; M and K positive multiples of 16.
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       uint8 ``[K, M/2]``.
@@ -423,7 +423,7 @@ def nvfp4_scale_transpose(scale_inv, *, rows: int, cols: int, impl: str = "auto"
     Args:
       scale_inv: uint8 ``[ru(rows,128), ru(cols/16,4)]``.
       rows, cols: the tensor's shape M, K, both positive multiples of 16.
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       uint8 ``[ru(cols,128), ru(rows/16,4)]``.
@@ -497,7 +497,7 @@ def fp8_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     Args:
       x: float32 or bfloat16 array of any shape.
       compute_dtype: values are rounded to it first (default bfloat16; None: as is).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(amax, count)``: fp32 scalar, int32 scalar (NaN/±inf elements).
@@ -528,7 +528,7 @@ def fp8_quantize(x, amax_value, *, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.bf
       amax_value: the (global) amax, a float32 scalar or ``[1]`` array (``fp8_stats``, max-reduced).
       dtype, amax_epsilon, force_pow_2_scales, columnwise: as in :func:`fp8_cast`.
       compute_dtype: values are rounded to it first (default bfloat16; None: as is).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(data, scale_inv, data_t or None)`` as :func:`fp8_cast`.
@@ -568,7 +568,7 @@ def nvfp4_stats(x, *, compute_dtype=jnp.bfloat16, impl: str = "auto"):
     Args:
       x: float32 or bfloat16 ``[M, K]``, M and K positive multiples of 16.
       compute_dtype: values are rounded to it first (default bfloat16; None: as is).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(tile_amax, amax, count)``: fp32 ``[M/16, K/16]``, fp32 ``[1]``, int32 scalar (NaN/±inf elements).
@@ -606,7 +606,7 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
       amax_value: the (global) amax, a float32 scalar or ``[1]`` array.
       compute_dtype: values are rounded to it first (default bfloat16; None: as is).
       columnwise: also write the columnwise copy (default False).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(data, scale_inv, data_t or None, scale_inv_t or None)``: uint8 ``[M, K/2]``, uint8
@@ -660,7 +660,7 @@ def group_table(offsets, shapes, *, num_shards: int, shard_size: int, nvfp4: boo
       nvfp4: lay out the NVFP4 tiles, bytes and scales (True) or FP8 only (False).
 
     Returns:
-      A numpy int64 ``[P, F]`` table (``jaxquant.group_table``: the fields, by name, are
+      A numpy int64 ``[P, F]`` table (``jaxquant.zero.group_table``: the fields, by name, are
       ``GROUP_TABLE_FIELDS``, defined once in ``csrc/jaxquant/group_table.h``).
 
     Raises:
@@ -723,7 +723,7 @@ def nvfp4_group_tile_amax(shard, shard_index, *, table, num_shards: int, return_
       return_nonfinite: also return the NaN/±inf counts (default False).
       compute_dtype: None (default), float32 or bfloat16: the shard's values are rounded to it as they
         are read, as ``formats.to_compute_dtype`` does.
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(tile_amax, amax)``: fp32 ``[T]``, every parameter's tiles packed (tile ``tile_base + i * cols/16
@@ -757,7 +757,7 @@ def nvfp4_group_scale(tile_amax, amax, *, table, impl: str = "auto"):
       tile_amax: fp32 ``[T]``, every parameter's tile amaxes (reduced over the shards).
       amax: fp32 ``[P]``, every parameter's global amax.
       table: the group's table (:func:`group_table`, ``nvfp4=True``).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(scale_inv, enc)``: uint8, every parameter's padded ``[ru(rows,128), ru(cols/16,4)]`` E4M3
@@ -827,7 +827,7 @@ def nvfp4_group_columnwise(data, scale_inv, *, table, space=None, impl: str = "a
       table: the group's table (:func:`group_table`, ``nvfp4=True``).
       space: a ``group_table.GatheredSpace`` describing the gather pieces (default None: ``data`` is one
         buffer).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       ``(data_t, scale_inv_t)``: two lists with one array per parameter, written in place (no copy out
@@ -873,7 +873,7 @@ def fp8_group_transpose(data, *, table, space=None, dtype=None, impl: str = "aut
       table: the group's table (:func:`group_table`).
       space: a ``group_table.GatheredSpace`` of N bytes (default None: ``data`` is one buffer).
       dtype: the results' 1-byte dtype (default None: ``data``'s dtype, or uint8 with ``space``).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       A list with parameter p's ``[cols, rows]`` transpose (rank-1 and scalar parameters: ``[1, numel]``).
@@ -930,7 +930,7 @@ def nvfp4_group_cast(shard, shard_index, enc, *, table, num_shards: int, chunk_l
       enc: fp32 ``[T]``, every tile's encode multiplier (:func:`nvfp4_group_scale`).
       chunk_lo: one int per shard, where shard r's chunk starts in the param-byte space.
       chunk_size: bytes per chunk.
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       uint8 ``[chunk_size]``: positions ``[chunk_lo[r], chunk_lo[r] + chunk_size)`` for shard r.
@@ -965,7 +965,7 @@ def fp8_group_amax(shard, shard_index, *, table, num_shards: int, return_nonfini
       shard, shard_index, table, num_shards, compute_dtype: as in :func:`nvfp4_group_tile_amax` (a table
         built with ``nvfp4=False`` or True).
       return_nonfinite: also return the NaN/±inf counts (default False).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       fp32 ``[P]`` (0 where the shard owns none of a parameter); with ``return_nonfinite``
@@ -999,7 +999,7 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype=j
       dtype: ``jnp.float8_e4m3fn`` (default) or ``jnp.float8_e5m2``.
       first: the first shard element to cast (default 0).
       count: how many (default None: to the end of the shard).
-      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
 
     Returns:
       fp8 ``[count]``: shard elements ``[first, first + count)`` times their parameter's scale, RNE,

@@ -129,7 +129,7 @@ def _covered_ns(events: list) -> int:
 
 
 def _nvfp4_scale_bytes(rows: int, cols: int) -> int:
-    from jaxquant import formats
+    from jaxquant.primitives import formats
 
     r, c = formats.nvfp4_scale_shape(rows, cols)
     return r * c
@@ -138,7 +138,7 @@ def _nvfp4_scale_bytes(rows: int, cols: int) -> int:
 def cases(x, stages: bool):
     """(op name, fn(x, impl), bytes at the floor) for one input."""
     import jaxquant as jq
-    from jaxquant import ops
+    from jaxquant.primitives import ops
 
     rows, cols = (int(d) for d in x.shape)
     n, itemsize = rows * cols, x.dtype.itemsize
@@ -309,7 +309,7 @@ def random_master(layout, mesh, axis: str = "fsdp"):
     import jax
     import jax.numpy as jnp
 
-    from jaxquant.distributed import master_sharding
+    from jaxquant.zero.distributed import master_sharding
 
     return jax.jit(lambda key: jax.random.normal(key, (layout.total_size,), jnp.float32) * 0.02,
                    out_shardings=master_sharding(mesh, axis))(jax.random.key(0))
@@ -322,8 +322,8 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
     import jax
     import numpy as np
 
-    from jaxquant.distributed import gathered_bytes, quantize_master_weights
-    from jaxquant.layout import FlatLayout
+    from jaxquant.zero.distributed import gathered_bytes, quantize_master_weights
+    from jaxquant.zero.layout import FlatLayout
 
     steps = [s for s in STEP_OPS if selected(s[0], ops)]
     if not steps:
@@ -356,7 +356,7 @@ def group_step_rows(*, div: int, iters: int, repeats: int, ops=None, timeline: b
 
 
 # The source checkout this module lies in (jaxquant/ and csrc/ below it in an editable install).
-_CHECKOUT = Path(__file__).resolve().parent.parent
+_CHECKOUT = Path(__file__).resolve().parents[2]
 # Sources hashed by source_digest(), relative to the checkout root; scripts/gpu_suite.sh runs the same
 # digest in shell (sha1 of the files' contents concatenated in byte-sorted path order).
 SOURCE_SUFFIXES = (".py", ".cc", ".cu", ".cuh", ".h")
@@ -388,9 +388,9 @@ def _git_commit() -> str | None:
 def check_args(args, gpu: bool) -> dict:
     """The run's sizes, dtypes, iters, repeats and stages from ``args`` and this backend's defaults, checked before
     any work: ``ValueError`` whose message starts with the option's name."""
-    from jaxquant import formats
-    from jaxquant.demo import check_writable_dir
-    from jaxquant.ops import INPUT_DTYPES
+    from jaxquant.primitives import formats
+    from jaxquant.cli.demo import check_writable_dir
+    from jaxquant.primitives.ops import INPUT_DTYPES
 
     sizes = []
     for size in (args.sizes or (GPU_SIZES if gpu else CPU_SIZES)).split(","):
@@ -542,7 +542,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m jaxquant.bench")
+    p = argparse.ArgumentParser(prog="python -m jaxquant.cli.bench")
     configure_parser(p)
     a = p.parse_args()
     sys.exit(a.func(a))

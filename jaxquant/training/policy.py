@@ -1,5 +1,5 @@
 """What the training step is built from: the mixed-precision policy, what each strategy shards, the train
-state, the non-finite report and small helpers (``jaxquant.layerwise`` builds the step)."""
+state, the non-finite report and small helpers (``jaxquant.training.layerwise`` builds the step)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant.checkpoint.tree import _part
-from jaxquant.fsdp import pad_row_blocks, unpad_row_blocks
+from jaxquant.training.fsdp import pad_row_blocks, unpad_row_blocks
 
 
 def _parts(path) -> tuple:
@@ -448,7 +448,7 @@ def load_state_dict(step, sd, *, like, step_count=None, names=None):
     Returns:
       The ``TrainState``; a ``KeyError`` names the tensors ``sd`` lacks (and the JAX parameter of each).
     """
-    from jaxquant.policy import TrainState
+    from jaxquant.training.policy import TrainState
 
     nm, leaf_names = _mapped_names(like, names)
     plan = like.plan

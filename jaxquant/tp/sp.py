@@ -16,13 +16,13 @@ tensor is a per-tensor current-scaled value (docs/numerics.md §1) whose amax is
 ``tp_axis`` before the local block is quantized once; its bytes and the one ``scale_inv`` travel together
 as a ``_Scaled`` pytree through every collective, so a receiver multiplies by the scale that came with
 the bytes. Forward operands are E4M3, gradients E5M2. GEMMs, quantizers and the weight operands are
-those of ``jq.dense`` (jaxquant/gemm.py). Residuals for the backward pass are values returned by this
+those of ``jq.dense`` (jaxquant/primitives/gemm.py). Residuals for the backward pass are values returned by this
 forward call (no quantizer state), so interleaving forward passes of several microbatches cannot change
 what a backward pass reads.
 
 Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "off"
 (shard_map, one all_gather / psum_scatter and one GEMM) and "fused" (bf16 and FP8: collective GEMM kernels
-that move the chunks themselves, jaxquant/collective_gemm.py; the forward keeps the gathered activation
+that move the chunks themselves, jaxquant/tp/collective_gemm.py; the forward keeps the gathered activation
 for the wgrad instead of gathering it again). A former "xla" mode (GSPMD einsums left to
 XLA's windowed-einsum pass) is gone: that pass fails XLA's HLO verifier on these layers' backward
 (docs/sp.md).
@@ -40,9 +40,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxquant import collective_gemm, formats, fsdp, gemm, ops
-from jaxquant.dense import dense as gemm_dense, split_master
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.tp import collective_gemm
+
+from jaxquant.primitives import formats, gemm, ops
+
+from jaxquant.training import fsdp
+from jaxquant.training.dense import dense as gemm_dense, split_master
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives.varying import vary_like
 
 OVERLAPS = ("ring", "off", "fused")
 RECIPES = ("bf16", "fp8", "nvfp4")   # recipe= (or None: follow the weight's type), as jq.dense
@@ -627,7 +632,7 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
         "nvfp4" (an NVFP4Tensor, read as bf16 blockwise values with bf16 activations and gradients; its
         former spelling "bf16" is still accepted) or "bf16" (a float weight, no quantization).
       eps: the layernorm's epsilon (default 1e-5).
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       ``[..., S, F]`` in x's dtype, sharded on the features over ``tp_axis``.
@@ -728,9 +733,9 @@ def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl):
     w, master, recipe, dtypes = _weight_and_recipe(w, recipe, int(x.shape[-1]))
     # dW is computed per rank: typed varying like x, so JAX sums it over the axes the weight is replicated on
     if master is not None:
-        master = fsdp.vary_like(master, x)
+        master = vary_like(master, x)
     elif not isinstance(w, (Float8Tensor, NVFP4Tensor)):
-        w = fsdp.vary_like(w, x)
+        w = vary_like(w, x)
     out_f, in_f = (int(d) for d in w.shape)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if kind == "column":   # this rank's rows [.., s, in] gathered, times [out/n, in]
@@ -764,7 +769,7 @@ def sp_column_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dty
         in the backward, the GEMM reduce-scatter as collective GEMM kernels on Hopper GPUs (their
         plain-JAX schedule elsewhere or with ``impl="reference"``; docs/sp.md), the sp layers' own custom
         VJP per rank, keeping the gathered ``x`` for the weight gradient.
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       ``[..., S, out/n]``.
@@ -798,7 +803,7 @@ def sp_row_dense(x, w, *, tp_axis: str, recipe: Optional[str] = None, out_dtype=
       overlap: "off" (default: ``jq.dense``, then ``lax.psum_scatter``) or "fused" (bf16 or FP8): the GEMM
         reduce-scatter and, in the backward, the all-gather GEMM (dY gathered once for both backward
         GEMMs) as collective GEMM kernels, as in :func:`sp_column_dense`.
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       ``[..., S/n, out]``.

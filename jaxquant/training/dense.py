@@ -33,11 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import formats, fsdp, ops
-from jaxquant.gemm import (BWD_FP8, FWD_FP8, NN, TN, nvfp4_global_decode, nvfp4_operand, pcast_varying,  # noqa: F401
+from jaxquant.primitives import formats, ops
+
+from jaxquant.training import fsdp
+from jaxquant.primitives.gemm import (BWD_FP8, FWD_FP8, NN, TN, nvfp4_global_decode, nvfp4_operand,  # noqa: F401
                            quantize_current, resolve_recipe, scaled_gemm, weight_operands)
-from jaxquant.quantize import quantize_fp8, quantize_nvfp4
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
+from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4
+from jaxquant.primitives.varying import vary_like
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
 
 RECIPES = ("fp8", "nvfp4")
 
@@ -65,7 +68,7 @@ def _weight_operands(w, cfg: _Config):
     if cfg.on_the_fly:
         fn = quantize_fp8 if cfg.kind == "fp8" else quantize_nvfp4
         w = fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
-    return weight_operands(w)   # jaxquant/gemm.py, shared with jaxquant.sp
+    return weight_operands(w)   # jaxquant/primitives/gemm.py, shared with jaxquant.tp.sp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
 
 def _check_recipe(w, recipe) -> tuple[str, bool]:
     """(kind, on_the_fly) from the weight's type and ``recipe`` (gemm.resolve_recipe: one vocabulary with
-    jaxquant.sp; "bf16" with an array weight is None's no quantization)."""
+    jaxquant.tp.sp; "bf16" with an array weight is None's no quantization)."""
     recipe = resolve_recipe(w, recipe, {"array": ("bf16", "fp8", "nvfp4"), "fp8": ("fp8",), "nvfp4": ("nvfp4",)})
     if isinstance(w, Float8Tensor):
         if w.data.ndim != 2 or jnp.dtype(w.data.dtype) != FWD_FP8:
@@ -240,7 +243,7 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in)
     if target is not None:   # dW varies over every axis x does: a target replicated over one sums over it
-        target = fsdp.vary_like(target, x2)
+        target = vary_like(target, x2)
     y = _dense2d(x2, w, target, cfg)
     return y.reshape(*lead, n_out)
 
@@ -260,7 +263,7 @@ def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
 
 
 def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
-    """``dense`` with a layer-wise FSDP weight (``jaxquant.fsdp``): gathered here, and again in the backward
+    """``dense`` with a layer-wise FSDP weight (``jaxquant.training.fsdp``): gathered here, and again in the backward
     unless its spec keeps the gathered operands (``reshard_after_forward=False``)."""
     fsdp._check_layer(w, "w")
     if w.spec.transposed and recipe is not None and recipe != w.spec.recipe:
@@ -278,5 +281,5 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
     cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
     x2 = x.reshape(-1, n_in)
-    y = _dense_sharded(x2, w.shard, fsdp.vary_like(w.grad, x2), w.gathered, cfg, w.spec)
+    y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, cfg, w.spec)
     return y.reshape(*x.shape[:-1], n_out)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxquant import _ffi
+from jaxquant.primitives.varying import varying_axes, varying_like
 
 DTYPE = jnp.bfloat16   # output and wire dtype of both kernels (their running sums), and 16-bit operands
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))   # 8-bit operands, any pairing
@@ -434,8 +434,8 @@ def _gather_matmul_kernel(a, b, contract, axis, n, config):
     out, full = _kernel_call(collective_gather_gemm, [jax.ShapeDtypeStruct((n * rows, cols), DTYPE),
                                     jax.ShapeDtypeStruct((n * rows, k), a.dtype)])(a, b)
     # typed as all_gather and a GEMM would be: the gathered A is the same on every rank of ``axis``
-    vary = _ffi.varying_axes(a) | _ffi.varying_axes(b)
-    return _ffi.varying_like((out,), (), vary | {axis})[0], _ffi.varying_like((full,), (), vary - {axis})[0]
+    vary = varying_axes(a) | varying_axes(b)
+    return varying_like((out,), (), vary | {axis})[0], varying_like((full,), (), vary - {axis})[0]
 
 
 def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
@@ -492,7 +492,7 @@ def _matmul_reduce_scatter_kernel(a, b, contract, axis, n, config):
 
     out, _ = _kernel_call(collective_gemm_scatter, [jax.ShapeDtypeStruct((rows, cols), DTYPE),
                                  jax.ShapeDtypeStruct((max(n - 1, 1), rows, cols), DTYPE)])(a, b)
-    return _ffi.varying_like((out,), (a, b), (axis,))[0]
+    return varying_like((out,), (a, b), (axis,))[0]
 
 
 # Each kernel call is a jitted function of its static arguments, so that a model's many calls of one

@@ -20,8 +20,8 @@ from typing import NamedTuple, Optional, Union
 import jax
 import numpy as np
 
-from jaxquant.layout import TP_SPLITS
-from jaxquant.policy import COMPUTE_WEIGHTS
+from jaxquant.zero.layout import TP_SPLITS
+from jaxquant.training.policy import COMPUTE_WEIGHTS
 
 
 KERNEL_LAYOUTS = ("out_in", "in_out")

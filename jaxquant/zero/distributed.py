@@ -41,11 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant import formats, group_split, ops
-from jaxquant import group_table as gtable
-from jaxquant.layout import FlatLayout
-from jaxquant.quantize import fp8_columnwise, nvfp4_columnwise
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives import formats, ops
+
+from jaxquant.zero import group_split
+from jaxquant.zero import group_table as gtable
+from jaxquant.zero.layout import FlatLayout
+from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 
 RECIPES = ("nvfp4", "fp8")
 
@@ -665,7 +667,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
         weights this skips the split pass over every weight's bytes (the slices are plain XLA ops, free
         to fuse into their readers), as a bf16 gather whose caller slices its weights out of the
         gathered buffer pays none (docs/distributed.md).
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       The list of ``NVFP4Tensor`` / ``Float8Tensor`` in the layout's order (a ``GatheredWeights`` with
@@ -740,7 +742,7 @@ def post_all_gather_processing(weights, *, impl: str = "auto"):
     Args:
       weights: one ``NVFP4Tensor`` / ``Float8Tensor``, or a list/tuple of them (e.g. what
         :func:`quantize_master_weights` returned).
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       The same structure with columnwise data; tensors that already have it are returned unchanged.

@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.fsdp import ShardedWeight
-from jaxquant.rules import ParamRule, dotted_path
+from jaxquant.training.fsdp import ShardedWeight
+from jaxquant.training.rules import ParamRule, dotted_path
 
 __all__ = ["FlaxKernelError", "flax_intercept", "flax_loss", "flax_merge", "flax_params", "flax_rules"]
 
@@ -249,22 +249,22 @@ _TARGETS = {
 
 def _tramp_dot_general(*args, **kwargs):
     import sys
-    return sys.modules["jaxquant.flax_adapter"]._dispatch("dot_general", args, kwargs)
+    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("dot_general", args, kwargs)
 
 
 def _tramp_einsum(*args, **kwargs):
     import sys
-    return sys.modules["jaxquant.flax_adapter"]._dispatch("einsum", args, kwargs)
+    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("einsum", args, kwargs)
 
 
 def _tramp_nnx_promote_dtype(*args, **kwargs):
     import sys
-    return sys.modules["jaxquant.flax_adapter"]._dispatch("nnx_promote_dtype", args, kwargs)
+    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("nnx_promote_dtype", args, kwargs)
 
 
 def _tramp_linen_promote_dtype(*args, **kwargs):
     import sys
-    return sys.modules["jaxquant.flax_adapter"]._dispatch("linen_promote_dtype", args, kwargs)
+    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("linen_promote_dtype", args, kwargs)
 
 
 _TRAMPOLINES = {"dot_general": _tramp_dot_general, "einsum": _tramp_einsum,
@@ -292,7 +292,7 @@ def _resolve_targets() -> dict:
         except ImportError:           # flax (or a part of it) missing: nothing of it to intercept
             continue
         if not isinstance(fn, types.FunctionType) or fn.__code__.co_freevars:
-            raise RuntimeError(f"jaxquant.flax_adapter: cannot intercept {module}.{attr} ({type(fn).__name__}); "
+            raise RuntimeError(f"jaxquant flax adapter: cannot intercept {module}.{attr} ({type(fn).__name__}); "
                                f"this jax/flax version is not supported")
         copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         copy.__kwdefaults__ = fn.__kwdefaults__
@@ -356,7 +356,7 @@ def intercepted_functions() -> dict:
 
 def _dense(x, ref: KernelRef, x_axis: int, k_axis: int, out_dtype, op: str):
     """``jq.dense`` of ``x`` contracted on ``x_axis`` with the kernel's ``k_axis``: ``[x's other axes..., out]``."""
-    from jaxquant.dense import dense
+    from jaxquant.training.dense import dense
 
     if ref.ndim != 2:
         if ref.ndim == 3:

@@ -1,7 +1,7 @@
 """Pure-JAX reference of every primitive: the executable form of docs/numerics.md §1 and §2.
 
-Each function here has a custom-call twin in ``jaxquant.ops`` that must match it bit for bit.
-No validation happens here; ``jaxquant.ops`` validates arguments before dispatching.
+Each function here has a custom-call twin in ``jaxquant.primitives.ops`` that must match it bit for bit.
+No validation happens here; ``jaxquant.primitives.ops`` validates arguments before dispatching.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import formats
-from jaxquant.formats import TILE
+from jaxquant.primitives import formats
+from jaxquant.primitives.formats import TILE
 
 # ----------------------------------------------------------------------------------------------
 # Conversions
@@ -184,7 +184,7 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
 # Grouped primitives over one shard of a ZeRO flat buffer (docs/numerics.md §3)
 # ----------------------------------------------------------------------------------------------
 #
-# ``table`` is the parameter table of ``jaxquant.group_table`` as ``GroupRow`` tuples (fields by
+# ``table`` is the parameter table of ``jaxquant.zero.group_table`` as ``GroupRow`` tuples (fields by
 # name). Shard r owns flat elements [r * n, (r + 1) * n) of the group buffer, with r =
 # ``shard_index`` (a traced int32 scalar). These references place the shard into a zero buffer of
 # the whole group: parameters' elements that other shards own are 0 there and are masked out

@@ -122,7 +122,7 @@ class NVFP4Tensor(_LogicalArray):
         Returns:
           An array ``[M, K]`` in ``dtype``.
         """
-        from jaxquant import reference
+        from jaxquant.primitives import reference
 
         return reference.nvfp4_dequantize(self.data, self.scale_inv, self.amax, self.shape).astype(dtype)
 
@@ -140,7 +140,7 @@ class NVFP4Tensor(_LogicalArray):
         """
         if self.data_t is None or self.scale_inv_t is None:
             raise ValueError("data_t: this NVFP4Tensor has no columnwise data")
-        from jaxquant import reference
+        from jaxquant.primitives import reference
 
         m, k = self.shape
         return reference.nvfp4_dequantize(self.data_t, self.scale_inv_t, self.amax, (k, m)).astype(dtype)

@@ -16,8 +16,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import formats
-from jaxquant.formats import TILE, check_nvfp4_shape
+from jaxquant.primitives import formats
+from jaxquant.primitives.formats import TILE, check_nvfp4_shape
 
 GROUP_TABLE_FIELDS = ("offset", "numel", "rows", "cols", "tile_base", "byte_base", "scale_base",
                       "scale_t_base", "block_base")

@@ -115,7 +115,7 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_
     import jax.numpy as jnp
 
     import jaxquant as jq
-    from jaxquant.gemm import pcast_varying
+    from jaxquant.primitives.varying import mark_varying
 
     act = jnp.bfloat16
     hd = cfg.d_model // cfg.heads
@@ -127,7 +127,7 @@ def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_
         if sp:
             return jq.sp_column_dense(x, w, tp_axis=tp_axis, out_dtype=act, overlap=overlap)
         if tp > 1:   # Megatron's "f": identity forward; its transpose all-reduces the input gradient over tp
-            x = pcast_varying(x, (tp_axis,))
+            x = mark_varying(x, (tp_axis,))
         return jq.dense(x, w, out_dtype=act, amax_axes=amax)
 
     def row_parallel(x, w):   # Megatron's "g": partial products summed over tp
@@ -233,7 +233,7 @@ def bytes_gathered(plan, recipe: str) -> tuple[int, int]:
 def _print_backends() -> None:
     import jax
 
-    from jaxquant import _ffi
+    from jaxquant.primitives import _ffi
 
     summary = getattr(_ffi, "backend_summary", None)
     if summary is not None:

@@ -1,4 +1,4 @@
-"""Single-tensor quantization: the public entry points built from ``jaxquant.ops``.
+"""Single-tensor quantization: the public entry points built from ``jaxquant.primitives.ops``.
 
 Each quantizer is a statistics stage and a quantize stage (``ops.*_stats`` / ``ops.*_quantize``).
 Both carry sharding rules (docs/sharding.md): under ``jax.jit`` on a sharded input each device
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxquant import ops
-from jaxquant.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.primitives import ops
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 
 
 def _check_rank2(x) -> None:
@@ -39,7 +39,7 @@ def quantize_fp8(x, *, dtype=jnp.float8_e4m3fn, columnwise: bool = False, amax_e
       compute_dtype: ``x`` is cast to it with RNE before quantizing, as TransformerEngine converts the
         master weight to the model's compute dtype first (default bfloat16); None quantizes ``x`` as is.
       check_finite: also return the count of NaN/±inf elements (default False).
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       A :class:`Float8Tensor`; with ``check_finite=True`` ``(tensor, count)``, ``count`` the int32 number
@@ -78,7 +78,7 @@ def quantize_nvfp4(x, *, columnwise: bool = False, compute_dtype=jnp.bfloat16, c
         (default False).
       compute_dtype: as in :func:`quantize_fp8` (default bfloat16; None quantizes ``x`` as is).
       check_finite: also return the count of NaN/±inf elements (default False).
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       An :class:`NVFP4Tensor`; with ``check_finite=True`` ``(tensor, count)``, ``count`` the int32 number
@@ -105,7 +105,7 @@ def nvfp4_columnwise(t: NVFP4Tensor, *, impl: str = "auto") -> NVFP4Tensor:
 
     Args:
       t: an :class:`NVFP4Tensor` (its ``data_t`` / ``scale_inv_t``, if any, are replaced).
-      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.ops``).
+      impl: "auto" (default), "custom_call" or "reference" (``jaxquant.primitives.ops``).
 
     Returns:
       ``t`` with ``data_t`` (uint8 ``[K, M/2]``) and ``scale_inv_t`` (uint8 ``[ru(K,128), ru(M/16,4)]``),
