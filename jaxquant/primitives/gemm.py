@@ -72,7 +72,6 @@ def nvfp4_global_decode(amax):
 # One vocabulary for both layer families: recipe names, and a quantized weight's GEMM operands
 # ----------------------------------------------------------------------------------------------
 
-RECIPE_NAMES = ("bf16", "fp8", "nvfp4")   # "bf16": no quantization (an array weight's GEMMs in its dtype)
 
 
 def weight_kind(w) -> str:
@@ -90,11 +89,11 @@ def _choices(names) -> str:
 
 def resolve_recipe(w, recipe, fits: dict, name: str = "w") -> str:
     """The recipe name for weight ``name`` = ``w`` under the argument ``recipe``: None follows the weight's
-    type (``fits[kind][0]``, :func:`weight_kind`); a name must be one of :data:`RECIPE_NAMES` and one of
+    type (``fits[kind][0]``, :func:`weight_kind`); a name must be one of :data:`formats.RECIPES` and one of
     ``fits[kind]`` (what the calling layer does with that kind of weight). One error style for every
     layer: the argument, the allowed values and what was given."""
-    if recipe is not None and recipe not in RECIPE_NAMES:
-        raise ValueError(f"recipe: must be {_choices(RECIPE_NAMES)}, got {recipe!r}")
+    if recipe is not None and recipe not in formats.RECIPES:
+        raise ValueError(f"recipe: must be {_choices(formats.RECIPES)}, got {recipe!r}")
     kind = weight_kind(w)
     if recipe is None:
         return fits[kind][0]

@@ -50,13 +50,12 @@ from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 from jaxquant.primitives.varying import vary_like
 
 OVERLAPS = ("ring", "off", "fused")
-RECIPES = ("bf16", "fp8", "nvfp4")   # recipe= (or None: follow the weight's type), as jq.dense
 # per weight kind (gemm.weight_kind), the recipes these layers run, the default first: an array weight is
 # not quantized to NVFP4 on the fly here; an NVFP4Tensor also accepts "bf16", its former spelling
 _FITS = {"array": ("bf16", "fp8"), "fp8": ("fp8",), "nvfp4": ("nvfp4",)}
 FWD_DTYPE = gemm.FWD_FP8
 GRAD_DTYPE = gemm.BWD_FP8
-COMPUTE_DTYPE = jnp.bfloat16
+COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 
 
 @jax.tree_util.register_dataclass

@@ -42,8 +42,6 @@ from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.primitives.varying import vary_like
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
 
-RECIPES = ("fp8", "nvfp4")
-
 
 # ----------------------------------------------------------------------------------------------
 # GEMM and operand helpers
@@ -191,7 +189,7 @@ _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
 def _check_recipe(w, recipe) -> tuple[str, bool]:
     """(kind, on_the_fly) from the weight's type and ``recipe`` (gemm.resolve_recipe: one vocabulary with
     jaxquant.tp.sp; "bf16" with an array weight is None's no quantization)."""
-    recipe = resolve_recipe(w, recipe, {"array": ("bf16", "fp8", "nvfp4"), "fp8": ("fp8",), "nvfp4": ("nvfp4",)})
+    recipe = resolve_recipe(w, recipe, {"array": formats.RECIPES, "fp8": ("fp8",), "nvfp4": ("nvfp4",)})
     if isinstance(w, Float8Tensor):
         if w.data.ndim != 2 or jnp.dtype(w.data.dtype) != FWD_FP8:
             raise ValueError(f"w: a Float8Tensor weight must hold float8_e4m3fn data of rank 2, got "
@@ -269,7 +267,7 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     if w.spec.transposed and recipe is not None and recipe != w.spec.recipe:
         raise ValueError(f"recipe: an [in, out] ShardedWeight is read in its own recipe {w.spec.recipe!r}, got "
                          f"{recipe!r} (use None)")
-    if recipe in RECIPES and w.spec.recipe == "bf16":   # bf16 weights quantized on the fly, as for an array
+    if recipe in formats.QUANTIZED_RECIPES and w.spec.recipe == "bf16":   # quantized on the fly, as an array is
         return dense(x, w.gather(), recipe=recipe, out_dtype=out_dtype, amax_axes=amax_axes)
     if recipe is not None and recipe != w.spec.recipe:
         raise ValueError(f"recipe: {recipe!r} does not match the ShardedWeight's recipe {w.spec.recipe!r} "

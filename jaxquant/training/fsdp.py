@@ -45,8 +45,7 @@ from jaxquant.primitives.gemm import FWD_FP8, nvfp4_global_decode
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, straight_through
 from jaxquant.primitives.varying import mark_varying, vary_like
 
-RECIPES = ("bf16", "fp8", "nvfp4")
-COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)
+COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 
 
 class GradReduce(NamedTuple):

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxquant.primitives import formats
+
 
 class Sharded(NamedTuple):
     """What a data-parallel strategy splits over the FSDP axis (one training step runs them all)."""
@@ -22,10 +24,9 @@ class Sharded(NamedTuple):
 STRATEGY_SHARDING = {"no_shard": Sharded(False, False, False), "optim": Sharded(True, False, False),
                      "optim_grads": Sharded(True, True, False), "optim_grads_params": Sharded(True, True, True)}
 STRATEGIES = tuple(STRATEGY_SHARDING)
-COMPUTE_WEIGHTS = ("bf16", "fp8", "nvfp4")
 MASTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)   # dtype of compute weights and of their gradients
+COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,8 +63,8 @@ class MixedPrecisionPolicy:
             if dt not in allowed:
                 raise ValueError(f"{name}: must be one of {[str(a) for a in allowed]}, got {dt}")
             object.__setattr__(self, name, dt)
-        if self.compute_weights not in COMPUTE_WEIGHTS:
-            raise ValueError(f"compute_weights: must be one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
+        if self.compute_weights not in formats.RECIPES:
+            raise ValueError(f"compute_weights: must be one of {formats.RECIPES}, got {self.compute_weights!r}")
 
     @property
     def comm_dtype(self):

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxquant.zero.layout import TP_SPLITS
-from jaxquant.training.policy import COMPUTE_WEIGHTS
+from jaxquant.primitives import formats
 
 
 KERNEL_LAYOUTS = ("out_in", "in_out")
@@ -55,8 +55,8 @@ class ParamRule:
             re.compile(self.pattern)
         except (re.error, TypeError) as e:
             raise ValueError(f"ParamRule.pattern: not a regular expression: {self.pattern!r} ({e})") from None
-        if not isinstance(self.quantize, bool) and self.quantize not in COMPUTE_WEIGHTS:
-            raise ValueError(f"ParamRule({self.pattern!r}).quantize: must be True, False or one of {COMPUTE_WEIGHTS}, "
+        if not isinstance(self.quantize, bool) and self.quantize not in formats.RECIPES:
+            raise ValueError(f"ParamRule({self.pattern!r}).quantize: must be True, False or one of {formats.RECIPES}, "
                              f"got {self.quantize!r}")
         if self.tp is not None and self.tp not in TP_SPLITS:
             raise ValueError(f"ParamRule({self.pattern!r}).tp: must be 'col', 'row' or None, got {self.tp!r}")

@@ -49,7 +49,6 @@ from jaxquant.zero.layout import FlatLayout
 from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 
-RECIPES = ("nvfp4", "fp8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,7 +177,7 @@ def gathered_bytes(layout: FlatLayout, recipe: str = "nvfp4") -> int:
         return layout.num_shards * nvfp4_chunks(layout).size
     if recipe == "fp8":
         return layout.total_size
-    raise ValueError(f"recipe: must be one of {RECIPES}, got {recipe!r}")
+    raise ValueError(f"recipe: must be one of {formats.QUANTIZED_RECIPES}, got {recipe!r}")
 
 
 @functools.lru_cache(maxsize=128)
@@ -204,8 +203,8 @@ def _bits_f32(x):
 def _check_options(layout, recipe, compute_dtype, columnwise):
     if not isinstance(layout, FlatLayout):
         raise TypeError(f"layout: must be a jaxquant.FlatLayout, got {type(layout).__name__}")
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe: must be one of {RECIPES}, got {recipe!r}")
+    if recipe not in formats.QUANTIZED_RECIPES:
+        raise ValueError(f"recipe: must be one of {formats.QUANTIZED_RECIPES}, got {recipe!r}")
     if compute_dtype is not None and jnp.dtype(compute_dtype) not in ops.INPUT_DTYPES:
         raise TypeError(f"compute_dtype: must be None, float32 or bfloat16, got {compute_dtype}")
     for p, (shape, local) in enumerate(zip(layout.shapes, layout.local_shapes)):
