@@ -10,26 +10,49 @@ primitives in ``jaxquant.primitives.ops`` and their pure-JAX references in ``jax
 Checkpoints: ``jaxquant.checkpoint``.
 """
 
-from jaxquant.primitives import formats, ops, reference
-from jaxquant.training.dense import dense, straight_through
-from jaxquant.zero.distributed import (
-    NonFiniteReport,
-    gathered_bytes,
-    master_sharding,
-    post_all_gather_processing,
-    quantize_master_weights,
-    quantize_master_weights_local,
-)
-from jaxquant.training.fsdp import ShardedWeight
-from jaxquant.zero.group_split import GatheredWeights
-from jaxquant.zero.layout import FlatLayout
-from jaxquant.training.train import MixedPrecisionPolicy, TrainState, make_train_step, raise_if_nonfinite
-from jaxquant.training.rules import ParamRule
-from jaxquant.training.flax_adapter import (FlaxKernelError, flax_intercept, flax_loss, flax_merge, flax_params,
-                                            flax_rules)
-from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise, quantize_fp8, quantize_nvfp4
-from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
-from jaxquant.tp.sp import sp_column_dense, sp_dense_reduce_scatter, sp_layernorm_dense, sp_mlp, sp_row_dense
+import importlib
+
+# Public name -> the module that defines it. Loaded on first use (PEP 562), so that ``import jaxquant`` (which
+# ``python -m jaxquant`` and the ``jaxquant`` script run before the command) does not import jax: the command's
+# signal handlers are in place before the ~1 s import, and a Ctrl-C in it is one line, not a traceback.
+_EXPORTS = {
+    "formats": "jaxquant.primitives.formats", "ops": "jaxquant.primitives.ops",
+    "reference": "jaxquant.primitives.reference",
+    "quantize_fp8": "jaxquant.primitives.quantize", "quantize_nvfp4": "jaxquant.primitives.quantize",
+    "fp8_columnwise": "jaxquant.primitives.quantize", "nvfp4_columnwise": "jaxquant.primitives.quantize",
+    "Float8Tensor": "jaxquant.primitives.tensors", "NVFP4Tensor": "jaxquant.primitives.tensors",
+    "FlatLayout": "jaxquant.zero.layout", "GatheredWeights": "jaxquant.zero.group_split",
+    "NonFiniteReport": "jaxquant.zero.distributed", "gathered_bytes": "jaxquant.zero.distributed",
+    "master_sharding": "jaxquant.zero.distributed", "post_all_gather_processing": "jaxquant.zero.distributed",
+    "quantize_master_weights": "jaxquant.zero.distributed",
+    "quantize_master_weights_local": "jaxquant.zero.distributed",
+    "dense": "jaxquant.training.dense", "straight_through": "jaxquant.training.dense",
+    "ShardedWeight": "jaxquant.training.fsdp",
+    "MixedPrecisionPolicy": "jaxquant.training.train", "TrainState": "jaxquant.training.train",
+    "make_train_step": "jaxquant.training.train", "raise_if_nonfinite": "jaxquant.training.train",
+    "ParamRule": "jaxquant.training.rules",
+    "FlaxKernelError": "jaxquant.training.flax_adapter", "flax_intercept": "jaxquant.training.flax_adapter",
+    "flax_loss": "jaxquant.training.flax_adapter", "flax_merge": "jaxquant.training.flax_adapter",
+    "flax_params": "jaxquant.training.flax_adapter", "flax_rules": "jaxquant.training.flax_adapter",
+    "sp_column_dense": "jaxquant.tp.sp", "sp_dense_reduce_scatter": "jaxquant.tp.sp",
+    "sp_layernorm_dense": "jaxquant.tp.sp", "sp_mlp": "jaxquant.tp.sp", "sp_row_dense": "jaxquant.tp.sp",
+}
+_MODULES = ("formats", "ops", "reference")  # exported as modules (jq.ops.fp8_quantize, ...)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxquant' has no attribute {name!r}")
+    loaded = importlib.import_module(module)
+    value = loaded if name in _MODULES else getattr(loaded, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __version__ = "0.1.0"
 

@@ -23,8 +23,7 @@ def mark_varying(x, axes):
     missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
     if not missing:
         return x
-    pcast = getattr(jax.lax, "pcast", None)  # (older JAX: pvary)
-    return pcast(x, missing, to="varying") if pcast is not None else jax.lax.pvary(x, missing)
+    return jax.lax.pcast(x, missing, to="varying")
 
 
 def vary_like(x, *like):
