@@ -45,10 +45,13 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
 # "-keep": make_train_step(reshard_after_forward=False), each layer's gathered weight kept for its backward
+# "-peruse": make_train_step(quantize_once=False), each layer quantized where it is read (with its own scalar
+# amax all-reduce) instead of once a step before the first microbatch
 # "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
 EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
                  "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
-    tuple(f"jq-{r}-keep{form}" for r in ("bf16", "fp8", "nvfp4") for form in ("-loop", ""))
+    tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "peruse") for r in ("bf16", "fp8", "nvfp4")
+          for form in ("-loop", ""))
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
 
@@ -249,7 +252,7 @@ def _tp_loss(a, scan, sp, overlap="off"):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off"):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=True):
     import jax
     import optax
 
@@ -262,11 +265,12 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off"):
     if a.tp > 1:
         specs = jax.tree_util.tree_map_with_path(lambda k, _: _tp_split(k), shapes_)
         step = jq.make_train_step(_tp_loss(a, scan, sp, overlap), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
-                                  policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep)
+                                  policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep,
+                                  quantize_once=quantize_once)
     else:
         loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
         step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy,
-                                  reshard_after_forward=not keep)
+                                  reshard_after_forward=not keep, quantize_once=quantize_once)
     return jq_runner(step, lambda: init_params(a, stacked=scan))
 
 
@@ -302,7 +306,8 @@ def run_one(a, config):
         fn, state = _make_plain(a, mesh, scan)
     else:
         fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
-                             overlap="fused" if "-spfused" in config else "off")
+                             overlap="fused" if "-spfused" in config else "off",
+                             quantize_once="-peruse" not in config)
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}

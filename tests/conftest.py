@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jaxquant  # noqa: E402
+import jaxquant.primitives.ops  # noqa: E402
 
 # The quantizers under test, jitted (one compile per configuration instead of op-by-op dispatch).
 # Options are always passed explicitly (compute_dtype None unless a test says otherwise), so the tests

@@ -25,6 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxquant  # noqa: E402
+import jaxquant.primitives.ops  # noqa: E402
+import jaxquant.zero.distributed  # noqa: E402
 from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.checkpoint.metadata import read_metadata  # noqa: E402
 from jaxquant.checkpoint.tree import components  # noqa: E402

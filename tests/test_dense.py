@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxquant as jq
+import jaxquant.tp.sp
 
 B, K, N = 24, 64, 48      # distinct sizes, so the weight's [N, K] / [K, N] shapes are recognisable
 

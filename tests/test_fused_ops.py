@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+import jaxquant.primitives._ffi
 from jaxquant.primitives import ops
 from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_edge_inputs,
                       nvfp4_edge_inputs, random_tiled)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import jaxquant
+import jaxquant.primitives._ffi
+import jaxquant.primitives.ops
 from jaxquant.primitives import formats, ops
 from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_cast_j, fp8_edge_inputs,
                       nvfp4_edge_inputs, q_fp8, q_nvfp4, random_tiled, requires_gpu)

@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 import jaxquant
+import jaxquant.primitives.formats
+import jaxquant.primitives.ops
+import jaxquant.primitives.reference
 from conftest import (E2M1_TIES, assert_bytes_equal, assert_bytes_equal_nan_aware, fp8_cast_j, fp8_edge_inputs,
                       nvfp4_edge_inputs, q_fp8, q_nvfp4, random_tiled)
 

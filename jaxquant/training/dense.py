@@ -142,21 +142,22 @@ def _dense2d_bwd(cfg: _Config, res, g):
 _dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _dense_sharded(x2, shard, grad, gathered, cfg: _Config, spec: fsdp.WeightSpec):
-    return _dense_sharded_fwd(x2, shard, grad, gathered, cfg, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _dense_sharded(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
+    return _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg, spec)[0]
 
 
-def _dense_sharded_fwd(x2, shard, grad, gathered, cfg: _Config, spec: fsdp.WeightSpec):
+def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
     """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation and this rank's
     quantized rows (FSDP2's reshard after forward: the backward gathers again, with no second cast), or with
     ``spec.keep_gathered`` the gathered operands (no second gather). ``gathered``: the step's once-a-step
-    gather (``spec.per_use`` False), read forward and backward."""
+    gather (``spec.per_use`` False), read forward and backward; ``local``: this rank's rows quantized once a step
+    (``fsdp.quantize_once``), gathered here without a cast or an amax reduction."""
     if gathered is not None:
         y, act = _forward(x2, gathered, cfg)
         return y.astype(cfg.out_dtype), (act, gathered)
-    stats = None if spec.recipe == "bf16" else fsdp.statistics(shard, spec)
-    local = fsdp.quantize_shard(shard, spec, stats)
+    if local is None:
+        local = fsdp.quantize_shard(shard, spec, None if spec.recipe == "bf16" else fsdp.statistics(shard, spec))
     # FP8 GEMMs read K-major (TN) operands: a transposed weight's forward reads its columnwise bytes
     gathered = fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8" and spec.transposed)
     y, act = _forward(x2, gathered, cfg)
@@ -175,7 +176,7 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     dx, dw = _backward(act, wops, g, cfg)
     # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
-    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None
+    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
 
 
 _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
@@ -279,5 +280,5 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
     cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
     x2 = x.reshape(-1, n_in)
-    y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, cfg, w.spec)
+    y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
     return y.reshape(*x.shape[:-1], n_out)

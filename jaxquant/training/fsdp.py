@@ -131,12 +131,14 @@ class ShardedWeight:
     ``shard``: the rows split over ``num_shards``, padding rows included) and its gradient sink ``grad`` (zeros
     in ``spec.grad_dtype``: the shard's shape, or every row where the gradient is reduced once a step;
     differentiate with respect to it). ``shape`` is the logical (gathered, unpadded) shape, ``dtype`` the
-    compute dtype the layer sees; ``gathered``: the step's once-a-step gathered operands, or None."""
+    compute dtype the layer sees; ``gathered``: the step's once-a-step gathered operands, or None; ``local``:
+    this rank's rows already quantized once a step (:func:`quantize_once`), which the layer only gathers."""
 
     shard: jax.Array
     grad: jax.Array
     spec: WeightSpec = dataclasses.field(metadata=dict(static=True))
     gathered: Optional[dict] = None   # the step's once-a-step gathered operands (``spec.per_use`` False)
+    local: Optional[dict] = None      # the step's once-a-step quantized rows (:func:`quantize_shard`'s dict)
 
     @property
     def shape(self) -> tuple:
@@ -161,7 +163,9 @@ class ShardedWeight:
                              f"gather() gives [out, in] weights")
         if self.spec.recipe == "bf16":
             return gather_array(self.shard, self.grad, self.spec, None if self.gathered is None else self.gathered["w"])
-        operands = self.gathered if self.gathered is not None else gather_once(self.shard, self.spec)
+        operands = (self.gathered if self.gathered is not None else
+                    gathered_operands(self.local, self.spec, False) if self.local is not None else
+                    gather_once(self.shard, self.spec))
         q = jax.lax.stop_gradient(tensor_of(with_columnwise(operands, self.spec)))
         return straight_through(q, _grad_funnel(self.grad, self.spec, q.shape))
 
@@ -188,16 +192,53 @@ def _all_gather(a, spec: WeightSpec):
     return mark_varying(a, spec.vary_axes)
 
 
+def local_statistics(shard, spec: WeightSpec):
+    """(amax of this rank's rows, NVFP4 tile amaxes of the shard or None)."""
+    if spec.recipe == "fp8":
+        return ops.fp8_stats(shard, compute_dtype=COMPUTE_DTYPE)[0], None
+    tiles, amax, _ = ops.nvfp4_stats(shard, compute_dtype=COMPUTE_DTYPE)
+    return amax, tiles
+
+
+def _max_over(amax, axes):
+    # varying again after the reduction: ops' custom-call and reference branches must agree on it
+    return mark_varying(jax.lax.pmax(amax, axes), axes) if axes else amax
+
+
 def statistics(shard, spec: WeightSpec):
     """(amax of the whole weight, NVFP4 tile amaxes of the shard or None): one scalar ``pmax``."""
-    if spec.recipe == "fp8":
-        amax, tiles = ops.fp8_stats(shard, compute_dtype=COMPUTE_DTYPE)[0], None
-    else:
-        tiles, amax, _ = ops.nvfp4_stats(shard, compute_dtype=COMPUTE_DTYPE)
-    if spec.amax_axes:
-        # varying again after the reduction: ops' custom-call and reference branches must agree on it
-        amax = mark_varying(jax.lax.pmax(amax, spec.amax_axes), spec.amax_axes)
-    return amax, tiles
+    amax, tiles = local_statistics(shard, spec)
+    return _max_over(amax, spec.amax_axes), tiles
+
+
+def _per_layer(fn, ndim: int):
+    """``fn`` of one layer's rows, mapped over the leading (stack) axes of an array of ``ndim``."""
+    for _ in range(ndim - 2):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def quantize_once(shards: list, specs: list) -> list:
+    """Every weight's rows quantized (:func:`quantize_shard`, each layer of a stack with its own scales), the amaxes
+    of all of them max-reduced in one packed ``pmax`` per set of amax axes (not one scalar all-reduce a layer): what
+    the step does once, before the first microbatch, so that a layer only gathers (``ShardedWeight.local``).
+    The bytes equal :func:`statistics` + :func:`quantize_shard` per layer (a max is a max, however grouped)."""
+    stats = [None if spec.recipe == "bf16" else _per_layer(lambda s, sp=spec: local_statistics(s, sp), s.ndim)(s)
+             for s, spec in zip(shards, specs)]
+    groups = {}
+    for i, (st, spec) in enumerate(zip(stats, specs)):
+        if st is not None and spec.amax_axes:
+            groups.setdefault(tuple(spec.amax_axes), []).append(i)
+    for axes, members in groups.items():
+        packed = _max_over(jnp.concatenate([stats[i][0].reshape(-1).astype(jnp.float32) for i in members]), axes)
+        at = 0
+        for i in members:
+            amax, tiles = stats[i]
+            stats[i] = (packed[at: at + amax.size].reshape(amax.shape).astype(amax.dtype), tiles)
+            at += amax.size
+    return [_per_layer(lambda s, st, sp=spec: quantize_shard(s, sp, st), s.ndim)(s, st)
+            if st is not None else _per_layer(lambda s, sp=spec: quantize_shard(s, sp, None), s.ndim)(s)
+            for s, st, spec in zip(shards, stats, specs)]
 
 
 def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
@@ -251,9 +292,7 @@ def gather_once(shard, spec: WeightSpec, columnwise: bool = False) -> dict:
     of a stack ``[..., rows, in]`` (each layer with its own scales, all gathered in one collective)."""
     fn = lambda s: gathered_operands(quantize_shard(s, spec, None if spec.recipe == "bf16" else statistics(s, spec)),
                                      spec, columnwise)
-    for _ in range(shard.ndim - 2):
-        fn = jax.vmap(fn)
-    return fn(shard)
+    return _per_layer(fn, shard.ndim)(shard)
 
 
 def tensor_of(operands: dict):

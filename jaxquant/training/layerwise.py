@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant.primitives import formats
 from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
-                           pad_row_blocks, unpad_row_blocks)
+                           pad_row_blocks, quantize_once, unpad_row_blocks)
 from jaxquant.primitives.formats import to_compute_dtype
 from jaxquant.primitives.varying import mark_varying
 from jaxquant.zero.layout import TP_SPLITS
@@ -204,7 +204,7 @@ class LayerwiseTrainStep:
     def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
                  param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None,
                  reshard_after_forward=True, strategy="optim_grads_params", rules=None, has_aux=False,
-                 weighted_loss=False):
+                 weighted_loss=False, quantize_once=True):
         self.strategy, self.rules = strategy, rules
         self.has_aux, self.weighted_loss = has_aux, weighted_loss
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
@@ -216,6 +216,7 @@ class LayerwiseTrainStep:
         self.replicas = 1 if replicate_axis is None else int(mesh.shape[replicate_axis])
         self.compiler_options = compiler_options
         self.reshard_after_forward = reshard_after_forward
+        self.quantize_once = quantize_once
         self._steps = {}
 
     # -- shardings ---------------------------------------------------------------------------
@@ -252,6 +253,11 @@ class LayerwiseTrainStep:
                     (gather_once(m, r.weight, columnwise=r.recipe == "fp8") if r.quantized else
                      gathered_array(m, r.weight))
                     for m, r in zip(masters, plan.rules)]
+        # ZeRO-3 with quantize_once: every layer's rows quantized once, one packed amax reduction; layers gather
+        once = [i for i, r in enumerate(plan.rules) if r.quantized and r.weight.per_use and self.quantize_once]
+        local = [None] * len(masters)
+        for i, q in zip(once, quantize_once([masters[i] for i in once], [plan.rules[i].weight for i in once])):
+            local[i] = q
         sinks = [mark_varying(jnp.zeros(self._sink_shape(m.shape, r), r.weight.grad_dtype),
                                _spec_axes(r.spec) + self._unreduced_axes(r))
                  for m, r in zip(masters, plan.rules)]
@@ -261,8 +267,8 @@ class LayerwiseTrainStep:
 
         def loss_of(sinks, mb):
             mb, key = mb
-            leaves = [ShardedWeight(m, s, r.weight, g) if r.quantized else gather_array(m, s, r.weight, g)
-                      for m, s, r, g in zip(masters, sinks, plan.rules, gathered)]
+            leaves = [ShardedWeight(m, s, r.weight, g, q) if r.quantized else gather_array(m, s, r.weight, g)
+                      for m, s, r, g, q in zip(masters, sinks, plan.rules, gathered, local)]
             kw = kwargs if key is None else kwargs | {"rng": key[0]}
             out = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb, **kw)
             stats = self._loss_stats(out)
