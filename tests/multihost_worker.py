@@ -1,13 +1,16 @@
-"""One process of tests/test_layerwise_multihost.py: ``python multihost_worker.py PROCESS_ID PORT OUT.npz``.
-Joins a 2-process JAX cluster on 127.0.0.1 (4 CPU devices each, gloo collectives), trains the stacked test
-model of test_layerwise.py for 3 steps on the 8-device mesh and saves the losses and the full params, and
+"""One process of tests/test_layerwise_multihost.py:
+``python multihost_worker.py PROCESS_ID PORT OUT.npz RECIPE [DEVICES_PER_PROCESS]``.
+Joins a 2-process JAX cluster on 127.0.0.1 (DEVICES_PER_PROCESS CPU devices each, default 4; 1 is how cluster
+launchers start one process per GPU; gloo collectives), trains the stacked test model of test_layerwise.py for
+3 steps on the mesh of every process's devices and saves the losses and the full params, and
 the training state as one DCP checkpoint (``ckpt`` beside ``out``, every process writing its own shards)."""
 
 import os
 import sys
 
 process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+per_process = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={per_process}"
 
 import jax  # noqa: E402
 
@@ -22,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxquant as jq  # noqa: E402
 import test_layerwise as model  # noqa: E402
 
-assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+assert jax.process_count() == 2 and len(jax.devices()) == 2 * per_process
+assert len(jax.local_devices()) == per_process
 mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 step = jq.make_train_step(model.loss_scan, optax.sgd(model.LR), mesh=mesh, quantize_mask=model.MASK,
                           policy=jq.MixedPrecisionPolicy(compute_weights=sys.argv[4]))

@@ -1,5 +1,6 @@
 """Multi-host layer-wise FSDP: 2 JAX processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo CPU
-collectives) train the stacked model of test_layerwise.py to the same parameters as 1 process x 8 devices;
+collectives) train the stacked model of test_layerwise.py to the same parameters as 1 process x 8 devices, and
+2 processes x 1 device (one process per GPU, as cluster launchers start them) as 1 process x 2 devices;
 each process feeds host arrays and reads back replicated params (no non-addressable array on the host); the
 training state they save together (each process its own shards) loads on 1 process x 8 devices, and PyTorch
 (``torch.distributed.checkpoint.load``, one process, plain tensors) reads the same bits from it."""
@@ -37,14 +38,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("cw", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("cw,per_process", [("fp8", 4), ("nvfp4", 4), ("fp8", 1)])
 @pytest.mark.slow
-def test_two_processes_equal_one(tmp_path, cw):
+def test_two_processes_equal_one(tmp_path, cw, per_process):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = common.REPO + os.pathsep + env.get("PYTHONPATH", "")   # this checkout's jaxquant
-    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path / f"p{i}.npz"), cw],
+    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path / f"p{i}.npz"), cw,
+                               str(per_process)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -54,14 +56,15 @@ def test_two_processes_equal_one(tmp_path, cw):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     got = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
-    ref_params, ref_losses, _, _ = train(loss_scan, init_params(), cw=cw)
+    ref_params, ref_losses, _, _ = train(loss_scan, init_params(), devices=2 * per_process, cw=cw)
     flat_ref = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(ref_params)[0]}
     for g in got:
         np.testing.assert_allclose(g["losses"], ref_losses, rtol=1e-6)
         params = {k: g[k] for k in flat_ref}
         assert_close_to(params, flat_ref, {k: np.asarray(v) for k, v in zip(flat_ref, jax.tree.leaves(init_params()))},
                         1e-3)
-    # the checkpoint the two processes wrote together loads on this single process's 8 devices
+    # the checkpoint the two processes wrote together loads on this single process's 8 devices (resharded from
+    # 2 x 1 devices)
     from jaxquant import checkpoint as ck
     step = _step(cw)
     like = step.init(init_params())

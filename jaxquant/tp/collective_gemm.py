@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxquant.primitives.varying import varying_axes, varying_like
@@ -158,6 +159,26 @@ def device_problem(device) -> str | None:
     cc = str(getattr(device, "compute_capability", ""))   # unknown: let the kernel compile speak
     if cc and not cc.startswith("9."):
         return f"Hopper GPUs (compute capability 9.x), not {device.device_kind} (compute capability {cc})"
+    return None
+
+
+def process_problem(mesh, axis: str) -> str | None:
+    """Why the kernels cannot run between the ranks of mesh axis ``axis``, or None: they store into the
+    neighbour's memory, which a kernel reaches only on devices of its own process (a launcher that starts one
+    process per GPU puts every TP rank in another process). ``mesh`` None (a layer inside the caller's shard_map):
+    one process, or not known."""
+    if mesh is None:
+        if jax.process_count() == 1:
+            return None
+        return (f"every rank of the TP axis {axis!r} in one process, which a layer given no mesh cannot check in a "
+                f"run of {jax.process_count()} processes (give the layer its mesh)")
+    names = tuple(mesh.axis_names)
+    groups = np.moveaxis(np.asarray(mesh.devices), names.index(axis), -1).reshape(-1, mesh.shape[axis])
+    for group in groups:
+        processes = sorted({d.process_index for d in group})
+        if len(processes) > 1:
+            return (f"every rank of the TP axis {axis!r} in one process (its ranks lie in processes {processes}, "
+                    f"e.g. one process per GPU)")
     return None
 
 
