@@ -88,7 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--pipelined", action="store_true", help="the mean of --steps steps dispatched back to back "
                    "and waited for once (a training loop that does not read each loss), not the median of steps "
                    "each waited for")
-    p.add_argument("--remat", action="store_true", help="jax.checkpoint around each block")
+    p.add_argument("--remat", nargs="?", const="nothing_saved", default=None,
+                   choices=("nothing_saved", "gemm_outputs", "quantized_activations"),
+                   help="jax.checkpoint around each block with this jq.remat_policy (bare: nothing_saved); the plain "
+                        "step keeps its dots' outputs for gemm_outputs and nothing otherwise")
     p.add_argument("--grad-comm", default="bfloat16", choices=("bfloat16", "float32"),
                    help="jaxquant's grad_comm_dtype (the plain step reduce-scatters bf16 gradients)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke test)")
@@ -160,12 +163,17 @@ def block(a, h, p, matmul, row=None, tp=1):
     return h + row(jax.nn.silu(gate) * up, p["w_down"])
 
 
-def forward(a, params, x, matmul, scan: bool, row=None, tp=1):
+def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False):
     import jax
+
+    import jaxquant as jq
 
     body = lambda h, p: (block(a, h, p, matmul, row, tp), None)
     if a.remat:
-        body = jax.checkpoint(body)
+        policies = jax.checkpoint_policies
+        policy = (({"gemm_outputs": policies.dots_with_no_batch_dims_saveable}).get(a.remat, policies.nothing_saveable)
+                  if plain else jq.remat_policy(a.remat))
+        body = jax.checkpoint(body, policy=policy)
     if scan:
         return jax.lax.scan(body, x, params["blocks"])[0]
     for p in params["blocks"]:
@@ -216,7 +224,8 @@ def _make_plain(a, mesh, scan):
 
     def step(state, batch):
         params, opt_state = state
-        loss, grads = jax.value_and_grad(lambda p: mse(forward(a, p, batch["x"], matmul, scan), batch["y"]))(params)
+        loss_of = lambda p: mse(forward(a, p, batch["x"], matmul, scan, plain=True), batch["y"])
+        loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -601,7 +610,7 @@ def print_table(results, a):
     if not ok:
         return
     print(f"\n{ok[0]['device']} x {ok[0]['devices']} (tp {a.tp}), {a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, "
-          f"seq {a.seq} x {a.batch} per device{', remat' if a.remat else ''}")
+          f"seq {a.seq} x {a.batch} per device{f', remat {a.remat}' if a.remat else ''}")
     print("| flags | config | step ms | tokens/s | x plain | TFLOP/s/GPU | peak GiB | compile s | exposed coll. ms |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in ok:

@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from jaxquant.primitives import formats, ops
@@ -40,6 +41,7 @@ from jaxquant.primitives.gemm import (BWD_FP8, FWD_FP8, NN, TN, nvfp4_global_dec
                            quantize_current, resolve_recipe, scaled_gemm, weight_operands)
 from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.primitives.varying import vary_like
+from jaxquant.training.remat import GEMM_OUTPUT, QUANTIZED_ACTIVATION
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
 
 
@@ -88,6 +90,11 @@ def _forward(x2, wops, cfg: _Config):
     return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims), (xb,)
 
 
+def _named_act(act):
+    """The activation residuals, named for the remat policies (jaxquant.training.remat)."""
+    return jax.tree.map(lambda a: checkpoint_name(a, QUANTIZED_ACTIVATION), act)
+
+
 BACKWARD_OPERANDS = {"array": ("w",), "fp8": ("data_t", "scale_inv"), "nvfp4": ("data_t", "scale_inv_t", "dec")}
 
 
@@ -129,7 +136,7 @@ def _dense2d(x2, w, target, cfg: _Config):
 def _dense2d_fwd(x2, w, target, cfg: _Config):
     wops = _weight_operands(w, cfg)
     y, act = _forward(x2, wops, cfg)
-    return y.astype(cfg.out_dtype), (act, backward_operands(wops, cfg.kind))   # packed bytes, not a bf16 copy
+    return y.astype(cfg.out_dtype), (_named_act(act), backward_operands(wops, cfg.kind))  # packed bytes
 
 
 def _dense2d_bwd(cfg: _Config, res, g):
@@ -155,13 +162,13 @@ def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsd
     (``fsdp.quantize_once``), gathered here without a cast or an amax reduction."""
     if gathered is not None:
         y, act = _forward(x2, gathered, cfg)
-        return y.astype(cfg.out_dtype), (act, gathered)
+        return y.astype(cfg.out_dtype), (_named_act(act), gathered)
     if local is None:
         local = fsdp.quantize_shard(shard, spec, None if spec.recipe == "bf16" else fsdp.statistics(shard, spec))
     # FP8 GEMMs read K-major (TN) operands: a transposed weight's forward reads its columnwise bytes
     gathered = fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8" and spec.transposed)
     y, act = _forward(x2, gathered, cfg)
-    return y.astype(cfg.out_dtype), (act, gathered if spec.keep_gathered else local)
+    return y.astype(cfg.out_dtype), (_named_act(act), gathered if spec.keep_gathered else local)
 
 
 def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
@@ -244,7 +251,7 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
     if target is not None:   # dW varies over every axis x does: a target replicated over one sums over it
         target = vary_like(target, x2)
     y = _dense2d(x2, w, target, cfg)
-    return y.reshape(*lead, n_out)
+    return checkpoint_name(y.reshape(*lead, n_out), GEMM_OUTPUT)
 
 
 def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
@@ -281,4 +288,4 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
     x2 = x.reshape(-1, n_in)
     y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
-    return y.reshape(*x.shape[:-1], n_out)
+    return checkpoint_name(y.reshape(*x.shape[:-1], n_out), GEMM_OUTPUT)
