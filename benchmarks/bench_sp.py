@@ -1,17 +1,17 @@
 """Step time of jq.sp_mlp (layernorm -> column-parallel -> gelu -> row-parallel, forward and backward)
 per overlap mode, for bf16 and FP8 weights, on all GPUs of one host as the TP axis.
 
-Modes: "ring" (the layers' ppermute ring), "off" (the layers' one all-gather /
-reduce-scatter, which XLA runs asynchronously and places under independent GEMMs), "fused" (bf16 and
-FP8: the collective GEMM kernels of jaxquant/tp/collective_gemm.py) and "sync" (the
-"off" program with every collective synchronous, --xla_gpu_disable_async_collectives: nothing
-overlaps, the no-overlap baseline). Each mode runs in its own process (a failing mode is reported and
-the others still run); --extra-flags adds XLA_FLAGS to every mode. Prints per size the step times (median
-of single calls, or with --pipelined the mean of calls dispatched back to back),
-each mode / off, the ring's transfers with a GEMM scheduled under them and the dtypes its collectives
-move; with --profile also the collective-kernel time of each mode and what each overlapped mode saves
-against the no-overlap baseline (target: sync - mode >= 0.7 x sync's collective time; "ring" and
-"fused" never > 1.03 x off).
+Modes: "off" (the layers' one all-gather / reduce-scatter, which XLA runs asynchronously and places
+under independent GEMMs), "fused" (bf16 and FP8: the collective GEMM kernels of
+jaxquant/tp/collective_gemm.py) and "sync" (the "off" program with every collective synchronous,
+--xla_gpu_disable_async_collectives: nothing overlaps, the no-overlap baseline). The layers' former
+"ring" mode is gone (slower than "off" in every measurement, docs/performance.md). Each mode runs in
+its own process (a failing mode is reported and the others still run); --extra-flags adds XLA_FLAGS to
+every mode. Prints per size the step times (median of single calls, or with --pipelined the mean of
+calls dispatched back to back), each mode / off, off's asynchronous transfers with a GEMM scheduled
+under them and the dtypes its collectives move; with --profile also the collective-kernel time of each
+mode and what each overlapped mode saves against the no-overlap baseline (target: sync - mode >= 0.7 x
+sync's collective time; "fused" never > 1.03 x off).
 
     python3 benchmarks/bench_sp.py                                   # 2+ GPUs (tp = all GPUs)
     python3 benchmarks/bench_sp.py --profile /tmp/sp_prof            # + a trace per mode
@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("sync", "ring", "off", "fused")
+MODES = ("sync", "off", "fused")
 # "sync": the "off" layers with bench_e2e.SYNC_FLAGS (no overlap at all), the baseline of the 70% rule
 LAYER_OVERLAP = {"sync": "off"}   # the layers' overlap= per benchmark mode (default: the mode itself)
 DEFAULT_SIZES = "8192x4096x4096,8192x4096x16384,8192x8192x8192,8192x8192x32768"
@@ -364,10 +364,9 @@ def main(argv=None):
             off = cells.get("off")
             line += "".join(f"  {cells[m]['step_ms'] / off['step_ms']:12.3f}" if cells[m] and off else f"  {'-':>12}"
                             for m in vs_off)
-            ring = cells.get("ring")
-            if ring:   # from the compiled schedule: async transfers with a GEMM between start and done
-                line += (f"  ring transfers under a GEMM: {ring['under_a_gemm']}/{ring['async_transfers']}"
-                         f", collective dtypes {ring['collective_dtypes']}")
+            if off:   # from the compiled schedule: async transfers with a GEMM between start and done
+                line += (f"  off transfers under a GEMM: {off['under_a_gemm']}/{off['async_transfers']}"
+                         f", collective dtypes {off['collective_dtypes']}")
             print(line)
             having = lambda key: {m: c for m, c in cells.items() if (c or {}).get(key)}   # modes that report key
             if having("clocks"):
@@ -388,7 +387,7 @@ def main(argv=None):
 
 def overlap_target(cells):
     """The issue's rule from the profiles: an overlapped mode ("off": XLA's asynchronous collectives,
-    "ring", "fused") must save at least 70% of the time the no-overlap baseline spends in collective
+    "fused") must save at least 70% of the time the no-overlap baseline spends in collective
     kernels (base - mode >= 0.7 x base's collective ms; base: "sync" where measured, else "off"), and
     a mode other than "off" is never > 3% slower than off."""
     base_mode = "sync" if cells.get("sync") and cells["sync"].get("trace") else "off"

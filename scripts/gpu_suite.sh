@@ -153,7 +153,7 @@ if [ "${CGEMM:-0}" = 1 ]; then
       --json "$OUT/collective_gemm.json" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -40; echo '```'; } \
     | tee -a "$report"
 fi
-# SP=1: benchmarks/bench_sp.py (TP/SP overlap modes sync / ring / off / fused on all GPUs as the tp axis), once per
+# SP=1: benchmarks/bench_sp.py (TP/SP overlap modes sync / off / fused on all GPUs as the tp axis), once per
 # XLA flag set in SP_FLAG_SETS ("default" = none; any other entry is added to XLA_FLAGS as written, ";"-separated).
 if [ "${SP:-0}" = 1 ]; then
   IFS=';' read -ra sp_sets <<< "${SP_FLAG_SETS:-default}"

@@ -59,10 +59,10 @@ def test_overlap_rule_measures_against_the_synchronous_step():
     trace = lambda coll: {"collective_ms": coll, "exposed_collective_ms": coll}
     sync = {"step_ms": 10.0, "trace": trace(2.0)}
     cells = {"sync": sync, "off": {"step_ms": 8.5, "trace": trace(1.0)},      # saves 1.5 = 75%: meets
-             "ring": {"step_ms": 8.9, "trace": trace(0.5)}}                   # saves 55%, and > 1.03 x off
+             "fused": {"step_ms": 8.9, "trace": trace(0.5)}}                  # saves 55%, and > 1.03 x off
     text = _bench_sp().overlap_target(cells)
     assert "off: saves 1.500 ms = 75% of sync's collectives (meets" in text
-    assert "ring: saves 1.100 ms = 55% of sync's collectives (MISSES" in text
+    assert "fused: saves 1.100 ms = 55% of sync's collectives (MISSES" in text
     # bench_e2e: per config, the default-flag step against its "sync" run; a "-spfused" step also against
     # the sync run of its "-sp" form (the same step with the tp collectives left to XLA)
     rows = [{"config": "jq", "flags": "sync", "step_ms": 50.0, "trace": trace(10.0)},

@@ -1,7 +1,8 @@
-"""jaxquant.tp.sp on the GPUs of one host (tp = every GPU): each layer against the single-GPU computation
-of the same quantized math, in every overlap mode and for every weight type ([out, in] bf16 array,
+"""jaxquant.tp.sp on the GPUs of one host (tp = every GPU): each layer (overlap="off") against the
+single-GPU computation of the same quantized math for every weight type ([out, in] bf16 array,
 Float8Tensor, float weight quantized inside under "fp8", NVFP4Tensor; quantized weights' gradients on
-straight-through masters). Skipped unless the default backend is a GPU with
+straight-through masters); overlap="fused"'s kernels against their plain-JAX schedule, and sp_mlp with
+"fused" against "off". Skipped unless the default backend is a GPU with
 at least 2 devices (tests/test_sp.py covers tp in {2, 4, 8} on simulated CPU devices)."""
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs 2 or more GPUs")]
 
 
-@pytest.mark.parametrize("overlap", ("ring", "off"))   # "fused": test_fused_*
 @pytest.mark.parametrize("recipe,kind", CASES + [("fp8", "float"), ("bf16", "nvfp4")])
-def test_layers_on_gpus_match_single_gpu(overlap, recipe, kind):
+def test_layers_on_gpus_match_single_gpu(recipe, kind):
+    """overlap="off" (NCCL + cuBLAS) against one GPU; "fused": test_fused_*."""
     tp = len(jax.devices())
     col_args, row_args = _layer_args(tp, recipe, kind)
-    results = _runner(tp, overlap, recipe, devices="gpu")(col_args, row_args)
+    results = _runner(tp, "off", recipe, devices="gpu")(col_args, row_args)
     # cuBLAS picks other kernels (and FP8 accumulation) for the sharded shapes: compare closely,
     # not bitwise; a misplaced chunk or a wrong scale is off by far more than this
     check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)

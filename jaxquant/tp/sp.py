@@ -20,12 +20,12 @@ those of ``jq.dense`` (jaxquant/primitives/gemm.py). Residuals for the backward 
 forward call (no quantizer state), so interleaving forward passes of several microbatches cannot change
 what a backward pass reads.
 
-Overlap modes: "ring" (shard_map, ppermute ring, chunk i's GEMM while chunk i+1 travels), "off"
-(shard_map, one all_gather / psum_scatter and one GEMM) and "fused" (bf16 and FP8: collective GEMM kernels
-that move the chunks themselves, jaxquant/tp/collective_gemm.py; the forward keeps the gathered activation
-for the wgrad instead of gathering it again). A former "xla" mode (GSPMD einsums left to
-XLA's windowed-einsum pass) is gone: that pass fails XLA's HLO verifier on these layers' backward
-(docs/sp.md).
+Overlap modes: "off" (shard_map, one all_gather / psum_scatter and one GEMM, which XLA schedules under
+independent work) and "fused" (bf16 and FP8: collective GEMM kernels that move the chunks themselves,
+jaxquant/tp/collective_gemm.py; the forward keeps the gathered activation for the wgrad instead of
+gathering it again). Two former modes are gone and refused by name: "xla" (GSPMD einsums left to XLA's
+windowed-einsum pass, which fails XLA's HLO verifier on these layers' backward) and "ring" (a ppermute
+ring, chunk i's GEMM while chunk i+1 travels: slower than "off" in every measurement); docs/sp.md.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from jaxquant.training.dense import dense as gemm_dense, split_master
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 from jaxquant.primitives.varying import vary_like
 
-OVERLAPS = ("ring", "off", "fused")
+OVERLAPS = ("off", "fused")
 # per weight kind (gemm.weight_kind), the recipes these layers run, the default first: an array weight is
 # not quantized to NVFP4 on the fly here; an NVFP4Tensor also accepts "bf16", its former spelling
 _FITS = {"array": ("bf16", "fp8"), "fp8": ("fp8",), "nvfp4": ("nvfp4",)}
@@ -159,13 +159,6 @@ def _smap(ctx, f, in_specs, out_specs):
     return jax.shard_map(f, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _rows(op, start, size):
-    """Rows ``[start, start+size)`` of the sequence dim (-2) of an operand."""
-    if isinstance(op, _Scaled):
-        return _Scaled(_rows(op.data, start, size), op.scale_inv)
-    return lax.dynamic_slice_in_dim(op, start, size, axis=op.ndim - 2)
-
-
 def _layernorm_f32(x, gamma, beta, eps):
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -176,30 +169,6 @@ def _layernorm_f32(x, gamma, beta, eps):
 # ----------------------------------------------------------------------------------------------
 # Collective GEMMs on global arrays: all-gather -> GEMM (+ wgrad), GEMM -> reduce-scatter
 # ----------------------------------------------------------------------------------------------
-
-
-def _ring_chunks(local, axis, n, bidirectional):
-    """Yield (chunk, source rank) for every rank's chunk of the sequence all-gather, own chunk first.
-
-    The next transfer is issued before the current chunk is handed out, so the consumer's GEMM on
-    chunk i runs while chunk i+1 travels. Bidirectional: chunks travel both ways round the ring,
-    ceil((n-1)/2) steps instead of n-1, each using both links of a device.
-    """
-    r = lax.axis_index(axis)
-    right = [(i, (i + 1) % n) for i in range(n)]
-    left = [(i, (i - 1) % n) for i in range(n)]
-    n_right = n // 2 if bidirectional else n - 1
-    n_left = (n - 1) // 2 if bidirectional else 0
-    cur_r = lax.ppermute(local, axis, right) if n_right else None
-    cur_l = lax.ppermute(local, axis, left) if n_left else None
-    yield local, r
-    for k in range(1, n_right + 1):
-        nxt_r = lax.ppermute(cur_r, axis, right) if k < n_right else None
-        nxt_l = lax.ppermute(cur_l, axis, left) if k < n_left else None
-        yield cur_r, (r - k) % n
-        if k <= n_left:
-            yield cur_l, (r + k) % n
-        cur_r, cur_l = nxt_r, nxt_l
 
 
 def _device(ctx):
@@ -277,7 +246,7 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
     dw = a_full^T @ other (or other^T @ a_full): ``other`` [..., S, M/n] feature-sharded -> fp32.
     Returns (out or None, dw or None).
     """
-    nd, axis, n = _ndim(a), ctx.axis, ctx.n
+    nd, axis = _ndim(a), ctx.axis
     want_out, want_dw = w is not None, other is not None
     dw_spec = P(None, axis) if gathered_is_lhs else P(axis, None)
 
@@ -285,36 +254,20 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
         return _wgrad(full, oth) if gathered_is_lhs else _wgrad(oth, full)
 
     def body(a_loc, w_loc, o_loc):
-        s = _shape(a_loc)[-2]
         if ctx.overlap == "fused" and want_out:
             out, full = _fused_gather_matmul(ctx, a_loc, w_loc, w_contract)
             return out.astype(out_dtype), (wgrad(full, o_loc) if want_dw else None)
-        # without a GEMM per chunk (wgrad only: the column layer's backward) one all-gather, which XLA
-        # schedules under the independent dgrad ring's GEMMs
-        if ctx.overlap == "off" or not want_out:
-            gather = lambda v: lax.all_gather(v, axis, axis=nd - 2, tiled=True)
-            if isinstance(a_loc, _Scaled):
-                # each rank's scale travels with its bytes; all are equal (shared amax), so the one
-                # GEMM over the gathered buffer uses a travelled scale (that of rank 0)
-                full = _Scaled(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
-            else:
-                full = gather(a_loc)
-            return (_matmul(full, w_loc, w_contract, out_dtype=out_dtype) if want_out else None,
-                    wgrad(full, o_loc) if want_dw else None)
-        n_out = _shape(w_loc)[1 - w_contract]
-        out = jnp.zeros(_shape(a_loc)[:-2] + (s * n, n_out), out_dtype)
-        data = lambda op: op.data if isinstance(op, _Scaled) else op
-        full = jnp.zeros(_shape(a_loc)[:-2] + (s * n, _shape(a_loc)[-1]), data(a_loc).dtype) if want_dw else None
-        for chunk, src in _ring_chunks(a_loc, axis, n, bidirectional=n > 2):
-            part = _matmul(chunk, w_loc, w_contract, out_dtype=out_dtype)
-            out = lax.dynamic_update_slice_in_dim(out, part, src * s, nd - 2)
-            if want_dw:   # the chunks assembled for one wgrad GEMM (no per-chunk fp32 dW partial sums)
-                full = lax.dynamic_update_slice_in_dim(full, data(chunk), src * s, nd - 2)
-        if not want_dw:
-            return out, None
-        # every rank's scale equals this one (the amax was max-reduced over tp before the cast)
-        full = _Scaled(full, a_loc.scale_inv) if isinstance(a_loc, _Scaled) else full
-        return out, wgrad(full, o_loc)
+        # "off", or the wgrad alone (the column layer's backward): one all-gather, which XLA schedules
+        # under independent work (the column layer's dgrad GEMM)
+        gather = lambda v: lax.all_gather(v, axis, axis=nd - 2, tiled=True)
+        if isinstance(a_loc, _Scaled):
+            # each rank's scale travels with its bytes; all are equal (shared amax), so the one
+            # GEMM over the gathered buffer uses a travelled scale (that of rank 0)
+            full = _Scaled(gather(a_loc.data), lax.all_gather(a_loc.scale_inv, axis)[0])
+        else:
+            full = gather(a_loc)
+        return (_matmul(full, w_loc, w_contract, out_dtype=out_dtype) if want_out else None,
+                wgrad(full, o_loc) if want_dw else None)
 
     a_spec = _op_spec(a, _seq_spec(nd, axis))
     w_spec = P(None, axis) if w_contract == 0 else P(axis, None)   # N (not contracted) is sharded
@@ -324,33 +277,10 @@ def _gather_matmul(ctx, a, w=None, w_contract=0, other=None, gathered_is_lhs=Tru
     return _smap(ctx, body, in_specs, out_specs)(a, w, other)
 
 
-def _columns(op, dim, start, size):
-    """``size`` entries of dim ``dim`` of a 2-D weight operand, from ``start``."""
-    if isinstance(op, _Scaled):
-        return _Scaled(_columns(op.data, dim, start, size), op.scale_inv)
-    return lax.slice_in_dim(op, start, start + size, axis=dim)
-
-
-def _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, step, wire):
-    """Running sums round the ring in direction ``step`` (+1: to the right): at step t a rank computes
-    the partial GEMM for chunk (r - step*(t+1)) mod n, written in ``wire`` dtype as "off" writes its
-    partials, adds what arrived (in fp32, rounded to ``wire``) and passes the sum on; after n steps rank
-    r holds the full sum of its own chunk. The next partial GEMM never waits for the transfer."""
-    r = lax.axis_index(axis)
-    perm = [(i, (i + step) % n) for i in range(n)]
-    acc = None
-    for t in range(n):
-        part = _matmul(_rows(a_loc, ((r - step * (t + 1)) % n) * s, s), w_loc, w_contract, out_dtype=wire)
-        acc = part if acc is None else (acc.astype(jnp.float32) + part.astype(jnp.float32)).astype(wire)
-        if t < n - 1:
-            acc = lax.ppermute(acc, axis, perm)
-    return acc
-
-
 def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
     """a [..., S, K] feature-sharded (K split over tp) @ w (K sharded) -> partial sums reduce-scattered
     over the sequence -> ``wire`` [..., S/n, N]. Partial sums travel in ``wire`` (the layer's output
-    dtype, as a bf16 GSPMD program reduces them), each rank adding in fp32."""
+    dtype, as a bf16 GSPMD program reduces them)."""
     nd, axis, n = _ndim(a), ctx.axis, ctx.n
 
     def body(a_loc, w_loc):
@@ -360,18 +290,8 @@ def _matmul_reduce_scatter(ctx, a, w, w_contract, wire):
                                                         contract=contract, impl=_fused_impl(ctx))
             out = _scaled_back(out, factor)
             return out.reshape(a_data.shape[:-2] + (-1, out.shape[-1])).astype(wire)
-        if ctx.overlap == "off":
-            return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract, out_dtype=wire), axis,
-                                    scatter_dimension=nd - 2, tiled=True)
-        s = _shape(a_loc)[-2] // n
-        n_out = _shape(w_loc)[1 - w_contract]
-        if n > 2 and n_out % 2 == 0:
-            # bidirectional: the left half of the output columns goes round the ring to the right,
-            # the right half to the left; each step moves half the bytes over each of two links
-            halves = [_columns(w_loc, 1 - w_contract, lo, n_out // 2) for lo in (0, n_out // 2)]
-            return jnp.concatenate([_reduce_scatter_ring(a_loc, h, w_contract, axis, n, s, step, wire)
-                                    for h, step in zip(halves, (1, -1))], axis=-1)
-        return _reduce_scatter_ring(a_loc, w_loc, w_contract, axis, n, s, 1, wire)
+        return lax.psum_scatter(_matmul(a_loc, w_loc, w_contract, out_dtype=wire), axis,
+                                scatter_dimension=nd - 2, tiled=True)
 
     w_spec = P(axis, None) if w_contract == 0 else P(None, axis)   # K (contracted) is sharded
     in_specs = (_op_spec(a, _feat_spec(nd, axis)), _op_spec(w, w_spec))
@@ -542,31 +462,34 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
                          f"got {mesh.axis_types}")
     if overlap == "xla":
         raise ValueError('overlap: "xla" was removed (XLA\'s windowed-einsum pass fails its HLO verifier on these '
-                         'layers\' backward, docs/sp.md); use "ring", "off" or "fused"')
+                         'layers\' backward, docs/sp.md); use "off" or "fused"')
+    if overlap == "ring":
+        raise ValueError('overlap: "ring" was removed (it was slower than "off" in every measurement, '
+                         'docs/performance.md); use "off" or "fused"')
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
     ops._check_impl(impl)
     return _Ctx(mesh, tp_axis, int(mesh.shape[tp_axis]), overlap, impl)
 
 
-def _weight_and_recipe(w, recipe, n_in: int, name: str = "w"):
+def _weight_and_recipe(w, recipe, n_in: int):
     """Validate ``w [out, in]``: (plain weight, straight-through master or None, recipe, dtypes of the
     weight cotangents (weight, master), None where none is returned)."""
     w, master = split_master(w)
     if recipe == "bf16" and isinstance(w, NVFP4Tensor):
         recipe = "nvfp4"   # the former spelling for an NVFP4 weight (its GEMMs read bf16 values), still accepted
-    recipe = gemm.resolve_recipe(w, recipe, _FITS, name)
+    recipe = gemm.resolve_recipe(w, recipe, _FITS, "w")
     if isinstance(w, Float8Tensor):
         if w.data.ndim != 2:
-            raise ValueError(f"{name}: Float8Tensor data must be [out, in], got shape {tuple(w.data.shape)}")
+            raise ValueError(f"w: Float8Tensor data must be [out, in], got shape {tuple(w.data.shape)}")
         if jnp.dtype(w.data.dtype) != jnp.dtype(FWD_DTYPE):
-            raise TypeError(f"{name}: a Float8Tensor weight must be {jnp.dtype(FWD_DTYPE)} (its dgrad GEMM "
+            raise TypeError(f"w: a Float8Tensor weight must be {jnp.dtype(FWD_DTYPE)} (its dgrad GEMM "
                             f"meets E5M2 gradients), got {w.data.dtype}")
     elif not isinstance(w, NVFP4Tensor):
-        _check_float(name, w)
+        _check_float("w", w)
     shape = tuple(int(d) for d in w.shape)
     if len(shape) != 2 or shape[1] != n_in:
-        raise ValueError(f"{name}: must be [out, in] with in = {n_in} (the last dim of x), got shape {shape}")
+        raise ValueError(f"w: must be [out, in] with in = {n_in} (the last dim of x), got shape {shape}")
     quantized = isinstance(w, (Float8Tensor, NVFP4Tensor))
     dtypes = (None if quantized else jnp.dtype(w.dtype), None if master is None else jnp.dtype(master.dtype))
     # internally "bf16" = bf16 activations and gradients, which is what an NVFP4 weight's GEMMs take
@@ -593,11 +516,11 @@ def _check_fused(ctx, x, w, recipe, hidden, features, rows=None):
         return
     if recipe not in ("bf16", "fp8") or isinstance(w, NVFP4Tensor):
         raise ValueError(f"overlap: 'fused' runs bf16 and FP8 GEMMs (recipe 'bf16' or 'fp8'), got recipe "
-                         f"{recipe!r} and a {type(w).__name__} weight; use 'off' or 'ring'")
+                         f"{recipe!r} and a {type(w).__name__} weight; use 'off'")
     if jnp.dtype(x.dtype) != jnp.dtype(collective_gemm.DTYPE):
         raise ValueError(f"x: overlap='fused' takes bf16 activations (its kernels write bf16), got {x.dtype}")
     if _fused_impl(ctx) == "kernel":
-        problem = collective_gemm.device_problem(_device(ctx))
+        problem = collective_gemm.device_problem(_device(ctx)) or collective_gemm.process_problem(ctx.mesh, ctx.axis)
         if problem:
             raise ValueError(f"impl: overlap='fused' with impl={ctx.impl!r} runs Pallas:Mosaic GPU kernels, which "
                              f"need {problem}; impl='reference' runs their plain-JAX schedule")
@@ -623,9 +546,9 @@ def sp_layernorm_dense(x, gamma, beta, w, *, mesh, tp_axis: str = "tp", overlap:
         F a multiple of the axis size.
       mesh: the ``jax.sharding.Mesh`` (Auto axis types).
       tp_axis: the tensor-parallel mesh axis (default "tp").
-      overlap: how the all-gather meets the GEMM: "off" (default: one all-gather, then one GEMM),
-        "ring" (ppermute ring, chunk i's GEMM while chunk i+1 travels) or "fused" (bf16 or FP8:
-        collective GEMM kernels on Hopper GPUs, their plain-JAX schedule with ``impl="reference"``).
+      overlap: how the all-gather meets the GEMM: "off" (default: one all-gather, then one GEMM, which
+        XLA overlaps with independent work) or "fused" (bf16 or FP8: collective GEMM kernels on Hopper
+        GPUs, their plain-JAX schedule with ``impl="reference"``).
       recipe: the names of ``jq.dense``. None (default) follows the weight's type; "fp8" (E4M3
         activations and weight, E5M2 gradients; a Float8Tensor, or a float weight quantized inside),
         "nvfp4" (an NVFP4Tensor, read as bf16 blockwise values with bf16 activations and gradients; its
