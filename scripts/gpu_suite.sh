@@ -121,8 +121,9 @@ if [ "${TRAIN:-0}" = 1 ] && [ "${TRAIN_DEMO:-1}" = 1 ]; then
   meshes="${ngpu}x1"; [ "$ngpu" -ge 2 ] && meshes="$meshes 1x$ngpu"
   { echo '```'
     for mesh in $meshes; do for recipe in nvfp4 fp8 bf16; do
-      echo "-- demo --mesh $mesh --recipe $recipe"
-      timeout 90 python3 -m jaxquant demo --mesh "$mesh" --recipe "$recipe" --steps 40 --no-progress \
+      model=llama; [ "${mesh#1x}" != "$mesh" ] && [ "$ngpu" -ge 2 ] && model=tp-sp   # the flax Llama: FSDP only
+      echo "-- demo --model $model --mesh $mesh --recipe $recipe"
+      timeout 90 python3 -m jaxquant demo --model "$model" --mesh "$mesh" --recipe "$recipe" --steps 40 --no-progress \
         --ckpt-dir "/tmp/jq-demo-$mesh-$recipe" 2>&1 | grep -v "^\s*$" | tail -6
     done; done
     echo '```'; } | tee -a "$report"

@@ -10,7 +10,6 @@ import sys
 import time
 import types
 
-import pytest
 
 from jaxquant import cli
 

@@ -63,4 +63,6 @@ def test_every_demo_option_has_help_naming_its_default():
             assert "default" in action.help, f"jaxquant demo: {label}'s help does not name its default"
     helps = {a.dest: a.help for a in demo._actions}
     assert "default jaxquant-demo-ckpt" in helps["ckpt_dir"]
+    assert "default llama" in helps["model"] and "tp-sp" in helps["model"]        # the default model, and the other
+    assert "held-out" in helps["text"] and "default: steps/10" in helps["eval_every"] and ".png" in helps["plot"]
     assert "a fresh one-step run is not judged" in demo.description and "130" in demo.description

@@ -1,6 +1,7 @@
-"""`jaxquant demo` (the CLI entry point, in-process on the 8 simulated devices): the transformer trains
-(the loss falls) on an fsdp-only mesh and on the default (fsdp=4, tp=2) mesh, a DCP checkpoint is written
-and `jaxquant ckpt inspect` reads it; a TP split the model cannot take is refused with a clear message."""
+"""`jaxquant demo` (the CLI entry point, in-process on the 8 simulated devices): the default flax NNX Llama trains
+(the loss falls) on an FSDP mesh of every device and the hand-written TP-SP transformer (`--model tp-sp`) on an
+fsdp-only and on its default (fsdp=4, tp=2) mesh, a DCP checkpoint is written and `jaxquant ckpt inspect` reads it;
+a TP split a model cannot take is refused with a clear message."""
 
 import os
 import sys
@@ -14,22 +15,44 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulat
 
 
 @pytest.mark.slow
-def test_demo_trains_and_checkpoints(tmp_path, capsys):
-    rc = cli.main(["demo", "--steps", "30", "--mesh", "8x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
+def test_demo_trains_the_flax_llama_and_checkpoints(tmp_path, capsys):
+    """The default: the flax NNX Llama (nnx.scan over nnx.vmap-stacked blocks) on fsdp=8, NVFP4 kernels; the
+    checkpoint names each layer's parameters as flax does (kernels saved [out, in]), with the Adam state."""
+    rc = cli.main(["demo", "--steps", "30", "--ckpt-dir", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "weights nvfp4" in out and "mesh fsdp=8 x tp=1" in out and "under scan" in out
+    assert "flax NNX Llama" in out and "under nnx.scan" in out and "weights nvfp4" in out, out
+    listing = _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys)
+    assert "model.layers.1.mlp.down.kernel" in listing and "model_nvfp4.layers.1.mlp.down.kernel" in listing
+    assert "optim.state.layers.1.mlp.down.kernel.exp_avg_sq" in listing     # the Adam state, as torch names it
+    assert "model.embed.embedding" in listing and "model_nvfp4.embed" not in listing   # the embedding: an array
+
+
+@pytest.mark.slow
+def test_demo_tp_sp_model_trains_and_checkpoints(tmp_path, capsys):
+    rc = cli.main(["demo", "--model", "tp-sp", "--steps", "30", "--mesh", "8x1", "--ckpt-dir", str(tmp_path),
+                   "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "weights nvfp4" in out and "under scan" in out
+    listing = _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys)
+    assert "model.blocks.1.down" in listing and "model_nvfp4.blocks.1.down" in listing
+    assert "optim.state.blocks.1.down.exp_avg_sq" in listing           # the Adam state, as torch names it
+
+
+def _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys):
+    """A 30-step NVFP4 run on fsdp=8: the per-device bytes, the loss fell, the checkpoint it names inspects;
+    the listing."""
+    assert "mesh fsdp=8 x tp=1" in out, out
     ratio = float(out.split(" per device (")[1].split("x bf16")[0])
-    assert 0.25 < ratio < 0.35, out      # NVFP4 layers: 0.5 + 1/16 bytes an element; the bf16 embedding dilutes
+    assert 0.25 < ratio < 0.35, out      # NVFP4 matrices: 0.5 + 1/16 bytes an element; the bf16 embedding dilutes
     first, last = _loss_range(out)
     assert last < first - 0.5, out
     ckpt = tmp_path / "nvfp4-step30"
     assert (ckpt / ".metadata").is_file()
     assert f"jaxquant ckpt inspect {ckpt}" in out
     assert cli.main(["ckpt", "inspect", str(ckpt)]) == 0
-    listing = capsys.readouterr().out
-    assert "model.blocks.1.down" in listing and "model_nvfp4.blocks.1.down" in listing
-    assert "optim.state.blocks.1.down.exp_avg_sq" in listing           # the Adam state, as torch names it
+    return capsys.readouterr().out
 
 
 def _loss_range(out):
@@ -39,7 +62,7 @@ def _loss_range(out):
 @pytest.mark.slow
 def test_demo_default_mesh_is_fsdp_x_tp_and_trains(tmp_path, capsys):
     """Heads and MLP hidden units split over tp=2 (Megatron column/row-parallel), NVFP4 weights."""
-    rc = cli.main(["demo", "--steps", "30", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    rc = cli.main(["demo", "--model", "tp-sp", "--steps", "30", "--ckpt-dir", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "mesh fsdp=4 x tp=2" in out and "weights nvfp4" in out
@@ -52,8 +75,8 @@ def test_demo_default_mesh_is_fsdp_x_tp_and_trains(tmp_path, capsys):
 def test_demo_on_tp_only_mesh_has_no_weight_gathers(tmp_path, capsys):
     """fsdp=1 x tp=2: each device holds its TP-local weights whole (nothing to all-gather) and the
     sequence-parallel step still trains."""
-    rc = cli.main(["demo", "--steps", "3", "--mesh", "1x2", "--recipe", "fp8", "--ckpt-dir", str(tmp_path),
-                   "--no-progress"])
+    rc = cli.main(["demo", "--model", "tp-sp", "--steps", "3", "--mesh", "1x2", "--recipe", "fp8", "--ckpt-dir",
+                   str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "mesh fsdp=1 x tp=2" in out and "weights all-gathered per step: none" in out
@@ -61,10 +84,20 @@ def test_demo_on_tp_only_mesh_has_no_weight_gathers(tmp_path, capsys):
 
 
 def test_demo_refuses_tp_split_the_model_cannot_take(tmp_path, capsys):
-    rc = cli.main(["demo", "--steps", "1", "--mesh", "1x8", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    rc = cli.main(["demo", "--model", "tp-sp", "--steps", "1", "--mesh", "1x8", "--ckpt-dir", str(tmp_path),
+                   "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "tp=8 must divide the 4 heads" in err
+    assert not os.listdir(tmp_path)
+
+
+def test_demo_refuses_tp_for_the_flax_llama(tmp_path, capsys):
+    """Unchanged flax code does no TP collectives: the Llama takes FSDP meshes only, and the error says which."""
+    rc = cli.main(["demo", "--steps", "1", "--mesh", "4x2", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and line.startswith("jaxquant demo: error: --mesh: the llama model trains with FSDP only"), line
+    assert "use --mesh 8x1, or --model tp-sp" in line, line
     assert not os.listdir(tmp_path)
 
 
@@ -78,13 +111,30 @@ def test_demo_without_optax_says_how_to_install_it(tmp_path, capsys, monkeypatch
     assert not os.listdir(tmp_path)
 
 
+def test_demo_without_flax_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    """flax is in the "train" extra too: without it the default model stops with the install command (and names
+    the model that needs no flax), one line, nothing written."""
+    import jaxquant.cli
+
+    monkeypatch.setitem(sys.modules, "flax", None)    # `import flax` now raises ImportError
+    monkeypatch.delitem(sys.modules, "jaxquant.cli.llama", raising=False)
+    monkeypatch.delattr(jaxquant.cli, "llama", raising=False)
+    rc = cli.main(["demo", "--steps", "1", "--ckpt-dir", str(tmp_path), "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and "flax is not installed" in line and 'pip install "jaxquant[train]"' in line, line
+    assert "--model tp-sp" in line, line
+    assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps: must be at least 1, got 0"),
                                           (["--devices", "0"], "--devices: must be at least 1, got 0"),
                                           (["--batch-per-device", "0"], "--batch-per-device: must be at least 1"),
                                           (["--mesh", "0x8"], "--mesh: both sizes must be positive, got '0x8'"),
                                           (["--lr", "nan"], "--lr: must be a positive finite float32 number"),
                                           (["--lr", "0"], "--lr: must be a positive finite float32 number"),
-                                          (["--lr", "1e39"], "--lr: must be a positive finite float32 number")])
+                                          (["--lr", "1e39"], "--lr: must be a positive finite float32 number"),
+                                          (["--eval-every", "5"], "--eval-every: needs --text"),
+                                          (["--model", "tp-sp", "--mesh", "9x1"], "--mesh: 9x1 needs 9 devices")])
 def test_demo_refuses_bad_counts_on_stderr(tmp_path, capsys, argv, message):
     rc = cli.main(["demo", *argv, "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2 and _one_error_line(capsys).startswith(f"jaxquant demo: error: {message}")
@@ -129,19 +179,21 @@ def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys):
+@pytest.mark.parametrize("model,mesh,other_mesh", [("llama", "8x1", "2x1"), ("tp-sp", "8x1", "4x2")])
+def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys, model, mesh, other_mesh):
     """--save-every writes training checkpoints on the way; --resume continues from one (parameters, Adam
-    state, step, the data stream) on a (4, 2) mesh although it was written on (8, 1)."""
-    rc = cli.main(["demo", "--steps", "12", "--mesh", "8x1", "--save-every", "6", "--ckpt-dir", str(tmp_path),
-                   "--no-progress"])
+    state, step, the data stream) on another mesh than the one it was written on."""
+    rc = cli.main(["demo", "--model", model, "--steps", "12", "--mesh", mesh, "--save-every", "6", "--ckpt-dir",
+                   str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
     first, _ = _loss_range(out)
     assert (tmp_path / "nvfp4-step6" / ".metadata").is_file() and (tmp_path / "nvfp4-step12").is_dir()
-    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step12'} --recipe nvfp4" in out
+    flag = "" if model == "llama" else f" --model {model}"
+    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step12'} --recipe nvfp4{flag} --steps N" in out
     assert "load in PyTorch:   python -c 'import torch" in out
-    rc = cli.main(["demo", "--steps", "6", "--mesh", "4x2", "--resume", str(tmp_path / "nvfp4-step6"),
-                   "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
+    rc = cli.main(["demo", "--model", model, "--steps", "6", "--mesh", other_mesh, "--resume",
+                   str(tmp_path / "nvfp4-step6"), "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"resumed from {tmp_path / 'nvfp4-step6'} at step 6" in out
@@ -178,8 +230,8 @@ def _damage(src, dst, how):
 
     shutil.copytree(src, dst)
     data = dst / "__0_0.distcp"
-    if how == "crc":        # one byte in the middle of model.embed's record (its tensor data)
-        storage = read_metadata(str(src)).entries["model.embed"].chunks[0].storage
+    if how == "crc":        # one byte in the middle of model.embed.embedding's record (its tensor data)
+        storage = read_metadata(str(src)).entries["model.embed.embedding"].chunks[0].storage
         raw = bytearray(data.read_bytes())
         raw[storage.offset + storage.length // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
@@ -229,6 +281,25 @@ def test_demo_refuses_to_resume_with_another_recipe(tmp_path, capsys, fp8_checkp
     line = _one_error_line(capsys)
     assert rc == 2 and f"--resume: {ckpt} was trained with --recipe fp8, this run asks for --recipe nvfp4" in line
     assert not os.listdir(tmp_path)
+
+
+def test_demo_refuses_to_resume_with_another_model(tmp_path, capsys, fp8_checkpoint):
+    """The checkpoint records its model: a Llama checkpoint is not resumed as the TP-SP model, and a checkpoint of
+    the demo from before --model (a recipe record, no model record: the TP-SP model then) not as the Llama."""
+    from jaxquant import checkpoint as ck
+
+    ckpt, _ = fp8_checkpoint
+    rc = cli.main(["demo", "--model", "tp-sp", "--resume", str(ckpt), "--recipe", "fp8", "--mesh", "1x1",
+                   "--ckpt-dir", str(tmp_path / "out"), "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and f"--resume: {ckpt} was trained with --model llama, this run asks for --model tp-sp" in line
+    assert "pass --model llama" in line, line
+    old = ck.save_dcp(str(tmp_path / "old"), {"demo": {"recipe": "fp8", "first_loss": 4.0}, "step": 1})
+    rc = cli.main(["demo", "--resume", old, "--recipe", "fp8", "--mesh", "1x1", "--ckpt-dir", str(tmp_path / "out"),
+                   "--no-progress"])
+    line = _one_error_line(capsys)
+    assert rc == 2 and "was trained with --model tp-sp, this run asks for --model llama" in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def _unwritable_dir(tmp_path):
@@ -297,7 +368,7 @@ def test_demo_prints_a_pytorch_load_command_that_works(fp8_checkpoint):
     r = subprocess.run(["bash", "-c", command.replace("python -c", f"{sys.executable} -c", 1)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "tensors; model.head (64, 64)" in r.stdout, r.stdout
+    assert "tensors; model.head.kernel (64, 128)" in r.stdout, r.stdout     # the head kernel as torch holds it
 
 
 def test_demo_judges_a_resumed_run_as_the_uninterrupted_one(tmp_path, capsys):

@@ -40,16 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hold_signals(hold: bool) -> None:
+    if hasattr(signal, "pthread_sigmask"):  # POSIX
+        signal.pthread_sigmask(signal.SIG_BLOCK if hold else signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def main(argv: list[str] | None = None) -> int:
     # SIGINT/SIGTERM become one exception (checkpoint writes clean up on it) and end in one line with exit status
     # 128 + signal number, not a traceback. The commands' imports and work run inside cli_handlers; a SIGINT before
     # they are in place (while this imports them) is Python's own KeyboardInterrupt: the same line. (One while Python
     # imports the jaxquant package itself, before this module runs, cannot be caught here.)
+    # SIGINT/SIGTERM are held (blocked) until the handlers are in place: one that lands inside a C extension's
+    # import (jaxlib) can crash the process; cli_handlers unblocks them and a held one is raised there
+    _hold_signals(True)
     try:
         from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
     except KeyboardInterrupt:
+        _hold_signals(False)
         print("jaxquant: interrupted by SIGINT", file=sys.stderr)
         return 128 + signal.SIGINT
+    except BaseException:
+        _hold_signals(False)
+        raise
 
     try:
         with cli_handlers():

@@ -1,177 +1,50 @@
-"""``jaxquant demo``: train a small transformer with NVFP4 / FP8 / bf16 weights cast from fp32 master shards.
+"""``jaxquant demo``: train a small language model with NVFP4 / FP8 / bf16 weights cast from fp32 master shards.
 
-A decoder-only transformer (token embedding read with ``jnp.take``, ``layers`` pre-norm blocks of causal
-attention + GELU MLP stacked into ``[L, out, in]`` leaves and run under ``jax.lax.scan``, output head;
-every matrix in PyTorch ``[out, in]`` convention and applied with ``jq.dense``) learns synthetic
-next-token data: each sequence follows a fixed random permutation of the vocabulary from a random first
-token, so the loss falls from ``ln(vocab)`` towards 0. Training runs through ``jq.make_train_step``
-(layer-wise FSDP: each layer's weights are quantized and gathered where the scan body uses them) on an
-``(fsdp, tp)`` mesh, Megatron-style tensor parallel over ``tp``: the QKV and MLP-up weights are
-column-parallel (each TP rank holds ``heads/tp`` heads and ``d_ff/tp`` hidden units), the attention output
-and MLP-down weights row-parallel, their outputs ``psum``-ed over ``tp``; embedding, head and norms are
-replicated over ``tp``. ``quantize_mask`` keeps the embedding and the norms unquantized (bf16 arrays). The
-run ends by saving a PyTorch DCP checkpoint of the fp32 parameters (one name per layer, as a PyTorch
-model has them) and the NVFP4/FP8 weights.
+Models (``--model``):
+
+* ``llama`` (default): a flax NNX Llama (jaxquant/cli/llama.py: ``nnx.Embed``, RMSNorm, attention with rotary
+  embeddings, SwiGLU MLP, blocks stacked by ``nnx.vmap`` and run under ``nnx.scan``, untied head) trained unchanged
+  through ``jq.flax_loss`` / ``jq.flax_params`` / ``jq.flax_rules`` on an FSDP mesh (flax models do no TP
+  collectives): every kernel quantized where the scan body reads it, embedding and norms kept as arrays.
+* ``tp-sp``: the hand-written transformer of jaxquant/cli/tpsp.py (every matrix ``[out, in]`` through
+  ``jq.dense``) on an ``(fsdp, tp)`` mesh, Megatron tensor parallel with sequence parallelism.
+
+Data: synthetic next-token sequences (each follows a fixed random permutation of the vocabulary from a random first
+token, so the loss falls from about ``ln(vocab)`` towards 0), or with ``--text PATH`` the bytes of text files
+(jaxquant/training/text.py) with a held-out part whose loss is reported every ``--eval-every`` steps. Training runs
+through ``jq.make_train_step`` (layer-wise FSDP). The run ends by saving a PyTorch DCP checkpoint of the training
+state (one name per layer, as a PyTorch model has them) and the NVFP4/FP8 weights; ``--plot`` draws the losses.
+The checks of the options and the checkpoint plumbing are in jaxquant/cli/demo_support.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import re
 import shlex
-import tempfile
 import time
 
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab: int = 64
-    d_model: int = 64
-    heads: int = 4
-    d_ff: int = 256
-    layers: int = 2
-    seq: int = 32
-
+# (re-exported: tests, benchmarks and `jaxquant bench` reach these through this module)
+from jaxquant.cli.demo_support import (  # noqa: F401
+    MissingExtraError, MissingOptaxError, NonFiniteError, bytes_gathered, check_plot, check_resume,
+    check_writable_dir, checkpoint_model, checkpoint_recipe, fresh_dir, parse_mesh, peak_memory_gib, print_backends,
+    resumed_state, run_record, torch_load_command, write_plot)
+from jaxquant.cli.tpsp import (  # noqa: F401
+    BLOCK_MATRICES, TP_SPLIT, ModelConfig, check_tp, init_params, loss_fn, param_specs, per_layer, quantize_mask)
 
 RECIPES = ("nvfp4", "fp8", "bf16")
-BLOCK_MATRICES = ("q", "k", "v", "o", "up", "down")
-TP_SPLIT = {"q": "col", "k": "col", "v": "col", "o": "row", "up": "col", "down": "row"}
-
-
-def _block_shapes(cfg: ModelConfig) -> dict:
-    d, f = cfg.d_model, cfg.d_ff
-    return {"attn_norm": (d,), "q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "mlp_norm": (d,),
-            "up": (f, d), "down": (d, f)}
-
-
-def init_params(key, cfg: ModelConfig):
-    """fp32 parameters: ``embed`` [vocab, d_model] (rows looked up), ``head`` [vocab, d_model], ``final_norm``
-    and ``blocks``, each block leaf stacked over the layers ([L, out, in] matrices, [L, d] norm scales)."""
-    import jax
-    import jax.numpy as jnp
-
-    def normal(k, shape):
-        return jax.random.normal(k, shape, jnp.float32) / math.sqrt(shape[-1])
-
-    ks = jax.random.split(key, len(_block_shapes(cfg)) + 2)
-    blocks = {name: (jnp.ones((cfg.layers,) + shape, jnp.float32) if len(shape) == 1
-                     else normal(k, (cfg.layers,) + shape))
-              for k, (name, shape) in zip(ks, sorted(_block_shapes(cfg).items()))}
-    return {"embed": jax.random.normal(ks[-2], (cfg.vocab, cfg.d_model), jnp.float32),
-            "head": normal(ks[-1], (cfg.vocab, cfg.d_model)),
-            "final_norm": jnp.ones((cfg.d_model,), jnp.float32), "blocks": blocks}
-
-
-def quantize_mask(cfg: ModelConfig):
-    """The quantized leaves: the block matrices and the head (the embedding is read by rows, the stacked
-    norm scales [L, d] are no GEMM weights)."""
-    return {"embed": False, "head": True, "final_norm": False,
-            "blocks": {name: name in BLOCK_MATRICES for name in _block_shapes(cfg)}}
-
-
-def per_layer(params, cfg: ModelConfig) -> dict:
-    """Flat ``{name: array}`` with one entry per layer (``blocks.{i}.q``, as a PyTorch model names them and as
-    ``step.state_dict`` does)."""
-    flat = {n: params[n] for n in ("embed", "head", "final_norm")}
-    for name, stack in params["blocks"].items():
-        flat |= {f"blocks.{i}.{name}": stack[i] for i in range(cfg.layers)}
-    return flat
-
-
-def _rms_norm(x, scale):
-    import jax.numpy as jnp
-
-    x32 = x.astype(jnp.float32)
-    return (x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)) * scale).astype(x.dtype)
-
-
-def _positions(seq, d):
-    """Sinusoidal position encodings [seq, d] (fixed, not a parameter)."""
-    pos = np.arange(seq)[:, None] / (10000.0 ** (np.arange(0, d, 2)[None, :] / d))
-    return np.concatenate([np.sin(pos), np.cos(pos)], axis=1).astype(np.float32)
-
-
-def param_specs(cfg: ModelConfig):
-    """How make_train_step splits each parameter over tp (Megatron: column- then row-parallel)."""
-    return {"embed": None, "head": None, "final_norm": None,
-            "blocks": {name: TP_SPLIT.get(name) for name in _block_shapes(cfg)}}
-
-
-def loss_fn(cfg: ModelConfig, tp_axis: str | None = None, tp: int = 1, sequence_parallel: bool = True,
-            overlap: str = "off"):
-    """loss(weights, batch): mean next-token cross-entropy; batch["tokens"] int32 [B, seq + 1]. With
-    ``tp > 1`` it runs on one TP rank's blocks (``param_specs``) and does the TP collectives itself:
-    with ``sequence_parallel`` (Megatron SP, ``jq.sp_column_dense`` / ``jq.sp_row_dense``) the residual
-    stream, norms and loss hold this rank's ``seq / tp`` positions, the column-parallel GEMMs all-gather
-    their input over tp and the row-parallel ones reduce-scatter their bf16 partial sums; without it every
-    TP rank holds the whole sequence and the row-parallel partial sums are all-reduced in fp32.
-    ``overlap`` goes to the sequence-parallel layers ("fused": the bf16 / FP8 collective GEMM kernels, docs/sp.md)."""
-    import jax
-    import jax.numpy as jnp
-
-    import jaxquant as jq
-    from jaxquant.primitives.varying import mark_varying
-
-    act = jnp.bfloat16
-    hd = cfg.d_model // cfg.heads
-    heads = cfg.heads // tp                # this TP rank's heads
-    amax = (tp_axis,) if tp > 1 else ()    # FP8 statistics of TP-split activations span the whole tensor
-    sp = sequence_parallel and tp > 1
-
-    def column_parallel(x, w):
-        if sp:
-            return jq.sp_column_dense(x, w, tp_axis=tp_axis, out_dtype=act, overlap=overlap)
-        if tp > 1:   # Megatron's "f": identity forward; its transpose all-reduces the input gradient over tp
-            x = mark_varying(x, (tp_axis,))
-        return jq.dense(x, w, out_dtype=act, amax_axes=amax)
-
-    def row_parallel(x, w):   # Megatron's "g": partial products summed over tp
-        if sp:
-            return jq.sp_row_dense(x, w, tp_axis=tp_axis, out_dtype=act, overlap=overlap)
-        y = jq.dense(x, w, out_dtype=jnp.float32, amax_axes=amax)
-        return (jax.lax.psum(y, tp_axis) if tp > 1 else y).astype(act)
-    pos = _positions(cfg.seq, cfg.d_model)
-    mask = np.tril(np.ones((cfg.seq, cfg.seq), bool))
-
-    def block(h, p):
-        b = h.shape[0]
-        x = _rms_norm(h, p["attn_norm"])
-        q, k, v = (column_parallel(x, p[n]).reshape(b, cfg.seq, heads, hd) for n in "qkv")
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
-        a = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1).astype(act)
-        o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, cfg.seq, heads * hd)
-        h = h + row_parallel(o, p["o"])
-        x = _rms_norm(h, p["mlp_norm"])
-        return h + row_parallel(jax.nn.gelu(column_parallel(x, p["up"])), p["down"]), None
-
-    def loss(w, batch):
-        tokens = batch["tokens"]
-        inputs, targets, p = tokens[:, :-1], tokens[:, 1:], pos
-        if sp:   # this rank's positions of the sequence
-            rows = cfg.seq // tp
-            start = jax.lax.axis_index(tp_axis) * rows
-            local = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, start, rows, axis=axis)
-            inputs, targets, p = local(inputs, 1), local(targets, 1), local(jnp.asarray(pos), 0)
-        h = jnp.take(w["embed"], inputs, axis=0).astype(act) + p.astype(act)
-        h, _ = jax.lax.scan(block, h, w["blocks"])          # one layer's weights gathered per iteration
-        logits = jq.dense(_rms_norm(h, w["final_norm"]), w["head"], out_dtype=jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-        return jax.lax.pmean(nll, tp_axis) if sp else nll    # equal shares of the sequence
-
-    return loss
+MODELS = ("llama", "tp-sp")
+EVAL_BATCHES = 4       # held-out batches (of the training batch size) per evaluation
 
 
 class SyntheticData:
     """Next-token data: token t+1 = perm[token t], from a random first token; one fresh batch a step
     (``skip``: the batches of steps already taken, so a resumed run sees the data it would have seen)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, seed: int = 0, skip: int = 0):
+    def __init__(self, cfg, batch: int, seed: int = 0, skip: int = 0):
         self.cfg, self.batch = cfg, batch
         self.rng = np.random.default_rng(seed)
         self.perm = self.rng.permutation(cfg.vocab)
@@ -186,163 +59,117 @@ class SyntheticData:
         return {"tokens": tokens}
 
 
-def parse_mesh(spec: str | None, num_devices: int) -> tuple[int, int]:
-    """``"FxT"`` -> (fsdp, tp); None -> every device on a (fsdp, tp=2) mesh (``Nx1`` for an odd count)."""
-    if spec is None:
-        return (num_devices // 2, 2) if num_devices % 2 == 0 else (num_devices, 1)
-    try:
-        fsdp, tp = (int(v) for v in spec.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--mesh: must look like 8x1 (fsdp x tp), got {spec!r}") from None
-    if fsdp < 1 or tp < 1:
-        raise ValueError(f"--mesh: both sizes must be positive, got {spec!r}")
-    if fsdp * tp > num_devices:
-        raise ValueError(f"--mesh: {fsdp}x{tp} needs {fsdp * tp} devices, {num_devices} available")
-    return fsdp, tp
+# --- the two models, behind one interface: mesh, step, parameters, compute weights, plain (evaluation) loss
 
 
-def check_tp(cfg: ModelConfig, tp: int, recipe: str) -> None:
-    """The model splits over ``tp`` ranks: whole heads and hidden units, NVFP4 16-element tiles."""
-    if cfg.heads % tp or cfg.d_ff % tp or cfg.seq % tp:
-        raise ValueError(f"--mesh: tp={tp} must divide the {cfg.heads} heads, d_ff={cfg.d_ff} and the sequence "
-                         f"length {cfg.seq} (sequence parallelism)")
-    if recipe == "nvfp4" and (cfg.d_model // tp) % 16:
-        raise ValueError(f"--mesh: tp={tp} leaves {cfg.d_model // tp} columns per TP rank; NVFP4 needs a "
-                         f"multiple of 16 (use tp <= {cfg.d_model // 16})")
+class LlamaDemo:
+    """The flax NNX Llama (jaxquant/cli/llama.py), FSDP only."""
+
+    name, head = "llama", "model.head.kernel"
+
+    def __init__(self, cfg=None, vocab: int = 64):
+        try:
+            from jaxquant.cli import llama
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "flax":
+                raise
+            raise MissingExtraError("the demo's default model is a flax NNX Llama, and flax is not installed (or "
+                                    "train the hand-written one, --model tp-sp)") from e
+        self.llama = llama
+        self.cfg = cfg or llama.LlamaConfig(vocab=vocab)
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"flax NNX Llama, {c.layers} blocks under nnx.scan, dim {c.dim}, {c.heads} heads, SwiGLU {c.ffn}, "
+                f"vocab {c.vocab}")
+
+    def check_mesh(self, fsdp: int, tp: int, recipe: str) -> None:
+        if tp != 1:
+            raise ValueError(f"--mesh: the llama model trains with FSDP only (flax models do no TP collectives), so "
+                             f"tp must be 1, got {fsdp}x{tp}; use --mesh {fsdp * tp}x1, or --model tp-sp for tensor "
+                             f"parallelism")
+
+    def mesh(self, devices, fsdp: int, tp: int):
+        from jax.sharding import Mesh
+
+        return Mesh(np.array(devices[:fsdp]), ("fsdp",))
+
+    def _abstract(self):
+        from flax import nnx
+
+        return nnx.eval_shape(lambda: self.llama.llama(self.cfg))     # flax_loss keeps no arrays of it
+
+    def make_step(self, optimizer, mesh, recipe: str):
+        import jaxquant as jq
+
+        return jq.make_train_step(jq.flax_loss(self._abstract(), self.llama.lm_loss), optimizer, mesh=mesh,
+                                  rules=self.llama.rules(), policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
+
+    def init_params(self, seed: int):
+        import jaxquant as jq
+
+        return jq.flax_params(self.llama.llama(self.cfg, seed))
+
+    def compute_weights(self, params) -> dict:
+        """Every kernel as PyTorch holds it, ``[out, in]``, named as the checkpoint names it (one per layer)."""
+        import jax
+
+        from jaxquant.training.rules import dotted_path
+
+        out = {}
+        for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+            name = dotted_path(path)
+            if name.endswith("kernel"):
+                if name.startswith("layers."):
+                    out |= {f"layers.{i}.{name[len('layers.'):]}": a[i].T for i in range(self.cfg.layers)}
+                else:
+                    out[name] = a.T
+        return out
+
+    def plain_loss(self):
+        """loss(params, batch) of the model at plain fp32 parameters (bf16 compute, no quantization)."""
+        import jaxquant as jq
+
+        return jq.flax_loss(self._abstract(), self.llama.lm_loss)
 
 
-def bytes_gathered(plan, recipe: str) -> tuple[int, int]:
-    """(bytes each device receives per step from the weight all-gathers, the same for bf16 weights): every
-    quantized layer is gathered twice (forward, backward) as quantized bytes and scales; masked and other
-    leaves once, as bf16 / fp32 arrays. With TP, one TP rank's blocks."""
-    per_element = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0, "bf16": 2.0}[recipe]
-    sent = sent_bf16 = 0
-    for rule in plan.rules:
-        local = math.prod(rule.shape) // rule.tp_size
-        received = local * (rule.weight.num_shards - 1) // rule.weight.num_shards
-        if rule.quantized:
-            sent += int(2 * received * per_element)
-            sent_bf16 += 2 * received * 2
-        else:
-            size = 2 if rule.recipe == "bf16" else 4
-            sent += received * size
-            sent_bf16 += received * size
-    return sent, sent_bf16
+class TpSpDemo:
+    """The hand-written TP + SP transformer (jaxquant/cli/tpsp.py) on an (fsdp, tp) mesh."""
 
+    name, head = "tp-sp", "model.head"
 
-def _print_backends() -> None:
-    import jax
+    def __init__(self, cfg=None, vocab: int = 64):
+        self.cfg = cfg or ModelConfig(vocab=vocab)
 
-    from jaxquant.primitives import _ffi
+    def describe(self) -> str:
+        return f"{self.cfg.layers} blocks under scan, d_model {self.cfg.d_model}, vocab {self.cfg.vocab}"
 
-    summary = getattr(_ffi, "backend_summary", None)
-    if summary is not None:
-        print(summary())
-    else:
-        print(f"backend: {jax.default_backend()}; custom calls built for: "
-              f"{', '.join(_ffi.built_platforms()) or 'none (pure-JAX reference everywhere)'}")
+    def check_mesh(self, fsdp: int, tp: int, recipe: str) -> None:
+        check_tp(self.cfg, tp, recipe)
 
+    def mesh(self, devices, fsdp: int, tp: int):
+        from jax.sharding import Mesh
 
-def _fresh_dir(path: str) -> str:
-    candidate, n = path, 1
-    while os.path.lexists(candidate):
-        n += 1
-        candidate = f"{path}-{n}"
-    return candidate
+        return Mesh(np.array(devices[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
 
+    def make_step(self, optimizer, mesh, recipe: str):
+        import jaxquant as jq
 
-class MissingOptaxError(ImportError):
-    """optax (the "train" extra, not a core dependency) is not installed; the message says how to get it."""
+        tp = mesh.shape["tp"]
+        return jq.make_train_step(loss_fn(self.cfg, "tp", tp), optimizer, mesh=mesh, tp_axis="tp",
+                                  param_specs=param_specs(self.cfg), quantize_mask=quantize_mask(self.cfg),
+                                  policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
 
-    def __init__(self):
-        super().__init__('the demo trains with optax, which is not installed: pip install "jaxquant[train]" '
-                         '(from a checkout: pip install --no-build-isolation -e ".[train]")')
+    def init_params(self, seed: int):
+        import jax
 
+        return init_params(jax.random.key(seed), self.cfg)
 
-class NonFiniteError(ArithmeticError):
-    """The loss or the parameters became NaN or ±inf: the run stops before saving that state."""
+    def compute_weights(self, params) -> dict:
+        return {n: w for n, w in per_layer(params, self.cfg).items() if w.ndim == 2 and n != "embed"}
 
-
-def _os_error_text(e: OSError) -> str:
-    from jaxquant.checkpoint.fsutil import os_error_cause
-
-    return f"{e.filename}: {os_error_cause(e)}" if e.filename else os_error_cause(e)
-
-
-def check_writable_dir(directory: str, option: str, *, create: bool) -> None:
-    """Raise ``ValueError("{option}: ...")`` unless files can be made in ``directory`` (``create``: or in the
-    directory it will be made in, with its parents). Tried by making and removing a temporary directory, so a
-    destination that cannot be written is refused before the work whose results would go there, not after it."""
-    from jaxquant.checkpoint.fsutil import os_error_cause
-
-    path = os.path.abspath(directory)
-    existing = path
-    while create and not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = "does not exist" if not os.path.lexists(existing) else "is not a directory"
-        on_the_way = "" if existing == path else f" (on the way to {directory})"
-        raise ValueError(f"{option}: {existing} {what}{on_the_way}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".jaxquant-probe-", dir=existing))
-    except OSError as e:
-        raise ValueError(f"{option}: cannot write in {existing}: {os_error_cause(e)}") from None
-
-
-def _recorded(path: str, name: str, kind: type):
-    """The demo's record ``demo.{name}`` of checkpoint ``path``; None where it has none (written by another
-    program, or by the demo before it kept these records). Raises ``CheckpointError`` for an unreadable one."""
-    from jaxquant import checkpoint as ck
-
-    try:
-        return ck.load_dcp(path, {"demo": {name: kind}})["demo"][name]
-    except ck.KeyMismatchError:
-        return None
-
-
-def checkpoint_recipe(path: str) -> str | None:
-    """The recipe checkpoint ``path`` was trained with: its ``demo.recipe`` record, else the name the demo gives
-    its checkpoint directories (``{recipe}-step{N}``); None where neither says."""
-    recorded = _recorded(path, "recipe", str)
-    name = re.fullmatch(r"(nvfp4|fp8|bf16)-step\d+(-\d+)?", os.path.basename(os.path.normpath(path)))
-    return recorded or (name and name[1])
-
-
-def check_resume(path: str, recipe: str) -> float | None:
-    """Before any work: ``path`` must be a readable DCP checkpoint trained with ``recipe`` (resuming with
-    another would switch the compute weights mid-run). Returns the loss of its run's first step, None where the
-    checkpoint does not record it. The errors are ``jaxquant ckpt inspect``'s (jaxquant/checkpoint/errors.py)."""
-    from jaxquant import checkpoint as ck
-
-    try:
-        trained = checkpoint_recipe(path)
-        first_loss = _recorded(path, "first_loss", float)
-    except ck.CheckpointError as e:
-        raise ValueError(f"--resume: {e}") from None
-    except OSError as e:
-        raise ValueError(f"--resume: {_os_error_text(e)}") from None
-    if trained is not None and trained != recipe:
-        raise ValueError(f"--resume: {path} was trained with --recipe {trained}, this run asks for --recipe "
-                         f"{recipe}; pass --recipe {trained} to continue it")
-    return first_loss
-
-
-def _resumed_state(step, like, path: str):
-    """The training state of checkpoint ``path`` on ``step``'s mesh; ``ValueError("--resume: ...")`` for a
-    damaged checkpoint (a chunk's CRC-32 is checked as it is read) or one of another model."""
-    from jaxquant import checkpoint as ck
-
-    try:
-        return step.load_state_dict(ck.load_dcp(path, step.state_dict_target(like)), like=like)
-    except ck.KeyMismatchError as e:
-        raise ValueError(f"--resume: not a checkpoint of this demo's model: {e}") from None
-    except ck.CheckpointError as e:
-        raise ValueError(f"--resume: {e}") from None
-    except OSError as e:
-        raise ValueError(f"--resume: {_os_error_text(e)}") from None
-    except (KeyError, ValueError) as e:   # load_state_dict: entries that are no Adam state of this model
-        raise ValueError(f"--resume: not a checkpoint of this demo's training state: {path}: "
-                         f"{e.args[0] if e.args else e}") from None
+    def plain_loss(self):
+        return loss_fn(self.cfg)
 
 
 def _all_finite(tree) -> bool:
@@ -352,47 +179,11 @@ def _all_finite(tree) -> bool:
     return all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(tree))
 
 
-def peak_memory_gib(devices) -> float | None:
-    """The largest peak of device memory in use among ``devices`` (None where the backend does not say)."""
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
-    peaks = [p for p in peaks if p is not None]
-    return max(peaks) / 2 ** 30 if peaks else None
-
-
-def torch_load_command(path: str) -> str:
-    """A shell command that loads every tensor of DCP checkpoint ``path`` into a PyTorch dict (keyed as the
-    checkpoint names them: model.*, optim.state.*, model_nvfp4.*), with no model class: the dict is built from
-    the checkpoint's own metadata."""
-    code = (f"import torch, torch.distributed.checkpoint as dcp; r = dcp.FileSystemReader({json.dumps(path)}); "
-            'sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in '
-            'r.read_metadata().state_dict_metadata.items() if hasattr(m, "size")}; dcp.load(sd, storage_reader=r); '
-            'print(len(sd), "tensors; model.head", tuple(sd["model.head"].shape))')
-    return f"python -c {shlex.quote(code)}"
-
-
-def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, batch_per_device: int = 2,
-        lr: float = 3e-3, ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True,
-        cfg: ModelConfig = ModelConfig(), resume: str | None = None, save_every: int = 0):
-    """Train and checkpoint; returns a dict with the losses, the checkpoint path and the throughput, and
-    ``first_loss`` (the loss of the training run's first step: this run's, or for ``resume`` the one the
-    checkpoint records; None where it does not) and ``step`` (the steps taken in all).
-
-    Every argument and the checkpoint to resume are checked before any training (``ValueError`` starting with
-    the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``)."""
-    import jax
-    try:
-        import optax
-    except ImportError as e:
-        raise MissingOptaxError() from e
-    from jax.sharding import Mesh
-    from tqdm.auto import tqdm
-
-    import jaxquant as jq
-    from jaxquant import checkpoint as ck
-    from jaxquant.checkpoint import interrupt
-
+def _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"--recipe: must be nvfp4, fp8 or bf16, got {recipe!r}")
+    if model not in MODELS:
+        raise ValueError(f"--model: must be llama or tp-sp, got {model!r}")
     if steps < 1:
         raise ValueError(f"--steps: must be at least 1, got {steps}")
     if batch_per_device < 1:
@@ -401,35 +192,88 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         raise ValueError(f"--save-every: must be 0 (off) or positive, got {save_every}")
     if not 0 < lr <= float(np.finfo(np.float32).max):   # (the step computes in float32: a larger one is inf)
         raise ValueError(f"--lr: must be a positive finite float32 number, got {lr}")
+    if eval_every is not None:
+        if text is None:
+            raise ValueError("--eval-every: needs --text (the held-out loss is that of the text's held-out part)")
+        if eval_every < 1:
+            raise ValueError(f"--eval-every: must be at least 1, got {eval_every}")
+
+
+def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, batch_per_device: int = 2,
+        lr: float = 3e-3, ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True,
+        cfg=None, resume: str | None = None, save_every: int = 0, model: str = "llama", text: str | None = None,
+        eval_every: int | None = None, plot: str | None = None):
+    """Train and checkpoint; returns a dict with the losses (``losses``: training, one a step; ``heldout``:
+    ``[(step, loss)]`` with ``text``), the checkpoint path and the throughput, and ``first_loss`` (the loss of the
+    training run's first step: this run's, or for ``resume`` the one the checkpoint records; None where it does
+    not) and ``step`` (the steps taken in all). ``cfg``: the model's config (``llama.LlamaConfig`` /
+    ``tpsp.ModelConfig``; None: its default, vocabulary 256 with ``text``).
+
+    Every argument, the data and the checkpoint to resume are checked before any training (``ValueError`` starting
+    with the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``)."""
+    import jax
+    try:
+        import optax
+    except ImportError as e:
+        raise MissingOptaxError() from e
+    from tqdm.auto import tqdm
+
+    import jaxquant as jq
+    from jaxquant import checkpoint as ck
+    from jaxquant.checkpoint import interrupt
+    from jaxquant.training import text as textdata
+
+    _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)
+    if plot is not None:
+        check_plot(plot)
+    vocab = textdata.VOCAB if text is not None else 64
+    net = (LlamaDemo if model == "llama" else TpSpDemo)(cfg, vocab=vocab)
+    if text is not None and net.cfg.vocab < textdata.VOCAB:
+        raise ValueError(f"--text: byte tokens need a vocabulary of {textdata.VOCAB}, the model has {net.cfg.vocab}")
     devices = jax.devices()
-    fsdp, tp = parse_mesh(mesh_spec, len(devices))
-    check_tp(cfg, tp, recipe)
-    first_loss = check_resume(resume, recipe) if resume is not None else None
+    fsdp, tp = parse_mesh(mesh_spec, len(devices), default_tp=2 if model == "tp-sp" else 1)
+    net.check_mesh(fsdp, tp, recipe)
+    data_kind = "synthetic" if text is None else "text"
+    corpus = textdata.TextData(text, seq=net.cfg.seq, seed=seed) if text is not None else None
+    if corpus is not None and eval_every is None:
+        eval_every = max(1, steps // 10)
+    first_loss = check_resume(resume, recipe, model, data_kind) if resume is not None else None
     check_writable_dir(ckpt_dir, "--ckpt-dir", create=True)
-    _print_backends()
-    mesh = Mesh(np.array(devices[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
+
+    print_backends()
+    mesh = net.mesh(devices, fsdp, tp)
     batch = batch_per_device * fsdp * tp        # the TP ranks of one FSDP rank share its rows
-    step = jq.make_train_step(loss_fn(cfg, "tp", tp), optax.adam(lr), mesh=mesh, tp_axis="tp",
-                              param_specs=param_specs(cfg), quantize_mask=quantize_mask(cfg),
-                              policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
-    state = step.init(init_params(jax.random.key(seed), cfg))
+    step = net.make_step(optax.adam(lr), mesh, recipe)
+    state = step.init(net.init_params(seed))
     adam = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)     # optax.adam's, as torch names them
     if resume is not None:   # any mesh size: the checkpoint is read into this mesh's shards
-        state = _resumed_state(step, state, resume)
+        state = resumed_state(step, state, resume)
         print(f"resumed from {resume} at step {int(state.step)}")
     start = int(state.step)
     sent, sent_bf16 = bytes_gathered(state.plan, recipe)
     n_params = sum(math.prod(shape) for shape in state.plan.shapes)
-    print(f"model: {cfg.layers} blocks under scan, d_model {cfg.d_model}, vocab {cfg.vocab}, {n_params:,} "
-          f"parameters; mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; weights {recipe}, layer-wise FSDP; "
-          f"batch {batch} x {cfg.seq} tokens")
+    print(f"model: {net.describe()}, {n_params:,} parameters; mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; "
+          f"weights {recipe}, layer-wise FSDP; batch {batch} x {net.cfg.seq} tokens")
     if sent_bf16:
         gathered = f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)"
         print(f"weights all-gathered per step (each layer where it is used): {gathered}")
     else:   # fsdp = 1, or no weight's rows split evenly over fsdp (e.g. 3): every rank holds its weights whole
         split = "" if fsdp == 1 else " splits no weight evenly"
         print(f"weights all-gathered per step: none (fsdp={fsdp}{split}: each device holds its weights whole)")
-    data = SyntheticData(cfg, batch, seed, skip=start)
+
+    procs = (jax.process_index(), jax.process_count())
+    if corpus is None:
+        synthetic = SyntheticData(net.cfg, batch, seed, skip=start)
+        next_batch = lambda n: synthetic.next()
+    else:
+        print(f"data: {corpus.describe()}; held-out loss every {eval_every} steps")
+        next_batch = lambda n: {"tokens": textdata.on_mesh(corpus.batch(n, batch, *procs), mesh)}
+        heldout = [{"tokens": textdata.on_mesh(b, mesh)} for b in corpus.heldout_batches(batch, EVAL_BATCHES, *procs)]
+        plain = jax.jit(net.plain_loss())
+
+    def evaluate():   # the model at its fp32 master weights, bf16 compute: the same measure for every recipe
+        params = step.params(state)
+        return float(np.mean([float(plain(params, b)) for b in heldout]))
 
     def save(total, final):
         if not _all_finite(state.master):
@@ -438,20 +282,25 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         tree = step.state_dict(state, hyperparams=adam)
         if final and recipe != "bf16":   # the compute weights too, per layer
             quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
-            params = per_layer(step.params(state), cfg)
-            tree[f"model_{recipe}"] = {n: quant(w) for n, w in params.items() if w.ndim == 2 and n != "embed"}
-        # what --resume checks and judges by: the recipe, and the loss the training run started from
-        record = {"recipe": recipe} | ({} if first_loss is None else {"first_loss": first_loss})
-        return ck.save_dcp(_fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
+            tree[f"model_{recipe}"] = {n: quant(w) for n, w in net.compute_weights(step.params(state)).items()}
+        record = run_record(recipe, model, data_kind, first_loss)
+        return ck.save_dcp(fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
                            tree | {"step": total, "demo": record})
 
-    tokens = batch * cfg.seq
-    losses, times = [], []
+    tokens = batch * net.cfg.seq
+    losses, times, evals = [], [], []
     bar = tqdm(range(steps), desc=f"train {recipe}", disable=not progress, dynamic_ncols=True)
+
+    def report_heldout(total):
+        evals.append((total, evaluate()))
+        bar.write(f"step {total}: held-out loss {evals[-1][1]:.3f}")
+
     try:
+        if corpus is not None:
+            report_heldout(start)
         for i in bar:
             interrupt.check()   # a Ctrl-C whose raise Python dropped (in a GC callback) stops the run here
-            b = data.next()
+            b = next_batch(start + i)
             t0 = time.perf_counter()
             state, metrics = step(state, b)
             loss = float(metrics["loss"])           # waits for the step
@@ -463,7 +312,10 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
             if resume is None and i == 0:
                 first_loss = loss
             tok_s = tokens / (np.median(times[1:]) if len(times) > 1 else times[0])
-            bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s")
+            held = f"  held-out {evals[-1][1]:.3f}" if evals else ""
+            bar.set_postfix_str(f"loss {loss:.3f}{held}  {tok_s:,.0f} tok/s")
+            if corpus is not None and ((i + 1) % eval_every == 0 or i + 1 == steps):
+                report_heldout(start + i + 1)
             if save_every and (i + 1) % save_every == 0 and i + 1 < steps:
                 bar.write(f"saved {save(start + i + 1, final=False)}")
     finally:
@@ -474,33 +326,56 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     memory = f"; peak device memory {peak:.2f} GiB" if peak is not None else ""
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps; step {step_time * 1e3:.1f} ms "
           f"({tokens / step_time:,.0f} tokens/s){' after the first (compile) step' if steps > 1 else ''}{memory}")
+    if evals:
+        print(f"held-out loss {evals[0][1]:.3f} at step {evals[0][0]} -> {evals[-1][1]:.3f} at step {evals[-1][0]}")
+    if plot is not None:
+        curves = [("training loss", np.arange(start + 1, start + steps + 1), losses, "-")]
+        curves += [("held-out loss", [s for s, _ in evals], [v for _, v in evals], "o-")] if evals else []
+        where = f"--text {os.path.basename(os.path.normpath(text))}" if text is not None else "synthetic data"
+        print(f"plot: {write_plot(plot, curves, xlabel='step', title=f'jaxquant demo: {net.name}, {recipe}, {where}')}")
+    again = (f" --model {model}" if model != "llama" else "") + (f" --text {shlex.quote(text)}" if text else "")
     print(f"checkpoint (parameters, Adam state, step {start + steps}): {path}\n"
           f"  inspect it:        jaxquant ckpt inspect {shlex.quote(path)}\n"
-          f"  resume in JAX:     jaxquant demo --resume {shlex.quote(path)} --recipe {recipe} --steps N   "
+          f"  resume in JAX:     jaxquant demo --resume {shlex.quote(path)} --recipe {recipe}{again} --steps N   "
           f"(any --mesh)\n"
-          f"  load in PyTorch:   {torch_load_command(path)}")
-    return {"losses": losses, "checkpoint": path, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-            "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16, "peak_gib": peak, "first_loss": first_loss,
-            "step": start + steps}
+          f"  load in PyTorch:   {torch_load_command(path, net.head)}")
+    return {"losses": losses, "heldout": evals, "checkpoint": path, "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time, "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16,
+            "peak_gib": peak, "first_loss": first_loss, "step": start + steps, "model": dataclasses.asdict(net.cfg)}
 
 
 EXIT_STATUS = ("Exit status 0; 1 when the loss did not fall (the last step's loss is not below the first step's "
                "loss of the training run: with --resume, the first step of the run the checkpoint continues, as it "
                "records it, so a resumed run is judged as the uninterrupted one; a fresh one-step run is not "
                "judged) or when the loss or the parameters became NaN or inf (the run stops before saving them); 2 "
-               "for a bad option or checkpoint to resume, found before any training; 130 / 143 when interrupted.")
+               "for a bad option, data or checkpoint to resume, found before any training; 130 / 143 when "
+               "interrupted.")
 
 
 def add_demo_parser(sub) -> None:
-    text = "train a small transformer with NVFP4/FP8 weights from fp32 master shards"
+    text = "train a small flax NNX Llama with NVFP4/FP8 weights from fp32 master shards"
     demo = sub.add_parser("demo", help=text, description=f"{text[0].upper()}{text[1:]}. {EXIT_STATUS}")
+    demo.add_argument("--model", choices=MODELS, default="llama",
+                      help="llama: a flax NNX Llama on an FSDP mesh; tp-sp: a hand-written transformer with tensor "
+                           "and sequence parallelism (default llama; --resume needs the checkpoint's)")
     demo.add_argument("--steps", type=int, default=40, help="training steps, at least 1 (default 40)")
     demo.add_argument("--recipe", choices=RECIPES, default="nvfp4",
                       help="compute weights (default nvfp4; --resume needs the checkpoint's)")
     demo.add_argument("--mesh", default=None,
-                      help="FSDPxTP, e.g. 4x2 (default: all devices, tp=2 on an even number: 4x2 on 8, 3x1 on 3)")
+                      help="FSDPxTP, e.g. 8x1 (default: all devices; llama: FSDP only, 8x1 on 8; tp-sp: tp=2 on an "
+                           "even number, 4x2 on 8, 3x1 on 3)")
     demo.add_argument("--batch-per-device", type=int, default=2, help="sequences per device and step (default 2)")
     demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate, positive (default 3e-3)")
+    demo.add_argument("--text", default=None, metavar="PATH",
+                      help="train on the bytes of a text file or of the text files under a directory (read "
+                           "recursively; vocabulary 256) instead of synthetic data, with a held-out part (default: "
+                           "synthetic data)")
+    demo.add_argument("--eval-every", type=int, default=None, metavar="N",
+                      help="with --text: the held-out loss every N steps, at least 1 (default: steps/10, at least "
+                           "1; also before the first step and after the last)")
+    demo.add_argument("--plot", default=None, metavar="PATH",
+                      help="write the loss curves (training, and held-out with --text) to this .png file; needs "
+                           "matplotlib (default: no plot)")
     demo.add_argument("--ckpt-dir", default="jaxquant-demo-ckpt",
                       help="checkpoints go under this directory, made if missing (default jaxquant-demo-ckpt)")
     demo.add_argument("--devices", type=int, default=8,
@@ -510,7 +385,7 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--resume", default=None, metavar="DIR",
                       help="continue from a checkpoint this demo wrote (parameters, Adam state, step; any mesh; "
-                           "the same --recipe)")
+                           "the same --recipe, --model and data)")
     demo.add_argument("--save-every", type=int, default=0, metavar="N",
                       help="also save a training checkpoint every N steps (default 0: only at the end)")
     demo.set_defaults(func=main)
@@ -518,14 +393,15 @@ def add_demo_parser(sub) -> None:
 
 def main(args) -> int:
     """0: the loss fell (or a one-step run); 1: it did not, or it became non-finite (said on stderr); 2: bad
-    arguments, a checkpoint that cannot be resumed or a missing extra (see EXIT_STATUS)."""
+    arguments, data, a checkpoint that cannot be resumed or a missing extra (see EXIT_STATUS)."""
     import sys
 
     try:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, batch_per_device=args.batch_per_device,
                   lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed, progress=not args.no_progress,
-                  resume=args.resume, save_every=args.save_every)
-    except MissingOptaxError as e:
+                  resume=args.resume, save_every=args.save_every, model=args.model, text=args.text,
+                  eval_every=args.eval_every, plot=args.plot)
+    except MissingExtraError as e:
         print(f"jaxquant demo: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -1,0 +1,260 @@
+"""The model-independent parts of ``jaxquant demo`` (jaxquant/cli/demo.py): checks of its options and destinations
+(each a ``ValueError`` whose message starts with the option's name, raised before any training), the checkpoint
+plumbing of ``--resume`` / ``--ckpt-dir`` (the records the demo keeps in its checkpoints, the PyTorch load
+command) and the loss-curve plot of ``--plot`` (benchmarks/bench_convergence.py draws its own with it too)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import tempfile
+
+
+class MissingExtraError(ImportError):
+    """A package of the "train" extra (not a core dependency) is not installed; the message says how to get it."""
+
+    def __init__(self, what: str):
+        super().__init__(f'{what}: pip install "jaxquant[train]" (from a checkout: pip install '
+                         f'--no-build-isolation -e ".[train]")')
+
+
+class MissingOptaxError(MissingExtraError):
+    def __init__(self):
+        super().__init__("the demo trains with optax, which is not installed")
+
+
+class NonFiniteError(ArithmeticError):
+    """The loss or the parameters became NaN or ±inf: the run stops before saving that state."""
+
+
+def parse_mesh(spec: str | None, num_devices: int, default_tp: int = 2) -> tuple[int, int]:
+    """``"FxT"`` -> (fsdp, tp); None -> every device on a (fsdp, tp=``default_tp``) mesh (``Nx1`` for a count that
+    ``default_tp`` does not divide)."""
+    if spec is None:
+        return (num_devices // default_tp, default_tp) if num_devices % default_tp == 0 else (num_devices, 1)
+    try:
+        fsdp, tp = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh: must look like 8x1 (fsdp x tp), got {spec!r}") from None
+    if fsdp < 1 or tp < 1:
+        raise ValueError(f"--mesh: both sizes must be positive, got {spec!r}")
+    if fsdp * tp > num_devices:
+        raise ValueError(f"--mesh: {fsdp}x{tp} needs {fsdp * tp} devices, {num_devices} available")
+    return fsdp, tp
+
+
+def bytes_gathered(plan, recipe: str) -> tuple[int, int]:
+    """(bytes each device receives per step from the weight all-gathers, the same for bf16 weights): every
+    quantized layer is gathered twice (forward, backward) as quantized bytes and scales; masked and other
+    leaves once, as bf16 / fp32 arrays. With TP, one TP rank's blocks."""
+    per_element = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0, "bf16": 2.0}[recipe]
+    sent = sent_bf16 = 0
+    for rule in plan.rules:
+        local = math.prod(rule.shape) // rule.tp_size
+        received = local * (rule.weight.num_shards - 1) // rule.weight.num_shards
+        if rule.quantized:
+            sent += int(2 * received * per_element)
+            sent_bf16 += 2 * received * 2
+        else:
+            size = 2 if rule.recipe == "bf16" else 4
+            sent += received * size
+            sent_bf16 += received * size
+    return sent, sent_bf16
+
+
+def print_backends() -> None:
+    import jax
+
+    from jaxquant.primitives import _ffi
+
+    summary = getattr(_ffi, "backend_summary", None)
+    if summary is not None:
+        print(summary())
+    else:
+        print(f"backend: {jax.default_backend()}; custom calls built for: "
+              f"{', '.join(_ffi.built_platforms()) or 'none (pure-JAX reference everywhere)'}")
+
+
+def fresh_dir(path: str) -> str:
+    candidate, n = path, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
+def _os_error_text(e: OSError) -> str:
+    from jaxquant.checkpoint.fsutil import os_error_cause
+
+    return f"{e.filename}: {os_error_cause(e)}" if e.filename else os_error_cause(e)
+
+
+def check_writable_dir(directory: str, option: str, *, create: bool) -> None:
+    """Raise ``ValueError("{option}: ...")`` unless files can be made in ``directory`` (``create``: or in the
+    directory it will be made in, with its parents). Tried by making and removing a temporary directory, so a
+    destination that cannot be written is refused before the work whose results would go there, not after it."""
+    from jaxquant.checkpoint.fsutil import os_error_cause
+
+    path = os.path.abspath(directory)
+    existing = path
+    while create and not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "does not exist" if not os.path.lexists(existing) else "is not a directory"
+        on_the_way = "" if existing == path else f" (on the way to {directory})"
+        raise ValueError(f"{option}: {existing} {what}{on_the_way}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxquant-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(f"{option}: cannot write in {existing}: {os_error_cause(e)}") from None
+
+
+# --- the demo's records in its checkpoints ("demo.*"): what --resume checks and judges by
+
+
+def _recorded(path: str, name: str, kind: type):
+    """The demo's record ``demo.{name}`` of checkpoint ``path``; None where it has none (written by another
+    program, or by the demo before it kept this record). Raises ``CheckpointError`` for an unreadable one."""
+    from jaxquant import checkpoint as ck
+
+    try:
+        return ck.load_dcp(path, {"demo": {name: kind}})["demo"][name]
+    except ck.KeyMismatchError:
+        return None
+
+
+def checkpoint_recipe(path: str) -> str | None:
+    """The recipe checkpoint ``path`` was trained with: its ``demo.recipe`` record, else the name the demo gives
+    its checkpoint directories (``{recipe}-step{N}``); None where neither says."""
+    recorded = _recorded(path, "recipe", str)
+    name = re.fullmatch(r"(nvfp4|fp8|bf16)-step\d+(-\d+)?", os.path.basename(os.path.normpath(path)))
+    return recorded or (name and name[1])
+
+
+def checkpoint_model(path: str) -> str | None:
+    """The ``--model`` checkpoint ``path`` was trained with: its ``demo.model`` record; ``tp-sp`` for a checkpoint
+    of the demo from before ``--model`` (it records its recipe but no model: it had only that model); else None."""
+    model = _recorded(path, "model", str)
+    if model is None and _recorded(path, "recipe", str) is not None:
+        return "tp-sp"
+    return model
+
+
+def run_record(recipe: str, model: str, data: str, first_loss: float | None) -> dict:
+    """The ``demo`` entry of a checkpoint: the recipe, model and data (``synthetic`` / ``text``) the run trains
+    with, and the loss its training run started from (judged against when it is resumed)."""
+    return {"recipe": recipe, "model": model, "data": data} | ({} if first_loss is None else {"first_loss": first_loss})
+
+
+def check_resume(path: str, recipe: str, model: str = "llama", data: str = "synthetic") -> float | None:
+    """Before any work: ``path`` must be a readable DCP checkpoint trained with ``recipe`` (resuming with another
+    would switch the compute weights mid-run), ``model`` and on the same kind of ``data``. Returns the loss of its
+    run's first step, None where the checkpoint does not record it. The errors are ``jaxquant ckpt inspect``'s
+    (jaxquant/checkpoint/errors.py)."""
+    from jaxquant import checkpoint as ck
+
+    try:
+        trained = checkpoint_recipe(path)
+        trained_model = checkpoint_model(path)
+        trained_data = _recorded(path, "data", str)
+        first_loss = _recorded(path, "first_loss", float)
+    except ck.CheckpointError as e:
+        raise ValueError(f"--resume: {e}") from None
+    except OSError as e:
+        raise ValueError(f"--resume: {_os_error_text(e)}") from None
+    if trained is not None and trained != recipe:
+        raise ValueError(f"--resume: {path} was trained with --recipe {trained}, this run asks for --recipe "
+                         f"{recipe}; pass --recipe {trained} to continue it")
+    if trained_model is not None and trained_model != model:
+        raise ValueError(f"--resume: {path} was trained with --model {trained_model}, this run asks for --model "
+                         f"{model}; pass --model {trained_model} to continue it")
+    if trained_data is not None and trained_data != data:
+        said = {"text": "--text data (byte tokens)", "synthetic": "the synthetic data (no --text)"}
+        raise ValueError(f"--resume: {path} was trained on {said.get(trained_data, trained_data)}, this run on "
+                         f"{said.get(data, data)}; {'pass --text PATH' if trained_data == 'text' else 'drop --text'}"
+                         f" to continue it")
+    return first_loss
+
+
+def resumed_state(step, like, path: str):
+    """The training state of checkpoint ``path`` on ``step``'s mesh; ``ValueError("--resume: ...")`` for a
+    damaged checkpoint (a chunk's CRC-32 is checked as it is read) or one of another model."""
+    from jaxquant import checkpoint as ck
+
+    try:
+        return step.load_state_dict(ck.load_dcp(path, step.state_dict_target(like)), like=like)
+    except ck.KeyMismatchError as e:
+        raise ValueError(f"--resume: not a checkpoint of this demo's model: {e}") from None
+    except ck.CheckpointError as e:
+        raise ValueError(f"--resume: {e}") from None
+    except OSError as e:
+        raise ValueError(f"--resume: {_os_error_text(e)}") from None
+    except (KeyError, ValueError) as e:   # load_state_dict: entries that are no Adam state of this model
+        raise ValueError(f"--resume: not a checkpoint of this demo's training state: {path}: "
+                         f"{e.args[0] if e.args else e}") from None
+
+
+def peak_memory_gib(devices) -> float | None:
+    """The largest peak of device memory in use among ``devices`` (None where the backend does not say)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) / 2 ** 30 if peaks else None
+
+
+def torch_load_command(path: str, show: str = "model.head") -> str:
+    """A shell command that loads every tensor of DCP checkpoint ``path`` into a PyTorch dict (keyed as the
+    checkpoint names them: model.*, optim.state.*, model_nvfp4.*), with no model class: the dict is built from
+    the checkpoint's own metadata. It prints the count and the shape of tensor ``show``."""
+    code = (f"import torch, torch.distributed.checkpoint as dcp; r = dcp.FileSystemReader({json.dumps(path)}); "
+            'sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in '
+            'r.read_metadata().state_dict_metadata.items() if hasattr(m, "size")}; dcp.load(sd, storage_reader=r); '
+            f'print(len(sd), "tensors; {show}", tuple(sd["{show}"].shape))')
+    return f"python -c {shlex.quote(code)}"
+
+
+# --- --plot
+
+
+def check_plot(path: str, option: str = "--plot") -> None:
+    """Before any work: ``path`` must name a ``.png`` file whose directory can be written (made if missing), and
+    matplotlib must be installed."""
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"{option}: must name a .png file, got {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path} is a directory")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(f'{option}: needs matplotlib, which is not installed: pip install matplotlib (or '
+                         f'pip install "jaxquant[train]")') from None
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), option, create=True)
+
+
+def write_plot(path: str, curves, *, xlabel: str, ylabel: str = "loss (nats / token)", title: str = "") -> str:
+    """Write a PNG of ``curves`` ``[(label, xs, ys, style)]`` (``style``: a matplotlib format such as ``"-"`` or
+    ``"o-"``) to ``path`` (its directory made if missing); returns ``path``. Draws on a ``Figure`` of its own (no
+    pyplot: no global backend or window)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, xs, ys, style in curves:
+        if len(xs):
+            ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        import textwrap
+
+        ax.set_title(textwrap.fill(title, 90), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
