@@ -45,12 +45,12 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
 # "-keep": make_train_step(reshard_after_forward=False), each layer's gathered weight kept for its backward
-# "-peruse": make_train_step(quantize_once=False), each layer quantized where it is read (with its own scalar
-# amax all-reduce) instead of once a step before the first microbatch
+# "-once": make_train_step(quantize_once=True), every layer quantized once a step before the first microbatch
+# (one packed amax all-reduce) instead of where it is read (each with its own scalar amax all-reduce)
 # "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
 EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
                  "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
-    tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "peruse") for r in ("bf16", "fp8", "nvfp4")
+    tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
           for form in ("-loop", ""))
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
@@ -261,7 +261,7 @@ def _tp_loss(a, scan, sp, overlap="off"):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=True):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False):
     import jax
     import optax
 
@@ -316,7 +316,7 @@ def run_one(a, config):
     else:
         fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
                              overlap="fused" if "-spfused" in config else "off",
-                             quantize_once="-peruse" not in config)
+                             quantize_once="-once" in config)
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}

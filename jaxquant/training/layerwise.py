@@ -204,7 +204,7 @@ class LayerwiseTrainStep:
     def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
                  param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None,
                  reshard_after_forward=True, strategy="optim_grads_params", rules=None, has_aux=False,
-                 weighted_loss=False, quantize_once=True):
+                 weighted_loss=False, quantize_once=False):
         self.strategy, self.rules = strategy, rules
         self.has_aux, self.weighted_loss = has_aux, weighted_loss
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy

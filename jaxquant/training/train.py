@@ -42,7 +42,7 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
                     param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None,
                     replicate_axis: Optional[str] = None, quantize_mask=None, compiler_options=_DEFAULT,
                     reshard_after_forward: bool = True, rules=None, has_aux: bool = False,
-                    weighted_loss: bool = False, quantize_once: bool = True):
+                    weighted_loss: bool = False, quantize_once: bool = False):
     """A jitted data-parallel training step with quantized compute weights.
 
     Args:
@@ -80,7 +80,8 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
       quantize_once: ``optim_grads_params``: every layer's rows are quantized once a step, before the first
         microbatch, their amaxes max-reduced in one packed all-reduce, so that a layer only gathers bytes (no
         cast, no scalar all-reduce before its gather; holds the quantized shards of the whole model, 1/4 of the
-        fp32 master's size for FP8). False: quantized where each layer reads its weight. Same bytes either way.
+        fp32 master's size for FP8). False (default until measured on GPUs): quantized where each layer reads its
+        weight, with its own scalar amax all-reduce. Same bytes either way.
       rules: a list of ``jq.ParamRule`` (path regex -> quantized or not, recipe, TP split, stacked layer axis;
         first match wins, an unmatched leaf is an error), instead of ``quantize_mask`` / ``param_specs``.
 
