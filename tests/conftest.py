@@ -22,6 +22,33 @@ import pytest  # noqa: E402
 import jaxquant  # noqa: E402
 import jaxquant.primitives.ops  # noqa: E402
 
+
+def _share_compiled_programs() -> None:
+    """On the CPU, one persistent compilation cache for the session, this process and the processes it starts (the
+    CLI, checkpoint and multi-process tests): many tests compile the same step or demo, and each compile after the
+    first is a cache read (about a quarter of the suite's time). Off with JAXQUANT_TEST_COMPILE_CACHE=0, and
+    wherever the caller set a cache directory of their own."""
+    if os.environ.get("JAXQUANT_TEST_COMPILE_CACHE", "1") == "0" or jax.default_backend() != "cpu":
+        return
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="jaxquant-test-jit-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+_share_compiled_programs()
+
 # The quantizers under test, jitted (one compile per configuration instead of op-by-op dispatch).
 # Options are always passed explicitly (compute_dtype None unless a test says otherwise), so the tests
 # do not depend on the library's defaults and calls with the same options share one compiled program.

@@ -123,7 +123,10 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
 def test_group_stats_and_casts_many_params_equal_reference(num_params):
     """Many small parameters at odd offsets over 3 shards: the GPU kernels find each thread's
     parameter in a shared-memory copy of the table column up to 1,024 parameters (300) and in the
-    global table beyond (1,100); stats and casts equal the reference either way."""
+    global table beyond (1,100); stats and casts equal the reference either way. The two sizes differ only in the
+    GPU kernels: elsewhere the same handler runs both, so 1,100 alone is run there."""
+    if num_params <= 1024 and jax.default_backend() != "gpu":
+        pytest.skip("the shared-memory table (<= 1,024 parameters) is a branch of the GPU kernels only")
     rng = np.random.default_rng(num_params)
     num_shards = 3
     shapes, offsets, n = _layout(rng, num_params, num_shards, True)
@@ -446,12 +449,13 @@ def test_group_split_many_segments_equals_slices(impl):
     """2,101 results (more than one GPU launch's 1,000 segments: three launches), each a segment or
     two at random offsets: tiny ones, ones crossing the kernel's 32 KiB chunks at offsets that do
     and do not agree modulo 16 with their destination, and a 2-segment result whose pieces come from
-    two sources; every result equals its slices."""
+    two sources; every result equals its slices. The reference (slices, no launches) runs the first 701 of
+    them: every kind of result, at a third of the compile time."""
     from jaxquant.zero import group_split
     rng = np.random.default_rng(21)
     src = [rng.integers(0, 256, 3_000_003).astype(np.uint8), rng.integers(0, 256, 50_001).astype(np.uint8)]
     pieces, want = [], []
-    for r in range(2_101):
+    for r in range(2_101 if impl == "custom_call" else 701):
         kind = r % 7
         if kind == 6:                                   # two segments from both sources
             a, b = int(rng.integers(1, 3_000)), int(rng.integers(1, 3_000))
