@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from jaxquant.primitives import recipes
 # (re-exported: tests, benchmarks and `jaxquant bench` reach these through this module)
 from jaxquant.cli.demo_support import (  # noqa: F401
     MissingExtraError, MissingOptaxError, NonFiniteError, bytes_gathered, check_plot, check_resume,
@@ -35,7 +36,7 @@ from jaxquant.cli.demo_support import (  # noqa: F401
 from jaxquant.cli.tpsp import (  # noqa: F401
     BLOCK_MATRICES, TP_SPLIT, ModelConfig, check_tp, init_params, loss_fn, param_specs, per_layer, quantize_mask)
 
-RECIPES = ("nvfp4", "fp8", "bf16")
+RECIPES = tuple(reversed(recipes.RECIPES))   # NVFP4 first: the default
 MODELS = ("llama", "tp-sp")
 EVAL_BATCHES = 4       # held-out batches (of the training batch size) per evaluation
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant.primitives.recipes import QUANTIZED_RECIPES, RECIPES  # noqa: F401  (formats.RECIPES)
+
 FLT_MAX = np.float32(np.finfo(np.float32).max)
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 
@@ -20,10 +22,6 @@ NVFP4_GLOBAL_RANGE = np.float32(2688.0)
 # The fp32 constant 1.0f/6.0f (0x3E2AAAAB) the tile-scale formula uses.
 C6 = np.float32(1.0) / np.float32(6.0)
 
-# The weight recipes, named once: FP8 per-tensor current scaling (§1) and NVFP4 16x16 block scaling (§2);
-# "bf16" is no quantization (GEMMs in the compute dtype).
-QUANTIZED_RECIPES = ("fp8", "nvfp4")
-RECIPES = ("bf16",) + QUANTIZED_RECIPES
 COMPUTE_DTYPE = jnp.dtype(jnp.bfloat16)   # compute weights, their gradients, unquantized GEMM operands
 
 TILE = 16
