@@ -236,8 +236,8 @@ def quantize_once(shards: list, specs: list) -> list:
             amax, tiles = stats[i]
             stats[i] = (packed[at: at + amax.size].reshape(amax.shape).astype(amax.dtype), tiles)
             at += amax.size
+    # (bf16: stats None, an empty pytree that vmap passes through)
     return [_per_layer(lambda s, st, sp=spec: quantize_shard(s, sp, st), s.ndim)(s, st)
-            if st is not None else _per_layer(lambda s, sp=spec: quantize_shard(s, sp, None), s.ndim)(s)
             for s, st, spec in zip(shards, stats, specs)]
 
 
