@@ -42,6 +42,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 CONFIGS = ("plain-bf16", "jq-bf16", "jq-fp8", "jq-nvfp4")
+# "-bf16head": the output head kept in bf16 (flax_rules(recipes=...)), every other kernel in the recipe: what the
+# head's quantization costs (the NVFP4 pretraining recipe keeps the last layers in higher precision)
+EXTRA_CONFIGS = ("jq-fp8-bf16head", "jq-nvfp4-bf16head")
 # model sizes (vocab 256: byte tokens) and the run each size defaults to
 SIZES = {
     "smoke": dict(model=dict(dim=64, heads=4, ffn=128, layers=2), seq=64, steps=20, batch=16, eval_every=5,
@@ -57,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=("auto",) + tuple(SIZES), default="auto",
                    help="model and run size: smoke (CPU, seconds), base (~85M parameters, GPU); default auto: base on "
                         "GPU, smoke elsewhere")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS + EXTRA_CONFIGS)}")
     p.add_argument("--steps", type=int, default=None, help="training steps of each configuration (default: the size's)")
     p.add_argument("--batch", type=int, default=None,
                    help="global batch in sequences, a multiple of the device count (default: the size's)")
@@ -71,7 +74,37 @@ def parse_args(argv=None):
                    help="a text file or directory of text files (default: the Python standard library's .py files)")
     p.add_argument("--out", default="convergence-results", metavar="DIR",
                    help="results.json, results.md, heldout.png and train.png go here (default convergence-results)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="no training: the table and plots of the configurations in these results.json files (runs of "
+                        "the same settings, e.g. configurations run on separate GPUs at once), written to --out")
     return p.parse_args(argv)
+
+
+def merge(a) -> int:
+    """``--merge``: one table and one plot of several runs' results (the same settings, checked)."""
+    runs = []
+    for path in a.merge:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            print(f"bench_convergence.py: error: --merge: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    keys = ("size", "steps", "batch", "seq", "eval_every", "eval_batches", "lr", "seed", "text")
+    first = runs[0]["settings"]
+    for path, run in zip(a.merge, runs):
+        differ = [k for k in keys if run["settings"].get(k) != first.get(k)]
+        if differ:
+            print(f"bench_convergence.py: error: --merge: {path} was run with other settings ({', '.join(differ)})",
+                  file=sys.stderr)
+            return 2
+    settings = argparse.Namespace(**{**first, "out": a.out})
+    results = [r for run in runs for r in run["results"]]
+    order = {c: i for i, c in enumerate(CONFIGS + EXTRA_CONFIGS)}
+    results.sort(key=lambda r: order[r["config"]])
+    md = write_outputs(settings, results, runs[0]["header"])
+    print(md, flush=True)
+    return 0
 
 
 def resolve(a):
@@ -94,9 +127,10 @@ def resolve(a):
     if a.batch % devices:
         raise ValueError(f"--batch: {a.batch} sequences do not split over the {devices} devices (fsdp)")
     a.configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    bad = [c for c in a.configs if c not in CONFIGS]
+    bad = [c for c in a.configs if c not in CONFIGS + EXTRA_CONFIGS]
     if bad or not a.configs:
-        raise ValueError(f"--configs: must be a comma-separated subset of {','.join(CONFIGS)}, got {bad or 'none'}")
+        raise ValueError(f"--configs: must be a comma-separated subset of {','.join(CONFIGS + EXTRA_CONFIGS)}, got "
+                         f"{bad or 'none'}")
     from jaxquant.cli.demo_support import check_plot, check_writable_dir
 
     check_writable_dir(a.out, "--out", create=True)
@@ -200,12 +234,14 @@ def plain_runner(a, cfg, mesh, opt, evaluator):
     return step, lambda: evaluator(box["state"][0])
 
 
-def jq_runner(a, cfg, mesh, opt, evaluator, recipe):
-    """The same for the model under jq.make_train_step with ``recipe`` compute weights."""
+def jq_runner(a, cfg, mesh, opt, evaluator, recipe, bf16_head=False):
+    """The same for the model under jq.make_train_step with ``recipe`` compute weights (the head's bf16 with
+    ``bf16_head``)."""
     import jaxquant as jq
     from jaxquant.cli import llama as L
 
-    train = jq.make_train_step(jq.flax_loss(evaluator.abstract, L.lm_loss), opt, mesh=mesh, rules=L.rules(),
+    rules = jq.flax_rules(stacked=L.STACKED, recipes={r"head\.kernel": "bf16"}) if bf16_head else L.rules()
+    train = jq.make_train_step(jq.flax_loss(evaluator.abstract, L.lm_loss), opt, mesh=mesh, rules=rules,
                                policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
     box = {"state": train.init(jq.flax_params(L.llama(cfg, a.seed)))}
 
@@ -232,7 +268,7 @@ def run_config(a, config, cfg, data, mesh, evaluator):
     if config == "plain-bf16":
         step, heldout = plain_runner(a, cfg, mesh, opt, evaluator)
     else:
-        step, heldout = jq_runner(a, cfg, mesh, opt, evaluator, config.split("-")[1])
+        step, heldout = jq_runner(a, cfg, mesh, opt, evaluator, config.split("-")[1], config.endswith("-bf16head"))
     tokens_per_step = a.batch * a.seq
     curve = [(0, heldout())]
     train, times = [], []
@@ -287,7 +323,8 @@ def write_outputs(a, results, header):
     md = table(results, header)
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write(md)
-    style = {"plain-bf16": "k-", "jq-bf16": "b--", "jq-fp8": "g-", "jq-nvfp4": "r-"}
+    style = {"plain-bf16": "k-", "jq-bf16": "b--", "jq-fp8": "g-", "jq-nvfp4": "r-", "jq-fp8-bf16head": "g:",
+             "jq-nvfp4-bf16head": "r:"}
     held = [(r["config"], [t / 1e6 for t, _ in r["heldout"]], [v for _, v in r["heldout"]], style[r["config"]] + "o")
             for r in results]
     write_plot(os.path.join(a.out, "heldout.png"), held, xlabel="tokens (millions)", ylabel="held-out loss (nats/byte)",
@@ -304,8 +341,11 @@ def write_outputs(a, results, header):
 def main(argv=None) -> int:
     import jax
 
+    a = parse_args(argv)
+    if a.merge:
+        return merge(a)
     try:
-        a = resolve(parse_args(argv))
+        a = resolve(a)
         from jaxquant.training.text import TextData
 
         data = TextData(a.text, seq=a.seq, seed=a.seed)
