@@ -78,3 +78,29 @@ def test_bench_convergence_refuses_bad_options_before_any_work(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"bench_convergence.py: error: {fill(message)}"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_puts_runs_of_the_same_settings_in_one_table_and_refuses_others(tmp_path, capsys):
+    """--merge: configurations run apart (e.g. one per GPU at once) in one table and plot, in the benchmark's order;
+    runs of other settings are refused in one line."""
+    header = "flax NNX Llama (test)"
+    settings = dict(size="base", steps=3, batch=4, seq=8, eval_every=1, eval_batches=1, lr=1e-3, seed=0, text=None)
+
+    def run(name, config, final, **changed):
+        r = {"config": config, "heldout": [[0, 5.0], [32, final]], "train": [5.0, 4.0, 3.0], "final_heldout": final,
+             "final_train": 3.0, "steps": 3, "tokens": 96, "tokens_per_s": 1000.0, "step_ms": 32.0}
+        path = tmp_path / name
+        path.write_text(json.dumps({"header": header, "settings": settings | changed, "results": [r]}))
+        return str(path)
+
+    a, b = run("a.json", "jq-nvfp4", 1.5), run("b.json", "plain-bf16", 1.25)
+    out = tmp_path / "merged"
+    assert _bench().main(["--merge", a, b, "--out", str(out)]) == 0
+    table = (out / "results.md").read_text()
+    assert table.index("| plain-bf16 | 1.2500 | +0.0000 |") < table.index("| jq-nvfp4 | 1.5000 | +0.2500 |"), table
+    assert (out / "heldout.png").read_bytes().startswith(b"\x89PNG")
+    capsys.readouterr()
+    c = run("c.json", "jq-fp8", 1.4, seed=1)
+    assert _bench().main(["--merge", a, c, "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"bench_convergence.py: error: --merge: {c} was run with other settings (seed)"], err
