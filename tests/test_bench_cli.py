@@ -173,7 +173,7 @@ def test_bench_defaults_are_the_ones_help_names_and_no_json_unless_asked(tmp_pat
     (["--sizes", "0x0"], "--sizes: both dimensions must be positive, got '0x0'"),
     (["--sizes", "20x32"], "--sizes: NVFP4 2D block scaling needs M (rows) to be a positive multiple of 16"),
     (["--sizes", "32x20", "--ops", "quantize_nvfp4"], "--sizes: NVFP4 2D block scaling needs K (cols)"),
-    (["--sizes", "20x32", "--ops", "quantize_fp8", "--stages"], "multiple of 16"),   # the stages use NVFP4's stats
+    (["--sizes", "20x32", "--ops", "fp8_*", "--stages"], "multiple of 16"),   # the stage rows start from NVFP4's stats
     (["--dtypes", "int8"], "--dtypes: each must be one of the quantizers' input dtypes float32, bfloat16; got 'int8'"),
     (["--ops", "nonexistent"], "--ops: 'nonexistent' selects none of this run's ops (quantize_fp8,"),
     (["--ops", "step_*", "--no-group"], "--group adds step_*"),
@@ -199,3 +199,17 @@ def test_bench_times_fp8_alone_on_any_shape(tmp_path, capsys):
     assert cli.main(["bench", "--sizes", "20x30", "--ops", "quantize_fp8", "--iters", "1", "--repeats", "1",
                      "--no-group", "--no-device-time", "--dtypes", "float32", "--json", str(out)]) == 0
     assert [(r["op"], r["shape"]) for r in json.loads(out.read_text())["rows"]] == [("quantize_fp8", "20x30")]
+
+
+def test_stage_rows_need_the_16_grid_only_when_selected():
+    """On a GPU the stage rows are on by default; an --ops that selects none of them takes any shape (the rule is
+    the stage rows' NVFP4 statistics'), one that selects one refuses a shape off the 16-grid."""
+    import argparse
+
+    from jaxquant.cli import bench
+
+    args = lambda ops: argparse.Namespace(sizes="20x30", dtypes="float32", iters=1, repeats=1, stages=None, ops=ops,
+                                          group=False, json=None)
+    assert bench.check_args(args("quantize_fp8"), gpu=True)["stages"] is False
+    with pytest.raises(ValueError, match="--sizes"):
+        bench.check_args(args("fp8_stats"), gpu=True)

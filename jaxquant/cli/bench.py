@@ -419,6 +419,8 @@ def check_args(args, gpu: bool) -> dict:
                                                                                    ["--group adds step_*"])
             raise ValueError(f"--ops: {pattern!r} selects none of this run's ops ({', '.join(available)})"
                              + (f"; {'; '.join(off)}" if off else ""))
+    # no stage rows (nor their NVFP4 statistics) where --ops selects none of them
+    stages = stages and any(selected(name, args.ops) for name in STAGE_OPS)
     # NVFP4's 16x16 tiles: its ops, and every --stages row (they start from nvfp4_stats, see cases())
     if stages or any("nvfp4" in name and selected(name, args.ops) for name in single):
         for rows, cols in sizes:
