@@ -327,8 +327,9 @@ def write_outputs(a, results, header):
              "jq-nvfp4-bf16head": "r:"}
     held = [(r["config"], [t / 1e6 for t, _ in r["heldout"]], [v for _, v in r["heldout"]], style[r["config"]] + "o")
             for r in results]
+    # the curves fall together from ~6 nats: a second panel over the last two thirds shows where they part
     write_plot(os.path.join(a.out, "heldout.png"), held, xlabel="tokens (millions)", ylabel="held-out loss (nats/byte)",
-               title=header)
+               title=header, zoom_from=a.steps * a.batch * a.seq / 3e6)
     window = max(1, min(a.eval_every, a.steps // 10 or 1))     # a running mean: the per-step loss is noisy
     smooth = lambda x: np.convolve(x, np.ones(window) / window, mode="valid")
     trains = [(r["config"], (np.arange(window, len(r["train"]) + 1) * a.batch * a.seq) / 1e6, smooth(r["train"]),

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import tempfile
+from typing import Optional
 
 
 class MissingExtraError(ImportError):
@@ -233,27 +234,35 @@ def check_plot(path: str, option: str = "--plot") -> None:
     check_writable_dir(os.path.dirname(os.path.abspath(path)), option, create=True)
 
 
-def write_plot(path: str, curves, *, xlabel: str, ylabel: str = "loss (nats / token)", title: str = "") -> str:
+def write_plot(path: str, curves, *, xlabel: str, ylabel: str = "loss (nats / token)", title: str = "",
+               zoom_from: Optional[float] = None) -> str:
     """Write a PNG of ``curves`` ``[(label, xs, ys, style)]`` (``style``: a matplotlib format such as ``"-"`` or
-    ``"o-"``) to ``path`` (its directory made if missing); returns ``path``. Draws on a ``Figure`` of its own (no
-    pyplot: no global backend or window)."""
+    ``"o-"``) to ``path`` (its directory made if missing); returns ``path``. ``zoom_from``: a second panel with the
+    points at ``x >= zoom_from`` (where curves that fell together differ by little). Draws on a ``Figure`` of its
+    own (no pyplot: no global backend or window)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5), dpi=100)
+    fig = Figure(figsize=(12 if zoom_from is not None else 7, 4.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for label, xs, ys, style in curves:
-        if len(xs):
-            ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1.2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    panels = [(fig.add_subplot(1, 2 if zoom_from is not None else 1, 1), None)]
+    if zoom_from is not None:
+        panels.append((fig.add_subplot(1, 2, 2), zoom_from))
+    for ax, start in panels:
+        for label, xs, ys, style in curves:
+            keep = [(x, y) for x, y in zip(xs, ys) if start is None or x >= start]
+            if keep:
+                ax.plot(*zip(*keep), style, label=label, markersize=3, linewidth=1.2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        if start is not None:
+            ax.set_title(f"from x = {start:.3g}", fontsize=9)
     if title:
         import textwrap
 
-        ax.set_title(textwrap.fill(title, 90), fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+        fig.suptitle(textwrap.fill(title, 150 if zoom_from is not None else 90), fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png")
