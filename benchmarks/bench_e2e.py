@@ -48,8 +48,8 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # "-once": make_train_step(quantize_once=True), every layer quantized once a step before the first microbatch
 # (one packed amax all-reduce) instead of where it is read (each with its own scalar amax all-reduce)
 # "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
-# "-pf": the stack under jq.scan (each layer's weights gathered one layer ahead, forward and backward) in place of
-# jax.lax.scan; "-once-pf" with quantize_once too
+# "-pf": the stack under jaxquant.training.prefetch.scan (each layer's weights gathered one layer ahead, forward and
+# backward) in place of jax.lax.scan; "-once-pf" with quantize_once too (an experiment: docs/fsdp.md)
 EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
                  "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
     tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
@@ -178,7 +178,9 @@ def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, prefe
                   if plain else jq.remat_policy(a.remat))
         body = jax.checkpoint(body, policy=policy)
     if scan:
-        return (jq.scan if prefetch else jax.lax.scan)(body, x, params["blocks"])[0]
+        from jaxquant.training.prefetch import scan as prefetch_scan
+
+        return (prefetch_scan if prefetch else jax.lax.scan)(body, x, params["blocks"])[0]
     for p in params["blocks"]:
         x = body(x, p)[0]
     return x

@@ -27,7 +27,7 @@ _EXPORTS = {
     "quantize_master_weights": "jaxquant.zero.distributed",
     "quantize_master_weights_local": "jaxquant.zero.distributed",
     "dense": "jaxquant.training.dense", "straight_through": "jaxquant.training.dense",
-    "ShardedWeight": "jaxquant.training.fsdp", "scan": "jaxquant.training.prefetch",
+    "ShardedWeight": "jaxquant.training.fsdp",
     "MixedPrecisionPolicy": "jaxquant.training.train", "TrainState": "jaxquant.training.train",
     "make_train_step": "jaxquant.training.train", "raise_if_nonfinite": "jaxquant.training.train",
     "ParamRule": "jaxquant.training.rules",

@@ -1,4 +1,4 @@
-"""``jq.scan``: the stacked layers under a scan that gathers each layer's weights one layer ahead (forward and
+"""``jaxquant.training.prefetch.scan`` (an experiment, not exported: docs/fsdp.md): the stacked layers under a scan that gathers each layer's weights one layer ahead (forward and
 backward). On 8 simulated CPU devices: the step equals ``jax.lax.scan``'s bit for bit (bf16, FP8, NVFP4; with and
 without ``quantize_once``, remat and microbatches; a value the body closes over gets its gradient), the lowered
 program gathers one layer per loop iteration whatever the depth, and the gathered weights are not kept per layer
@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
+from jaxquant.training.prefetch import scan as prefetch_scan
 from test_layerwise import MASK, _block, _head, init_params, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -47,7 +48,7 @@ def _train(loss, cw, layers=None, steps=2, **kw):
 @pytest.mark.fast_cases("fp8-False-False-1-False", "nvfp4-True-False-2-True")
 def test_step_equals_lax_scan_bitwise(cw, once, remat, microbatches, closure):
     kw = dict(quantize_once=once, microbatches=microbatches)
-    got = _train(functools.partial(_loss, scan=jq.scan, remat=remat, closure=closure), cw, **kw)
+    got = _train(functools.partial(_loss, scan=prefetch_scan, remat=remat, closure=closure), cw, **kw)
     want = _train(functools.partial(_loss, scan=jax.lax.scan, remat=remat, closure=closure), cw, **kw)
     np.testing.assert_array_equal(got[1], want[1])
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got[0])[0], jax.tree.leaves(want[0])):
@@ -73,7 +74,7 @@ def test_one_layer_gathered_per_iteration_and_not_kept(cw):
     """The count of all-gathers in the program does not depend on the depth (each loop iteration gathers one layer;
     the stack is never gathered), and the temporary memory grows per layer no faster than under jax.lax.scan: the
     gathered weights are no per-layer residuals."""
-    (text3, temp3), (text9, temp9) = (_compiled(jq.scan, n, cw) for n in (3, 9))
+    (text3, temp3), (text9, temp9) = (_compiled(prefetch_scan, n, cw) for n in (3, 9))
     gathers = lambda text: len(re.findall(r"all_gather", text))
     assert gathers(text3) == gathers(text9) > 0
     for shape in re.findall(r'"stablehlo\.all_gather"\([^)]*\) <\{.*?\}> : \(tensor<([^>]*)>\)', text9):
@@ -88,7 +89,7 @@ def test_falls_back_to_lax_scan_where_nothing_is_gathered_per_use():
     """reshard_after_forward=False (the gathered weights kept for the backward) and the once-a-step strategies
     are scanned by jax.lax.scan itself: the same results."""
     for kw in (dict(reshard_after_forward=False), dict(strategy="optim_grads")):
-        got = _train(functools.partial(_loss, scan=jq.scan), "fp8", steps=1, **kw)
+        got = _train(functools.partial(_loss, scan=prefetch_scan), "fp8", steps=1, **kw)
         want = _train(functools.partial(_loss, scan=jax.lax.scan), "fp8", steps=1, **kw)
         for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
             np.testing.assert_array_equal(a, b)
@@ -99,16 +100,16 @@ def test_bad_arguments_name_the_rule():
 
     def int_carry(w, batch):
         h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-        (h, _), _ = jq.scan(lambda c, layer: ((_block(c[0], layer), c[1] + 1), None), (h, jnp.int32(0)), w["blocks"])
+        (h, _), _ = prefetch_scan(lambda c, layer: ((_block(c[0], layer), c[1] + 1), None), (h, jnp.int32(0)), w["blocks"])
         return _head(h, w, batch)
 
     step = jq.make_train_step(int_carry, optax.sgd(0.1), mesh=mesh, quantize_mask=MASK)
-    with pytest.raises(TypeError, match=r"init\[1\]: jq.scan's carry must be floating"):
+    with pytest.raises(TypeError, match=r"init\[1\]: prefetch.scan.s carry must be floating"):
         step(step.init(init_params()), make_batch())
 
     def bad_length(w, batch):
         h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-        return _head(jq.scan(lambda c, layer: (_block(c, layer), None), h, w["blocks"], length=5)[0], w, batch)
+        return _head(prefetch_scan(lambda c, layer: (_block(c, layer), None), h, w["blocks"], length=5)[0], w, batch)
 
     step = jq.make_train_step(bad_length, optax.sgd(0.1), mesh=mesh, quantize_mask=MASK)
     with pytest.raises(ValueError, match="length: 5 does not match the layer axis of xs"):

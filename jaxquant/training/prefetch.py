@@ -1,4 +1,4 @@
-"""``jq.scan``: ``jax.lax.scan`` over stacked layers with each layer's weights gathered one layer ahead.
+"""``scan``: ``jax.lax.scan`` over stacked layers with each layer's weights gathered one layer ahead.
 
 Under ``jax.lax.scan`` a layer's ``ShardedWeight`` is quantized and gathered where ``jq.dense`` reads it, inside
 the loop body: the gather of layer i+1 belongs to the next iteration and cannot run under layer i's GEMMs, and
@@ -209,7 +209,7 @@ def scan(f: Callable, init: Any, xs: Any, length=None):
             raise ValueError(f"xs: a ShardedWeight of shape {w.shape} is not a stack of [out, in] layers")
     for path, a in jax.tree_util.tree_leaves_with_path(init):
         if not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
-            raise TypeError(f"init{jax.tree_util.keystr(path)}: jq.scan's carry must be floating arrays, got "
+            raise TypeError(f"init{jax.tree_util.keystr(path)}: prefetch.scan's carry must be floating arrays, got "
                             f"{jnp.result_type(a)}")
     plain = [a for n, a in enumerate(leaves) if n not in slots]
     diff = tuple(bool(jnp.issubdtype(jnp.result_type(a), jnp.inexact)) for a in plain)
