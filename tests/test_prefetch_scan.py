@@ -42,9 +42,8 @@ def _train(loss, cw, layers=None, steps=2, **kw):
 
 
 @pytest.mark.parametrize("cw,once,remat,microbatches,closure", [
-    ("fp8", False, False, 1, False), ("nvfp4", False, False, 1, False), ("bf16", False, False, 1, True),
-    ("fp8", True, True, 2, False), ("nvfp4", True, False, 2, True), ("fp8", False, True, 1, True)],
-    ids=lambda v: str(v))
+    ("fp8", False, False, 1, False), ("bf16", False, False, 1, True), ("nvfp4", True, False, 2, True),
+    ("fp8", True, True, 2, False)], ids=lambda v: str(v))
 @pytest.mark.fast_cases("fp8-False-False-1-False", "nvfp4-True-False-2-True")
 def test_step_equals_lax_scan_bitwise(cw, once, remat, microbatches, closure):
     kw = dict(quantize_once=once, microbatches=microbatches)
@@ -69,7 +68,7 @@ def _compiled(scan, layers, cw="fp8"):
     return lowered.as_text(), lowered.compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("cw", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("cw", ["fp8"])
 def test_one_layer_gathered_per_iteration_and_not_kept(cw):
     """The count of all-gathers in the program does not depend on the depth (each loop iteration gathers one layer;
     the stack is never gathered), and the temporary memory grows per layer no faster than under jax.lax.scan: the
