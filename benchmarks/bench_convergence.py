@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=("auto",) + tuple(SIZES), default="auto",
                    help="model and run size: smoke (CPU, seconds), base (~85M parameters, GPU); default auto: base on "
                         "GPU, smoke elsewhere")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS + EXTRA_CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of {','.join(CONFIGS + EXTRA_CONFIGS)}")
     p.add_argument("--steps", type=int, default=None, help="training steps of each configuration (default: the size's)")
     p.add_argument("--batch", type=int, default=None,
                    help="global batch in sequences, a multiple of the device count (default: the size's)")

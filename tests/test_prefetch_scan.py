@@ -1,8 +1,9 @@
-"""``jaxquant.training.prefetch.scan`` (an experiment, not exported: docs/fsdp.md): the stacked layers under a scan that gathers each layer's weights one layer ahead (forward and
-backward). On 8 simulated CPU devices: the step equals ``jax.lax.scan``'s bit for bit (bf16, FP8, NVFP4; with and
-without ``quantize_once``, remat and microbatches; a value the body closes over gets its gradient), the lowered
-program gathers one layer per loop iteration whatever the depth, and the gathered weights are not kept per layer
-for the backward (temporary memory grows with depth as ``jax.lax.scan``'s does)."""
+"""``jaxquant.training.prefetch.scan`` (an experiment, not exported: docs/fsdp.md): the stacked layers under a scan
+that gathers each layer's weights one layer ahead (forward and backward). On 8 simulated CPU devices: the step equals
+``jax.lax.scan``'s bit for bit (bf16, FP8, NVFP4; with and without ``quantize_once``, remat and microbatches; a value
+the body closes over gets its gradient), the lowered program gathers one layer per loop iteration whatever the depth,
+and the gathered weights are not kept per layer for the backward (temporary memory grows with depth as
+``jax.lax.scan``'s does)."""
 
 import functools
 import re
@@ -99,7 +100,8 @@ def test_bad_arguments_name_the_rule():
 
     def int_carry(w, batch):
         h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-        (h, _), _ = prefetch_scan(lambda c, layer: ((_block(c[0], layer), c[1] + 1), None), (h, jnp.int32(0)), w["blocks"])
+        body = lambda c, layer: ((_block(c[0], layer), c[1] + 1), None)
+        (h, _), _ = prefetch_scan(body, (h, jnp.int32(0)), w["blocks"])
         return _head(h, w, batch)
 
     step = jq.make_train_step(int_carry, optax.sgd(0.1), mesh=mesh, quantize_mask=MASK)
