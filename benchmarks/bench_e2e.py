@@ -313,6 +313,8 @@ def run_one(a, config):
     devices = np.array(jax.devices())
     if len(devices) % a.tp:
         raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
+    if a.tp > 1 and config.endswith("pf"):
+        raise SystemExit(f"{config}: the prefetching scan is measured without tensor parallelism (--tp 1)")
     mesh = Mesh(devices.reshape(-1, a.tp), ("fsdp", "tp")) if a.tp > 1 else Mesh(devices, ("fsdp",))
     n = mesh.size
     scan = not config.endswith("-loop")
