@@ -164,9 +164,8 @@ def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsd
         y, act = _forward(x2, gathered, cfg)
         return y.astype(cfg.out_dtype), (_named_act(act), gathered)
     if local is None:
-        local = fsdp.quantize_shard(shard, spec, None if spec.recipe == "bf16" else fsdp.statistics(shard, spec))
-    # FP8 GEMMs read K-major (TN) operands: a transposed weight's forward reads its columnwise bytes
-    gathered = fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8" and spec.transposed)
+        local = fsdp.quantize_rows(shard, spec)
+    gathered = fsdp.forward_operands(local, spec)
     y, act = _forward(x2, gathered, cfg)
     return y.astype(cfg.out_dtype), (_named_act(act), gathered if spec.keep_gathered else local)
 

@@ -256,6 +256,17 @@ def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
     return {"data": data, "scales": scale_inv[:rows, : cols // formats.TILE], "amax": amax}
 
 
+def quantize_rows(shard, spec: WeightSpec) -> dict:
+    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``)."""
+    return quantize_shard(shard, spec, None if spec.recipe == "bf16" else statistics(shard, spec))
+
+
+def forward_operands(local: dict, spec: WeightSpec) -> dict:
+    """The gathered operands ``jq.dense``'s forward reads: FP8 GEMMs take K-major (TN) operands, so an ``[in, out]``
+    weight's forward reads its columnwise bytes."""
+    return gathered_operands(local, spec, columnwise=spec.recipe == "fp8" and spec.transposed)
+
+
 def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
     """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7),
     from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``, ``amax``;
@@ -290,8 +301,7 @@ def with_columnwise(operands: dict, spec: WeightSpec) -> dict:
 def gather_once(shard, spec: WeightSpec, columnwise: bool = False) -> dict:
     """Quantize this rank's rows and gather them: :func:`gathered_operands` of one layer, or of every layer
     of a stack ``[..., rows, in]`` (each layer with its own scales, all gathered in one collective)."""
-    fn = lambda s: gathered_operands(quantize_shard(s, spec, None if spec.recipe == "bf16" else statistics(s, spec)),
-                                     spec, columnwise)
+    fn = lambda s: gathered_operands(quantize_rows(s, spec), spec, columnwise)
     return _per_layer(fn, shard.ndim)(shard)
 
 

@@ -1,5 +1,8 @@
 """``scan``: ``jax.lax.scan`` over stacked layers with each layer's weights gathered one layer ahead.
 
+An experiment, not exported: measured slower than ``jax.lax.scan`` in every recipe (docs/fsdp.md, "Prefetching
+under scan by hand"); kept for the profile that should explain the scan-vs-loop gap.
+
 Under ``jax.lax.scan`` a layer's ``ShardedWeight`` is quantized and gathered where ``jq.dense`` reads it, inside
 the loop body: the gather of layer i+1 belongs to the next iteration and cannot run under layer i's GEMMs, and
 the backward's re-gather waits at the start of each reversed iteration (the loop is one sequential program per
@@ -46,14 +49,7 @@ def _local(plan: _Plan, shards, locals_, k: int, i):
     """Layer ``i``'s quantized rows of weight ``k``: the step's once-a-step bytes, or quantized here."""
     if locals_[k] is not None:
         return jax.tree.map(lambda a: _index(a, i), locals_[k])
-    spec, shard = plan.specs[k], _index(shards[k], i)
-    return fsdp.quantize_shard(shard, spec, None if spec.recipe == "bf16" else fsdp.statistics(shard, spec))
-
-
-def _gather(plan: _Plan, local: dict, k: int) -> dict:
-    """The operands ``jq.dense``'s forward reads (and its backward, with the columnwise copy made there)."""
-    spec = plan.specs[k]
-    return fsdp.gathered_operands(local, spec, columnwise=spec.recipe == "fp8" and spec.transposed)
+    return fsdp.quantize_rows(_index(shards[k], i), plan.specs[k])
 
 
 def _layer_call(plan: _Plan, c, plain_i, sinks_i, consts, gathered, shards_i):
@@ -109,7 +105,7 @@ def _pullback(plan: _Plan, key: str, kept, gathered, ct):
 def _gather_layer(plan: _Plan, shards, locals_, i):
     """(layer ``i``'s gathered operands, its quantized rows), one entry per weight."""
     local = [_local(plan, shards, locals_, k, i) for k in range(len(plan.slots))]
-    return [_gather(plan, q, k) for k, q in enumerate(local)], local
+    return [fsdp.forward_operands(q, plan.specs[k]) for k, q in enumerate(local)], local
 
 
 def _forward(plan: _Plan, init, first, plain, sinks, shards, locals_, consts, residuals: bool):
@@ -146,7 +142,8 @@ def _prefetch_scan_fwd(plan, init, first, plain, sinks, shards, locals_, consts)
 def _prefetch_scan_bwd(plan, res, ct):
     kept, kept_last, local, plain, sinks, shards, consts = res
     L, K = plan.length, len(plan.slots)
-    gather_layer = lambda i: [_gather(plan, jax.tree.map(lambda a: _index(a, i), local[k]), k) for k in range(K)]
+    gather_layer = lambda i: [fsdp.forward_operands(jax.tree.map(lambda a: _index(a, i), local[k]), plan.specs[k])
+                              for k in range(K)]
     dc, dys = ct
     g_last, g_before = gather_layer(L - 1), gather_layer(L - 2)
     dc, d_plain, d_sinks, d_consts = _pullback(plan, "last", kept_last, g_last,
