@@ -95,6 +95,8 @@ def parse_args(argv=None):
                    choices=("nothing_saved", "gemm_outputs", "quantized_activations"),
                    help="jax.checkpoint around each block with this jq.remat_policy (bare: nothing_saved); the plain "
                         "step keeps its dots' outputs for gemm_outputs and nothing otherwise")
+    p.add_argument("--unroll", type=int, default=1, help="jax.lax.scan's unroll for the scan configs (layers per "
+                   "while-loop iteration)")
     p.add_argument("--grad-comm", default="bfloat16", choices=("bfloat16", "float32"),
                    help="jaxquant's grad_comm_dtype (the plain step reduce-scatters bf16 gradients)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke test)")
@@ -180,7 +182,9 @@ def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, prefe
     if scan:
         from jaxquant.training.prefetch import scan as prefetch_scan
 
-        return (prefetch_scan if prefetch else jax.lax.scan)(body, x, params["blocks"])[0]
+        if prefetch:
+            return prefetch_scan(body, x, params["blocks"])[0]
+        return jax.lax.scan(body, x, params["blocks"], unroll=a.unroll)[0]
     for p in params["blocks"]:
         x = body(x, p)[0]
     return x
@@ -459,12 +463,15 @@ def exposed_collectives(path, steps):
     if not gpu0:
         return None
     by_kind = dict.fromkeys(("gemm", "collective_gemm", "barrier", "other"), 0.0)
-    comm, comp, others, named, comm_named = [], [], {}, [], []
+    comm, comp, others, named, comm_named, every = [], [], {}, [], [], {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
             name = e.get("name", "")
             iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
             named.append((iv, name))
+            ms_count = every.setdefault(name[:70], [0.0, 0])
+            ms_count[0] += float(e["dur"])
+            ms_count[1] += 1
             # the barrier's kernel name mentions NCCL too; it is the fused kernels' launch cost, not a collective
             if "nccl" in name.lower() and not _BARRIER_KERNEL.search(name):
                 comm.append(iv)
@@ -497,6 +504,11 @@ def exposed_collectives(path, steps):
             "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top],
             "top_exposed_collectives": [(n, round(t / steps / 1e3, 3)) for n, t
                                         in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:4] if t > 0],
+            # every kernel of GPU 0 by name: (name, ms a step, launches a step), the 16 longest; and the launches
+            # a step in all (where a scan's step and a loop's step spend their time differently)
+            "top_kernels": [(n, round(t / steps / 1e3, 3), c // steps) for n, (t, c)
+                            in sorted(every.items(), key=lambda kv: -kv[1][0])[:16]],
+            "kernels_per_step": len(named) // steps,
             **_idle_gaps(busy_u, named, steps)}
 
 
