@@ -97,6 +97,11 @@ def parse_args(argv=None):
                         "step keeps its dots' outputs for gemm_outputs and nothing otherwise")
     p.add_argument("--unroll", type=int, default=1, help="jax.lax.scan's unroll for the scan configs (layers per "
                    "while-loop iteration)")
+    p.add_argument("--processes", default="1", help="comma list of process counts: each config runs once per count "
+                   "(N > 1: N processes on this host under jax.distributed, one GPU each; --tiny: one CPU device "
+                   "each) and the table compares each count's losses and step time with the first count's")
+    p.add_argument("--devices", type=int, default=0, help="with one process, use the first N devices (0: all): "
+                   "the 1-process reference of a --processes run on fewer devices than the machine has")
     p.add_argument("--grad-comm", default="bfloat16", choices=("bfloat16", "float32"),
                    help="jaxquant's grad_comm_dtype (the plain step reduce-scatters bf16 gradients)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke test)")
@@ -106,12 +111,15 @@ def parse_args(argv=None):
     p.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature with "
                                                        "nvidia-smi while the steps are timed")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child process: run this config
+    p.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)   # child: its process count
     p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         # seq 256: each rank's 2 x 256 / tp rows fill the fused kernels' 256-row tiles at tp 2
         args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch = 2, 256, 4, 2, 512, 256, 2
     args.head_dim = 128
+    args.process_counts = [int(c) for c in args.processes.split(",")]
+    args.processes = args.nproc
     return args
 
 
@@ -314,7 +322,13 @@ def run_one(a, config):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    devices = np.array(jax.devices())
+    if a.processes > 1:   # one device per process (GPU: the process's rank), as cluster launchers start them
+        rank = int(os.environ["JQ_BENCH_RANK"])
+        if a.tiny:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{os.environ['JQ_BENCH_PORT']}", num_processes=a.processes,
+                                   process_id=rank, local_device_ids=None if a.tiny else [rank])
+    devices = np.array(jax.devices()[:a.devices] if a.processes == 1 and a.devices else jax.devices())
     if len(devices) % a.tp:
         raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
     if a.tp > 1 and config.endswith("pf"):
@@ -330,14 +344,17 @@ def run_one(a, config):
                              quantize_once="-once" in config, prefetch=config.endswith("pf"))
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
-    batch = {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}
-    batch = jax.device_put(batch, NamedSharding(mesh, P("fsdp")))   # the tp ranks of an fsdp rank share its rows
+    # made in place (every process its own rows, the tp ranks of an fsdp rank the same rows)
+    batch = jax.jit(lambda: {"x": jax.random.normal(kx, shape, jnp.bfloat16),
+                             "y": jax.random.normal(ky, shape, jnp.float32)},
+                    out_shardings=NamedSharding(mesh, P("fsdp")))()
     t0 = time.perf_counter()
     state, loss = fn(state, batch)
     jax.block_until_ready(loss)
     first = time.perf_counter() - t0
+    losses = [float(loss)]
     state, loss = fn(state, batch)
-    jax.block_until_ready(loss)
+    losses.append(float(loss))
     times = []
     with ClockSampler(a.clocks) as clocks:
         if a.pipelined:
@@ -352,6 +369,7 @@ def run_one(a, config):
                 state, loss = fn(state, batch)
                 jax.block_until_ready(loss)
                 times.append(time.perf_counter() - t0)
+                losses.append(float(loss))
     step_s = statistics.median(times)
     trace = None
     if a.profile:
@@ -361,12 +379,13 @@ def run_one(a, config):
                 state, loss = fn(state, batch)
             jax.block_until_ready(loss)
         trace = exposed_collectives(path, steps=3)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     tokens = a.batch * n * a.seq
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "tflops_per_gpu": model_flops(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
-            "device": jax.devices()[0].device_kind, "trace": trace, "clocks": clocks.summary()}
+            "device": jax.local_devices()[0].device_kind, "trace": trace, "clocks": clocks.summary(),
+            "processes": a.processes, "losses": losses}
 
 
 class ClockSampler:
@@ -506,7 +525,7 @@ def exposed_collectives(path, steps):
                                         in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:4] if t > 0],
             # every kernel of GPU 0 by name: (name, ms a step, launches a step), the 16 longest; and the launches
             # a step in all (where a scan's step and a loop's step spend their time differently)
-            "top_kernels": [(n, round(t / steps / 1e3, 3), c // steps) for n, (t, c)
+            "top_kernels": [(n, round(t / steps / 1e3, 3), round(c / steps, 1)) for n, (t, c)
                             in sorted(every.items(), key=lambda kv: -kv[1][0])[:16]],
             "kernels_per_step": len(named) // steps,
             **_idle_gaps(busy_u, named, steps)}
@@ -599,22 +618,54 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
     results = []
     for flags in flag_sets:
         for config in configs:
-            env = dict(os.environ)
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]).strip()
-            cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode or not line:
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-                took = time.perf_counter() - t0
-                print(f"{flags:8s} {config:16s} FAILED (exit {proc.returncode}, {took:.0f} s):\n{tail}", flush=True)
-                results.append({"config": config, "flags": flags, "error": tail})
-            else:
-                r = json.loads(line[0][7:]) | {"flags": flags}
-                results.append(r)
-                print(f"{flags:8s} {config:16s} {describe(r)}", flush=True)
-            write_json(a, results)
+            for nproc in getattr(a, "process_counts", [1]):
+                env = dict(os.environ)
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]
+                                    + (" --xla_force_host_platform_device_count=1" if nproc > 1 else "")).strip()
+                cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags,
+                       "--nproc", str(nproc)]
+                t0 = time.perf_counter()
+                (code, out, err), *others = _run_processes(cmd, env, nproc)
+                line = [l for l in out.splitlines() if l.startswith("RESULT ")]
+                label = config + (f" {nproc}x1" if nproc > 1 else "")
+                failed = [(code, err or out)] + [(c, e or o) for c, o, e in others if c]
+                if code or not line or failed[1:]:
+                    code, text = next(((c, t) for c, t in failed if c), failed[0])
+                    tail = "\n".join(text.strip().splitlines()[-6:])
+                    took = time.perf_counter() - t0
+                    print(f"{flags:8s} {label:16s} FAILED (exit {code}, {took:.0f} s):\n{tail}", flush=True)
+                    results.append({"config": config, "flags": flags, "processes": nproc, "error": tail})
+                else:
+                    r = json.loads(line[0][7:]) | {"flags": flags}
+                    results.append(r)
+                    print(f"{flags:8s} {label:16s} {describe(r)}", flush=True)
+                write_json(a, results)
+    return results
+
+
+def _run_processes(cmd, env, nproc):
+    """(exit code, stdout, stderr) of each of ``nproc`` processes of ``cmd`` (more than one: ranks 0.. under
+    jax.distributed on a free localhost port; output into files, not pipes, so that no process stalls the
+    others' collectives on a full pipe)."""
+    import socket
+    import tempfile
+
+    if nproc == 1:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        return [(proc.returncode, proc.stdout, proc.stderr)]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+    procs = [subprocess.Popen(cmd, text=True, stdout=out, stderr=err,
+                              env={**env, "JQ_BENCH_RANK": str(rank), "JQ_BENCH_PORT": str(port)})
+             for rank, (out, err) in enumerate(logs)]
+    results = []
+    for p, (out, err) in zip(procs, logs):
+        p.wait()
+        out.seek(0), err.seek(0)
+        results.append((p.returncode, out.read(), err.read()))
+        out.close(), err.close()
     return results
 
 
@@ -637,10 +688,26 @@ def print_table(results, a):
         ratio = f"{min(plains) / r['step_ms']:.2f}" if plains else "-"
         t = r.get("trace") or {}
         exposed = f"{t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f}" if t else "-"
-        print(f"| {r['flags']} | {r['config']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+        config = r["config"] + (f" ({r['processes']} processes)" if r.get("processes", 1) > 1 else "")
+        print(f"| {r['flags']} | {config} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
               f"{r['tflops_per_gpu']:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.1f} | {exposed} |")
     for line in overlap_rule(ok):
         print(line)
+    for line in process_rule(ok):
+        print(line)
+
+
+def process_rule(ok):
+    """Per config run with several process counts: each count's step time and losses against the first
+    count's (the issue's rule: N processes x 1 GPU within 3% of 1 process x N GPUs, the same losses)."""
+    for r in ok:
+        base = next((b for b in ok if b["config"] == r["config"] and b["flags"] == r["flags"]), None)
+        if base is None or base is r or base.get("processes", 1) == r.get("processes", 1):
+            continue
+        diff = max((abs(x - y) / max(abs(y), 1e-30) for x, y in zip(r["losses"], base["losses"])), default=float("nan"))
+        yield (f"{r['config']} ({r['flags']}): {r['processes']} processes x 1 device {r['step_ms']:.1f} ms vs "
+               f"{base.get('processes', 1)} process {base['step_ms']:.1f} ms ({r['step_ms'] / base['step_ms']:.3f}x); "
+               f"losses over {len(r['losses'])} steps differ by at most {diff:.2e} (relative)")
 
 
 def overlap_rule(ok):

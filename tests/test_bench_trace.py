@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 import bench_e2e  # noqa: E402
@@ -42,6 +44,31 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     assert got["largest_gaps"][:2] == [(1.4, "sm90_xmma_gemm_bf16", "loop_add_fusion"),
                                        (0.7, "ncclDevKernel_AllGather",
                                         "stream_executor::gpu::MultiGpuBarrierWithNccl")]
+    # every kernel of GPU 0 by name, longest first: (name, ms a step, launches a step); 6 launches in 2 steps
+    assert got["top_kernels"][:2] == [("ncclDevKernel_SendRecv", 0.5, 0.5), ("sm90_xmma_gemm_bf16", 0.5, 0.5)]
+    assert len(got["top_kernels"]) == 6 and got["kernels_per_step"] == 3
+
+
+def test_process_rule_compares_each_process_count_with_the_first():
+    """bench_e2e --processes 1,2: per config and flag set, the 2-process run's step time and losses against
+    the 1-process run's (the deep-models issue's rule: within 3%, the same losses)."""
+    rows = [{"config": "jq-fp8", "flags": "default", "processes": 1, "step_ms": 40.0, "losses": [2.0, 1.0]},
+            {"config": "jq-fp8", "flags": "default", "processes": 2, "step_ms": 41.0, "losses": [2.0, 1.001]},
+            {"config": "plain-scan", "flags": "default", "processes": 1, "step_ms": 50.0, "losses": [2.0]}]
+    assert list(bench_e2e.process_rule(rows)) == [
+        "jq-fp8 (default): 2 processes x 1 device 41.0 ms vs 1 process 40.0 ms (1.025x); losses over 2 steps "
+        "differ by at most 1.00e-03 (relative)"]
+
+
+def test_bench_e2e_two_processes_train_like_one(tmp_path):
+    """bench_e2e --processes 1,2 --devices 2 on the CPU: the step as 2 jax.distributed processes of one device
+    each (as cluster launchers start one process per GPU) gives the losses of 1 process x 2 devices."""
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--tiny", "--configs", "jq-fp8", "--flags", "default", "--steps", "1",
+                           "--processes", "1,2", "--devices", "2", "--json", str(out)]) == 0
+    one, two = json.loads(out.read_text())["results"]
+    assert (one["processes"], one["devices"], two["processes"], two["devices"]) == (1, 2, 2, 2)
+    assert len(one["losses"]) == 3 and np.allclose(two["losses"], one["losses"], rtol=1e-6, atol=0)
 
 
 def _bench_sp():
