@@ -523,10 +523,10 @@ def exposed_collectives(path, steps):
             "top_other_kernels": [(n, round(t / steps / 1e3, 3)) for n, t in top],
             "top_exposed_collectives": [(n, round(t / steps / 1e3, 3)) for n, t
                                         in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:4] if t > 0],
-            # every kernel of GPU 0 by name: (name, ms a step, launches a step), the 16 longest; and the launches
+            # every kernel of GPU 0 by name: (name, ms a step, launches a step), longest first; and the launches
             # a step in all (where a scan's step and a loop's step spend their time differently)
-            "top_kernels": [(n, round(t / steps / 1e3, 3), round(c / steps, 1)) for n, (t, c)
-                            in sorted(every.items(), key=lambda kv: -kv[1][0])[:16]],
+            "kernels": [(n, round(t / steps / 1e3, 3), round(c / steps, 1)) for n, (t, c)
+                        in sorted(every.items(), key=lambda kv: -kv[1][0])],
             "kernels_per_step": len(named) // steps,
             **_idle_gaps(busy_u, named, steps)}
 

@@ -45,8 +45,8 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
                                        (0.7, "ncclDevKernel_AllGather",
                                         "stream_executor::gpu::MultiGpuBarrierWithNccl")]
     # every kernel of GPU 0 by name, longest first: (name, ms a step, launches a step); 6 launches in 2 steps
-    assert got["top_kernels"][:2] == [("ncclDevKernel_SendRecv", 0.5, 0.5), ("sm90_xmma_gemm_bf16", 0.5, 0.5)]
-    assert len(got["top_kernels"]) == 6 and got["kernels_per_step"] == 3
+    assert got["kernels"][:2] == [("ncclDevKernel_SendRecv", 0.5, 0.5), ("sm90_xmma_gemm_bf16", 0.5, 0.5)]
+    assert len(got["kernels"]) == 6 and got["kernels_per_step"] == 3
 
 
 def test_process_rule_compares_each_process_count_with_the_first():
