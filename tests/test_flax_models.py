@@ -46,18 +46,25 @@ def make_step(model, loss_fn, cw="bf16", devices=8, rules=None, scan=False, mode
     return step, step.init(jqf.flax_params(model))
 
 
-@functools.lru_cache(maxsize=None)
 def train(family, scan, cw, devices=8, steps=STEPS, reference=False, mode="default"):
     """(params after ``steps``, losses) of the flax model through ``jq.flax_loss`` or of the hand-written one."""
+    params, losses = _train(family, scan, cw, devices, reference, mode)
+    return params[steps - 1], losses[:steps]
+
+
+@functools.lru_cache(maxsize=None)
+def _train(family, scan, cw, devices, reference, mode):
+    """([params after each step], losses) of ``STEPS`` steps: one run serves every ``steps`` up to ``STEPS``."""
     model = model_of(family, scan)
     loss = fl.nnx_loss if family == "nnx" else fl.linen_loss(scan)
     loss_fn = fl.ref_loss(family, scan) if reference else jqf.flax_loss(model, loss)
     step, state = make_step(model, loss_fn, cw, devices, scan=scan, mode=mode)
-    losses = []
-    for _ in range(steps):
+    params, losses = [], []
+    for _ in range(STEPS):
         state, metrics = step(state, fl.make_batch())
         losses.append(float(metrics["loss"]))
-    return jax.tree.map(np.asarray, step.params(state)), losses
+        params.append(jax.tree.map(np.asarray, step.params(state)))
+    return params, losses
 
 
 def assert_close_to(params, ref, init, atol_of_update):

@@ -1,6 +1,8 @@
 """Grouped ops over one shard of a ZeRO flat buffer: custom call == reference, bit for bit, and
 assembled over all shards == single-tensor quantization. Runs on the default backend."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,11 @@ def _flat(rng, shapes, offsets, num_shards, shard_size):
     return flat
 
 
+def _jitted(op, **kw):
+    """``op`` with the keyword options ``kw`` fixed, jitted: the arrays are its operands."""
+    return jax.jit(functools.partial(op, **kw))
+
+
 CASES = [(1, 1, False), (2, 3, True), (3, 4, False), (4, 2, True), (5, 3, True)]
 
 
@@ -78,26 +85,35 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     flat[offsets[0] + 9] = np.array(0x7F7F7FFF, np.uint32).view(np.float32)
     if num_params > 1:
         flat[offsets[1] + 9] = -np.array(0x7F7F8000, np.uint32).view(np.float32)
-    for r, cd in [(r, cd) for r in range(num_shards) for cd in (None, jnp.bfloat16)]:
-        shard, index = jnp.asarray(flat[r * n:(r + 1) * n]).astype(dtype), jnp.int32(r)
+    # one jitted program per op, options and impl, run on every shard (the index is an operand, as under
+    # lax.axis_index): the reference is compiled whole instead of op by op
+    ranges = ((0, n // 3), (16 * (n // 48), n - 16 * (n // 48)), (5, n - 12), (n, 0))
+    for cd in (None, jnp.bfloat16):
         ckw = dict(kw, compute_dtype=cd)
-        a, b = (ops.nvfp4_group_tile_amax(shard, index, return_nonfinite=True, impl=i, **ckw) for i in impl_pair)
-        for name, x, y in zip(("tile amax", "amax", "counts"), b, a):
-            assert_bytes_equal(x, y, f"{name} shard {r} compute_dtype {cd}")
-        a, b = (ops.nvfp4_group_cast(shard, index, enc, chunk_lo=los, chunk_size=size, impl=i, **ckw)
-                for i in impl_pair)
-        assert_bytes_equal(b, a, f"nvfp4 chunk shard {r} compute_dtype {cd}")
-        a, b = (ops.fp8_group_amax(shard, index, return_nonfinite=True, impl=i, **ckw) for i in impl_pair)
-        assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
-        assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
-        for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-            a, b = (ops.fp8_group_cast(shard, index, scale, dtype=fp8, impl=i, **ckw) for i in impl_pair)
-            assert_bytes_equal(b, a, f"fp8 data shard {r} compute_dtype {cd}")
-        # element ranges of the shard (the master-weight step's gather pieces): on and off the 16-grid
-        for first, count in ((0, n // 3), (16 * (n // 48), n - 16 * (n // 48)), (5, n - 12), (n, 0)):
-            a, b = (ops.fp8_group_cast(shard, index, scale, first=first, count=count, impl=i, **ckw) for i in impl_pair)
-            assert b.shape == (count,)
-            assert_bytes_equal(b, a, f"fp8 data shard {r} elements [{first}, {first + count})")
+        pair = lambda op, **okw: [_jitted(op, impl=i, **ckw, **okw) for i in impl_pair]
+        tile_amax = pair(ops.nvfp4_group_tile_amax, return_nonfinite=True)
+        nvfp4_cast = pair(ops.nvfp4_group_cast, chunk_lo=los, chunk_size=size)
+        fp8_amax = pair(ops.fp8_group_amax, return_nonfinite=True)
+        fp8_cast = {fp8: pair(ops.fp8_group_cast, dtype=fp8) for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+        fp8_range = {fc: pair(ops.fp8_group_cast, first=fc[0], count=fc[1]) for fc in ranges}
+        for r in range(num_shards):
+            shard, index = jnp.asarray(flat[r * n:(r + 1) * n]).astype(dtype), jnp.int32(r)
+            a, b = (f(shard, index) for f in tile_amax)
+            for name, x, y in zip(("tile amax", "amax", "counts"), b, a):
+                assert_bytes_equal(x, y, f"{name} shard {r} compute_dtype {cd}")
+            a, b = (f(shard, index, enc) for f in nvfp4_cast)
+            assert_bytes_equal(b, a, f"nvfp4 chunk shard {r} compute_dtype {cd}")
+            a, b = (f(shard, index) for f in fp8_amax)
+            assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
+            assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
+            for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+                a, b = (f(shard, index, scale) for f in fp8_cast[fp8])
+                assert_bytes_equal(b, a, f"fp8 data shard {r} compute_dtype {cd}")
+            # element ranges of the shard (the master-weight step's gather pieces): on and off the 16-grid
+            for first, count in ranges:
+                a, b = (f(shard, index, scale) for f in fp8_range[first, count])
+                assert b.shape == (count,)
+                assert_bytes_equal(b, a, f"fp8 data shard {r} elements [{first}, {first + count})")
     # Whole-group stages: scales (tile amaxes over decades, zero tiles, a NaN-free amax per parameter)
     # and the grouped transposes.
     tile_amax = rng.uniform(0, 1, tiles).astype(np.float32) * 10.0 ** rng.uniform(-6, 4, tiles).astype(np.float32)
@@ -105,16 +121,17 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
     amax = np.stack([tile_amax[row.tile_base:row.tile_base + row.numel // 256].max()
                      for row in gtable.rows_of(table)]).astype(np.float32)
     amax[0] = 0   # degenerate amax: scale 1
-    a, b = (ops.nvfp4_group_scale(jnp.asarray(tile_amax), jnp.asarray(amax), table=table, impl=i) for i in impl_pair)
+    a, b = (_jitted(ops.nvfp4_group_scale, table=table, impl=i)(jnp.asarray(tile_amax), jnp.asarray(amax))
+            for i in impl_pair)
     assert_bytes_equal(b[0], a[0], "group scale_inv")
     assert_bytes_equal(b[1], a[1], "group enc")
     sizes = gtable.sizes(table)
     data = jnp.asarray(rng.integers(0, 256, sizes.data_bytes).astype(np.uint8))
-    a, b = (ops.nvfp4_group_columnwise(data, a[0], table=table, impl=i) for i in impl_pair)
+    a, b = (_jitted(ops.nvfp4_group_columnwise, table=table, impl=i)(data, a[0]) for i in impl_pair)
     _assert_each_equal(b[0], a[0], "group data_t")
     _assert_each_equal(b[1], a[1], "group scale_inv_t")
     raw = jnp.asarray(rng.integers(0, 256, num_shards * n).astype(np.uint8))
-    a, b = (ops.fp8_group_transpose(raw, table=table, impl=i) for i in impl_pair)
+    a, b = (_jitted(ops.fp8_group_transpose, table=table, impl=i)(raw) for i in impl_pair)
     _assert_each_equal(b, a, "fp8 group transpose")
 
 
@@ -304,20 +321,23 @@ def test_group_ops_assemble_to_single_tensor_quantization(impl):
     los, his, size = _chunk_plan(shapes, offsets, num_shards, n)
     kw = dict(table=table, num_shards=num_shards, impl=impl)
     shards = [(jnp.asarray(flat[r * n:(r + 1) * n]), jnp.int32(r)) for r in range(num_shards)]
-    stats = [ops.nvfp4_group_tile_amax(s, i, **kw) for s, i in shards]
+    tile_amax, fp8_amax = _jitted(ops.nvfp4_group_tile_amax, **kw), _jitted(ops.fp8_group_amax, **kw)  # all shards
+    stats = [tile_amax(s, i) for s, i in shards]
     tiles = jnp.max(jnp.stack([t for t, _ in stats]), axis=0)
     amax = jnp.max(jnp.stack([a for _, a in stats]), axis=0)
-    amaxes = jnp.max(jnp.stack([ops.fp8_group_amax(s, i, **kw) for s, i in shards]), axis=0)
+    amaxes = jnp.max(jnp.stack([fp8_amax(s, i) for s, i in shards]), axis=0)
     np.testing.assert_array_equal(amax, amaxes)
-    scale_inv, enc = ops.nvfp4_group_scale(tiles, amax, table=table, impl=impl)
+    scale_inv, enc = _jitted(ops.nvfp4_group_scale, table=table, impl=impl)(tiles, amax)
     space = np.zeros(int(table[:, FIELD["numel"]].sum() // 2), np.uint8)
+    cast = _jitted(ops.nvfp4_group_cast, chunk_lo=los, chunk_size=size, **kw)
     for (s, i), lo, hi in zip(shards, los, his):
-        chunk = np.asarray(ops.nvfp4_group_cast(s, i, enc, chunk_lo=los, chunk_size=size, **kw))
+        chunk = np.asarray(cast(s, i, enc))
         space[lo:hi] |= chunk[:hi - lo]
-    data_t, scale_inv_t = ops.nvfp4_group_columnwise(jnp.asarray(space), scale_inv, table=table, impl=impl)
+    data_t, scale_inv_t = _jitted(ops.nvfp4_group_columnwise, table=table, impl=impl)(jnp.asarray(space), scale_inv)
     scale, _ = formats.fp8_scale_from_amax(amaxes, 448.0)
-    fp8 = np.concatenate([np.asarray(ops.fp8_group_cast(s, i, scale, **kw)).view(np.uint8) for s, i in shards])
-    fp8_t = ops.fp8_group_transpose(jnp.asarray(fp8), table=table, impl=impl)
+    cast = _jitted(ops.fp8_group_cast, **kw)
+    fp8 = np.concatenate([np.asarray(cast(s, i, scale)).view(np.uint8) for s, i in shards])
+    fp8_t = _jitted(ops.fp8_group_transpose, table=table, impl=impl)(jnp.asarray(fp8))
     for p, row in enumerate(gtable.rows_of(table)):
         m, k, off = row.rows, row.cols, row.offset
         w = jnp.asarray(flat[off:off + m * k].reshape(m, k))

@@ -93,6 +93,17 @@ def train(loss, params, devices=8, cw="nvfp4", mesh=None, steps=STEPS, **kw):
     return step.params(state), losses, step, state
 
 
+@functools.lru_cache(maxsize=None)
+def _trained_scan(cw, reshard, layers):
+    """train(loss_scan, ...) on 8 devices, once per recipe, reshard_after_forward and layer count (L, the cache
+    key only): several tests compare against it and only read what it returns (the step only to lower)."""
+    return train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard)
+
+
+def trained_scan(cw, reshard=True):
+    return _trained_scan(cw, reshard, L)
+
+
 def assert_close_to(params, ref, init, atol_of_update):
     for (path, a), b, c in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref),
                                jax.tree.leaves(init)):
@@ -106,7 +117,7 @@ def assert_close_to(params, ref, init, atol_of_update):
 def test_scan_over_stacked_equals_loop_over_layers(cw):
     """Bitwise: each layer is quantized with its own scales and its gradient reduce-scattered on its own,
     whether the layers are a stack under scan or separate leaves."""
-    stacked, losses_s, _, _ = train(loss_scan, init_params(stacked=True), cw=cw)
+    stacked, losses_s, _, _ = trained_scan(cw)       # init_params() is stacked
     looped, losses_l, _, _ = train(loss_loop, init_params(stacked=False), cw=cw)
     np.testing.assert_array_equal(losses_s, losses_l)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(stacked)[0], jax.tree.leaves(stack_params(looped))):
@@ -116,7 +127,7 @@ def test_scan_over_stacked_equals_loop_over_layers(cw):
 
 @pytest.mark.slow
 def test_remat_inside_scan_equals_no_remat():
-    plain, lp, _, _ = train(loss_scan, init_params(), cw="fp8")
+    plain, lp, _, _ = trained_scan("fp8")
     remat, lr_, _, _ = train(functools.partial(loss_scan, remat=True), init_params(), cw="fp8")
     np.testing.assert_array_equal(lp, lr_)
     jax.tree.map(np.testing.assert_array_equal, plain, remat)
@@ -269,7 +280,7 @@ def test_reshard_after_forward_false_keeps_the_gathered_weight(cw):
     cols = (lambda c: c // 2) if cw == "nvfp4" else (lambda c: c)
     runs = {}
     for reshard in (True, False):
-        params, losses, step, state = train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard)
+        params, losses, step, state = trained_scan(cw, reshard)
         lowered = step.lower(state, make_batch())
         text = lowered.as_text()
         gathered = [result for _, result in _all_gathers(text)]
