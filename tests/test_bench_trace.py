@@ -62,13 +62,16 @@ def test_process_rule_compares_each_process_count_with_the_first():
 
 def test_bench_e2e_two_processes_train_like_one(tmp_path):
     """bench_e2e --processes 1,2 --devices 2 on the CPU: the step as 2 jax.distributed processes of one device
-    each (as cluster launchers start one process per GPU) gives the losses of 1 process x 2 devices."""
+    each (as cluster launchers start one process per GPU) gives the losses of 1 process x 2 devices: the first
+    step's bit for bit, the later ones within 1e-3 (gloo's CPU collectives sum in another order, and not the same
+    order from run to run under load; FP8 turns a flipped E4M3 rounding into up to 2.2e-4 relative at step 3)."""
     out = tmp_path / "e2e.json"
     assert bench_e2e.main(["--tiny", "--configs", "jq-fp8", "--flags", "default", "--steps", "1",
                            "--processes", "1,2", "--devices", "2", "--json", str(out)]) == 0
     one, two = json.loads(out.read_text())["results"]
     assert (one["processes"], one["devices"], two["processes"], two["devices"]) == (1, 2, 2, 2)
-    assert len(one["losses"]) == 3 and np.allclose(two["losses"], one["losses"], rtol=1e-6, atol=0)
+    assert len(one["losses"]) == 3 and two["losses"][0] == one["losses"][0]
+    assert np.allclose(two["losses"], one["losses"], rtol=1e-3, atol=0), (two["losses"], one["losses"])
 
 
 def _bench_sp():

@@ -41,3 +41,23 @@ def test_scan_trains_like_the_loop_on_gpu(cw):
     np.testing.assert_allclose(l_scan, l_loop, rtol=5e-3 if cw == "fp8" else 2e-3)
     for a, b in zip(jax.tree.leaves(s_scan.master), jax.tree.leaves(stack_params(s_loop.master))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-3)
+
+
+
+@pytest.mark.parametrize("cw,target", [("fp8", "jq_fp8_quantize"), ("nvfp4", "jq_nvfp4_quantize")])
+def test_scan_casts_each_weight_once(cw, target):
+    """Under scan the fp32 weight cast has two users, the gather and the stacked residual; XLA's GPU
+    dynamic-slice fusion cloned it into the residual's write (every weight cast twice a step, ~5% of the scan step
+    on one H200) until jq.dense put an optimization barrier between the cast and its users. Counted in the compiled
+    scan step: one cast of each stacked weight's fp32 rows [rows / fsdp, in] (the activations' casts have other
+    shapes)."""
+    import re
+
+    from test_layerwise import D, F
+
+    n = len(jax.devices())
+    step, state, _ = _train(loss_scan, init_params(stacked=True), cw, steps=1)
+    hlo = step.lower(state, make_batch()).compile().as_text()
+    shapes = re.findall(rf'custom_call_target="{target}", operand_layout_constraints=\{{f32\[(\d+),(\d+)\]', hlo)
+    for rows, cols in ((F // n, D), (D // n, F)):   # w1, w2 of one layer
+        assert shapes.count((str(rows), str(cols))) == 1, (rows, cols, shapes)

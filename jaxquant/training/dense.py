@@ -164,7 +164,9 @@ def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsd
         y, act = _forward(x2, gathered, cfg)
         return y.astype(cfg.out_dtype), (_named_act(act), gathered)
     if local is None:
-        local = fsdp.quantize_rows(shard, spec)
+        # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
+        # otherwise clones the cast into the residual's stacked write, casting every weight twice
+        local = jax.lax.optimization_barrier(fsdp.quantize_rows(shard, spec))
     gathered = fsdp.forward_operands(local, spec)
     y, act = _forward(x2, gathered, cfg)
     return y.astype(cfg.out_dtype), (_named_act(act), gathered if spec.keep_gathered else local)
