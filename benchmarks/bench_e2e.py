@@ -625,7 +625,7 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
                 cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags,
                        "--nproc", str(nproc)]
                 t0 = time.perf_counter()
-                (code, out, err), *others = _run_processes(cmd, env, nproc)
+                (code, out, err), *others = run_processes(cmd, env, nproc)
                 line = [l for l in out.splitlines() if l.startswith("RESULT ")]
                 label = config + (f" {nproc}x1" if nproc > 1 else "")
                 failed = [(code, err or out)] + [(c, e or o) for c, o, e in others if c]
@@ -643,7 +643,7 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
     return results
 
 
-def _run_processes(cmd, env, nproc):
+def run_processes(cmd, env, nproc):
     """(exit code, stdout, stderr) of each of ``nproc`` processes of ``cmd`` (more than one: ranks 0.. under
     jax.distributed on a free localhost port; output into files, not pipes, so that no process stalls the
     others' collectives on a full pipe)."""
@@ -653,7 +653,7 @@ def _run_processes(cmd, env, nproc):
     if nproc == 1:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         return [(proc.returncode, proc.stdout, proc.stderr)]
-    with socket.socket() as sock:
+    with socket.socket() as sock:   # a free port for the coordinator
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]

@@ -31,9 +31,7 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 MODES = ("sync", "off", "fused")
@@ -289,42 +287,24 @@ def _child(args):
 def _run_mode(mode, argv, args):
     """The rows one mode's process printed, and its error (None, or the tail of its stderr): a failing
     mode is reported and the others still run."""
-    from bench_e2e import SYNC_FLAGS   # same directory
+    from bench_e2e import SYNC_FLAGS, run_processes   # same directory
 
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "") + " " + args.extra_flags + (" " + SYNC_FLAGS if mode == "sync" else "")
     if args.cpu_smoke:
         flags += f" --xla_force_host_platform_device_count={4 // args.processes}"
     env["XLA_FLAGS"] = flags.strip()
-    env["JQ_BENCH_PORT"] = str(_free_port())
-    # into files, not pipes: a process blocked on a full pipe would stall the others in its collectives
-    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(args.processes)]
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--child", mode], text=True,
-                              env={**env, "JQ_BENCH_RANK": str(rank)}, stdout=out, stderr=err)
-             for rank, (out, err) in enumerate(logs)]
-    for p in procs:
-        p.wait()
-    outputs = []   # (stdout, stderr) per process; process 0 reports
-    for out, err in logs:
-        out.seek(0), err.seek(0)
-        outputs.append((out.read(), err.read()))
-        out.close(), err.close()
+    runs = run_processes([sys.executable, __file__, *argv, "--child", mode], env, args.processes)
+    outputs = [(out, err) for _, out, err in runs]   # (stdout, stderr) per process; process 0 reports
     rows = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
     error = None
-    failed = [(rank, p.returncode, err) for rank, (p, (_, err)) in enumerate(zip(procs, outputs)) if p.returncode]
+    failed = [(rank, code, err) for rank, (code, _, err) in enumerate(runs) if code]
     if failed:
         rank, code, err = failed[0]
         lines = [ln for ln in err.splitlines() if ln.strip()]
         error = f"process {rank} exit {code}: " + " | ".join(lines[-3:])[-600:]
         sys.stderr.write(f"bench_sp: the {mode!r} process {rank} failed; its stderr tail:\n{err[-3000:]}\n")
     return rows, error
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):
