@@ -187,11 +187,11 @@ def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, prefe
         policy = (({"gemm_outputs": policies.dots_with_no_batch_dims_saveable}).get(a.remat, policies.nothing_saveable)
                   if plain else jq.remat_policy(a.remat))
         body = jax.checkpoint(body, policy=policy)
-    if scan:
+    if scan and prefetch:
         from jaxquant.training.prefetch import scan as prefetch_scan
 
-        if prefetch:
-            return prefetch_scan(body, x, params["blocks"])[0]
+        return prefetch_scan(body, x, params["blocks"])[0]
+    if scan:
         return jax.lax.scan(body, x, params["blocks"], unroll=a.unroll)[0]
     for p in params["blocks"]:
         x = body(x, p)[0]
@@ -625,13 +625,13 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
                 cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags,
                        "--nproc", str(nproc)]
                 t0 = time.perf_counter()
-                (code, out, err), *others = run_processes(cmd, env, nproc)
-                line = [l for l in out.splitlines() if l.startswith("RESULT ")]
+                runs = run_processes(cmd, env, nproc)
+                line = [l for l in runs[0][1].splitlines() if l.startswith("RESULT ")]   # process 0 reports
                 label = config + (f" {nproc}x1" if nproc > 1 else "")
-                failed = [(code, err or out)] + [(c, e or o) for c, o, e in others if c]
-                if code or not line or failed[1:]:
-                    code, text = next(((c, t) for c, t in failed if c), failed[0])
-                    tail = "\n".join(text.strip().splitlines()[-6:])
+                # the first process that failed, else process 0 (no RESULT line)
+                code, out, err = next((run for run in runs if run[0]), runs[0])
+                if code or not line:
+                    tail = "\n".join((err or out).strip().splitlines()[-6:])
                     took = time.perf_counter() - t0
                     print(f"{flags:8s} {label:16s} FAILED (exit {code}, {took:.0f} s):\n{tail}", flush=True)
                     results.append({"config": config, "flags": flags, "processes": nproc, "error": tail})

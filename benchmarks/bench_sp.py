@@ -295,8 +295,7 @@ def _run_mode(mode, argv, args):
         flags += f" --xla_force_host_platform_device_count={4 // args.processes}"
     env["XLA_FLAGS"] = flags.strip()
     runs = run_processes([sys.executable, __file__, *argv, "--child", mode], env, args.processes)
-    outputs = [(out, err) for _, out, err in runs]   # (stdout, stderr) per process; process 0 reports
-    rows = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in runs[0][1].splitlines() if line.startswith("{")]   # process 0 reports
     error = None
     failed = [(rank, code, err) for rank, (code, _, err) in enumerate(runs) if code]
     if failed:

@@ -1,7 +1,9 @@
 """``scan``: ``jax.lax.scan`` over stacked layers with each layer's weights gathered one layer ahead.
 
 An experiment, not exported: measured slower than ``jax.lax.scan`` in every recipe (docs/fsdp.md, "Prefetching
-under scan by hand"); kept for the profile that should explain the scan-vs-loop gap.
+under scan by hand"); the profile since showed the scan-vs-loop gap is XLA's stacked residuals, not exposed gathers
+(docs/performance.md, "Where the scan step's time goes"). Kept as that record and for links slow enough that gathers
+show.
 
 Under ``jax.lax.scan`` a layer's ``ShardedWeight`` is quantized and gathered where ``jq.dense`` reads it, inside
 the loop body: the gather of layer i+1 belongs to the next iteration and cannot run under layer i's GEMMs, and
