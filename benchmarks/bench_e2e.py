@@ -48,13 +48,10 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # "-once": make_train_step(quantize_once=True), every layer quantized once a step before the first microbatch
 # (one packed amax all-reduce) instead of where it is read (each with its own scalar amax all-reduce)
 # "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
-# "-pf": the stack under jaxquant.training.prefetch.scan (each layer's weights gathered one layer ahead, forward and
-# backward) in place of jax.lax.scan; "-once-pf" with quantize_once too (an experiment: docs/fsdp.md)
 EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
                  "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
     tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
-          for form in ("-loop", "")) + \
-    tuple(f"jq-{r}-{mode}pf" for mode in ("", "once-") for r in ("bf16", "fp8", "nvfp4"))
+          for form in ("-loop", ""))
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
 
@@ -176,7 +173,7 @@ def block(a, h, p, matmul, row=None, tp=1):
     return h + row(jax.nn.silu(gate) * up, p["w_down"])
 
 
-def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, prefetch=False):
+def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False):
     import jax
 
     import jaxquant as jq
@@ -187,10 +184,6 @@ def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, prefe
         policy = (({"gemm_outputs": policies.dots_with_no_batch_dims_saveable}).get(a.remat, policies.nothing_saveable)
                   if plain else jq.remat_policy(a.remat))
         body = jax.checkpoint(body, policy=policy)
-    if scan and prefetch:
-        from jaxquant.training.prefetch import scan as prefetch_scan
-
-        return prefetch_scan(body, x, params["blocks"])[0]
     if scan:
         return jax.lax.scan(body, x, params["blocks"], unroll=a.unroll)[0]
     for p in params["blocks"]:
@@ -278,7 +271,7 @@ def _tp_loss(a, scan, sp, overlap="off"):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False, prefetch=False):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False):
     import jax
     import optax
 
@@ -294,7 +287,7 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantiz
                                   policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep,
                                   quantize_once=quantize_once)
     else:
-        loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan, prefetch=prefetch), batch["y"])
+        loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
         step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy,
                                   reshard_after_forward=not keep, quantize_once=quantize_once)
     return jq_runner(step, lambda: init_params(a, stacked=scan))
@@ -331,8 +324,6 @@ def run_one(a, config):
     devices = np.array(jax.devices()[:a.devices] if a.processes == 1 and a.devices else jax.devices())
     if len(devices) % a.tp:
         raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
-    if a.tp > 1 and config.endswith("pf"):
-        raise SystemExit(f"{config}: the prefetching scan is measured without tensor parallelism (--tp 1)")
     mesh = Mesh(devices.reshape(-1, a.tp), ("fsdp", "tp")) if a.tp > 1 else Mesh(devices, ("fsdp",))
     n = mesh.size
     scan = not config.endswith("-loop")
@@ -341,7 +332,7 @@ def run_one(a, config):
     else:
         fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
                              overlap="fused" if "-spfused" in config else "off",
-                             quantize_once="-once" in config, prefetch=config.endswith("pf"))
+                             quantize_once="-once" in config)
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     # made in place (every process its own rows, the tp ranks of an fsdp rank the same rows)
