@@ -13,6 +13,7 @@ directly: `python build.py` builds in place into jaxquant/.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ CUDA_ARCH_FLAGS = [
     "-gencode=arch=compute_90,code=compute_90",
 ]
 CUDA_ARCHS = "sm_90,sm_100a,compute_90"
+BUILD_CACHE = ROOT / "build" / "ext-cache"   # the latest module built of each name, under its inputs' key
 CUDA_SOURCES = [CSRC / "cuda_ops.cu", CSRC / "cuda_group_ops.cu"]  # single-tensor ops; grouped ops
 
 
@@ -100,12 +102,58 @@ def _announce(line: str) -> None:
         pass
 
 
+def _build_key(tools: list[str], flags: list[str]) -> str:
+    """What an extension is built from: every file of csrc/, the flags (jaxlib's version and headers, the
+    architectures), this file's commands and each compiler's version: modules built from one key are the same."""
+    h = hashlib.sha256()
+    for tool in tools:
+        try:
+            version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+        except OSError as e:   # the compile that follows names the problem
+            version = f"not runnable: {e}"
+        h.update(f"{tool}\0{version}\0".encode())
+    h.update("\0".join(flags).encode() + Path(__file__).read_bytes())   # and the commands written here
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        h.update(f"\0{path.relative_to(CSRC)}\0".encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def _cache_entry(output: Path, key: str) -> Path:
+    return BUILD_CACHE / f"{output.name}.{key[:20]}"
+
+
+def _from_cache(output: Path, key: str) -> bool:
+    """A re-install (``pip install -e .`` again, e.g. for another extra) copies the module built from the same
+    inputs instead of compiling again (nvcc takes a minute); ``python build.py --force`` compiles."""
+    entry = _cache_entry(output, key)
+    if os.environ.get("JAXQUANT_FORCE_BUILD") == "1" or not entry.is_file():
+        return False
+    output.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(entry, output)
+    _announce(f"{output.name}: unchanged csrc/, flags and compilers: the module built from them ({entry})")
+    return True
+
+
+def _built(output: Path, key: str) -> Path:
+    """Keeps the module just built as the cache's one entry for its name."""
+    BUILD_CACHE.mkdir(parents=True, exist_ok=True)
+    for old in BUILD_CACHE.glob(f"{output.name}.*"):
+        old.unlink()
+    entry = _cache_entry(output, key)
+    shutil.copy2(output, entry.with_name(entry.name + ".tmp"))
+    os.replace(entry.with_name(entry.name + ".tmp"), entry)
+    return output
+
+
 def build_cpu(output: Path, verbose: bool = False) -> Path:
     cxx = os.environ.get("CXX", "c++")
-    _announce(f"{output.name}: CPU handlers with {cxx}")
     flags = _common_flags("_jaxquant_cpu", "Cpu", "")
+    key = _build_key([cxx], flags)
+    if _from_cache(output, key):
+        return output
+    _announce(f"{output.name}: CPU handlers with {cxx}")
     _run([cxx, *flags, "-shared", str(CSRC / "cpu_ops.cc"), str(CSRC / "module.cc"), "-o", str(output)], verbose)
-    return output
+    return _built(output, key)
 
 
 def build_cuda(output: Path, verbose: bool = False) -> Path:
@@ -113,21 +161,24 @@ def build_cuda(output: Path, verbose: bool = False) -> Path:
     if nvcc is None:
         raise SystemExit("CUDA build: nvcc not found")
     home = cuda_home(nvcc)
+    cxx = os.environ.get("CXX", "c++")
+    flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
+    key = _build_key([nvcc, cxx], flags + CUDA_ARCH_FLAGS + ["-fmad=false"])
+    if _from_cache(output, key):
+        return output
     _announce(f"{output.name}: CUDA handlers with {nvcc} for {CUDA_ARCHS} (about a minute; "
               f"JAXQUANT_CUDA=off skips it)")
-    flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
     with tempfile.TemporaryDirectory() as tmp:
         objs = []
         for source in CUDA_SOURCES:
             objs.append(str(Path(tmp) / (source.stem + ".o")))
             _run([nvcc, *[f for f in flags if f != "-fPIC"], "-Xcompiler=-fPIC", "-fmad=false",
                   "--threads=0", *CUDA_ARCH_FLAGS, "-c", str(source), "-o", objs[-1]], verbose)
-        cxx = os.environ.get("CXX", "c++")
         libdirs = [home / "lib64", home / "targets" / "x86_64-linux" / "lib"]
         _run([cxx, *flags, "-shared", str(CSRC / "module.cc"), *objs, "-o", str(output),
               *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart_static", "-lpthread", "-ldl", "-lrt"],
              verbose)
-    return output
+    return _built(output, key)
 
 
 def ext_filename(module: str) -> str:
@@ -159,7 +210,11 @@ def main() -> None:
     parser.add_argument("--cuda", choices=("auto", "on", "off"), default=None,
                         help="build the CUDA handlers: auto (if nvcc is found; default, or $JAXQUANT_CUDA), on, off")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--force", action="store_true",
+                        help="compile even where the built module's inputs did not change (JAXQUANT_FORCE_BUILD=1)")
     args = parser.parse_args()
+    if args.force:
+        os.environ["JAXQUANT_FORCE_BUILD"] = "1"
     for path in build_inplace(args.cuda, args.verbose):
         print(f"built {path.relative_to(ROOT)}")
 

@@ -1,5 +1,6 @@
 """build.py: one line per extension before its (long) compile (on the terminal too when pip captures it);
-JAXQUANT_CUDA=off removes a stale CUDA module. No compiler runs here (the commands are recorded)."""
+JAXQUANT_CUDA=off removes a stale CUDA module; a rebuild of unchanged inputs copies the module built from them. No
+compiler runs here (the commands are recorded, and each "compile" writes its output)."""
 
 import importlib.util
 from pathlib import Path
@@ -10,12 +11,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()
-def build(monkeypatch, capsys):
+def build(monkeypatch, capsys, tmp_path):
     spec = importlib.util.spec_from_file_location("jaxquant_build_under_test", ROOT / "build.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.ran = []  # (stderr printed before the command, the command)
-    monkeypatch.setattr(mod, "_run", lambda cmd, verbose: mod.ran.append((capsys.readouterr().err, cmd)))
+
+    def run(cmd, verbose):
+        mod.ran.append((capsys.readouterr().err, cmd))
+        Path(cmd[cmd.index("-o") + 1]).write_text(f"built by command {len(mod.ran)}")
+
+    monkeypatch.setattr(mod, "_run", run)
+    monkeypatch.setattr(mod, "BUILD_CACHE", tmp_path / "ext-cache")
     return mod
 
 
@@ -28,6 +35,30 @@ def test_each_extension_is_announced_before_its_compile(build, tmp_path, monkeyp
     said, cmd = build.ran[1]  # announced before nvcc starts, not after the link
     assert cmd[0] == "/opt/fake-cuda/bin/nvcc" and "CUDA handlers with /opt/fake-cuda/bin/nvcc" in said
     assert len(said.strip().splitlines()) == 1
+
+
+def test_a_rebuild_of_unchanged_inputs_copies_the_module_built_from_them(build, tmp_path, monkeypatch, capsys):
+    """A second ``pip install -e`` (another extra) must not spend nvcc's minute again; a changed source or
+    ``--force`` compiles, and the cache keeps one module per name."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    out = tmp_path / "pkg" / "_jaxquant_cpu.so"
+    out.parent.mkdir()
+    build.build_cpu(out)
+    out.unlink()
+    build.build_cpu(out)                                   # the same inputs: copied, no compiler
+    assert len(build.ran) == 1 and out.read_text() == "built by command 1"
+    assert "the module built from them" in capsys.readouterr().err
+    (csrc / "cpu_ops.cc").write_text((csrc / "cpu_ops.cc").read_text() + "\n// changed\n")
+    build.build_cpu(out)
+    assert len(build.ran) == 2 and out.read_text() == "built by command 2"
+    monkeypatch.setenv("JAXQUANT_FORCE_BUILD", "1")
+    build.build_cpu(out)
+    assert len(build.ran) == 3
+    assert [p.read_text() for p in build.BUILD_CACHE.iterdir()] == ["built by command 3"]
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child only dup2s and execs
