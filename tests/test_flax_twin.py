@@ -203,10 +203,16 @@ def twin_loss_and_grads(model, batch):
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
+@functools.lru_cache(maxsize=None)
+def _fp32_value_and_grad(model):
+    """One jitted function per model (the tests call it on several batches and parameters: traced once)."""
+    return jax.jit(jax.value_and_grad(jq.flax_loss(model, fl.nnx_loss)))
+
+
 def jax_fp32_loss_and_grads(model, params, batch):
     """The loss the step trains (``jq.flax_loss`` of the unchanged flax model) on plain fp32 arrays: no kernel is
     quantized, flax computes in fp32 with the given parameters."""
-    loss, grads = jax.jit(jax.value_and_grad(jq.flax_loss(model, fl.nnx_loss)))(jax.device_get(params), batch)
+    loss, grads = _fp32_value_and_grad(model)(jax.device_get(params), batch)
     return float(loss), grads
 
 
@@ -250,11 +256,17 @@ def twin_from_jax(tmp_path, step, state):
     return model, opt
 
 
+@jax.jit
+def _adam_next(grads_tree, opt_state, master):
+    """Jitted: one program instead of one per op (each compiled on first use, over 8 devices)."""
+    updates, new = optax.adam(ADAM["lr"]).update(grads_tree, opt_state, master)
+    return optax.apply_updates(master, updates), new
+
+
 def optax_next(grads_tree, state):
     """optax's next Adam step from ``state`` on ``grads_tree``: (master, {"mu", "nu"}) as trees."""
-    updates, new = optax.adam(ADAM["lr"]).update(grads_tree, state.opt_state, state.master)
-    adam = adam_of(new)
-    return optax.apply_updates(state.master, updates), adam
+    master, new = _adam_next(grads_tree, state.opt_state, state.master)
+    return master, adam_of(new)
 
 
 # -- tests -----------------------------------------------------------------------------------------
