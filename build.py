@@ -103,7 +103,7 @@ def _announce(line: str) -> None:
 
 
 def _build_key(tools: list[str], flags: list[str]) -> str:
-    """What an extension is built from: every file of csrc/, the flags (jaxlib's version and headers, the
+    """What an extension is built from: every file of csrc/, the flags (jaxlib's version and include path, the
     architectures), this file's commands and each compiler's version: modules built from one key are the same."""
     h = hashlib.sha256()
     for tool in tools:
