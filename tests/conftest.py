@@ -1,16 +1,33 @@
 """Shared fixtures and helpers for the jaxquant test suite.
 
 XLA_FLAGS is extended *before* jax is imported so that the CPU backend exposes 8 host devices
-(sharding tests elsewhere in the suite rely on it).
+(sharding tests elsewhere in the suite rely on it) and, on a machine without a GPU, compiles with LLVM's
+optimisation off (below).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+def _extend_xla_flags(flag: str, unless: str | None = None) -> None:
+    """Appends ``flag`` to XLA_FLAGS unless it, or ``unless`` (a flag name the caller chose a value of), is there."""
+    if (unless or flag) not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+def _gpu_plugin_installed() -> bool:
+    return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm"))
+               for d in importlib.metadata.distributions())
+
+
+_extend_xla_flags("--xla_force_host_platform_device_count=8")
+# On the CPU, most of the suite's time is XLA compiling its programs (about 1,000 of them) and most of that is LLVM's
+# optimisation passes, which the tests do not measure: off, the suite runs ~20% faster, and this process's children
+# inherit it. The checks that need XLA's default level compile with tests/codegen.py's options. Not set where a GPU
+# plugin is installed (the GPU suite compiles as users do) or with JAXQUANT_TEST_XLA_OPT=default.
+if os.environ.get("JAXQUANT_TEST_XLA_OPT", "0") != "default" and not _gpu_plugin_installed():
+    _extend_xla_flags("--xla_backend_optimization_level=0", unless="--xla_backend_optimization_level")
 
 import functools  # noqa: E402
 

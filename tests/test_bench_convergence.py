@@ -26,7 +26,7 @@ CONFIGS = ("plain-bf16", "jq-bf16", "jq-fp8", "jq-nvfp4")
 @pytest.mark.slow
 def test_bench_convergence_smoke_trains_every_config_alike(tmp_path):
     out = tmp_path / "results"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")   # XLA_FLAGS as tests/conftest.py set them (8 devices)
     proc = subprocess.run([sys.executable, str(BENCH), "--size", "smoke", "--steps", "4", "--eval-every", "2",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

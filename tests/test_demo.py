@@ -14,32 +14,6 @@ from jaxquant import cli
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
 
-@pytest.mark.slow
-def test_demo_trains_the_flax_llama_and_checkpoints(tmp_path, capsys):
-    """The default: the flax NNX Llama (nnx.scan over nnx.vmap-stacked blocks) on fsdp=8, NVFP4 kernels; the
-    checkpoint names each layer's parameters as flax does (kernels saved [out, in]), with the Adam state."""
-    rc = cli.main(["demo", "--steps", "30", "--ckpt-dir", str(tmp_path), "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "flax NNX Llama" in out and "under nnx.scan" in out and "weights nvfp4" in out, out
-    listing = _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys)
-    assert "model.layers.1.mlp.down.kernel" in listing and "model_nvfp4.layers.1.mlp.down.kernel" in listing
-    assert "optim.state.layers.1.mlp.down.kernel.exp_avg_sq" in listing     # the Adam state, as torch names it
-    assert "model.embed.embedding" in listing and "model_nvfp4.embed" not in listing   # the embedding: an array
-
-
-@pytest.mark.slow
-def test_demo_tp_sp_model_trains_and_checkpoints(tmp_path, capsys):
-    rc = cli.main(["demo", "--model", "tp-sp", "--steps", "30", "--mesh", "8x1", "--ckpt-dir", str(tmp_path),
-                   "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "weights nvfp4" in out and "under scan" in out
-    listing = _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys)
-    assert "model.blocks.1.down" in listing and "model_nvfp4.blocks.1.down" in listing
-    assert "optim.state.blocks.1.down.exp_avg_sq" in listing           # the Adam state, as torch names it
-
-
 def _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys):
     """A 30-step NVFP4 run on fsdp=8: the per-device bytes, the loss fell, the checkpoint it names inspects;
     the listing."""
@@ -178,28 +152,44 @@ def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
     assert "over 1 steps" in out and (tmp_path / "nvfp4-step1" / ".metadata").is_file()
 
 
+def _assert_model_listing(model, out, listing):
+    """What the demo says of each model and how its checkpoint names the parameters and the Adam state."""
+    if model == "llama":   # the flax NNX Llama (nnx.scan over nnx.vmap-stacked blocks), kernels saved [out, in]
+        assert "flax NNX Llama" in out and "under nnx.scan" in out and "weights nvfp4" in out, out
+        assert "model.layers.1.mlp.down.kernel" in listing and "model_nvfp4.layers.1.mlp.down.kernel" in listing
+        assert "optim.state.layers.1.mlp.down.kernel.exp_avg_sq" in listing     # the Adam state, as torch names it
+        assert "model.embed.embedding" in listing and "model_nvfp4.embed" not in listing   # the embedding: an array
+    else:
+        assert "weights nvfp4" in out and "under scan" in out, out
+        assert "model.blocks.1.down" in listing and "model_nvfp4.blocks.1.down" in listing
+        assert "optim.state.blocks.1.down.exp_avg_sq" in listing           # the Adam state, as torch names it
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,mesh,other_mesh", [("llama", "8x1", "2x1"), ("tp-sp", "8x1", "4x2")])
-def test_demo_saves_every_n_and_resumes_on_another_mesh(tmp_path, capsys, model, mesh, other_mesh):
-    """--save-every writes training checkpoints on the way; --resume continues from one (parameters, Adam
-    state, step, the data stream) on another mesh than the one it was written on."""
-    rc = cli.main(["demo", "--model", model, "--steps", "12", "--mesh", mesh, "--save-every", "6", "--ckpt-dir",
+def test_demo_trains_checkpoints_and_resumes_on_another_mesh(tmp_path, capsys, model, mesh, other_mesh):
+    """The default flax NNX Llama and the hand-written TP-SP model train 30 steps with NVFP4 weights on fsdp=8 (the
+    loss falls); the checkpoints name each layer's parameters as the model does, with the Adam state, and `jaxquant
+    ckpt inspect` reads them; --save-every writes training checkpoints on the way; --resume continues from one
+    (parameters, Adam state, step, the data stream) on another mesh than the one it was written on."""
+    rc = cli.main(["demo", "--model", model, "--steps", "30", "--mesh", mesh, "--save-every", "15", "--ckpt-dir",
                    str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    _assert_model_listing(model, out, _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys))
     first, _ = _loss_range(out)
-    assert (tmp_path / "nvfp4-step6" / ".metadata").is_file() and (tmp_path / "nvfp4-step12").is_dir()
+    assert (tmp_path / "nvfp4-step15" / ".metadata").is_file()
     flag = "" if model == "llama" else f" --model {model}"
-    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step12'} --recipe nvfp4{flag} --steps N" in out
+    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step30'} --recipe nvfp4{flag} --steps N" in out
     assert "load in PyTorch:   python -c 'import torch" in out
-    rc = cli.main(["demo", "--model", model, "--steps", "6", "--mesh", other_mesh, "--resume",
-                   str(tmp_path / "nvfp4-step6"), "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
+    rc = cli.main(["demo", "--model", model, "--steps", "15", "--mesh", other_mesh, "--resume",
+                   str(tmp_path / "nvfp4-step15"), "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"resumed from {tmp_path / 'nvfp4-step6'} at step 6" in out
+    assert f"resumed from {tmp_path / 'nvfp4-step15'} at step 15" in out
     resumed_first, _ = _loss_range(out)
-    assert resumed_first < first - 1.0, out               # the loss goes on from where step 6 left it
-    assert (tmp_path / "again" / "nvfp4-step12" / ".metadata").is_file()
+    assert resumed_first < first - 1.0, out               # the loss goes on from where step 15 left it
+    assert (tmp_path / "again" / "nvfp4-step30" / ".metadata").is_file()
     rc = cli.main(["demo", "--resume", str(tmp_path / "nowhere"), "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2 and "--resume: " in capsys.readouterr().err
 

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
+from codegen import XLA_DEFAULT_CODEGEN
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
@@ -96,12 +97,26 @@ def train(loss, params, devices=8, cw="nvfp4", mesh=None, steps=STEPS, **kw):
 @functools.lru_cache(maxsize=None)
 def _trained_scan(cw, reshard, layers):
     """train(loss_scan, ...) on 8 devices, once per recipe, reshard_after_forward and layer count (L, the cache
-    key only): several tests compare against it and only read what it returns (the step only to lower)."""
-    return train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard)
+    key only): several tests compare against it and only read what it returns (the step only to lower). Also
+    returns the parameters after the first step (host copies: the step donates its state). Compiled at XLA's default
+    level: test_scan_over_stacked_equals_loop_over_layers compares it bit for bit with another program."""
+    params, losses, step, state = train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard, steps=1,
+                                        compiler_options=XLA_DEFAULT_CODEGEN)
+    first = jax.tree.map(np.asarray, params), list(losses)
+    for _ in range(STEPS - 1):
+        state, m = step(state, make_batch())
+        losses.append(float(m["loss"]))
+    return (step.params(state), losses, step, state), first
 
 
 def trained_scan(cw, reshard=True):
-    return _trained_scan(cw, reshard, L)
+    """What train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard) returns, computed once."""
+    return _trained_scan(cw, reshard, L)[0]
+
+
+def scan_after_one_step(cw):
+    """(parameters, [loss]) of train(loss_scan, init_params(), cw=cw, steps=1): trained_scan's first step."""
+    return _trained_scan(cw, True, L)[1]
 
 
 def assert_close_to(params, ref, init, atol_of_update):
@@ -118,7 +133,7 @@ def test_scan_over_stacked_equals_loop_over_layers(cw):
     """Bitwise: each layer is quantized with its own scales and its gradient reduce-scattered on its own,
     whether the layers are a stack under scan or separate leaves."""
     stacked, losses_s, _, _ = trained_scan(cw)       # init_params() is stacked
-    looped, losses_l, _, _ = train(loss_loop, init_params(stacked=False), cw=cw)
+    looped, losses_l, _, _ = train(loss_loop, init_params(stacked=False), cw=cw, compiler_options=XLA_DEFAULT_CODEGEN)
     np.testing.assert_array_equal(losses_s, losses_l)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(stacked)[0], jax.tree.leaves(stack_params(looped))):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
@@ -128,7 +143,8 @@ def test_scan_over_stacked_equals_loop_over_layers(cw):
 @pytest.mark.slow
 def test_remat_inside_scan_equals_no_remat():
     plain, lp, _, _ = trained_scan("fp8")
-    remat, lr_, _, _ = train(functools.partial(loss_scan, remat=True), init_params(), cw="fp8")
+    remat, lr_, _, _ = train(functools.partial(loss_scan, remat=True), init_params(), cw="fp8",
+                             compiler_options=XLA_DEFAULT_CODEGEN)
     np.testing.assert_array_equal(lp, lr_)
     jax.tree.map(np.testing.assert_array_equal, plain, remat)
 
@@ -139,7 +155,7 @@ def test_eight_devices_equal_one(cw):
     """One step of the same model on 8 FSDP ranks and on 1: the same loss (fp32 sum order) and updates
     within the bf16 rounding of each rank's weight gradient (8 ranks round 8 partial gradients, one rank the
     whole). FP8 is left out: its activations are scaled per rank (make_train_step's amax scope)."""
-    p8, l8, _, _ = train(loss_scan, init_params(), devices=8, cw=cw, steps=1)
+    p8, l8 = scan_after_one_step(cw)                   # train(loss_scan, init_params(), cw=cw, steps=1)
     p1, l1, _, _ = train(loss_scan, init_params(), devices=1, cw=cw, steps=1)
     np.testing.assert_allclose(l8, l1, rtol=1e-6)
     assert_close_to(p8, p1, init_params(), 2 ** -6)
@@ -204,7 +220,7 @@ def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
         global L
         saved, L = L, layers
         try:
-            _, _, step, state = train(loss_scan, init_params(), cw=cw, steps=1)
+            _, _, step, state = train(loss_scan, init_params(), cw=cw, steps=0)   # lowered, not run
             text = step.lower(state, make_batch()).as_text()
         finally:
             L = saved
@@ -222,6 +238,7 @@ def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
     assert len(g3) == len(g6) and len(s3) == len(s6)
 
 
+@functools.cache   # the same for every recipe
 def _plain_scan_step_temp_bytes(layers):
     """Compiled temp bytes of what a JAX user writes without jaxquant: fp32 params sharded over fsdp, bf16 casts
     inside the loss, the same blocks under scan, XLA's gathers and reduce-scatters."""

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import common
-from test_layerwise import assert_close_to, init_params, loss_scan, train
+from codegen import XLA_DEFAULT_CODEGEN
+from test_layerwise import assert_close_to, init_params, loss_scan, train, trained_scan
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
 
@@ -56,7 +57,11 @@ def test_two_processes_equal_one(tmp_path, cw, per_process):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     got = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
-    ref_params, ref_losses, _, _ = train(loss_scan, init_params(), devices=2 * per_process, cw=cw)
+    # 1 process x 8 devices is test_layerwise's trained_scan (computed once per worker); both at XLA's default level,
+    # as the workers compile (their environment drops XLA_FLAGS)
+    ref_params, ref_losses, _, _ = (trained_scan(cw) if per_process == 4
+                                    else train(loss_scan, init_params(), devices=2 * per_process, cw=cw,
+                                               compiler_options=XLA_DEFAULT_CODEGEN))
     flat_ref = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(ref_params)[0]}
     for g in got:
         np.testing.assert_allclose(g["losses"], ref_losses, rtol=1e-6)
