@@ -34,18 +34,6 @@ def _loss_range(out):
 
 
 @pytest.mark.slow
-def test_demo_default_mesh_is_fsdp_x_tp_and_trains(tmp_path, capsys):
-    """Heads and MLP hidden units split over tp=2 (Megatron column/row-parallel), NVFP4 weights."""
-    rc = cli.main(["demo", "--model", "tp-sp", "--steps", "30", "--ckpt-dir", str(tmp_path), "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "mesh fsdp=4 x tp=2" in out and "weights nvfp4" in out
-    first, last = _loss_range(out)
-    assert last < first - 0.5, out
-    assert (tmp_path / "nvfp4-step30" / ".metadata").is_file()
-
-
-@pytest.mark.slow
 def test_demo_on_tp_only_mesh_has_no_weight_gathers(tmp_path, capsys):
     """fsdp=1 x tp=2: each device holds its TP-local weights whole (nothing to all-gather) and the
     sequence-parallel step still trains."""
@@ -143,15 +131,6 @@ def test_demo_judges_the_loss_from_the_first_step_of_training(monkeypatch, capsy
         assert f"the loss did not fall ({first:.3f} at step 1 -> {losses[-1]:.3f} at step {step})" in err
 
 
-@pytest.mark.slow
-def test_demo_one_step_runs_and_checkpoints(tmp_path, capsys):
-    """--steps 1: no step after the compile one to time, still a result and a checkpoint."""
-    rc = cli.main(["demo", "--steps", "1", "--mesh", "8x1", "--ckpt-dir", str(tmp_path), "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "over 1 steps" in out and (tmp_path / "nvfp4-step1" / ".metadata").is_file()
-
-
 def _assert_model_listing(model, out, listing):
     """What the demo says of each model and how its checkpoint names the parameters and the Adam state."""
     if model == "llama":   # the flax NNX Llama (nnx.scan over nnx.vmap-stacked blocks), kernels saved [out, in]
@@ -166,12 +145,13 @@ def _assert_model_listing(model, out, listing):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,mesh,other_mesh", [("llama", "8x1", "2x1"), ("tp-sp", "8x1", "4x2")])
+@pytest.mark.parametrize("model,mesh,other_mesh", [("llama", "8x1", "2x1"), ("tp-sp", "8x1", None)])
 def test_demo_trains_checkpoints_and_resumes_on_another_mesh(tmp_path, capsys, model, mesh, other_mesh):
     """The default flax NNX Llama and the hand-written TP-SP model train 30 steps with NVFP4 weights on fsdp=8 (the
     loss falls); the checkpoints name each layer's parameters as the model does, with the Adam state, and `jaxquant
     ckpt inspect` reads them; --save-every writes training checkpoints on the way; --resume continues from one
-    (parameters, Adam state, step, the data stream) on another mesh than the one it was written on."""
+    (parameters, Adam state, step, the data stream) on another mesh than the one it was written on: the TP-SP model's
+    on its default mesh, fsdp=4 x tp=2 (heads and MLP hidden units split over tp, Megatron column/row-parallel)."""
     rc = cli.main(["demo", "--model", model, "--steps", "30", "--mesh", mesh, "--save-every", "15", "--ckpt-dir",
                    str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
@@ -182,13 +162,16 @@ def test_demo_trains_checkpoints_and_resumes_on_another_mesh(tmp_path, capsys, m
     flag = "" if model == "llama" else f" --model {model}"
     assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step30'} --recipe nvfp4{flag} --steps N" in out
     assert "load in PyTorch:   python -c 'import torch" in out
-    rc = cli.main(["demo", "--model", model, "--steps", "15", "--mesh", other_mesh, "--resume",
+    mesh_arg = ["--mesh", other_mesh] if other_mesh else []
+    rc = cli.main(["demo", "--model", model, "--steps", "15", *mesh_arg, "--resume",
                    str(tmp_path / "nvfp4-step15"), "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"resumed from {tmp_path / 'nvfp4-step15'} at step 15" in out
-    resumed_first, _ = _loss_range(out)
+    assert "mesh fsdp={} x tp={}".format(*(other_mesh or "4x2").split("x")) in out and "weights nvfp4" in out, out
+    resumed_first, resumed_last = _loss_range(out)
     assert resumed_first < first - 1.0, out               # the loss goes on from where step 15 left it
+    assert resumed_last < resumed_first, out
     assert (tmp_path / "again" / "nvfp4-step30" / ".metadata").is_file()
     rc = cli.main(["demo", "--resume", str(tmp_path / "nowhere"), "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2 and "--resume: " in capsys.readouterr().err
@@ -210,6 +193,12 @@ def fp8_checkpoint(tmp_path_factory):
                        "--no-progress"])
     assert rc == 0, out.getvalue()
     return root / "fp8-step1", out.getvalue()
+
+
+def test_demo_one_step_runs_and_checkpoints(fp8_checkpoint):
+    """--steps 1: no step after the compile one to time, still a result and a checkpoint."""
+    ckpt, out = fp8_checkpoint
+    assert "over 1 steps" in out and (ckpt / ".metadata").is_file(), out
 
 
 def _damage(src, dst, how):
