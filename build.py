@@ -103,8 +103,9 @@ def _announce(line: str) -> None:
 
 
 def _build_key(tools: list[str], flags: list[str]) -> str:
-    """What an extension is built from: every file of csrc/, the flags (jaxlib's version and include path, the
-    architectures), this file's commands and each compiler's version: modules built from one key are the same."""
+    """What an extension is built from: every file of csrc/, the flags computed at build time (jaxlib's version and
+    include path), this file (its commands and fixed flags) and each compiler's version: modules built from one key
+    are the same."""
     h = hashlib.sha256()
     for tool in tools:
         try:
@@ -163,7 +164,7 @@ def build_cuda(output: Path, verbose: bool = False) -> Path:
     home = cuda_home(nvcc)
     cxx = os.environ.get("CXX", "c++")
     flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
-    key = _build_key([nvcc, cxx], flags + CUDA_ARCH_FLAGS + ["-fmad=false"])
+    key = _build_key([nvcc, cxx], flags)
     if _from_cache(output, key):
         return output
     _announce(f"{output.name}: CUDA handlers with {nvcc} for {CUDA_ARCHS} (about a minute; "

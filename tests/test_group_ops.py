@@ -168,13 +168,12 @@ def test_group_stats_and_casts_many_params_equal_reference(num_params):
     # shards instead of the reference's per-parameter ops dispatched one by one); on GPU, eager: 300 and 1,100
     # parameters would make one very large program.
     bind = _jitted if jax.default_backend() != "gpu" else functools.partial
-    tile_amax, cast = ({i: bind(op, impl=i, **kw) for i in impl_pair}
-                       for op in (functools.partial(ops.nvfp4_group_tile_amax, return_nonfinite=True),
-                                  functools.partial(ops.nvfp4_group_cast, chunk_lo=los, chunk_size=size)))
-    amax = {i: bind(ops.fp8_group_amax, return_nonfinite=True, impl=i, **kw) for i in impl_pair}
+    both = lambda op, **opts: {i: bind(op, impl=i, **kw, **opts) for i in impl_pair}
+    tile_amax = both(ops.nvfp4_group_tile_amax, return_nonfinite=True)
+    cast = both(ops.nvfp4_group_cast, chunk_lo=los, chunk_size=size)
+    amax = both(ops.fp8_group_amax, return_nonfinite=True)
     pieces = ((0, n), (16 * (n // 48), n - 16 * (n // 48)))
-    fp8_cast = {(i, f, c): bind(ops.fp8_group_cast, first=f, count=c, impl=i, **kw)
-                for i in impl_pair for f, c in pieces}
+    fp8_cast = {piece: both(ops.fp8_group_cast, first=piece[0], count=piece[1]) for piece in pieces}
     for r in range(num_shards):
         shard, index = jnp.asarray(flat[r * n:(r + 1) * n]), jnp.int32(r)
         a, b = (tile_amax[i](shard, index) for i in impl_pair)
@@ -186,7 +185,7 @@ def test_group_stats_and_casts_many_params_equal_reference(num_params):
         assert_bytes_equal(b[0], a[0], f"fp8 amax shard {r}")
         assert_bytes_equal(b[1], a[1], f"fp8 counts shard {r}")
         for first, count in pieces:
-            a, b = (fp8_cast[i, first, count](shard, index, scale) for i in impl_pair)
+            a, b = (fp8_cast[first, count][i](shard, index, scale) for i in impl_pair)
             assert_bytes_equal(b, a, f"fp8 data shard {r} elements [{first}, {first + count})")
 
 
