@@ -281,6 +281,7 @@ _TARGETS = {
     "einsum": ("jax.numpy", "einsum"),
     "nnx_promote_dtype": ("flax.nnx.nn.dtypes", "promote_dtype"),
     "linen_promote_dtype": ("flax.linen.dtypes", "promote_dtype"),
+    "with_sharding_constraint": ("jax.lax", "with_sharding_constraint"),
 }
 
 # The replacement code objects: no free variables (a function's code can only be swapped for code with the same
@@ -307,8 +308,14 @@ def _tramp_linen_promote_dtype(*args, **kwargs):
     return sys.modules["jaxquant.training.flax_adapter"]._dispatch("linen_promote_dtype", args, kwargs)
 
 
+def _tramp_with_sharding_constraint(*args, **kwargs):
+    import sys
+    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("with_sharding_constraint", args, kwargs)
+
+
 _TRAMPOLINES = {"dot_general": _tramp_dot_general, "einsum": _tramp_einsum,
-                "nnx_promote_dtype": _tramp_nnx_promote_dtype, "linen_promote_dtype": _tramp_linen_promote_dtype}
+                "nnx_promote_dtype": _tramp_nnx_promote_dtype, "linen_promote_dtype": _tramp_linen_promote_dtype,
+                "with_sharding_constraint": _tramp_with_sharding_constraint}
 
 
 class _Target(types.SimpleNamespace):
@@ -343,6 +350,10 @@ def _resolve_targets() -> dict:
 
 def _dispatch(name, args, kwargs):
     original = _STATE["targets"][name].original
+    if name == "with_sharding_constraint":
+        # the loss runs per rank (inside the step's shard_map) or abstractly (the trace): a constraint on the
+        # global array's sharding has nothing to constrain there; the step places the batch and weights itself
+        return args[0] if args else kwargs["x"]
     log = _PROBE_LOG.get(threading.get_ident())
     if log is not None:
         return _PROBE_HANDLERS[name](log, original, *args, **kwargs)
@@ -368,6 +379,8 @@ def _has_kernel(args, kwargs) -> bool:
 def flax_intercept():
     """Within this context, flax's ``dot_general`` / ``einsum`` / ``promote_dtype`` (every alias of them) send calls
     whose kernel operand is a quantized kernel to ``jq.dense``; every other call runs the original function.
+    ``jax.lax.with_sharding_constraint`` (and flax's logical constraints, which call it) returns its input: the
+    loss runs per rank inside the step's ``shard_map``, where the model's activation shardings do not apply.
     Re-entrant and thread-safe; leaving the outermost context restores the original functions (no trace left).
     :func:`flax_loss` enters it around the loss; use it directly for a loss of your own that reads
     ``jq.ShardedWeight`` kernels through flax modules."""

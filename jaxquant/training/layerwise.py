@@ -466,6 +466,10 @@ class LayerwiseTrainStep:
 
     def init(self, params) -> TrainState:
         """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
+        with _no_mesh_context():
+            return self._init(params)
+
+    def _init(self, params) -> TrainState:
         plan = self.plan(params)
         dtype = self.policy.main_params_dtype
         stored = lambda p: jax.tree_util.tree_unflatten(plan.treedef, [
@@ -479,7 +483,8 @@ class LayerwiseTrainStep:
     def step_count(self, n) -> jax.Array:
         """``TrainState.step`` for ``n`` steps taken: int32, replicated on the mesh as the step returns it (an
         uncommitted one would be another jit cache entry, a second compile at step 2)."""
-        return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
+        with _no_mesh_context():
+            return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
 
     def state_dict(self, state: TrainState, *, hyperparams=None, names=None) -> dict:
         """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``training.state_dict``).
@@ -498,7 +503,8 @@ class LayerwiseTrainStep:
         """
         from jaxquant.training import state_dict as sd
 
-        return sd.state_dict(self, state, hyperparams=hyperparams, names=names)
+        with _no_mesh_context():
+            return sd.state_dict(self, state, hyperparams=hyperparams, names=names)
 
     def state_dict_target(self, like: TrainState, *, names=None) -> dict:
         """``load_dcp``'s target for :meth:`state_dict` on this step's mesh (any saved mesh size loads).
@@ -512,7 +518,8 @@ class LayerwiseTrainStep:
         """
         from jaxquant.training import state_dict as sd
 
-        return sd.state_dict_target(self, like, names=names)
+        with _no_mesh_context():
+            return sd.state_dict_target(self, like, names=names)
 
     def load_state_dict(self, state_dict: dict, *, like: TrainState, step_count=None, names=None) -> TrainState:
         """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout (written by JAX or by torch).
@@ -528,7 +535,8 @@ class LayerwiseTrainStep:
         """
         from jaxquant.training import state_dict as sd
 
-        return sd.load_state_dict(self, state_dict, like=like, step_count=step_count, names=names)
+        with _no_mesh_context():
+            return sd.load_state_dict(self, state_dict, like=like, step_count=step_count, names=names)
 
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""
@@ -537,7 +545,8 @@ class LayerwiseTrainStep:
         replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state.master)
         unpad = lambda m: jax.tree_util.tree_unflatten(state.plan.treedef, [
             unpad_row_blocks(a, r.weight, r.row_blocks) for a, r in zip(jax.tree.leaves(m), state.plan.rules)])
-        return jax.jit(unpad, out_shardings=replicated)(state.master)
+        with _no_mesh_context():
+            return jax.jit(unpad, out_shardings=replicated)(state.master)
 
     def _check_call(self, state, batch):
         if not isinstance(state, TrainState) or not isinstance(state.plan, LayerPlan):
