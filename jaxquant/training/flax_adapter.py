@@ -41,6 +41,7 @@ loss is dropped: per-step randomness comes from the step's ``rng=``, which ``los
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import string
 import sys
@@ -752,8 +753,6 @@ class KernelPlan(NamedTuple):
 def trace_kernels(split, loss, batch) -> KernelPlan:
     """Run ``loss`` abstractly (``jax.eval_shape``: no FLOPs, no memory) on the model and ``batch`` and read off how
     each parameter is used."""
-    import inspect
-
     log = ProbeLog()
     box = _probe_box_class()
     try:
@@ -924,6 +923,12 @@ class FlaxLoss:
         self.loss = loss
         self.kernels = None if batch is None else trace_kernels(self.split, loss, batch)
         self.__name__ = getattr(loss, "__name__", "flax_loss")
+        self.rng_streams = _rng_streams(self.split)
+        try:
+            self.loss_takes_rng = "rng" in inspect.signature(loss).parameters or any(
+                p.kind == p.VAR_KEYWORD for p in inspect.signature(loss).parameters.values())
+        except (TypeError, ValueError):
+            self.loss_takes_rng = True
 
     def _view(self, name) -> Optional[KernelView]:
         view = None if self.kernels is None else self.kernels.views.get(name)
@@ -1013,8 +1018,52 @@ class FlaxLoss:
             raise ValueError(f"flax_loss: the step's weights must be like jq.flax_params(loss_fn) of this loss; "
                              f"missing {sorted(set(split.names) - set(by_path))[:4]}, unknown "
                              f"{sorted(set(by_path) - set(split.names))[:4]}")
+        model = split.build(by_path)
+        rng = kwargs.get("rng")
+        if rng is not None and self.rng_streams:
+            _reseed(model, self.rng_streams, rng)
+        if not self.loss_takes_rng:
+            kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
+        counts = _rng_counts(model) if self.rng_streams and rng is None else None
         with flax_intercept():
-            return self.loss(split.build(by_path), batch, **kwargs)
+            out = self.loss(model, batch, **kwargs)
+        if counts is not None and any(a is not b for a, b in zip(counts, _rng_counts(model))):
+            raise ValueError(f"loss_fn: the model draws random numbers from its nnx.Rngs streams "
+                             f"{list(self.rng_streams)} (e.g. nnx.Dropout), which would repeat the same draws every "
+                             f"step; call the step with rng=key, a new key each step (jax.random.fold_in(key, step)): "
+                             f"the streams are re-seeded from it on each data-parallel rank and microbatch")
+        return out
+
+
+def _rng_streams(split) -> tuple:
+    """The names of an NNX model's rng streams (``nnx.Rngs(dropout=...)``), sorted; () for linen."""
+    if split.kind != "nnx":
+        return ()
+    from flax import nnx
+
+    names = set()
+    for path, v in nnx.to_flat_state(split.rest):
+        if isinstance(v, nnx.RngKey):
+            names.add(str(getattr(v, "tag", path[-2] if len(path) > 1 else path[-1])))
+    return tuple(sorted(names))
+
+
+def stream_keys(streams, rng) -> dict:
+    """The key each NNX rng stream is re-seeded with from the loss's ``rng=`` (the step's key for this rank and
+    microbatch): ``fold_in(rng, i)`` for the i-th stream name in sorted order."""
+    return {name: jax.random.fold_in(rng, i) for i, name in enumerate(streams)}
+
+
+def _reseed(model, streams, rng):
+    from flax import nnx
+
+    nnx.reseed(model, **stream_keys(streams, rng))
+
+
+def _rng_counts(model) -> list:
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(model, nnx.RngCount))
 
 
 def _untraced_rules(split, keep, recipes) -> list:
