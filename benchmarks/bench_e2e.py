@@ -207,6 +207,31 @@ def model_flops(a, tokens):
 # ----------------------------------------------------------------------------------------------
 
 
+def plain_opt_state(opt, params, param_shardings, mesh):
+    """(state, shardings) of optax ``opt``'s state for the plain baselines, every moment sharded like its parameter
+    (``param_shardings``: a tree of shardings like ``params``) and the rest (step counts) replicated. A bare
+    ``jax.jit(opt.init)(params)`` returns the moments replicated on every device (zeros do not depend on the sharded
+    values), handicapping the baseline with a full copy of Adam's state per device; jit the step with
+    ``plain_step_shardings`` so that it keeps them sharded."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    shardings = optax.tree_map_params(opt, lambda _, s: s, jax.eval_shape(opt.init, params), param_shardings,
+                                      transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
+    return jax.jit(opt.init, out_shardings=shardings)(params), shardings
+
+
+def plain_step_shardings(mesh, param_shardings, opt_shardings):
+    """``out_shardings`` of a plain step returning ``((params, opt_state), loss)``: parameters and moments as
+    ``plain_opt_state`` made them, step after step (left to XLA's propagation, nothing holds the moments sharded),
+    the loss replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return (param_shardings, opt_shardings), NamedSharding(mesh, P())
+
+
 def _make_plain(a, mesh, scan):
     import jax
     import jax.numpy as jnp
@@ -224,12 +249,12 @@ def _make_plain(a, mesh, scan):
             return P(*lead, "fsdp", "tp")
         return P(*lead, "fsdp", None) if x.shape[-2] % fsdp == 0 and x.shape[-2] > 1 else P()
     shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
+    shardings = jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)), shapes_)
     # built sharded (a large model does not fit one device whole)
-    params = jax.jit(lambda: init_params(a, stacked=scan),
-                     out_shardings=jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)),
-                                                                    shapes_))()
+    params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=shardings)()
     opt = optax.adam(1e-4)
-    state = (params, jax.jit(opt.init)(params))
+    opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
+    state = (params, opt_state)
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
 
     def step(state, batch):
@@ -239,7 +264,8 @@ def _make_plain(a, mesh, scan):
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return jax.jit(step, donate_argnums=0), state
+    out = plain_step_shardings(mesh, shardings, opt_shardings)
+    return jax.jit(step, donate_argnums=0, out_shardings=out), state
 
 
 def _tp_loss(a, scan, sp, overlap="off"):

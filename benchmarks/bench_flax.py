@@ -178,6 +178,7 @@ def make_flax_plain(a, mesh, scan):
     shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), shapes)
     params = jax.jit(lambda: flax_state(a, scan), out_shardings=shardings)()
     opt = optax.adam(1e-4)
+    opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)   # the moments sharded as params
 
     def step(state, batch):
         params, opt_state = state
@@ -185,7 +186,8 @@ def make_flax_plain(a, mesh, scan):
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return jax.jit(step, donate_argnums=0), (params, jax.jit(opt.init)(params))
+    out = e2e.plain_step_shardings(mesh, shardings, opt_shardings)
+    return jax.jit(step, donate_argnums=0, out_shardings=out), (params, opt_state)
 
 
 def make_jq(a, mesh, recipe, flax):
