@@ -335,7 +335,9 @@ def jq_runner(step, init):
     return run, state
 
 
-def run_one(a, config):
+def run_one(a, config, make_batch=None, flops=None):
+    """Time ``config``'s step; ``make_batch(a, mesh)``: the batch the step reads (default: this model's x and y),
+    ``flops(a, tokens)``: the model FLOPs of a step over ``tokens`` tokens (default ``model_flops``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -362,9 +364,8 @@ def run_one(a, config):
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     # made in place (every process its own rows, the tp ranks of an fsdp rank the same rows)
-    batch = jax.jit(lambda: {"x": jax.random.normal(kx, shape, jnp.bfloat16),
-                             "y": jax.random.normal(ky, shape, jnp.float32)},
-                    out_shardings=NamedSharding(mesh, P("fsdp")))()
+    xy = lambda: {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}
+    batch = make_batch(a, mesh) if make_batch else jax.jit(xy, out_shardings=NamedSharding(mesh, P("fsdp")))()
     t0 = time.perf_counter()
     state, loss = fn(state, batch)
     jax.block_until_ready(loss)
@@ -399,7 +400,7 @@ def run_one(a, config):
     stats = jax.local_devices()[0].memory_stats() or {}
     tokens = a.batch * n * a.seq
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
-            "tflops_per_gpu": model_flops(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
+            "tflops_per_gpu": (flops or model_flops)(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
             "device": jax.local_devices()[0].device_kind, "trace": trace, "clocks": clocks.summary(),
             "processes": a.processes, "losses": losses}

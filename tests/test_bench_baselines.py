@@ -84,24 +84,32 @@ def _e2e_batch(a, mesh):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["plain-loop", "plain-scan"])
 def test_bench_e2e_plain_keeps_adam_sharded(mesh, scan):
-    a = bench_e2e.parse_args(["--tiny"])
-    a.seq, a.batch = 16, 1          # the shapes that matter here are the parameters'
+    a = bench_e2e.parse_args(["--tiny", "--layers", "1"])
+    a.seq, a.batch = 16, 1          # the shapes that matter here are the parameters' (one layer's are every layer's)
     step, state = bench_e2e._make_plain(a, mesh, scan)
     _check(step, state, _e2e_batch(a, mesh), f"bench_e2e plain scan={scan}")
 
 
 def test_bench_flax_plain_keeps_adam_sharded(mesh):
     a = bench_flax.parse_args(["--tiny"])
-    a.seq, a.batch = 16, 1
+    a.seq, a.batch, a.layers = 16, 1, 1
     step, state = bench_flax.make_flax_plain(a, mesh, scan=False)
     _check(step, state, _e2e_batch(a, mesh), "bench_flax flax-plain")
+
+
+@pytest.mark.parametrize("model", ["einsum", "dense-general"])
+def test_bench_flax_style_models_plain_keeps_adam_sharded(mesh, model):
+    """bench_flax --model einsum / dense-general (tests/flax_styles.py's models at their CPU size)."""
+    a = bench_flax.parse_args(["--tiny", "--model", model, "--layers", "1", "--batch", "1"])
+    step, state = bench_flax.make_style_plain(a, mesh)
+    _check(step, state, bench_flax.style_batch(a, mesh), f"bench_flax --model {model} flax-plain")
 
 
 def test_bench_convergence_plain_keeps_adam_sharded(mesh):
     from jaxquant.cli import llama as L
 
     a = argparse.Namespace(seed=0, steps=4, lr=1e-3)
-    cfg = L.LlamaConfig(vocab=256, seq=16, dim=64, heads=4, ffn=128, layers=2)
+    cfg = L.LlamaConfig(vocab=256, seq=16, dim=64, heads=4, ffn=128, layers=1)
     evaluator = bench_convergence.Evaluator(cfg, a.seed, [], mesh)
     train, state = bench_convergence.plain_train(a, cfg, mesh, bench_convergence.optimizer(a), evaluator)
     tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq + 1), 0, cfg.vocab, jnp.int32)
