@@ -210,9 +210,10 @@ def model_flops(a, tokens):
 def plain_opt_state(opt, params, param_shardings, mesh):
     """(state, shardings) of optax ``opt``'s state for the plain baselines, every moment sharded like its parameter
     (``param_shardings``: a tree of shardings like ``params``) and the rest (step counts) replicated. A bare
-    ``jax.jit(opt.init)(params)`` returns the moments replicated on every device (zeros do not depend on the sharded
-    values), handicapping the baseline with a full copy of Adam's state per device; jit the step with
-    ``plain_step_shardings`` so that it keeps them sharded."""
+    ``jax.jit(opt.init)(params)`` returns the moments whole on the first device (the zeros read none of the sharded
+    values; seen on 8 CPU devices: ``SingleDeviceSharding``, uncommitted), which the step then takes as replicated
+    inputs: a baseline handicapped by a whole copy of Adam's state, counted in device 0's peak memory. Jit the step
+    with ``plain_step_shardings`` so that it keeps them sharded."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P

@@ -1,7 +1,6 @@
 """The plain (no jaxquant) baselines of benchmarks/bench_e2e.py, bench_flax.py and bench_convergence.py are fair: on 8
 simulated devices, each one's Adam moments are sharded like their parameters after init and stay so after a step
-(a bare ``jax.jit(opt.init)(params)`` would give every device a whole copy of them, and so would a step whose
-outputs XLA places as it likes)."""
+(a bare ``jax.jit(opt.init)(params)`` returns them whole on one device, which these checks catch after init)."""
 
 from __future__ import annotations
 
