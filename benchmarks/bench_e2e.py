@@ -211,9 +211,10 @@ def plain_opt_state(opt, params, param_shardings, mesh):
     """(state, shardings) of optax ``opt``'s state for the plain baselines, every moment sharded like its parameter
     (``param_shardings``: a tree of shardings like ``params``) and the rest (step counts) replicated. A bare
     ``jax.jit(opt.init)(params)`` returns the moments whole on the first device (the zeros read none of the sharded
-    values; seen on 8 CPU devices: ``SingleDeviceSharding``, uncommitted), which the step then takes as replicated
-    inputs: a baseline handicapped by a whole copy of Adam's state, counted in device 0's peak memory. Jit the step
-    with ``plain_step_shardings`` so that it keeps them sharded."""
+    values; seen on 8 CPU devices: ``SingleDeviceSharding``, uncommitted). The first step's jit then places them
+    as it chooses (seen: like the parameters), but device 0 held a whole copy of Adam's state first: in its peak
+    memory, and out of memory where that copy does not fit one device. Jit the step with ``plain_step_shardings``:
+    the moments then stay sharded because the step says so, not by XLA's choice."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
