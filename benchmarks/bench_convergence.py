@@ -38,8 +38,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _path in (REPO, os.path.join(REPO, "benchmarks")):     # jaxquant from this checkout; bench_e2e's helpers
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+import bench_e2e as e2e  # noqa: E402
 
 CONFIGS = ("plain-bf16", "jq-bf16", "jq-fp8", "jq-nvfp4")
 # "-bf16head": the output head kept in bf16 (flax_rules(recipes=...)), every other kernel in the recipe: what the
@@ -197,8 +199,10 @@ class Evaluator:
         return float(sum(float(self.loss(state, self.rest, b)) for b in self.batches) / len(self.batches))
 
 
-def plain_runner(a, cfg, mesh, opt, evaluator):
-    """(step(batch) -> loss, heldout() -> loss) of the model trained with plain jax.jit + NamedSharding."""
+def plain_train(a, cfg, mesh, opt, evaluator):
+    """(train, state) of the model trained with plain jax.jit + NamedSharding: ``train(state, batch) -> (state,
+    loss)``, ``state`` = (parameters, optimizer state), Adam's moments sharded like their parameters (bench_e2e's
+    ``plain_opt_state``: a fair baseline keeps no replicated copy of them)."""
     import jax
     import optax
     from flax import nnx
@@ -217,19 +221,25 @@ def plain_runner(a, cfg, mesh, opt, evaluator):
 
     shardings = jax.tree_util.tree_map_with_path(spec, shapes)
     params = jax.jit(lambda: nnx.split(L.llama(cfg, a.seed), nnx.Param, ...)[1], out_shardings=shardings)()
-    opt_state = jax.jit(opt.init)(params)
+    opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)
 
-    def train(params, opt_state, batch):
+    def train(state, batch):
+        params, opt_state = state
         loss, grads = jax.value_and_grad(lambda p: L.lm_loss(nnx.merge(graphdef, p, rest), batch))(params)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return (optax.apply_updates(params, updates), opt_state), loss
 
-    train = jax.jit(train, donate_argnums=(0, 1))
-    box = {"state": (params, opt_state)}
+    out = e2e.plain_step_shardings(mesh, shardings, opt_shardings)
+    return jax.jit(train, donate_argnums=0, out_shardings=out), (params, opt_state)
+
+
+def plain_runner(a, cfg, mesh, opt, evaluator):
+    """(step(batch) -> loss, heldout() -> loss) of ``plain_train``'s model."""
+    train, state = plain_train(a, cfg, mesh, opt, evaluator)
+    box = {"state": state}
 
     def step(batch):
-        params, opt_state, loss = train(*box["state"], batch)
-        box["state"] = (params, opt_state)
+        box["state"], loss = train(box["state"], batch)
         return loss
 
     return step, lambda: evaluator(box["state"][0])

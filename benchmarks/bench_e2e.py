@@ -207,6 +207,33 @@ def model_flops(a, tokens):
 # ----------------------------------------------------------------------------------------------
 
 
+def plain_opt_state(opt, params, param_shardings, mesh):
+    """(state, shardings) of optax ``opt``'s state for the plain baselines, every moment sharded like its parameter
+    (``param_shardings``: a tree of shardings like ``params``) and the rest (step counts) replicated. A bare
+    ``jax.jit(opt.init)(params)`` returns the moments whole on the first device (the zeros read none of the sharded
+    values; seen on 8 CPU devices: ``SingleDeviceSharding``, uncommitted). The first step's jit then places them
+    as it chooses (seen: like the parameters), but device 0 held a whole copy of Adam's state first: in its peak
+    memory, and out of memory where that copy does not fit one device. Jit the step with ``plain_step_shardings``:
+    the moments then stay sharded because the step says so, not by XLA's choice."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    shardings = optax.tree_map_params(opt, lambda _, s: s, jax.eval_shape(opt.init, params), param_shardings,
+                                      transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
+    return jax.jit(opt.init, out_shardings=shardings)(params), shardings
+
+
+def plain_step_shardings(mesh, param_shardings, opt_shardings):
+    """``out_shardings`` of a plain step returning ``((params, opt_state), loss)``: parameters and moments as
+    ``plain_opt_state`` made them, step after step (left to XLA's propagation, nothing holds the moments sharded),
+    the loss replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return (param_shardings, opt_shardings), NamedSharding(mesh, P())
+
+
 def _make_plain(a, mesh, scan):
     import jax
     import jax.numpy as jnp
@@ -224,12 +251,12 @@ def _make_plain(a, mesh, scan):
             return P(*lead, "fsdp", "tp")
         return P(*lead, "fsdp", None) if x.shape[-2] % fsdp == 0 and x.shape[-2] > 1 else P()
     shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
+    shardings = jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)), shapes_)
     # built sharded (a large model does not fit one device whole)
-    params = jax.jit(lambda: init_params(a, stacked=scan),
-                     out_shardings=jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)),
-                                                                    shapes_))()
+    params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=shardings)()
     opt = optax.adam(1e-4)
-    state = (params, jax.jit(opt.init)(params))
+    opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
+    state = (params, opt_state)
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
 
     def step(state, batch):
@@ -239,7 +266,8 @@ def _make_plain(a, mesh, scan):
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return jax.jit(step, donate_argnums=0), state
+    out = plain_step_shardings(mesh, shardings, opt_shardings)
+    return jax.jit(step, donate_argnums=0, out_shardings=out), state
 
 
 def _tp_loss(a, scan, sp, overlap="off"):
@@ -309,7 +337,9 @@ def jq_runner(step, init):
     return run, state
 
 
-def run_one(a, config):
+def run_one(a, config, make_batch=None, flops=None):
+    """Time ``config``'s step; ``make_batch(a, mesh)``: the batch the step reads (default: this model's x and y),
+    ``flops(a, tokens)``: the model FLOPs of a step over ``tokens`` tokens (default ``model_flops``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -336,9 +366,8 @@ def run_one(a, config):
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     # made in place (every process its own rows, the tp ranks of an fsdp rank the same rows)
-    batch = jax.jit(lambda: {"x": jax.random.normal(kx, shape, jnp.bfloat16),
-                             "y": jax.random.normal(ky, shape, jnp.float32)},
-                    out_shardings=NamedSharding(mesh, P("fsdp")))()
+    xy = lambda: {"x": jax.random.normal(kx, shape, jnp.bfloat16), "y": jax.random.normal(ky, shape, jnp.float32)}
+    batch = make_batch(a, mesh) if make_batch else jax.jit(xy, out_shardings=NamedSharding(mesh, P("fsdp")))()
     t0 = time.perf_counter()
     state, loss = fn(state, batch)
     jax.block_until_ready(loss)
@@ -373,7 +402,7 @@ def run_one(a, config):
     stats = jax.local_devices()[0].memory_stats() or {}
     tokens = a.batch * n * a.seq
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
-            "tflops_per_gpu": model_flops(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
+            "tflops_per_gpu": (flops or model_flops)(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
             "device": jax.local_devices()[0].device_kind, "trace": trace, "clocks": clocks.summary(),
             "processes": a.processes, "losses": losses}

@@ -22,22 +22,46 @@ the losses printed agree: flax-jq-R and hand-jq-R within bf16 rounding, the othe
 ``x flax-plain``: the fastest flax-plain form's step time (same XLA flags) over the config's; ``x hand-jq``: the
 hand-written step of the same recipe over the flax one's. TFLOP/s per GPU: bench_e2e's ``model_flops``.
 
+``--model``: the model trained, ``llama`` (the NNX Llama above, the default), or one of tests/flax_styles.py's, written
+in other styles flax users write, LM loss (next-token cross-entropy) on random tokens, at its GPU size unless the shape
+flags (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn``, ``--seq``, ``--vocab``) say otherwise:
+
+* ``einsum``: NNX, ``nnx.Einsum`` attention (kernels [heads, embed, head_dim], ...), one kv head, tied embedding,
+  dropout 0; 6 layers, width 2048, 8 heads of 256, MLP 16384, vocabulary 32768, seq 2048;
+* ``dense-general``: linen, ``nn.DenseGeneral`` attention, logical axis names, untied head; 4 layers of Llama-3-8B's
+  shapes (width 4096, 32 heads / 8 kv heads of 128, FFN 14336), vocabulary 128256, seq 2048.
+
+Their configs: ``flax-plain`` (the plain step above: fp32 parameters, every kernel and the embedding split over fsdp
+along their first axis that divides, Adam's moments sharded alike) and ``flax-jq-bf16`` / ``-fp8`` / ``-nvfp4`` (the
+model unchanged under ``jq.make_train_step(jq.flax_loss(model, loss, batch=...))``, the adapter's default rules).
+
     python benchmarks/bench_flax.py --steps 5     # the issue's check: flax FP8 within 3% of hand-jq-fp8, >= 1.35x plain
+    python benchmarks/bench_flax.py --model einsum --steps 5     # flax-plain and flax-jq-bf16 / fp8 / nvfp4
 CPU smoke: ``--tiny``. Other options: bench_e2e's (``--flags``, ``--json``, ``--profile``, ``--clocks``,
 ``--pipelined``, the shape flags); ``--tp`` and ``--remat`` are not supported here.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# bench_e2e's machinery from this folder; --model einsum / dense-general: tests/flax_styles.py's models
+for _path in (HERE, os.path.join(os.path.dirname(HERE), "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 import bench_e2e as e2e  # noqa: E402
 
 CONFIGS = ("flax-plain", "flax-jq-bf16", "flax-jq-fp8", "flax-jq-nvfp4", "hand-jq-fp8")
 EXTRA_CONFIGS = ("flax-plain-scan", "hand-jq-bf16", "hand-jq-nvfp4")
+MODELS = ("llama", "einsum", "dense-general")
+STYLE_CONFIGS = ("flax-plain", "flax-jq-bf16", "flax-jq-fp8", "flax-jq-nvfp4")    # --model einsum / dense-general
+# the shape flags a --model einsum / dense-general run takes from its config unless given
+STYLE_FLAGS = {"--layers": "layers", "--hidden": "dim", "--heads": "heads", "--kv-heads": "kv_heads", "--ffn": "mlp",
+               "--seq": "seq", "--vocab": "vocab"}
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=256, seq=64, batch=2)
 TARGET_VS_HAND, TARGET_VS_PLAIN = 0.97, 1.35     # the issue's: within 3% of hand-jq-fp8, >= 1.35x flax-plain
 
@@ -47,12 +71,35 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=MODELS, default="llama", help="the model trained (see above)")
+    pre.add_argument("--vocab", type=int, default=None, help="--model einsum / dense-general: the vocabulary")
+    m, argv = pre.parse_known_args(argv)
     given = {x.split("=")[0] for x in argv}
-    argv = (["--configs", ",".join(CONFIGS)] * ("--configs" not in given)
-            + ["--flags", "default"] * ("--flags" not in given) + argv)
+    # --tiny of a style model: its CPU size below, under the shape flags given (bench_e2e's --tiny would set them)
+    tiny_style = m.model != "llama" and "--tiny" in given
+    argv = (["--configs", ",".join(CONFIGS if m.model == "llama" else STYLE_CONFIGS)] * ("--configs" not in given)
+            + ["--flags", "default"] * ("--flags" not in given) + [x for x in argv if x != "--tiny" or not tiny_style])
     a = e2e.parse_args(argv)
-    if a.tiny:
-        vars(a).update(TINY)
+    a.model, a.tiny = m.model, a.tiny or tiny_style
+    if a.model == "llama":
+        if m.vocab is not None:
+            raise SystemExit("bench_flax.py: --vocab: the Llama has no embedding (--model einsum / dense-general do)")
+        if a.tiny:
+            vars(a).update(TINY)
+    else:
+        # the style's config (its GPU size, or its CPU size with --tiny), then the shape flags given
+        import flax_styles as fs
+
+        cfg = ((fs.EINSUM_SMALL if a.model == "einsum" else fs.DENSE_GENERAL_SMALL) if a.tiny
+               else fs.einsum_gpu_config() if a.model == "einsum" else fs.dense_general_gpu_config())
+        if m.vocab is not None:
+            given.add("--vocab")
+        a.vocab = m.vocab
+        for flag, field in STYLE_FLAGS.items():
+            if flag not in given:
+                setattr(a, flag[2:].replace("-", "_"), getattr(cfg, field))
+        a.head_dim = cfg.head_dim
     if a.tp != 1 or a.remat:
         raise SystemExit("bench_flax.py: --tp and --remat are not supported (bench_e2e.py has them)")
     return a
@@ -142,6 +189,69 @@ def hand_params(flax_params):
                        for i in range(len(layers))]}
 
 
+def style_config(a):
+    """``--model einsum`` / ``dense-general``: the tests/flax_styles.py config of ``a``'s shapes, bf16 compute, no
+    dropout."""
+    import jax.numpy as jnp
+
+    import flax_styles as fs
+
+    return fs.StyleConfig(vocab=a.vocab, dim=a.hidden, heads=a.heads, head_dim=a.head_dim, kv_heads=a.kv_heads,
+                          mlp=a.ffn, layers=a.layers, seq=a.seq, dropout=0.0, dtype=jnp.bfloat16)
+
+
+def style_model(a):
+    """(family, build, loss) of ``--model``: ``build()`` the NNX model (``"nnx"``) or the linen variables
+    (``"linen"``, boxed with their logical axis names), ``loss(model or variables, batch)``."""
+    import functools
+
+    from flax import nnx
+
+    import flax_styles as fs
+
+    cfg = style_config(a)
+    if a.model == "einsum":
+        return "nnx", lambda: fs.nnx_einsum_model(cfg, nnx.Rngs(params=0, dropout=1)), fs.nnx_einsum_loss
+    return "linen", lambda: fs.linen_dense_general_init(cfg), functools.partial(fs.linen_dense_general_loss, cfg=cfg)
+
+
+def style_batch_shape(a, devices):
+    """The global batch of ``--model einsum`` / ``dense-general``: ``{"tokens": int32 [batch x devices, seq + 1]}``."""
+    import jax
+    import jax.numpy as jnp
+
+    return {"tokens": jax.ShapeDtypeStruct((a.batch * devices, a.seq + 1), jnp.int32)}
+
+
+def style_batch(a, mesh):
+    """Random tokens of ``style_batch_shape``, made in place split over fsdp."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    shape = style_batch_shape(a, mesh.size)["tokens"]
+    return jax.jit(lambda: {"tokens": jax.random.randint(jax.random.key(7), shape.shape, 0, a.vocab, shape.dtype)},
+                   out_shardings=NamedSharding(mesh, P("fsdp")))()
+
+
+def style_flops(a, tokens):
+    """bench_e2e's model FLOPs for the style models: 6 x the matrices' parameters (the output head included) x tokens
+    + 12 x layers x seq x the attention width x tokens."""
+    return 6 * style_config(a).matmul_params() * tokens + 12 * a.layers * a.seq * a.heads * a.head_dim * tokens
+
+
+def fsdp_spec(shape, fsdp):
+    """The plain step's split of a parameter: its first axis ``fsdp`` divides (the in axis of an ``[in, out]`` kernel,
+    the heads of an einsum kernel when they divide, the vocabulary of an embedding); vectors (norm scales) and what
+    does not divide replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    if len(shape) >= 2:
+        for i, n in enumerate(shape):
+            if n % fsdp == 0:
+                return P(*(None,) * i, "fsdp")
+    return P()
+
+
 # ----------------------------------------------------------------------------------------------
 # One config (child process)
 # ----------------------------------------------------------------------------------------------
@@ -178,6 +288,7 @@ def make_flax_plain(a, mesh, scan):
     shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), shapes)
     params = jax.jit(lambda: flax_state(a, scan), out_shardings=shardings)()
     opt = optax.adam(1e-4)
+    opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)   # the moments sharded as params
 
     def step(state, batch):
         params, opt_state = state
@@ -185,7 +296,69 @@ def make_flax_plain(a, mesh, scan):
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return jax.jit(step, donate_argnums=0), (params, jax.jit(opt.init)(params))
+    out = e2e.plain_step_shardings(mesh, shardings, opt_shardings)
+    return jax.jit(step, donate_argnums=0, out_shardings=out), (params, opt_state)
+
+
+def make_style_plain(a, mesh):
+    """``flax-plain`` of ``--model einsum`` / ``dense-general``: ``jax.jit`` of a step over the fp32 parameters
+    (NNX: ``nnx.Param`` s, the rest of the state, rng streams, held as it is; linen: the unboxed variables), each split
+    by ``fsdp_spec``, Adam's moments alike."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    family, build, loss = style_model(a)
+    fsdp = int(mesh.shape["fsdp"])
+    if family == "nnx":
+        from flax import nnx
+
+        graphdef = nnx.split(nnx.eval_shape(build))[0]
+        init = lambda: nnx.split(build(), nnx.Param, ...)[1:]
+        model_of = lambda p, rest: nnx.merge(graphdef, p, rest)
+    else:
+        import flax.linen as nn
+
+        init = lambda: (nn.unbox(build()), {})
+        model_of = lambda p, rest: p
+    shapes = jax.eval_shape(init)[0]
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp)), shapes)
+    params, rest = jax.jit(init, out_shardings=(shardings, NamedSharding(mesh, P())))()
+    opt = optax.adam(1e-4)
+    opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)
+
+    def step(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(lambda p: loss(model_of(p, rest), batch))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    out = e2e.plain_step_shardings(mesh, shardings, opt_shardings)
+    return jax.jit(step, donate_argnums=0, out_shardings=out), (params, opt_state)
+
+
+def make_style_jq(a, mesh, recipe):
+    """``flax-jq-*`` of ``--model einsum`` / ``dense-general``: the model unchanged under ``jq.make_train_step``
+    through the flax adapter's API with an example batch (multi-axis kernels as 2-D views, the adapter's default
+    rules), the parameters built in the step's shardings."""
+    import inspect
+
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxquant as jq
+
+    if "batch" not in inspect.signature(jq.flax_loss).parameters:
+        # the adapter of issue 53 (flax_loss(..., batch=), flax_params(loss_fn), default rules) is not this jaxquant's
+        raise SystemExit(f"bench_flax.py: --model {a.model} under jaxquant needs jq.flax_loss(model, loss, batch=...) "
+                         "(issue 53's flax adapter); this jaxquant runs only its flax-plain config")
+    family, build, loss = style_model(a)
+    example = style_batch_shape(a, mesh.size)          # only its shapes are read
+    model = nnx.eval_shape(build) if family == "nnx" else jax.eval_shape(build)   # abstract: no arrays kept
+    policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
+    step = jq.make_train_step(jq.flax_loss(model, loss, batch=example), optax.adam(1e-4), mesh=mesh, policy=policy)
+    return e2e.jq_runner(step, lambda: jq.flax_params(jq.flax_loss(build(), loss, batch=example)))
 
 
 def make_jq(a, mesh, recipe, flax):
@@ -219,13 +392,16 @@ def run_one(a, config):
     """bench_e2e.run_one (batch, warm-ups, timing, peak memory, model FLOPs) with this config's step: run_one
     builds its step through e2e._make_plain / e2e._make_jq, which this child process points at this file's."""
     kind, recipe = config.split("-")[0], config.split("-")[-1]
+    style = a.model != "llama"
 
     def build(_a, mesh, *_, **__):
         if config.startswith("flax-plain"):
-            return make_flax_plain(a, mesh, scan=config.endswith("-scan"))
-        return make_jq(a, mesh, recipe, flax=kind == "flax")
+            return make_style_plain(a, mesh) if style else make_flax_plain(a, mesh, scan=config.endswith("-scan"))
+        return make_style_jq(a, mesh, recipe) if style else make_jq(a, mesh, recipe, flax=kind == "flax")
 
     e2e._make_plain = e2e._make_jq = build
+    if style:
+        return e2e.run_one(a, config, make_batch=style_batch, flops=style_flops) | {"model": a.model}
     return e2e.run_one(a, config)
 
 
@@ -241,9 +417,10 @@ def main(argv=None):
         return 0
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     flag_sets = [f.strip() for f in a.flags.split(",") if f.strip()]
-    bad = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS] + [f for f in flag_sets if f not in e2e.FLAG_SETS]
+    known = CONFIGS + EXTRA_CONFIGS if a.model == "llama" else STYLE_CONFIGS
+    bad = [c for c in configs if c not in known] + [f for f in flag_sets if f not in e2e.FLAG_SETS]
     if bad:
-        print(f"unknown config or flag set: {bad} (configs: {CONFIGS + EXTRA_CONFIGS})", file=sys.stderr)
+        print(f"unknown config or flag set: {bad} (--model {a.model}'s configs: {known})", file=sys.stderr)
         return 2
     describe = lambda r: (f"{r['step_ms']:8.2f} ms  {r['tflops_per_gpu']:6.1f} TFLOP/s  {r['peak_gib']:6.2f} GiB  "
                           f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}")
@@ -266,7 +443,8 @@ def print_table(results, a):
     if not ok:
         return
     fmt = lambda x: "-" if x is None else f"{x:.3f}"
-    print(f"\n{ok[0]['device']} x {ok[0]['devices']}, {a.layers} layers, hidden {a.hidden}, heads {a.heads} / "
+    model = "NNX Llama" if a.model == "llama" else f"--model {a.model} (vocabulary {a.vocab})"
+    print(f"\n{model}: {ok[0]['device']} x {ok[0]['devices']}, {a.layers} layers, hidden {a.hidden}, heads {a.heads} / "
           f"{a.kv_heads} of {a.head_dim}, ffn {a.ffn}, seq {a.seq} x {a.batch} per device")
     print("| flags | config | step ms | x flax-plain | x hand-jq | TFLOP/s/GPU | peak GiB | compile s | loss |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -44,3 +44,41 @@ def test_bench_flax_tiny_reports_every_config_and_the_losses_agree(tmp_path):
     # the unquantized model: within FP8's error of the two
     assert plain == pytest.approx(hand, rel=2e-2), (plain, hand)
     assert "flax-jq-fp8 " in proc.stdout and "vs hand-jq-fp8" in proc.stdout and "x flax-plain" in proc.stdout
+
+
+def _adapter_takes_an_example_batch() -> bool:
+    """Whether this jaxquant's flax adapter is issue 53's (``jq.flax_loss(model, loss, batch=...)``), which
+    ``--model einsum`` / ``dense-general`` train through."""
+    import inspect
+
+    import jaxquant as jq
+
+    return "batch" in inspect.signature(jq.flax_loss).parameters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["einsum", "dense-general"])
+def test_bench_flax_style_models_plain_and_fp8(tmp_path, model):
+    """--model einsum / dense-general (tests/flax_styles.py's models, CPU size): flax-plain trains (its loss falls from
+    about log(vocab)); flax-jq-fp8 trains alike through the adapter's example-batch API, or, on a jaxquant without it,
+    is refused in one line naming what it needs while flax-plain still runs."""
+    out = tmp_path / "styles.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_flax.py"), "--tiny", "--model", model,
+                           "--steps", "2", "--configs", "flax-plain,flax-jq-fp8", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = json.loads(out.read_text())
+    results = {r["config"]: r for r in report["results"]}
+    assert report["args"]["model"] == model and report["args"]["vocab"] == 64, report["args"]
+    plain = results["flax-plain"]
+    assert "error" not in plain, plain
+    losses = plain["losses"]                  # 2 warm-up and 2 timed steps on one batch
+    assert abs(losses[0] - math.log(64)) < 1.0 and losses[-1] < losses[0], losses
+    assert f"--model {model} (vocabulary 64): cpu x 8, 2 layers, hidden 64" in proc.stdout, proc.stdout
+    fp8 = results["flax-jq-fp8"]
+    if _adapter_takes_an_example_batch():
+        assert proc.returncode == 0 and "error" not in fp8, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert fp8["losses"][0] == pytest.approx(losses[0], rel=2e-2), (fp8["losses"], losses)   # FP8's error
+        assert fp8["losses"][-1] < fp8["losses"][0], fp8["losses"]
+    else:
+        assert proc.returncode == 1 and "needs jq.flax_loss(model, loss, batch=...)" in fp8["error"], fp8
