@@ -27,7 +27,15 @@ NN = (((1,), (0,)), ((), ()))              # a [M, K] x b [K, N]
 
 def scaled_gemm(a, a_scale, b, b_scale, dims=TN):
     """``dot_general(a, b, dims)`` in fp32 times the operands' per-tensor factors (None: no factor)."""
-    acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
+        # XLA's CPU runtime refuses some bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"); the
+        # same GEMM on fp32 copies is exact there (a bf16 product is exact in fp32, the sum is fp32 either way)
+        up = lambda: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                                         preferred_element_type=jnp.float32)
+        as_is = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+        acc = jax.lax.platform_dependent(cpu=up, default=as_is)
+    else:
+        acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     if a_scale is None and b_scale is None:
         return acc
     return acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)

@@ -41,12 +41,13 @@ loss is dropped: per-step randomness comes from the step's ``rng=``, which ``los
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import string
 import sys
 import threading
 import types
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,8 @@ import numpy as np
 from jaxquant.training.fsdp import ShardedWeight
 from jaxquant.training.rules import ParamRule, dotted_path
 
-__all__ = ["FlaxKernelError", "flax_intercept", "flax_loss", "flax_merge", "flax_params", "flax_rules"]
+__all__ = ["FlaxKernelError", "FlaxLoss", "KernelView", "flax_intercept", "flax_loss", "flax_merge", "flax_params",
+           "flax_rules"]
 
 class FlaxKernelError(ValueError):
     """A quantized kernel (``jq.ShardedWeight``) met an operation that ``jq.dense`` cannot run."""
@@ -70,18 +72,55 @@ def _module_of(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else "<root>"
 
 
+class KernelView(NamedTuple):
+    """How a kernel with several contracted or free axes is quantized: as the 2-D ``[in, out]`` matrix of its
+    contraction (PyTorch's ``[out, in]`` when saved), ``in`` the product of the contracted axes in ``in_axes``
+    order and ``out`` of the free ones in ``out_axes`` order. ``shape`` is one layer's kernel as the model
+    declares it; ``op`` the contraction the trace saw (for the plan and errors)."""
+
+    shape: tuple
+    in_axes: tuple
+    out_axes: tuple
+    op: str = ""
+
+    @property
+    def matrix_shape(self) -> tuple:
+        return (int(np.prod([self.shape[a] for a in self.in_axes])),
+                int(np.prod([self.shape[a] for a in self.out_axes])))
+
+    @property
+    def is_identity(self) -> bool:
+        return len(self.shape) == 2 and self.in_axes == (0,)
+
+    def to_matrix(self, a):
+        """The model's kernel (a leading layer axis allowed) as ``[..., in, out]``."""
+        lead = a.ndim - len(self.shape)
+        perm = list(range(lead)) + [lead + i for i in self.in_axes + self.out_axes]
+        return jnp.reshape(jnp.transpose(a, perm), a.shape[:lead] + self.matrix_shape)
+
+    def from_matrix(self, m):
+        """:meth:`to_matrix` undone."""
+        lead = m.ndim - 2
+        order = self.in_axes + self.out_axes
+        m = jnp.reshape(m, m.shape[:lead] + tuple(self.shape[a] for a in order))
+        inverse = list(range(lead)) + [lead + order.index(i) for i in range(len(self.shape))]
+        return jnp.transpose(m, inverse)
+
+
 class KernelRef:
     """What a flax module reads as its kernel during the loss: a quantized weight and its parameter path. Not a
     pytree (linen checks a parameter's leaves against the shape its module declares): a ``KernelBox`` carries
     it through ``jax`` and flax's transforms. Anything but the intercepted matmuls is a :class:`FlaxKernelError`."""
 
-    __slots__ = ("weight", "path")
+    __slots__ = ("weight", "path", "view")
 
-    def __init__(self, weight: ShardedWeight, path: str):
-        self.weight, self.path = weight, path
+    def __init__(self, weight: ShardedWeight, path: str, view: Optional[KernelView] = None):
+        self.weight, self.path, self.view = weight, path, view
 
     @property
     def shape(self) -> tuple:
+        if self.view is not None:   # the model's own (multi-axis) shape; a stack keeps its layer axis
+            return tuple(self.weight.shape)[:-2] + tuple(self.view.shape)
         return tuple(self.weight.shape)
 
     @property
@@ -105,8 +144,10 @@ class KernelRef:
         return "[in, out]" if self.transposed else "[out, in]"
 
     def describe(self) -> str:
-        what = (f"a stack of {self.shape[0]} quantized {self.layout} kernels" if self.ndim > 2 else
-                f"a quantized {self.layout} kernel")
+        layout = (f"kernel quantized as its [in, out] matrix {self.view.matrix_shape}" if self.view is not None
+                  else f"{self.layout} kernel")
+        stacked = self.weight.ndim > 2
+        what = f"a stack of {self.shape[0]} quantized {layout}s" if stacked else f"a quantized {layout}"
         return (f"{self.path} (module {_module_of(self.path)}; {what} of shape {self.shape}, "
                 f"recipe {self.weight.spec.recipe})")
 
@@ -158,25 +199,25 @@ class _KernelBoxBase:
     its own), which unboxes (linen's ``meta.unbox``: it is a ``flax.core.meta.AxisMetadata``) or indexes with
     ``[...]`` (NNX's ``Variable.__getitem__``) to the :class:`KernelRef` flax reads."""
 
-    def __init__(self, weight: ShardedWeight, path: str):
-        self.weight, self.path = weight, path
+    def __init__(self, weight: ShardedWeight, path: str, view: Optional[KernelView] = None):
+        self.weight, self.path, self.view = weight, path, view
 
     def tree_flatten(self):
-        return (self.weight,), self.path
+        return (self.weight,), (self.path, self.view)
 
     @classmethod
-    def tree_unflatten(cls, path, children):
-        return cls(children[0], path)
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
 
     def ref(self) -> KernelRef:
-        return KernelRef(self.weight, self.path)
+        return KernelRef(self.weight, self.path, self.view)
 
     # flax.core.meta.AxisMetadata
     def unbox(self):
         return self.ref()
 
     def replace_boxed(self, val):
-        return type(self)(val.weight if isinstance(val, KernelRef) else val, self.path)
+        return type(self)(val.weight if isinstance(val, KernelRef) else val, self.path, self.view)
 
     def add_axis(self, index, params):
         return self
@@ -190,7 +231,7 @@ class _KernelBoxBase:
 
     @property
     def shape(self):
-        return tuple(self.weight.shape)
+        return self.ref().shape
 
     @property
     def ndim(self):
@@ -241,6 +282,7 @@ _TARGETS = {
     "einsum": ("jax.numpy", "einsum"),
     "nnx_promote_dtype": ("flax.nnx.nn.dtypes", "promote_dtype"),
     "linen_promote_dtype": ("flax.linen.dtypes", "promote_dtype"),
+    "with_sharding_constraint": ("jax.lax", "with_sharding_constraint"),
 }
 
 # The replacement code objects: no free variables (a function's code can only be swapped for code with the same
@@ -267,8 +309,14 @@ def _tramp_linen_promote_dtype(*args, **kwargs):
     return sys.modules["jaxquant.training.flax_adapter"]._dispatch("linen_promote_dtype", args, kwargs)
 
 
+def _tramp_with_sharding_constraint(*args, **kwargs):
+    import sys
+    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("with_sharding_constraint", args, kwargs)
+
+
 _TRAMPOLINES = {"dot_general": _tramp_dot_general, "einsum": _tramp_einsum,
-                "nnx_promote_dtype": _tramp_nnx_promote_dtype, "linen_promote_dtype": _tramp_linen_promote_dtype}
+                "nnx_promote_dtype": _tramp_nnx_promote_dtype, "linen_promote_dtype": _tramp_linen_promote_dtype,
+                "with_sharding_constraint": _tramp_with_sharding_constraint}
 
 
 class _Target(types.SimpleNamespace):
@@ -303,9 +351,18 @@ def _resolve_targets() -> dict:
 
 def _dispatch(name, args, kwargs):
     original = _STATE["targets"][name].original
+    if name == "with_sharding_constraint":
+        # the loss runs per rank (inside the step's shard_map) or abstractly (the trace): a constraint on the
+        # global array's sharding has nothing to constrain there; the step places the batch and weights itself
+        return args[0] if args else kwargs["x"]
+    log = _PROBE_LOG.get(threading.get_ident())
+    if log is not None:
+        return _PROBE_HANDLERS[name](log, original, *args, **kwargs)
     if not _has_kernel(args, kwargs):
         return original(*args, **kwargs)
     return _HANDLERS[name](original, *args, **kwargs)
+
+
 
 
 def _has_kernel(args, kwargs) -> bool:
@@ -323,6 +380,8 @@ def _has_kernel(args, kwargs) -> bool:
 def flax_intercept():
     """Within this context, flax's ``dot_general`` / ``einsum`` / ``promote_dtype`` (every alias of them) send calls
     whose kernel operand is a quantized kernel to ``jq.dense``; every other call runs the original function.
+    ``jax.lax.with_sharding_constraint`` (and flax's logical constraints, which call it) returns its input: the
+    loss runs per rank inside the step's ``shard_map``, where the model's activation shardings do not apply.
     Re-entrant and thread-safe; leaving the outermost context restores the original functions (no trace left).
     :func:`flax_loss` enters it around the loss; use it directly for a loss of your own that reads
     ``jq.ShardedWeight`` kernels through flax modules."""
@@ -380,6 +439,33 @@ def _dense(x, ref: KernelRef, x_axis: int, k_axis: int, out_dtype, op: str):
                          "") from None
 
 
+def _dense_view(x, ref: KernelRef, k_contracted, x_contracted, out_dtype, op: str):
+    """``jq.dense`` of a viewed kernel: ``x``'s axes ``x_contracted`` (paired with the kernel's ``k_contracted``)
+    against its ``[in, out]`` matrix; ``[x's other axes..., the kernel's free axes in view order]``."""
+    from jaxquant.training.dense import dense
+
+    view = ref.view
+    if ref.weight.ndim != 2:
+        raise ref.misuse(f"{op}: a stacked kernel is used as one layer's kernel",
+                         "declare stacked only for the parameters of layers run under nnx.scan / nn.scan")
+    if sorted(k_contracted) != sorted(view.in_axes):
+        raise ref.misuse(f"{op} contracts kernel axes {tuple(k_contracted)}, but it is quantized as the matrix of "
+                         f"{view.op or 'another contraction'} (contracted axes {view.in_axes})",
+                         "a kernel read by two different contractions cannot be one quantized matrix: keep it "
+                         "unquantized in the rules")
+    x_axes = [x_contracted[list(k_contracted).index(a)] % x.ndim for a in view.in_axes]
+    n = len(x_axes)
+    x = jnp.moveaxis(x, x_axes, list(range(x.ndim - n, x.ndim)))
+    lead = x.shape[:x.ndim - n]
+    x = jnp.reshape(x, lead + (view.matrix_shape[0],))
+    try:
+        y = dense(x, ref.weight, out_dtype=out_dtype)
+    except (ValueError, TypeError) as e:
+        raise ref.misuse(f"{op}: jq.dense refused the activation of shape {tuple(x.shape)}, dtype {x.dtype} ({e})",
+                         "") from None
+    return jnp.reshape(y, lead + tuple(view.shape[a] for a in view.out_axes))
+
+
 def _dot_general(original, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     lref, rref = _as_ref(lhs), _as_ref(rhs)
     (lc, rc), (lb, rb) = dimension_numbers
@@ -399,6 +485,15 @@ def _dot_general(original, lhs, rhs, dimension_numbers, precision=None, preferre
         x, ref, xc, kc, xb, kb, kernel_first = rhs, lref, rc, lc, rb, lb, True
     if kb or xb:
         raise ref.misuse(f"{op}: batch dimensions on a quantized kernel")
+    if ref.view is not None:
+        x = jnp.asarray(x)
+        y = _dense_view(x, ref, [int(a) % len(ref.view.shape) for a in kc], [int(a) for a in xc],
+                        preferred_element_type, op)
+        # dot_general's output: [lhs free axes..., rhs free axes...], each side's in increasing axis order
+        nx = x.ndim - len(xc)
+        k_free = ref.view.out_axes
+        y = jnp.transpose(y, list(range(nx)) + [nx + k_free.index(a) for a in sorted(k_free)])
+        return jnp.moveaxis(y, list(range(nx, y.ndim)), list(range(y.ndim - nx))) if kernel_first else y
     if len(kc) != 1:
         raise ref.misuse(f"{op} contracts {len(kc)} kernel axes {tuple(kc)}; jq.dense contracts one",
                          "a kernel with several 'in' axes cannot be quantized: keep it unquantized in the rules "
@@ -440,6 +535,20 @@ def _einsum(original, subscripts, *operands, out=None, optimize="auto", precisio
         x_term, out_labels = x_term.replace("...", ell), out_labels.replace("...", ell)
     if len(x_term) != x.ndim or len(set(x_term)) != len(x_term) or len(set(out_labels)) != len(out_labels):
         raise ref.misuse(f"{op}: subscripts that do not fit an activation of shape {tuple(x.shape)}")
+    if ref.view is not None:
+        if len(k_term) != len(ref.view.shape) or len(set(k_term)) != len(k_term):
+            raise ref.misuse(f"{op}: the kernel's subscripts {k_term!r} do not fit its shape {ref.view.shape}")
+        k_contracted = [i for i, c in enumerate(k_term) if c in x_term and c not in out_labels]
+        odd = ([c for c in k_term if (c in x_term) == (c in out_labels)] +
+               [c for c in x_term if c not in k_term and c not in out_labels])
+        if odd:
+            raise ref.misuse(f"{op}: labels {odd} are batch axes of the kernel or summed alone",
+                             "only a contraction of activation axes with kernel axes can run quantized: keep this "
+                             "kernel unquantized in the rules")
+        y = _dense_view(x, ref, k_contracted, [x_term.index(k_term[a]) for a in k_contracted],
+                        preferred_element_type, op)
+        y_labels = [l for l in x_term if l not in k_term] + [k_term[a] for a in ref.view.out_axes]
+        return jnp.transpose(y, [y_labels.index(l) for l in out_labels])
     if ref.ndim != 2:
         return _dense(x, ref, 0, 0, preferred_element_type, op)   # raises: a stack, or not a matrix
     if len(k_term) != 2:
@@ -482,6 +591,225 @@ def _linen_promote(original, *args, dtype=None, inexact=True):
 
 _HANDLERS = {"dot_general": _dot_general, "einsum": _einsum, "nnx_promote_dtype": _nnx_promote,
              "linen_promote_dtype": _linen_promote}
+
+
+# ----------------------------------------------------------------------------------------------
+# The trace: how the loss reads each parameter (which kernels are a contraction's weight operand, on which axes)
+# ----------------------------------------------------------------------------------------------
+
+_PROBE_LOG = {}   # thread id -> the ProbeLog of the trace running in that thread
+
+
+class ProbeLog:
+    """What one abstract run of the loss saw. Each parameter read through its variable is registered by the
+    identity of the traced array it reads as (``ids``: id -> path; ``alive`` keeps those arrays, so no id is
+    reused); an intercepted dot_general / einsum with a registered operand as one side records a contraction
+    (``uses[path]``: ``(layer shape, contracted axes, free axes, op)``), in the order the loss ran them."""
+
+    def __init__(self):
+        self.ids, self.alive, self.seen = {}, [], {}
+        self.uses, self.order, self.reads = {}, [], []
+        self.depth = 0
+
+    def register(self, array, path):
+        self.ids[id(array)] = path
+        self.alive.append(array)
+        self.seen.setdefault(path, set()).add(tuple(np.shape(array)))
+        return array
+
+    def path_of(self, x) -> Optional[str]:
+        return self.ids.get(id(x))
+
+    def contract(self, path, shape, contracted, free, op):
+        self.uses.setdefault(path, []).append((tuple(shape), tuple(contracted), tuple(free), op))
+        self.order.append(path)
+
+    def other_contraction(self):
+        """A dot_general / einsum of no parameter (attention scores, a tied head's ``x @ embedding.T``)."""
+        self.order.append(None)
+
+
+class _ProbeBoxBase:
+    """A candidate kernel's variable value during the trace: a pytree of its array (so scans slice it per layer)
+    that unboxes / indexes to that array, registered in the log."""
+
+    def __init__(self, array, path, log):
+        self.array, self.path, self.log = array, path, log
+
+    def tree_flatten(self):
+        return (self.array,), (self.path, self.log)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def unbox(self):
+        self.log.reads.append(self.path)
+        return self.log.register(self.array, self.path)
+
+    def replace_boxed(self, val):
+        return type(self)(val, self.path, self.log)
+
+    def add_axis(self, index, params):
+        return self
+
+    def remove_axis(self, index, params):
+        return self
+
+    def __getitem__(self, index):
+        return self.unbox()[index]
+
+    shape = property(lambda self: tuple(self.array.shape))
+    ndim = property(lambda self: self.array.ndim)
+    dtype = property(lambda self: self.array.dtype)
+
+
+_PROBE_BOX = []
+
+
+def _probe_box_class():
+    if not _PROBE_BOX:
+        from flax.core.meta import AxisMetadata
+
+        _PROBE_BOX.append(jax.tree_util.register_pytree_node_class(type("ProbeBox", (_ProbeBoxBase, AxisMetadata), {
+            "__module__": __name__, "__doc__": _ProbeBoxBase.__doc__})))
+    return _PROBE_BOX[0]
+
+
+@contextlib.contextmanager
+def _outermost(log):
+    """Calls the intercepted functions make inside one another are not the model's own."""
+    log.depth += 1
+    try:
+        yield log.depth == 1
+    finally:
+        log.depth -= 1
+
+
+def _probe_dot_general(log, original, lhs, rhs, dimension_numbers, *args, **kwargs):
+    with _outermost(log) as outer:
+        lp, rp = log.path_of(lhs), log.path_of(rhs)
+        if outer and (lp is None) != (rp is None):
+            (lc, rc), (lb, rb) = dimension_numbers
+            path, k, kc, kb = (rp, rhs, rc, rb) if rp is not None else (lp, lhs, lc, lb)
+            if not kb:
+                kc = tuple(int(a) % k.ndim for a in kc)
+                log.contract(path, k.shape, kc, tuple(a for a in range(k.ndim) if a not in kc),
+                             f"jax.lax.dot_general(contracting={(tuple(lc), tuple(rc))})")
+        elif outer:
+            log.other_contraction()
+        return original(lhs, rhs, dimension_numbers, *args, **kwargs)
+
+
+def _probe_einsum(log, original, subscripts, *operands, **kwargs):
+    with _outermost(log) as outer:
+        paths = [log.path_of(o) for o in operands]
+        eq = subscripts.replace(" ", "") if isinstance(subscripts, str) else ""
+        if outer and "->" in eq and len(operands) == 2 and sum(p is not None for p in paths) == 1:
+            ins, out_labels = eq.split("->")
+            terms = ins.split(",")
+            k = 0 if paths[0] is not None else 1
+            kernel, k_term, x_term = operands[k], terms[k], terms[1 - k]
+            if "..." not in k_term and len(k_term) == kernel.ndim and len(set(k_term)) == len(k_term):
+                contracted = tuple(i for i, c in enumerate(k_term) if c in x_term and c not in out_labels)
+                free = tuple(i for i, c in enumerate(k_term) if c in out_labels and c not in x_term)
+                if len(contracted) + len(free) == kernel.ndim and contracted and free:
+                    log.contract(paths[k], kernel.shape, contracted, free, f"jnp.einsum({eq!r})")
+        elif outer:
+            log.other_contraction()
+        return original(subscripts, *operands, **kwargs)
+
+
+def _probe_promote(log, original, args, dtype, inexact, pack):
+    """flax's promote_dtype; a registered parameter's promoted array is registered under its path too."""
+    with _outermost(log):
+        out = original(*pack(list(args)), dtype=dtype, inexact=inexact)
+    for a, o in zip(args, out):
+        if log.path_of(a) is not None:
+            log.register(o, log.path_of(a))
+    return out
+
+
+_PROBE_HANDLERS = {
+    "dot_general": _probe_dot_general, "einsum": _probe_einsum,
+    "nnx_promote_dtype": lambda log, original, args, /, *, dtype=None, inexact=True: _probe_promote(
+        log, original, tuple(args), dtype, inexact, lambda a: (tuple(a),)),
+    "linen_promote_dtype": lambda log, original, *args, dtype=None, inexact=True: _probe_promote(
+        log, original, args, dtype, inexact, lambda a: tuple(a)),
+}
+
+
+class KernelPlan(NamedTuple):
+    """What the trace decided for a flax model's parameters: ``views`` (path -> :class:`KernelView` of each
+    contraction weight), ``stacked`` (paths whose axis 0 is a layer axis), ``kept`` (path -> why it stays an
+    unquantized array) and ``head`` (the last contraction of the loss: the output head)."""
+
+    views: dict
+    stacked: frozenset
+    kept: dict
+    head: Optional[str]
+
+
+def trace_kernels(split, loss, batch) -> KernelPlan:
+    """Run ``loss`` abstractly (``jax.eval_shape``: no FLOPs, no memory) on the model and ``batch`` and read off how
+    each parameter is used."""
+    log = ProbeLog()
+    box = _probe_box_class()
+    try:
+        takes_rng = "rng" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):
+        takes_rng = False
+
+    def run(params, batch):
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        by_path = {dotted_path(p): box(v, dotted_path(p), log) if np.ndim(v) >= 2 else v for p, v in leaves}
+        key = threading.get_ident()
+        _PROBE_LOG[key] = log
+        try:
+            with flax_intercept():
+                out = loss(split.build(by_path), batch, **({"rng": jax.random.key(0)} if takes_rng else {}))
+        finally:
+            del _PROBE_LOG[key]
+        return jax.tree.map(jnp.asarray, out)
+
+    try:
+        jax.eval_shape(run, split.params, batch)
+    except Exception as e:   # the user's loss on the user's batch: say where it failed, keep the cause
+        raise ValueError(f"flax_loss: batch: running the loss abstractly on it (to see how each kernel is "
+                         f"contracted) failed: {type(e).__name__}: {e}") from e
+    shapes = split.shapes
+    views, kept = {}, {}
+    stacked = {n for n, seen in log.seen.items()
+               if len(seen) == 1 and shapes[n][1:] == next(iter(seen)) and len(shapes[n]) >= 2}
+    # a stack's other leaves (norm scales, biases) live under the same module path with the same layer count
+    roots = {}
+    for n in stacked:
+        parts = n.split(".")
+        key = (parts[0], shapes[n][0])
+        roots[key] = parts if key not in roots else [a for a, b in zip(roots[key], parts) if a == b]
+    for n, shape in shapes.items():
+        parts = n.split(".")
+        if n not in stacked and shape and (parts[0], shape[0]) in roots:
+            prefix = roots[(parts[0], shape[0])]
+            if parts[:len(prefix)] == prefix and len(prefix) < len(parts):
+                stacked.add(n)
+    for name, shape in shapes.items():
+        uses = log.uses.get(name, [])
+        contractions = {u[:3] for u in uses}
+        if not uses:
+            kept[name] = ("not the weight operand of a dot_general / einsum (an embedding lookup, a scale, a "
+                          "tied head read through .T ...)" if len(shape) - (name in stacked) >= 2 else
+                          "not a matrix")
+        elif len(contractions) > 1:
+            kept[name] = "contracted in more than one way"
+        else:
+            (layer, k_in, k_out), = contractions
+            views[name] = KernelView(tuple(layer), tuple(k_in), tuple(k_out), uses[0][3])
+    # the output head: the forward's last contraction of a parameter, when no matrix parameter is read after it
+    # (a tied embedding read again for x @ embedding.T is the head then: no contraction's weight, it stays kept)
+    last = next((n for n in reversed(log.order) if n is not None), None)
+    head = last if last in views and log.reads and log.reads[-1] == last else None
+    return KernelPlan(views, frozenset(stacked), kept, head)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,6 +872,8 @@ class _Split:
         leaves = jax.tree_util.tree_flatten_with_path(self.params)[0]
         self.names = [dotted_path(p) for p, _ in leaves]
         self.dtypes = {dotted_path(p): jnp.dtype(v.dtype) for p, v in leaves}
+        self.shapes = {dotted_path(p): tuple(np.shape(v)) for p, v in leaves}
+        self.model = model
 
     def build(self, leaves_by_path: dict):
         """The model (NNX) or variables (linen) with ``leaves_by_path[dotted name]`` as the trainable values."""
@@ -569,59 +899,226 @@ def _unfreeze(variables):
 
 
 def flax_params(model):
-    """The trainable parameters of ``model`` (an ``nnx.Module``, or a linen variables dict) as the plain nested
-    dict ``make_train_step``'s ``init`` takes: floating ``nnx.Param`` values (NNX; list indices as int keys,
-    ``layers.0.attn.q.kernel``) or the floating leaves of the ``params`` collection (linen, metadata boxes
-    stripped). Rng keys, counters and every other variable stay out (see :func:`flax_loss`)."""
+    """The trainable parameters as the plain nested dict ``make_train_step``'s ``init`` takes.
+
+    Args:
+      model: a loss from :func:`flax_loss` (its model's parameters with every multi-axis kernel as the 2-D
+        ``[in, out]`` matrix it is quantized as: what its step trains), or an ``nnx.Module`` / linen variables
+        dict (the parameters as the model holds them): floating ``nnx.Param`` values (NNX; list indices as int
+        keys, ``layers.0.attn.q.kernel``) or the floating leaves of the ``params`` collection (linen, metadata
+        boxes stripped). Rng keys, counters and every other variable stay out (see :func:`flax_loss`).
+    """
+    if isinstance(model, FlaxLoss):
+        return model.params()
     return _Split(model).params
 
 
-def flax_loss(model, loss: Callable) -> Callable:
-    """``loss_fn(weights, batch, **kw)`` for ``jq.make_train_step`` from a loss written on the flax model.
+class FlaxLoss:
+    """``loss_fn(weights, batch, **kw)`` for ``jq.make_train_step``, made by :func:`flax_loss`; also the plan of
+    what its step quantizes (:meth:`default_rules`, :meth:`rules`) and the views between the model's kernels and
+    the step's matrices (:meth:`params`, :meth:`merge`)."""
 
-    Args:
-      model: the ``nnx.Module`` or linen variables dict whose :func:`flax_params` the step trains. Its other state
-        (rng keys and counts, integer variables, other collections) is captured now and handed to the model as it
-        is at every call; what the model writes to it during the loss is dropped.
-      loss: ``loss(model, batch, **kw)`` (NNX: the model rebuilt around the step's weights) or
-        ``loss(variables, batch, **kw)`` (linen: call ``module.apply(variables, ...)`` in it), returning what the
-        step's ``loss_fn`` returns (a scalar; ``(loss, aux)`` with ``has_aux``; ...). ``kw``: the step's ``rng=`` /
-        ``extra=``.
+    def __init__(self, model, loss: Callable, batch=None):
+        self.split = _Split(model)
+        self.loss = loss
+        self.kernels = None if batch is None else trace_kernels(self.split, loss, batch)
+        self.__name__ = getattr(loss, "__name__", "flax_loss")
+        self.rng_streams = _rng_streams(self.split)
+        try:
+            self.loss_takes_rng = "rng" in inspect.signature(loss).parameters or any(
+                p.kind == p.VAR_KEYWORD for p in inspect.signature(loss).parameters.values())
+        except (TypeError, ValueError):
+            self.loss_takes_rng = True
 
-    Returns:
-      ``loss_fn(weights, batch, **kw)``: rebuilds the model with each quantized leaf (a ``jq.ShardedWeight``) as its
-      kernel and each other leaf (an array) as it is, and runs ``loss`` inside :func:`flax_intercept`.
-    """
-    if not callable(loss):
-        raise TypeError(f"loss: must be callable, got {type(loss).__name__}")
-    split = _Split(model)
+    def _view(self, name) -> Optional[KernelView]:
+        view = None if self.kernels is None else self.kernels.views.get(name)
+        return None if view is None or view.is_identity else view
 
-    def loss_fn(weights, batch, **kwargs):
+    def params(self):
+        """The step's parameters: the model's, each multi-axis kernel as its ``[in, out]`` matrix."""
+        flat = jax.tree_util.tree_flatten_with_path(self.split.params)
+        leaves = [self._view(dotted_path(p)).to_matrix(jnp.asarray(v)) if self._view(dotted_path(p)) else v
+                  for p, v in flat[0]]
+        return jax.tree_util.tree_unflatten(flat[1], leaves)
+
+    def model_params(self, params):
+        """``params`` (like :meth:`params`) with each viewed kernel back in the model's own shape."""
+        flat = jax.tree_util.tree_flatten_with_path(params)
+        return jax.tree_util.tree_unflatten(flat[1], [
+            self._view(dotted_path(p)).from_matrix(jnp.asarray(v)) if self._view(dotted_path(p)) else v
+            for p, v in flat[0]])
+
+    def merge(self, params):
+        """The model (NNX: a new ``nnx.Module``; linen: a variables dict) with ``params`` (e.g. ``step.params(state)``)
+        as its trainable parameters."""
+        return flax_merge(self.split.model, self.model_params(params))
+
+    def default_rules(self) -> list:
+        """:meth:`rules` with no overrides: what ``make_train_step`` uses when given no rules."""
+        return self.rules()
+
+    def rules(self, *, keep: Optional[str] = None, recipes: Optional[dict] = None) -> list:
+        """One ``jq.ParamRule`` per parameter: every contraction's weight operand quantized with the policy's
+        recipe (as the ``[in, out]`` matrix of its contraction), the output head (the loss's last contraction) in
+        bf16 as TransformerEngine and Megatron keep it, every other parameter an array in the dtype the model
+        declared, with the reason in the plan (``step.describe(state)``).
+
+        Args:
+          keep: regex (full match) of parameters kept unquantized although they could be quantized.
+          recipes: ``{regex: "bf16" | "fp8" | "nvfp4"}``: contraction weights with a recipe of their own (first
+            match wins; e.g. ``{r"head\\.kernel": "fp8"}`` quantizes the head too).
+        """
+        for what, pattern in [("keep", keep)] + [("recipes", r) for r in (recipes or {})]:
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as e:
+                    raise ValueError(f"rules: {what} is not a regular expression: {pattern!r} ({e})") from None
+        if self.kernels is None:
+            return _untraced_rules(self.split, keep, recipes)
+        plan, out = self.kernels, []
+        for name in self.split.names:
+            stacked = name in plan.stacked
+            view = plan.views.get(name)
+            if keep is not None and re.fullmatch(keep, name):
+                out.append(ParamRule(re.escape(name), stacked=stacked, keep_dtype=True, why="kept by keep="))
+                continue
+            if view is None:
+                out.append(ParamRule(re.escape(name), stacked=stacked, keep_dtype=True, why=plan.kept[name]))
+                continue
+            shape = "x".join(map(str, view.shape))
+            why = f"weight of {view.op}" + ("" if view.is_identity else
+                                           f", its {shape} kernel as [in, out] {view.matrix_shape}")
+            recipe = next((r for pattern, r in (recipes or {}).items() if re.fullmatch(pattern, name)), None)
+            if recipe is not None:
+                why += f"; recipes={{{next(p for p in recipes if re.fullmatch(p, name))!r}: {recipe!r}}}"
+            elif name == plan.head:
+                recipe, why = "bf16", why + "; the output head (the loss's last contraction) in bf16, as " \
+                                            "TransformerEngine and Megatron keep it"
+            out.append(ParamRule(re.escape(name), quantize=True if recipe is None else recipe, stacked=stacked,
+                                 kernel="in_out", keep_dtype=True, why=why))
+        return out
+
+    def __call__(self, weights, batch, **kwargs):
+        split = self.split
         leaves = jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: isinstance(x, ShardedWeight))[0]
         by_path = {}
         for path, leaf in leaves:
             name = dotted_path(path)
+            view = self._view(name)
             if isinstance(leaf, ShardedWeight):
-                by_path[name] = _box_class()(leaf, name)
-            elif name in split.dtypes and hasattr(leaf, "dtype") and leaf.dtype != split.dtypes[name]:
-                by_path[name] = leaf.astype(split.dtypes[name])   # e.g. a bf16-gathered embedding, fp32 in the model
-            else:
-                by_path[name] = leaf
+                by_path[name] = _box_class()(leaf, name, view)
+                continue
+            if view is not None:
+                leaf = view.from_matrix(leaf)
+            if name in split.dtypes and hasattr(leaf, "dtype") and leaf.dtype != split.dtypes[name]:
+                leaf = leaf.astype(split.dtypes[name])   # a bf16 copy (rules without keep_dtype): the model's dtype
+            by_path[name] = leaf
         if set(by_path) != set(split.names):
-            raise ValueError(f"flax_loss: the step's weights must be like jq.flax_params(model) of the model given to "
-                             f"flax_loss; missing {sorted(set(split.names) - set(by_path))[:4]}, unknown "
+            raise ValueError(f"flax_loss: the step's weights must be like jq.flax_params(loss_fn) of this loss; "
+                             f"missing {sorted(set(split.names) - set(by_path))[:4]}, unknown "
                              f"{sorted(set(by_path) - set(split.names))[:4]}")
+        model = split.build(by_path)
+        rng = kwargs.get("rng")
+        if rng is not None and self.rng_streams:
+            _reseed(model, self.rng_streams, rng)
+        if not self.loss_takes_rng:
+            kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
+        counts = _rng_counts(model) if self.rng_streams and rng is None else None
         with flax_intercept():
-            return loss(split.build(by_path), batch, **kwargs)
+            out = self.loss(model, batch, **kwargs)
+        if counts is not None and any(a is not b for a, b in zip(counts, _rng_counts(model))):
+            raise ValueError(f"loss_fn: the model draws random numbers from its nnx.Rngs streams "
+                             f"{list(self.rng_streams)} (e.g. nnx.Dropout), which would repeat the same draws every "
+                             f"step; call the step with rng=key, a new key each step (jax.random.fold_in(key, step)): "
+                             f"the streams are re-seeded from it on each data-parallel rank and microbatch")
+        return out
 
-    loss_fn.__name__ = getattr(loss, "__name__", "flax_loss")
-    return loss_fn
+
+def _rng_streams(split) -> tuple:
+    """The names of an NNX model's rng streams (``nnx.Rngs(dropout=...)``), sorted; () for linen."""
+    if split.kind != "nnx":
+        return ()
+    from flax import nnx
+
+    names = set()
+    for path, v in nnx.to_flat_state(split.rest):
+        if isinstance(v, nnx.RngKey):
+            names.add(str(getattr(v, "tag", path[-2] if len(path) > 1 else path[-1])))
+    return tuple(sorted(names))
+
+
+def stream_keys(streams, rng) -> dict:
+    """The key each NNX rng stream is re-seeded with from the loss's ``rng=`` (the step's key for this rank and
+    microbatch): ``fold_in(rng, i)`` for the i-th stream name in sorted order."""
+    return {name: jax.random.fold_in(rng, i) for i, name in enumerate(streams)}
+
+
+def _reseed(model, streams, rng):
+    from flax import nnx
+
+    nnx.reseed(model, **stream_keys(streams, rng))
+
+
+def _rng_counts(model) -> list:
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(model, nnx.RngCount))
+
+
+def _untraced_rules(split, keep, recipes) -> list:
+    """Without an example batch: 2-D ``kernel`` leaves quantized as flax's ``[in, out]`` kernels, the rest kept."""
+    out = []
+    for name in split.names:
+        ndim = len(split.shapes[name])
+        if keep is not None and re.fullmatch(keep, name):
+            out.append(ParamRule(re.escape(name), keep_dtype=True, why="kept by keep="))
+        elif name.rsplit(".", 1)[-1] == "kernel" and ndim == 2:
+            recipe = next((r for p, r in (recipes or {}).items() if re.fullmatch(p, name)), True)
+            out.append(ParamRule(re.escape(name), quantize=recipe, kernel="in_out", keep_dtype=True,
+                                 why="a 2-D flax kernel, read as [in, out] (no batch= to trace the loss)"))
+        else:
+            out.append(ParamRule(re.escape(name), keep_dtype=True, why=(
+                "a kernel of more than 2 axes: pass batch= to jq.flax_loss so that its contraction is traced"
+                if name.rsplit(".", 1)[-1] == "kernel" else "not a kernel (no batch= to trace the loss)")))
+    return out
+
+
+def flax_loss(model, loss: Callable, *, batch=None) -> FlaxLoss:
+    """``loss_fn(weights, batch, **kw)`` for ``jq.make_train_step`` from a loss written on the flax model.
+
+    Args:
+      model: the ``nnx.Module`` or linen variables dict whose parameters the step trains. Its other state (rng
+        keys and counts, integer variables, other collections) is captured now and handed to the model as it is at
+        every call; what the model writes to it during the loss is dropped.
+      loss: ``loss(model, batch, **kw)`` (NNX: the model rebuilt around the step's weights) or
+        ``loss(variables, batch, **kw)`` (linen: call ``module.apply(variables, ...)`` in it), returning what the
+        step's ``loss_fn`` returns (a scalar; ``(loss, aux)`` with ``has_aux``; ...). ``kw``: the step's ``rng=`` /
+        ``extra=``.
+      batch: an example batch (only its shapes and dtypes are used). The loss is run on it abstractly once, to see
+        which parameters are a contraction's weight operand (``jax.lax.dot_general`` / ``jnp.einsum``: nnx.Linear,
+        nnx.LinearGeneral, nnx.Einsum, nn.Dense, nn.DenseGeneral, nn.Einsum, attention projections) and on which
+        axes: each such kernel is quantized as the 2-D ``[in, out]`` matrix of its contracted x free axes, stacks
+        of layers (nnx.scan / nn.scan) are found, and :meth:`FlaxLoss.default_rules` become the step's rules.
+        Without it: 2-D ``kernel`` leaves are quantized as ``[in, out]`` and every other leaf is kept.
+
+    Returns:
+      A :class:`FlaxLoss`: call it as ``loss_fn(weights, batch, **kw)`` (each quantized leaf, a
+      ``jq.ShardedWeight``, reaches flax as its kernel; each other leaf as an array in the model's dtype; ``loss``
+      runs inside :func:`flax_intercept`); ``jq.flax_params(loss_fn)`` gives the step's parameters.
+    """
+    if not callable(loss):
+        raise TypeError(f"loss: must be callable, got {type(loss).__name__}")
+    return FlaxLoss(model, loss, batch)
 
 
 def flax_merge(model, params):
     """``model`` with ``params`` (e.g. ``step.params(state)``, a dict like :func:`flax_params`) as its trainable
     parameters, each cast to the dtype it had in ``model``: a new ``nnx.Module`` (NNX; ``model`` is left as it
-    is) or a new variables dict (linen, metadata boxes put back). Everything else is ``model``'s."""
+    is) or a new variables dict (linen, metadata boxes put back). Everything else is ``model``'s. ``model`` may be
+    a :class:`FlaxLoss` (then ``params`` are its step's, multi-axis kernels as matrices)."""
+    if isinstance(model, FlaxLoss):
+        return model.merge(params)
     split = _Split(model)
     old = dict(zip(split.names, jax.tree.leaves(split.params)))
     new = {dotted_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}

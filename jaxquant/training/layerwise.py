@@ -37,6 +37,7 @@ the replicate axis (each replica holds the same master).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Optional
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.primitives import formats
 from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
@@ -53,7 +54,7 @@ from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gathe
 from jaxquant.primitives.formats import to_compute_dtype
 from jaxquant.primitives.varying import mark_varying
 from jaxquant.zero.layout import TP_SPLITS
-from jaxquant.training.rules import decide
+from jaxquant.training.rules import decide, dotted_path
 from jaxquant.training.policy import (STRATEGY_SHARDING, TrainState, _explain_tp_errors, _leaf_name, apply_update,
                              value_and_grad_over_microbatches)
 
@@ -72,6 +73,8 @@ class LeafRule:
     stacked: bool = False        # axis 0 is a layer axis (saved per layer, quantized per layer)
     pad_rows: int = 0            # zero rows appended to each row block so that the rows split over fsdp
     row_blocks: int = 1          # TP blocks along the rows axis (tp for a column-parallel [out, in] weight)
+    why: str = dataclasses.field(default="", compare=False)   # what decided it (rule, mask or default)
+    path: str = dataclasses.field(default="", compare=False)  # dotted path (``layers.0.mlp.up.kernel``)
 
     @property
     def stored_shape(self) -> tuple:
@@ -136,13 +139,14 @@ def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, micro
         shape = tuple(int(n) for n in np.shape(leaf))
         quantized = d.recipe is not None
         matrix = len(shape) - d.stacked == 2    # unquantized [out, in] layers get bf16 copies, others their dtype
-        recipe = d.recipe if quantized else ("bf16" if matrix else "keep")
+        recipe = d.recipe if quantized else ("bf16" if matrix and not d.keep_dtype else "keep")
         tp_dim = TP_SPLITS[d.tp] if T > 1 and d.tp is not None else None
         if tp_dim is not None and d.transposed:   # [in, out]: "col" splits out, the minor axis
             tp_dim = 1 - tp_dim
-        out.append(_leaf_rule(_leaf_name(path), shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
-                              replicate_axis, grad, not reshard_after_forward, STRATEGY_SHARDING[strategy],
-                              d.stacked, d.transposed))
+        rule = _leaf_rule(_leaf_name(path), shape, quantized, recipe, tp_dim, S, T, fsdp_axis, tp_axis,
+                          replicate_axis, grad, not reshard_after_forward, STRATEGY_SHARDING[strategy], d.stacked,
+                          d.transposed)
+        out.append(dataclasses.replace(rule, why=d.why, path=dotted_path(path)))
     return LayerPlan(treedef, tuple(out))
 
 
@@ -207,6 +211,8 @@ class LayerwiseTrainStep:
                  weighted_loss=False, quantize_once=False):
         self.strategy, self.rules = strategy, rules
         self.has_aux, self.weighted_loss = has_aux, weighted_loss
+        self.user_mesh = mesh
+        mesh = auto_mesh(mesh)
         self.loss_fn, self.optimizer, self.mesh, self.policy = loss_fn, optimizer, mesh, policy
         self.microbatches, self.report_nan, self.fsdp_axis = microbatches, report_nan, fsdp_axis
         self.tp_axis = tp_axis if tp_axis is not None and int(mesh.shape[tp_axis]) > 1 else None
@@ -405,18 +411,50 @@ class LayerwiseTrainStep:
           (the mean over ranks and microbatches), and the non-finite report with ``report_nan``.
         """
         self._check_call(state, batch)
-        return self._compiled(state.plan)(state, batch, rng, extra)
+        batch, rng, extra = self._on_step_mesh((batch, rng, extra))
+        with _no_mesh_context():
+            return self._compiled(state.plan)(state, batch, rng, extra)
+
+    def _on_step_mesh(self, tree):
+        """Arrays the user placed on an Explicit-axes mesh (``jax.make_mesh``'s default), moved to the step's Auto
+        view of the same devices (the data stays where it is): the step's shard_map splits them itself."""
+        def move(x):
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(sharding, NamedSharding) or all(
+                    t == AxisType.Auto for t in getattr(sharding.mesh, "axis_types", ())):
+                return x
+            return jax.device_put(x, NamedSharding(auto_mesh(sharding.mesh), sharding.spec))
+        return jax.tree.map(move, tree)
 
     def lower(self, state: TrainState, batch, *, rng=None, extra=None):
         """``jax.stages.Lowered`` of one step (for HLO checks); does not run or donate anything."""
         self._check_call(state, batch)
-        return self._compiled(state.plan).lower(state, batch, rng, extra)
+        batch, rng, extra = self._on_step_mesh((batch, rng, extra))
+        with _no_mesh_context():
+            return self._compiled(state.plan).lower(state, batch, rng, extra)
 
     def plan(self, params) -> LayerPlan:
         return make_plan(params, policy=self.policy, mesh=self.mesh, fsdp_axis=self.fsdp_axis,
                          tp_axis=self.tp_axis, replicate_axis=self.replicate_axis, microbatches=self.microbatches,
                          param_specs=self.param_specs, quantize_mask=self.quantize_mask, rules=self.rules,
                          reshard_after_forward=self.reshard_after_forward, strategy=self.strategy)
+
+    def describe(self, state: TrainState, *, file=None) -> list:
+        """What the step does with each parameter, as a list of dicts and (unless ``file`` is False) a table
+        printed to ``file`` (default stdout): ``path``, ``shape`` (the leaf as ``params`` holds it), ``recipe``
+        (``"fp8"`` / ``"nvfp4"`` / ``"bf16"``: quantized compute weights, gathered where a layer reads them;
+        ``"kept"``: an array in the main-params dtype; ``"bf16 copy"``: an unquantized matrix read as bf16),
+        ``why`` (the rule, mask or default that decided it), ``sharding`` (the master's ``PartitionSpec``),
+        ``padding`` (zero rows added to split it evenly) and ``stacked`` (axis 0 a layer axis). The last line is
+        :func:`plan_summary`."""
+        if not isinstance(state, TrainState) or not isinstance(state.plan, LayerPlan):
+            raise TypeError(f"state: must be the TrainState from this step's init, got {type(state).__name__}")
+        rows = [plan_row(r) for r in state.plan.rules]
+        if file is not False:
+            import sys
+
+            print(format_plan(rows), file=file or sys.stdout)
+        return rows
 
     def master_shardings(self, params):
         """``NamedSharding`` of each parameter as ``params`` holds it (a pytree like ``params``, which may hold
@@ -428,6 +466,10 @@ class LayerwiseTrainStep:
 
     def init(self, params) -> TrainState:
         """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
+        with _no_mesh_context():
+            return self._init(params)
+
+    def _init(self, params) -> TrainState:
         plan = self.plan(params)
         dtype = self.policy.main_params_dtype
         stored = lambda p: jax.tree_util.tree_unflatten(plan.treedef, [
@@ -441,7 +483,8 @@ class LayerwiseTrainStep:
     def step_count(self, n) -> jax.Array:
         """``TrainState.step`` for ``n`` steps taken: int32, replicated on the mesh as the step returns it (an
         uncommitted one would be another jit cache entry, a second compile at step 2)."""
-        return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
+        with _no_mesh_context():
+            return jax.device_put(jnp.asarray(n, jnp.int32), NamedSharding(self.mesh, P()))
 
     def state_dict(self, state: TrainState, *, hyperparams=None, names=None) -> dict:
         """The training state as PyTorch's ``get_state_dict(model, optimizer)`` names it (``training.state_dict``).
@@ -460,7 +503,8 @@ class LayerwiseTrainStep:
         """
         from jaxquant.training import state_dict as sd
 
-        return sd.state_dict(self, state, hyperparams=hyperparams, names=names)
+        with _no_mesh_context():
+            return sd.state_dict(self, state, hyperparams=hyperparams, names=names)
 
     def state_dict_target(self, like: TrainState, *, names=None) -> dict:
         """``load_dcp``'s target for :meth:`state_dict` on this step's mesh (any saved mesh size loads).
@@ -474,7 +518,8 @@ class LayerwiseTrainStep:
         """
         from jaxquant.training import state_dict as sd
 
-        return sd.state_dict_target(self, like, names=names)
+        with _no_mesh_context():
+            return sd.state_dict_target(self, like, names=names)
 
     def load_state_dict(self, state_dict: dict, *, like: TrainState, step_count=None, names=None) -> TrainState:
         """A ``TrainState`` on this step's mesh from :meth:`state_dict`'s layout (written by JAX or by torch).
@@ -490,7 +535,8 @@ class LayerwiseTrainStep:
         """
         from jaxquant.training import state_dict as sd
 
-        return sd.load_state_dict(self, state_dict, like=like, step_count=step_count, names=names)
+        with _no_mesh_context():
+            return sd.load_state_dict(self, state_dict, like=like, step_count=step_count, names=names)
 
     def params(self, state: TrainState):
         """The full main params as a pytree like the one given to ``init`` (replicated arrays)."""
@@ -499,7 +545,8 @@ class LayerwiseTrainStep:
         replicated = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state.master)
         unpad = lambda m: jax.tree_util.tree_unflatten(state.plan.treedef, [
             unpad_row_blocks(a, r.weight, r.row_blocks) for a, r in zip(jax.tree.leaves(m), state.plan.rules)])
-        return jax.jit(unpad, out_shardings=replicated)(state.master)
+        with _no_mesh_context():
+            return jax.jit(unpad, out_shardings=replicated)(state.master)
 
     def _check_call(self, state, batch):
         if not isinstance(state, TrainState) or not isinstance(state.plan, LayerPlan):
@@ -512,6 +559,57 @@ class LayerwiseTrainStep:
                 axes = " x ".join(self._batch_axes)
                 raise ValueError(f"batch{_leaf_name(path)}: the leading (batch) axis must be a multiple of {axes} "
                                  f"size x microbatches = {n}, got shape {tuple(np.shape(leaf))}")
+
+
+def plan_row(rule: LeafRule) -> dict:
+    """One parameter's line of :meth:`LayerwiseTrainStep.describe`."""
+    recipe = rule.recipe if rule.quantized else ("bf16 copy" if rule.recipe == "bf16" else "kept")
+    return {"path": rule.path or rule.name, "shape": tuple(rule.shape),
+            "recipe": recipe, "why": rule.why, "sharding": str(rule.spec), "padding": rule.pad_rows,
+            "stacked": rule.stacked}
+
+
+def plan_summary(rows) -> str:
+    """One line: how many leaves and what share of the parameters' elements get each kind of compute weight."""
+    total = sum(int(np.prod(r["shape"])) for r in rows) or 1
+    parts = []
+    for recipe in ("nvfp4", "fp8", "bf16", "bf16 copy", "kept"):
+        chosen = [r for r in rows if r["recipe"] == recipe]
+        if chosen:
+            share = 100.0 * sum(int(np.prod(r["shape"])) for r in chosen) / total
+            parts.append(f"{recipe} {len(chosen)} of {len(rows)} leaves ({share:.0f}% of parameter elements)")
+    return "plan: " + "; ".join(parts)
+
+
+def format_plan(rows) -> str:
+    """:meth:`LayerwiseTrainStep.describe`'s table."""
+    head = ("path", "shape", "recipe", "sharding", "padding", "why")
+    cells = [head] + [(r["path"], "x".join(map(str, r["shape"])) + (" (stacked)" if r["stacked"] else ""),
+                       r["recipe"], r["sharding"], str(r["padding"] or ""), r["why"]) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head) - 1)]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(head) - 1)) + "  " + c[-1] for c in cells]
+    return "\n".join(lines + [plan_summary(rows)])
+
+
+def auto_mesh(mesh):
+    """``mesh`` with every axis of type Auto: the step places each array itself (its shard_map and the master's
+    shardings), so a mesh from ``jax.make_mesh`` (Explicit axes by default) or one with Auto axes gives the same
+    program."""
+    types = getattr(mesh, "axis_types", None)
+    if types is None or all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+@contextlib.contextmanager
+def _no_mesh_context():
+    """The step traced outside a user's ``jax.set_mesh`` / ``use_mesh`` block: the step names its own mesh, and
+    an Explicit context mesh would make its activations' shardings part of their types."""
+    if hasattr(jax.sharding, "get_abstract_mesh") and jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    with jax.set_mesh(None) if hasattr(jax, "set_mesh") else contextlib.nullcontext():
+        yield
 
 
 def default_compiler_options(mesh) -> Optional[dict]:

@@ -42,6 +42,10 @@ class ParamRule:
         axis is never split over FSDP.
       kernel: ``"out_in"`` (default, PyTorch's ``[out, in]``: ``jq.dense`` computes ``x @ W.T``) or ``"in_out"``
         (flax's kernels: ``x @ K``, the master kept as it is, split over FSDP along ``in``).
+      keep_dtype: an unquantized leaf reaches ``loss_fn`` in the main-params dtype even where it is a matrix
+        (default False: unquantized matrices get bf16 copies). The flax adapter sets it: a model reads its
+        unquantized parameters in the dtype it declared.
+      why: what the plan says about this rule's leaves (``step.describe``); default: the rule itself.
     """
 
     pattern: str
@@ -49,6 +53,8 @@ class ParamRule:
     tp: Optional[str] = None
     stacked: bool = False
     kernel: str = "out_in"
+    keep_dtype: bool = False
+    why: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
         try:
@@ -74,6 +80,8 @@ class LeafDecision(NamedTuple):
     tp: Optional[str]          # "col" / "row" / None
     stacked: bool              # axis 0 is a layer axis
     transposed: bool = False   # stored [in, out]
+    keep_dtype: bool = False   # an unquantized matrix reaches loss_fn in the main dtype, not as a bf16 copy
+    why: str = ""              # what decided it, for the plan's description
 
 
 def dotted_path(path) -> str:
@@ -135,7 +143,9 @@ def decide(params, *, rules=None, quantize_mask=None, param_specs=None, compute_
         if split is not None and not matrix:
             raise ValueError(f"param_specs{name}: only [out, in] (or stacked [L, out, in]) weights can be split "
                              f"over TP, got shape {tuple(shape)}")
-        out.append(LeafDecision(compute_weights if quantized else None, split, len(shape) == 3))
+        why = ("quantize_mask" if mask is not None else
+               "default: 2-D [out, in] / stacked 3-D leaves quantized" if quantized else "default: not a matrix")
+        out.append(LeafDecision(compute_weights if quantized else None, split, len(shape) == 3, why=why))
     return out
 
 
@@ -152,11 +162,15 @@ def _by_rules(name: str, shape, rules, compute_weights: str) -> LeafDecision:
         raise ValueError(f"{where}: stacked=True needs a layer axis (axis 0)")
     recipe = None if r.quantize is False else (compute_weights if r.quantize is True else r.quantize)
     if recipe is not None and len(layer) != 2:
-        hint = "; declare stacked=True if axis 0 is a layer axis" if len(shape) == 3 and not r.stacked else ""
+        hint = ("; if axis 0 is a layer axis (a stack of layers run under scan), declare stacked=True; if it is a "
+                "multi-axis kernel (einsum / DenseGeneral [heads, embed, head_dim]), quantize it through the flax "
+                "adapter, which views it as the 2-D matrix of its contraction (jq.flax_loss(model, loss, "
+                "batch=example)), or keep it unquantized (quantize=False)") if len(layer) > 2 and not r.stacked else ""
         raise ValueError(f"{where}: only [out, in] weights (per layer) can be quantized, got a layer of shape "
                          f"{layer}{hint}")
     if r.tp is not None and len(layer) != 2:
         raise ValueError(f"{where}: only [out, in] weights (per layer) can be split over TP, got {layer}")
-    if r.kernel == "in_out" and len(layer) != 2:
+    if r.kernel == "in_out" and len(layer) != 2 and recipe is not None:
         raise ValueError(f"{where}: kernel='in_out' needs [in, out] kernels (per layer), got {layer}")
-    return LeafDecision(recipe, r.tp, r.stacked, r.kernel == "in_out")
+    why = r.why or f"ParamRule({r.pattern!r}" + (f", quantize={r.quantize!r}" if r.quantize is not False else "") + ")"
+    return LeafDecision(recipe, r.tp, r.stacked, r.kernel == "in_out" and len(layer) == 2, r.keep_dtype, why)

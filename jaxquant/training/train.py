@@ -83,11 +83,14 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         fp32 master's size for FP8). False (default until measured on GPUs): quantized where each layer reads its
         weight, with its own scalar amax all-reduce. Same bytes either way.
       rules: a list of ``jq.ParamRule`` (path regex -> quantized or not, recipe, TP split, stacked layer axis;
-        first match wins, an unmatched leaf is an error), instead of ``quantize_mask`` / ``param_specs``.
+        first match wins, an unmatched leaf is an error), instead of ``quantize_mask`` / ``param_specs``. None
+        with a ``loss_fn`` from ``jq.flax_loss``: that loss's ``default_rules()`` (every contraction's weight
+        quantized, the output head in bf16).
 
     Returns:
       A step object: ``init(params) -> TrainState``, ``step(state, batch) -> (state, metrics)`` (``state`` is
-      donated; ``metrics["loss"]`` the mean loss), ``params(state)``, ``state_dict`` / ``state_dict_target`` /
+      donated; ``metrics["loss"]`` the mean loss), ``params(state)``, ``describe(state)`` (the per-leaf plan),
+      ``state_dict`` / ``state_dict_target`` /
       ``load_state_dict`` (PyTorch's names), ``master_shardings(params)`` and ``lower(state, batch)``.
     """
     if not callable(loss_fn):
@@ -129,6 +132,9 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         if axis not in (fsdp_axis, tp_axis, replicate_axis) and mesh.shape[axis] != 1:
             raise ValueError(f"mesh: axis {axis!r} has size {mesh.shape[axis]}; only {fsdp_axis!r} (data parallel),"
                              f" the tp_axis and the replicate_axis may be larger than 1")
+    if rules is None and quantize_mask is None and param_specs is None and callable(getattr(loss_fn, "default_rules",
+                                                                                        None)):
+        rules = loss_fn.default_rules()   # a flax loss (jq.flax_loss): its own plan of what to quantize
     if compiler_options is _DEFAULT:
         compiler_options = default_compiler_options(mesh)
     return LayerwiseTrainStep(loss_fn, optimizer, mesh, policy, int(microbatches), bool(report_nan), fsdp_axis,
