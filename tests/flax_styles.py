@@ -69,7 +69,8 @@ def einsum_gpu_config() -> StyleConfig:
 
 def dense_general_gpu_config() -> StyleConfig:
     """(b)'s GPU benchmark size: 4 layers of Llama-3-8B's shapes (bench_flax's default Llama: width 4096, 32 query heads
-    of 128, 8 kv heads, FFN 14336), Llama 3's vocabulary (128256), 2048-token sequences, bf16 compute."""
+    of 128, 8 kv heads, FFN 14336), Llama 3's vocabulary (128256), 2048-token sequences, bf16 compute (~1.92B
+    parameters, the untied embedding and head 1.05B of them)."""
     return StyleConfig(vocab=128256, dim=4096, heads=32, head_dim=128, kv_heads=8, mlp=14336, layers=4, seq=2048,
                        dtype=jnp.bfloat16)
 
