@@ -215,3 +215,27 @@ def test_a_multi_axis_leaf_under_plain_rules_names_both_remedies():
     params = {"attn": {"q": jnp.zeros((4, 32, 16))}}
     with pytest.raises(ValueError, match=r"declare stacked=True.*flax adapter.*batch=example"):
         decide(params, rules=[ParamRule(".*", quantize=True)], compute_weights="fp8")
+
+
+def test_a_model_built_from_its_constructor_is_never_whole_on_a_device():
+    """``jq.flax_loss(lambda: Model(...), ...)``: the model is built abstractly for the trace, its rng state alone
+    for real, and ``step.init`` builds the parameters inside the jit whose outputs are the FSDP shards; every call
+    of the constructor sees traced arrays (no concrete whole copy), and training equals the concrete model's."""
+    seen = []
+
+    def build():
+        model = fs.nnx_einsum_model(EINSUM)
+        seen.append(isinstance(model.layers[0].mlp.up.kernel[...], jax.core.Tracer))
+        return model
+
+    loss_fn = jq.flax_loss(build, fs.nnx_einsum_loss, batch=BATCH)
+    step = jq.make_train_step(loss_fn, optax.sgd(LR), mesh=mesh_of(8), policy=jq.MixedPrecisionPolicy(
+        compute_weights="fp8"))
+    state = step.init(jq.flax_params(loss_fn))
+    assert seen and all(seen), seen
+    assert all(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(state.master))
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, BATCH)
+        losses.append(float(metrics["loss"]))
+    assert losses == train("einsum", "fp8")[0]

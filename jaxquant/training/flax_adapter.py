@@ -826,6 +826,12 @@ def _is_nnx(model) -> bool:
     return nnx is not None and isinstance(model, nnx.Module)
 
 
+def _is_constructor(model) -> bool:
+    """A function that builds the model (an NNX module, or linen variables), rather than the model itself."""
+    return callable(model) and not _is_nnx(model) and not hasattr(model, "keys") and not isinstance(
+        model, getattr(sys.modules.get("flax.linen"), "Module", ()))
+
+
 def _check_model(model, what="model"):
     if _is_nnx(model):
         return "nnx"
@@ -848,6 +854,16 @@ def _trainable(path, variable) -> bool:
 class _Split:
     """A model taken apart: the trainable parameters (a plain nested dict) and how to rebuild the model around
     other values for them."""
+
+    @classmethod
+    def abstract(cls, constructor):
+        """The split of ``constructor()``'s model with abstract parameters (``jax.ShapeDtypeStruct``: nothing is
+        allocated) and its other state (rng keys and counts, ...) built for real, under ``jit``, alone."""
+        from flax import nnx
+
+        split = cls(nnx.eval_shape(constructor))
+        split.rest = jax.jit(lambda: cls(constructor()).rest)()
+        return split
 
     def __init__(self, model):
         self.kind = _check_model(model)
@@ -919,7 +935,8 @@ class FlaxLoss:
     the step's matrices (:meth:`params`, :meth:`merge`)."""
 
     def __init__(self, model, loss: Callable, batch=None):
-        self.split = _Split(model)
+        self.constructor = model if _is_constructor(model) else None
+        self.split = _Split.abstract(model) if self.constructor is not None else _Split(model)
         self.loss = loss
         self.kernels = None if batch is None else trace_kernels(self.split, loss, batch)
         self.__name__ = getattr(loss, "__name__", "flax_loss")
@@ -935,8 +952,15 @@ class FlaxLoss:
         return None if view is None or view.is_identity else view
 
     def params(self):
-        """The step's parameters: the model's, each multi-axis kernel as its ``[in, out]`` matrix."""
-        flat = jax.tree_util.tree_flatten_with_path(self.split.params)
+        """The step's parameters: the model's, each multi-axis kernel as its ``[in, out]`` matrix. For a loss made
+        from a model constructor, a function that builds them (``step.init`` calls it under ``jit`` with the
+        master's shardings as its outputs', so no device holds the whole model)."""
+        if self.constructor is not None:
+            return lambda: self._as_step_params(_Split(self.constructor()).params)
+        return self._as_step_params(self.split.params)
+
+    def _as_step_params(self, params):
+        flat = jax.tree_util.tree_flatten_with_path(params)
         leaves = [self._view(dotted_path(p)).to_matrix(jnp.asarray(v)) if self._view(dotted_path(p)) else v
                   for p, v in flat[0]]
         return jax.tree_util.tree_unflatten(flat[1], leaves)
@@ -1088,9 +1112,12 @@ def flax_loss(model, loss: Callable, *, batch=None) -> FlaxLoss:
     """``loss_fn(weights, batch, **kw)`` for ``jq.make_train_step`` from a loss written on the flax model.
 
     Args:
-      model: the ``nnx.Module`` or linen variables dict whose parameters the step trains. Its other state (rng
-        keys and counts, integer variables, other collections) is captured now and handed to the model as it is at
-        every call; what the model writes to it during the loss is dropped.
+      model: the ``nnx.Module`` or linen variables dict whose parameters the step trains, or a function without
+        arguments that builds it (``lambda: MyModel(nnx.Rngs(0))``, ``lambda: module.init(key, x)``): then the model
+        is only built abstractly here (``nnx.eval_shape``) and ``step.init(jq.flax_params(loss_fn))`` builds the
+        parameters straight into their FSDP shards, for models larger than one device. Its other state (rng keys
+        and counts, integer variables, other collections) is captured now and handed to the model as it is at
+        every call; what the model writes to it during the loss is dropped (rng streams: see ``rng=`` below).
       loss: ``loss(model, batch, **kw)`` (NNX: the model rebuilt around the step's weights) or
         ``loss(variables, batch, **kw)`` (linen: call ``module.apply(variables, ...)`` in it), returning what the
         step's ``loss_fn`` returns (a scalar; ``(loss, aux)`` with ``has_aux``; ...). ``kw``: the step's ``rng=`` /

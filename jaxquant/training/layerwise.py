@@ -126,7 +126,8 @@ def make_plan(params, *, policy, mesh, fsdp_axis, tp_axis, replicate_axis, micro
     if not leaves_with_path:
         raise ValueError("params: the parameter tree has no leaves")
     for path, leaf in leaves_with_path:
-        if not hasattr(leaf, "shape") or not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+        dtype = getattr(leaf, "dtype", None) or jnp.result_type(leaf)   # a ShapeDtypeStruct too (abstract init)
+        if not hasattr(leaf, "shape") or not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"params{_leaf_name(path)}: every leaf must be a floating array, got {type(leaf).__name__}")
     decisions = decide(params, rules=rules, quantize_mask=quantize_mask, param_specs=param_specs,
                        compute_weights=policy.compute_weights)
@@ -465,17 +466,25 @@ class LayerwiseTrainStep:
         return jax.tree_util.tree_unflatten(plan.treedef, [NamedSharding(self.mesh, r.saved_spec) for r in plan.rules])
 
     def init(self, params) -> TrainState:
-        """State from ``params`` (a pytree of arrays): sharded main params and optimizer state."""
+        """State from ``params`` (a pytree of arrays, or a function without arguments returning one, which is
+        called under ``jit`` with the master's shardings as outputs: a model larger than one device): sharded main
+        params and optimizer state."""
         with _no_mesh_context():
             return self._init(params)
 
     def _init(self, params) -> TrainState:
+        build = params if callable(params) else None
+        if build is not None:
+            params = jax.eval_shape(build)
         plan = self.plan(params)
         dtype = self.policy.main_params_dtype
         stored = lambda p: jax.tree_util.tree_unflatten(plan.treedef, [
             pad_row_blocks(jnp.asarray(a, dtype), r.weight, r.row_blocks)
             for a, r in zip(jax.tree.leaves(p), plan.rules)])
-        master = jax.jit(stored, out_shardings=self._master_shardings(plan))(params)
+        if build is not None:    # built inside the jit whose outputs are the shards: no whole copy anywhere
+            master = jax.jit(lambda: stored(build()), out_shardings=self._master_shardings(plan))()
+        else:
+            master = jax.jit(stored, out_shardings=self._master_shardings(plan))(params)
         opt_shape = jax.eval_shape(self.optimizer.init, master)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
         return TrainState(master, opt_state, self.step_count(0), plan)
