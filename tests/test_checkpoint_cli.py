@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.checkpoint import metadata as mdmod  # noqa: E402
 
-CLI = [sys.executable, "-m", "jaxquant.checkpoint.cli", "ckpt"]
+CLI = [sys.executable, "-m", "jaxquant", "ckpt"]
 
 
 def cli(*args, timeout=180):

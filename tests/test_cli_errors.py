@@ -62,7 +62,7 @@ def test_keyboard_interrupt_before_the_handlers_is_one_line(monkeypatch, capsys)
         def __getattr__(self, name):
             raise KeyboardInterrupt
 
-    monkeypatch.setitem(sys.modules, "jaxquant.checkpoint.interrupt", Interrupting("jaxquant.checkpoint.interrupt"))
+    monkeypatch.setitem(sys.modules, "jaxquant.cli.signals", Interrupting("jaxquant.cli.signals"))
     assert cli.main(["demo", "--help"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["jaxquant: interrupted by SIGINT"]
 

@@ -1,5 +1,5 @@
 """The ``jaxquant`` command: ``demo`` (train a small transformer with quantized weights, jaxquant/cli/demo.py),
-``bench`` (time the quantizers, jaxquant/cli/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/checkpoint/cli.py).
+``bench`` (time the quantizers, jaxquant/cli/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/cli/ckpt.py).
 ``DESCRIPTION`` is what ``jaxquant --help`` prints."""
 
 from __future__ import annotations
@@ -30,13 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     from jaxquant.cli.bench import configure_parser as configure_bench  # sets func=bench.run
     configure_bench(sub.add_parser("bench", help="time the quantizers against the memory floor and XLA"))
-    try:
-        from jaxquant.checkpoint.cli import add_ckpt_parser
-    except ModuleNotFoundError as e:  # only while the checkpoint package is absent
-        if not (e.name or "").startswith("jaxquant.checkpoint"):
-            raise
-    else:
-        add_ckpt_parser(sub)
+    from jaxquant.cli.ckpt import add_ckpt_parser
+
+    add_ckpt_parser(sub)
     return parser
 
 
@@ -54,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     # import (jaxlib) can crash the process; cli_handlers unblocks them and a held one is raised there
     _hold_signals(True)
     try:
-        from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
+        from jaxquant.cli.signals import Interrupted, cli_handlers, report
     except KeyboardInterrupt:
         _hold_signals(False)
         print("jaxquant: interrupted by SIGINT", file=sys.stderr)

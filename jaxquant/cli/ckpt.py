@@ -1,4 +1,5 @@
-"""``jaxquant ckpt inspect|convert``: the checkpoint subcommands (added to the top-level CLI)."""
+"""``jaxquant ckpt inspect|convert``: the checkpoint subcommands (added to the top-level CLI, jaxquant/cli/__init__.py);
+the work is jaxquant/checkpoint's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 import sys
 
-from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
+from jaxquant.cli.signals import Interrupted, report
 
 
 def _error(command: str, e: Exception) -> int:
@@ -86,18 +87,3 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip CRC-32 checks of a DCP source")
     p.set_defaults(func=_convert)
     return ckpt
-
-
-def main(argv=None) -> int:
-    try:
-        with cli_handlers():
-            parser = argparse.ArgumentParser(prog="jaxquant")
-            add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
-            args = parser.parse_args(argv)
-            return args.func(args)
-    except Interrupted as e:
-        return report(f"jaxquant: interrupted by {e.signame}", e)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
