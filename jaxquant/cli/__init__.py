@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+from jaxquant.cli import errors
+
 
 def _force_host_devices(n: int) -> None:
     # XLA reads this when the first backend starts, so it must be set before any device use.
@@ -23,13 +25,19 @@ DESCRIPTION = ("FP8 and NVFP4 weights for sharded JAX training. Commands: demo (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxquant`` parser. Its subcommand parsers are ``errors.Parser`` too (argparse's errors as one line) and
+    each command's own parser is its ``parser`` default (``main`` reports an unknown option as that command's)."""
     from jaxquant.cli.demo import add_demo_parser
 
-    parser = argparse.ArgumentParser(prog="jaxquant", description=DESCRIPTION)
+    parser = errors.Parser(prog="jaxquant", description=DESCRIPTION, epilog=errors.EXIT_STATUS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_parser(sub)
     from jaxquant.cli.bench import configure_parser as configure_bench  # sets func=bench.run
-    configure_bench(sub.add_parser("bench", help="time the quantizers against the memory floor and XLA"))
+
+    bench = sub.add_parser("bench", help="time the quantizers against the memory floor and XLA",
+                           epilog=errors.EXIT_STATUS)
+    configure_bench(bench)
+    bench.set_defaults(parser=bench)
     from jaxquant.cli.ckpt import add_ckpt_parser
 
     add_ckpt_parser(sub)
@@ -61,11 +69,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with cli_handlers():
-            args = build_parser().parse_args(argv)
+            parser = build_parser()
+            # (parse_args would report an option unknown to the command as the top-level parser's, with its usage)
+            args, unknown = parser.parse_known_args(argv)
+            command = getattr(args, "parser", parser)
+            if unknown:
+                command.error(f"unrecognized arguments: {' '.join(unknown)}")
             devices = getattr(args, "devices", None)
             if devices is not None and devices < 1:
-                print(f"jaxquant {args.command}: error: --devices: must be at least 1, got {devices}", file=sys.stderr)
-                return 2
+                return errors.refuse(command.prog, f"--devices: must be at least 1, got {devices}")
             if devices:
                 _force_host_devices(devices)
             return int(args.func(args) or 0)

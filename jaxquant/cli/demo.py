@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from jaxquant.cli import errors
 from jaxquant.primitives import recipes
 # (re-exported: tests, benchmarks and `jaxquant bench` reach these through this module)
 from jaxquant.cli.demo_support import (  # noqa: F401
@@ -212,6 +213,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
 
     Every argument, the data and the checkpoint to resume are checked before any training (``ValueError`` starting
     with the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``)."""
+    _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)   # (before jax loads)
+    if plot is not None:
+        check_plot(plot)
     import jax
     try:
         import optax
@@ -224,9 +228,6 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     from jaxquant.checkpoint import interrupt
     from jaxquant.training import text as textdata
 
-    _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)
-    if plot is not None:
-        check_plot(plot)
     vocab = textdata.VOCAB if text is not None else 64
     net = (LlamaDemo if model == "llama" else TpSpDemo)(cfg, vocab=vocab)
     if text is not None and net.cfg.vocab < textdata.VOCAB:
@@ -345,17 +346,20 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
             "peak_gib": peak, "first_loss": first_loss, "step": start + steps, "model": dataclasses.asdict(net.cfg)}
 
 
+PROG = "jaxquant demo"
 EXIT_STATUS = ("Exit status 0; 1 when the loss did not fall (the last step's loss is not below the first step's "
                "loss of the training run: with --resume, the first step of the run the checkpoint continues, as it "
                "records it, so a resumed run is judged as the uninterrupted one; a fresh one-step run is not "
-               "judged) or when the loss or the parameters became NaN or inf (the run stops before saving them); 2 "
-               "for a bad option, data or checkpoint to resume, found before any training; 130 / 143 when "
-               "interrupted.")
+               "judged), when the loss or the parameters became NaN or inf (the run stops before saving them) or "
+               "when the checkpoint to resume cannot be read (damaged); 2 for bad usage: a bad option, text path, "
+               "checkpoint to resume (missing, of another recipe, model or data) or destination, found before any "
+               "training; 130 / 143 when interrupted (the line names the last complete checkpoint).")
 
 
 def add_demo_parser(sub) -> None:
     text = "train a small flax NNX Llama with NVFP4/FP8 weights from fp32 master shards"
-    demo = sub.add_parser("demo", help=text, description=f"{text[0].upper()}{text[1:]}. {EXIT_STATUS}")
+    demo = sub.add_parser("demo", help=text, description=f"{text[0].upper()}{text[1:]}. {EXIT_STATUS}",
+                          epilog=errors.EXIT_STATUS)
     demo.add_argument("--model", choices=MODELS, default="llama",
                       help="llama: a flax NNX Llama on an FSDP mesh; tp-sp: a hand-written transformer with tensor "
                            "and sequence parallelism (default llama; --resume needs the checkpoint's)")
@@ -375,10 +379,11 @@ def add_demo_parser(sub) -> None:
                       help="with --text: the held-out loss every N steps, at least 1 (default: steps/10, at least "
                            "1; also before the first step and after the last)")
     demo.add_argument("--plot", default=None, metavar="PATH",
-                      help="write the loss curves (training, and held-out with --text) to this .png file; needs "
-                           "matplotlib (default: no plot)")
+                      help="write the loss curves (training, and held-out with --text) to this .png file, in a "
+                           "directory that exists; needs matplotlib (default: no plot)")
     demo.add_argument("--ckpt-dir", default="jaxquant-demo-ckpt",
-                      help="checkpoints go under this directory, made if missing (default jaxquant-demo-ckpt)")
+                      help="checkpoints go under this directory, made if missing (its parent must exist; default "
+                           "jaxquant-demo-ckpt)")
     demo.add_argument("--devices", type=int, default=8,
                       help="simulated CPU devices when running on the CPU, at least 1 (default 8; ignored if "
                            "XLA_FLAGS sets it)")
@@ -389,33 +394,27 @@ def add_demo_parser(sub) -> None:
                            "the same --recipe, --model and data)")
     demo.add_argument("--save-every", type=int, default=0, metavar="N",
                       help="also save a training checkpoint every N steps (default 0: only at the end)")
-    demo.set_defaults(func=main)
+    demo.set_defaults(func=main, parser=demo)
 
 
 def main(args) -> int:
-    """0: the loss fell (or a one-step run); 1: it did not, or it became non-finite (said on stderr); 2: bad
-    arguments, data, a checkpoint that cannot be resumed or a missing extra (see EXIT_STATUS)."""
-    import sys
-
+    """0: the loss fell (or a one-step run); 1: it did not, it became non-finite, or the checkpoint to resume
+    cannot be read; 2: bad usage (see EXIT_STATUS). Each error is one line on stderr."""
     try:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, batch_per_device=args.batch_per_device,
                   lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed, progress=not args.no_progress,
                   resume=args.resume, save_every=args.save_every, model=args.model, text=args.text,
                   eval_every=args.eval_every, plot=args.plot)
     except MissingExtraError as e:
-        print(f"jaxquant demo: error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:
-        print(f"jaxquant demo: error: {e}", file=sys.stderr)
-        return 1
+        return errors.refuse(PROG, str(e))
+    except (NonFiniteError, errors.OperationError) as e:
+        return errors.fail(PROG, str(e))
     except ValueError as e:
         if str(e).startswith("--"):
-            print(f"jaxquant demo: error: {e}", file=sys.stderr)
-            return 2
+            return errors.refuse(PROG, str(e))
         raise
     first, last = out["first_loss"], out["losses"][-1]
     if first is not None and out["step"] > 1 and not last < first:
-        print(f"jaxquant demo: the loss did not fall ({first:.3f} at step 1 -> {last:.3f} at step {out['step']}); "
-              f"try more --steps or another --lr", file=sys.stderr)
-        return 1
+        return errors.fail(PROG, f"the loss did not fall ({first:.3f} at step 1 -> {last:.3f} at step "
+                                 f"{out['step']}); try more --steps or another --lr")
     return 0
