@@ -58,10 +58,11 @@ def _convert(args) -> int:
     from jaxquant.checkpoint.errors import CheckpointError
     from jaxquant.checkpoint.fsutil import INCOMPLETE_MARKER
 
+    # the bar only on a terminal: in a log or a pipe each redraw, and its removal on an error, is a line of its own
     try:
         _check_convert_args(args.src, args.dst)
         convert(args.src, args.dst, to=args.to, dequantize=args.dequantize, transpose=args.transpose_linear,
-                progress=not args.no_progress, verify=not args.no_verify)
+                progress=not args.no_progress and sys.stderr.isatty(), verify=not args.no_verify)
     except (CheckpointError, OSError, errors.UsageError) as e:
         return _error("convert", e)
     except Interrupted as e:
@@ -106,7 +107,8 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
                         "default: keep them quantized)")
     p.add_argument("--transpose-linear", action="append", default=[], metavar="PATTERN",
                    help="fnmatch pattern of 2-D keys to transpose between [out, in] and [in, out] (repeatable)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn on stderr only when stderr is a terminal)")
     p.add_argument("--no-verify", action="store_true", help="skip CRC-32 checks of a DCP source")
     p.set_defaults(func=_convert, parser=p)
     return ckpt

@@ -174,6 +174,25 @@ class TpSpDemo:
         return loss_fn(self.cfg)
 
 
+def resume_command(path: str, recipe: str, model: str, text: str | None) -> str:
+    """The command that continues checkpoint ``path`` of a run with these options."""
+    again = (f" --model {model}" if model != "llama" else "") + (f" --text {shlex.quote(text)}" if text else "")
+    return f"jaxquant demo --resume {shlex.quote(path)} --recipe {recipe}{again} --steps N"
+
+
+def _interrupted_line(e, saved: list, args) -> str:
+    """The one line of an interrupted run: the last complete checkpoint (the one to resume from), if any. A save
+    that the signal cut short left nothing (its staging directory is removed), so it is never the one named."""
+    if saved:
+        where = (f"the last complete checkpoint is {saved[-1]}; continue with "
+                 f"{resume_command(saved[-1], args.recipe, args.model, args.text)}")
+    elif args.resume is not None:
+        where = f"no checkpoint saved by this run; {args.resume}, which it resumed, is the last complete one"
+    else:
+        where = "no checkpoint saved"
+    return f"{PROG}: interrupted by {e.signame}; {where}"
+
+
 def _all_finite(tree) -> bool:
     import jax
     import jax.numpy as jnp
@@ -204,7 +223,7 @@ def _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, 
 def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, batch_per_device: int = 2,
         lr: float = 3e-3, ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True,
         cfg=None, resume: str | None = None, save_every: int = 0, model: str = "llama", text: str | None = None,
-        eval_every: int | None = None, plot: str | None = None):
+        eval_every: int | None = None, plot: str | None = None, saved: list | None = None):
     """Train and checkpoint; returns a dict with the losses (``losses``: training, one a step; ``heldout``:
     ``[(step, loss)]`` with ``text``), the checkpoint path and the throughput, and ``first_loss`` (the loss of the
     training run's first step: this run's, or for ``resume`` the one the checkpoint records; None where it does
@@ -212,7 +231,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     ``tpsp.ModelConfig``; None: its default, vocabulary 256 with ``text``).
 
     Every argument, the data and the checkpoint to resume are checked before any training (``ValueError`` starting
-    with the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``)."""
+    with the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``).
+    ``saved``: a list the path of each checkpoint is appended to once it is complete (what an interrupted run
+    can be resumed from)."""
     _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)   # (before jax loads)
     if plot is not None:
         check_plot(plot)
@@ -269,6 +290,8 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         next_batch = lambda n: synthetic.next()
     else:
         print(f"data: {corpus.describe()}; held-out loss every {eval_every} steps")
+        if corpus.describe_skipped():
+            print(f"data: {corpus.describe_skipped()}")
         next_batch = lambda n: {"tokens": textdata.on_mesh(corpus.batch(n, batch, *procs), mesh)}
         heldout = [{"tokens": textdata.on_mesh(b, mesh)} for b in corpus.heldout_batches(batch, EVAL_BATCHES, *procs)]
         plain = jax.jit(net.plain_loss())
@@ -286,12 +309,16 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
             quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
             tree[f"model_{recipe}"] = {n: quant(w) for n, w in net.compute_weights(step.params(state)).items()}
         record = run_record(recipe, model, data_kind, first_loss)
-        return ck.save_dcp(fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
+        path = ck.save_dcp(fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
                            tree | {"step": total, "demo": record})
+        if saved is not None:
+            saved.append(path)
+        return path
 
     tokens = batch * net.cfg.seq
     losses, times, evals = [], [], []
-    bar = tqdm(range(steps), desc=f"train {recipe}", disable=not progress, dynamic_ncols=True)
+    # drawn only on a terminal: elsewhere (a log, a pipe) each redraw around bar.write is a line of its own
+    bar = tqdm(range(steps), desc=f"train {recipe}", disable=None if progress else True, dynamic_ncols=True)
 
     def report_heldout(total):
         evals.append((total, evaluate()))
@@ -335,11 +362,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         curves += [("held-out loss", [s for s, _ in evals], [v for _, v in evals], "o-")] if evals else []
         where = f"--text {os.path.basename(os.path.normpath(text))}" if text is not None else "synthetic data"
         print(f"plot: {write_plot(plot, curves, xlabel='step', title=f'jaxquant demo: {net.name}, {recipe}, {where}')}")
-    again = (f" --model {model}" if model != "llama" else "") + (f" --text {shlex.quote(text)}" if text else "")
     print(f"checkpoint (parameters, Adam state, step {start + steps}): {path}\n"
           f"  inspect it:        jaxquant ckpt inspect {shlex.quote(path)}\n"
-          f"  resume in JAX:     jaxquant demo --resume {shlex.quote(path)} --recipe {recipe}{again} --steps N   "
-          f"(any --mesh)\n"
+          f"  resume in JAX:     {resume_command(path, recipe, model, text)}   (any --mesh)\n"
           f"  load in PyTorch:   {torch_load_command(path, net.head)}")
     return {"losses": losses, "heldout": evals, "checkpoint": path, "step_time_s": step_time,
             "tokens_per_s": tokens / step_time, "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16,
@@ -388,7 +413,8 @@ def add_demo_parser(sub) -> None:
                       help="simulated CPU devices when running on the CPU, at least 1 (default 8; ignored if "
                            "XLA_FLAGS sets it)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (it is drawn on stderr only when stderr is a terminal)")
     demo.add_argument("--resume", default=None, metavar="DIR",
                       help="continue from a checkpoint this demo wrote (parameters, Adam state, step; any mesh; "
                            "the same --recipe, --model and data)")
@@ -400,11 +426,19 @@ def add_demo_parser(sub) -> None:
 def main(args) -> int:
     """0: the loss fell (or a one-step run); 1: it did not, it became non-finite, or the checkpoint to resume
     cannot be read; 2: bad usage (see EXIT_STATUS). Each error is one line on stderr."""
+    import signal
+
+    from jaxquant.cli.signals import Interrupted, report
+
+    saved = []
     try:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, batch_per_device=args.batch_per_device,
                   lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed, progress=not args.no_progress,
                   resume=args.resume, save_every=args.save_every, model=args.model, text=args.text,
-                  eval_every=args.eval_every, plot=args.plot)
+                  eval_every=args.eval_every, plot=args.plot, saved=saved)
+    except KeyboardInterrupt as e:   # Interrupted; or Python's own, from code that took SIGINT itself
+        e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        return report(_interrupted_line(e, saved, args), e)
     except MissingExtraError as e:
         return errors.refuse(PROG, str(e))
     except (NonFiniteError, errors.OperationError) as e:
