@@ -231,9 +231,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     ``tpsp.ModelConfig``; None: its default, vocabulary 256 with ``text``).
 
     Every argument, the data and the checkpoint to resume are checked before any training (``ValueError`` starting
-    with the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``).
-    ``saved``: a list the path of each checkpoint is appended to once it is complete (what an interrupted run
-    can be resumed from)."""
+    with the option's name; ``errors.OperationError`` for a checkpoint to resume that cannot be read); a NaN or
+    ±inf loss or parameter stops the run before it is saved (``NonFiniteError``). ``saved``: a list the path of
+    each checkpoint is appended to once it is complete (what an interrupted run can be resumed from)."""
     _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)   # (before jax loads)
     if plot is not None:
         check_plot(plot)
