@@ -75,6 +75,15 @@ USAGE_CASES = {
                                        _usage("jaxquant demo", "--plot: {tmp}/missing does not exist (the directory "
                                                                "of {tmp}/missing/loss.png); create it first or "
                                                                "choose another path"), ""),
+    "ckpt-dir under a missing directory": (["demo", "--ckpt-dir", "{tmp}/missing/ckpt"],
+                                           _usage("jaxquant demo", "--ckpt-dir: {tmp}/missing does not exist (the "
+                                                                   "directory {tmp}/missing/ckpt would be made in); "
+                                                                   "create it first or choose another path"), ""),
+    "convert under a missing directory": (["ckpt", "convert", "{tmp}/ckpt", "{tmp}/missing/out", "--to", "dcp"],
+                                          _usage("jaxquant ckpt convert", "dst: {tmp}/missing does not exist (the "
+                                                                          "directory {tmp}/missing/out would be made "
+                                                                          "in); create it first or choose another "
+                                                                          "path"), ""),
     "json under a missing directory": (["bench", "--json", "{tmp}/missing/bench.json"],
                                        _usage("jaxquant bench", "--json: {tmp}/missing does not exist (the directory "
                                                                 "of {tmp}/missing/bench.json); create it first or "
