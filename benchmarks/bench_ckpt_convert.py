@@ -89,7 +89,7 @@ def main():
               f"save_dcp {nbytes / 1e9 / save_s:.2f} GB/s")
         base_s, base_rss = _run(["-c", "import jaxquant.checkpoint, orbax.checkpoint"])
         print(f"baseline (python + jax + orbax import): {base_rss:.0f} MiB RSS, {base_s:.1f} s")
-        cli = ["-m", "jaxquant.checkpoint.cli", "ckpt", "convert", "--no-progress"]
+        cli = ["-m", "jaxquant", "ckpt", "convert", "--no-progress"]
         cases = [("DCP -> DCP", cli + [src, os.path.join(work, "d2"), "--to", "dcp"]),
                  ("DCP -> DCP (transpose all)", cli + [src, os.path.join(work, "d2"), "--to", "dcp",
                                                        "--transpose-linear", "*"])]

@@ -134,10 +134,10 @@ def resolve(a):
     if bad or not a.configs:
         raise ValueError(f"--configs: must be a comma-separated subset of {','.join(CONFIGS + EXTRA_CONFIGS)}, got "
                          f"{bad or 'none'}")
-    from jaxquant.cli.demo_support import check_plot, check_writable_dir
+    from jaxquant.cli.demo_support import check_writable_dir, require_matplotlib
 
     check_writable_dir(a.out, "--out", create=True)
-    check_plot(os.path.join(a.out, "heldout.png"), "--out")     # matplotlib is there, before any training
+    require_matplotlib("--out")     # the plots it draws at the end: matplotlib is there, before any training
     return a
 
 

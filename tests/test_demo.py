@@ -230,12 +230,13 @@ def _damage(src, dst, how):
     ("crc", "CRC-32 mismatch"), ("truncated", "truncated"), ("missing data file", "is missing"),
     ("corrupt .metadata", ".metadata: not a valid pickle")])
 def test_demo_refuses_a_damaged_checkpoint_to_resume(tmp_path, capsys, fp8_checkpoint, how, message):
-    """The errors `jaxquant ckpt inspect` reports, as one line."""
+    """The errors `jaxquant ckpt inspect` reports, as one line; exit 1 (the command line was sound, the checkpoint it
+    names cannot be read), as `jaxquant ckpt inspect` and `convert` exit for it."""
     bad = _damage(fp8_checkpoint[0], tmp_path / "bad", how)
     rc = cli.main(["demo", "--resume", str(bad), "--recipe", "fp8", "--mesh", "1x1", "--ckpt-dir",
                    str(tmp_path / "out"), "--no-progress"])
     line = _one_error_line(capsys)
-    assert rc == 2 and line.startswith("jaxquant demo: error: --resume: ") and message in line, line
+    assert rc == 1 and line.startswith("jaxquant demo: error: --resume: ") and message in line, line
     assert not (tmp_path / "out").exists()
 
 

@@ -38,7 +38,7 @@ def _heldout(out) -> dict:
 
 def test_demo_text_reports_heldout_loss_and_plots_it(tmp_path, capsys, corpus):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install "jaxquant[train]"')
-    plot = tmp_path / "plots" / "loss.png"          # its directory is made
+    plot = tmp_path / "loss.png"
     rc = cli.main(["demo", "--text", str(corpus), "--steps", "6", "--eval-every", "3", "--mesh", "2x1", "--plot",
                    str(plot), "--recipe", "bf16", "--ckpt-dir", str(tmp_path / "ckpt"), "--no-progress"])
     out = capsys.readouterr().out
@@ -109,8 +109,9 @@ def test_demo_text_trains_the_tp_sp_model_too(tmp_path, capsys, corpus):
     (["--eval-every", "2"], "--eval-every: needs --text"),
     (["--plot", "{tmp}/loss.jpg"], "--plot: must name a .png file"),
     (["--plot", "{tmp}/f/loss.png"], "--plot: {tmp}/f is not a directory"),
+    (["--plot", "{tmp}/nowhere/loss.png"], "--plot: {tmp}/nowhere does not exist"),   # never made
 ], ids=["missing", "empty file", "empty directory", "eval-every 0", "eval-every without text", "not png",
-        "below a file"])
+        "below a file", "missing directory"])
 def test_demo_refuses_bad_text_and_plot_options_before_training(tmp_path, capsys, corpus, argv, message):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "emptydir").mkdir()

@@ -20,6 +20,7 @@ import pytest
 
 from jaxquant.checkpoint import interrupt
 from jaxquant.checkpoint.interrupt import Interrupted
+from jaxquant.cli.signals import cli_handlers
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,7 @@ def in_gc_callback():
 
 
 def test_signal_in_a_gc_callback_inside_a_write_is_raised_at_the_next_check(in_gc_callback, capsys):
-    with interrupt.cli_handlers():
+    with cli_handlers():
         with pytest.raises(Interrupted) as e:
             with interrupt.default_signals_clean_up():
                 in_gc_callback(lambda: signal.raise_signal(signal.SIGINT))
@@ -69,7 +70,7 @@ def test_signal_in_a_gc_callback_inside_a_write_is_raised_at_the_next_check(in_g
 
 def test_signal_after_the_last_check_is_raised_when_the_write_ends():
     done = []
-    with interrupt.cli_handlers():
+    with cli_handlers():
         with pytest.raises(Interrupted):
             with interrupt.default_signals_clean_up():
                 signal.raise_signal(signal.SIGTERM)
@@ -79,7 +80,7 @@ def test_signal_after_the_last_check_is_raised_when_the_write_ends():
 
 def test_deferred_block_holds_a_signal_until_it_ends():
     order = []
-    with interrupt.cli_handlers():
+    with cli_handlers():
         with pytest.raises(Interrupted):
             with interrupt.deferred():
                 signal.raise_signal(signal.SIGINT)
@@ -90,7 +91,7 @@ def test_deferred_block_holds_a_signal_until_it_ends():
 
 def test_signals_during_cleanup_are_ignored():
     cleaned = []
-    with interrupt.cli_handlers():
+    with cli_handlers():
         with pytest.raises(Interrupted):
             with interrupt.default_signals_clean_up():
                 signal.raise_signal(signal.SIGINT)
@@ -104,20 +105,20 @@ def test_signals_during_cleanup_are_ignored():
 
 
 def test_outside_writes_a_signal_raises_at_once():
-    with interrupt.cli_handlers():
+    with cli_handlers():
         with pytest.raises(Interrupted):
             signal.raise_signal(signal.SIGINT)
             pytest.fail("the handler did not raise")
 
 
 def test_a_signal_python_drops_in_a_gc_callback_stays_pending_unprinted(in_gc_callback, capsys):
-    with interrupt.cli_handlers():
+    with cli_handlers():
         in_gc_callback(lambda: signal.raise_signal(signal.SIGTERM))  # raised inside the callback: Python drops it
         with pytest.raises(Interrupted) as e:
             interrupt.check()  # the next check point (here: the first of a write) raises it
         assert e.value.signum == signal.SIGTERM
     assert "Exception ignored" not in capsys.readouterr().err
-    with interrupt.cli_handlers():  # and a dropped one does not disarm the next signal
+    with cli_handlers():  # and a dropped one does not disarm the next signal
         in_gc_callback(lambda: signal.raise_signal(signal.SIGINT))
         with pytest.raises(Interrupted):
             signal.raise_signal(signal.SIGINT)
@@ -136,7 +137,7 @@ def test_library_write_restores_default_keyboard_interrupt():
 
 
 def test_an_interrupt_caught_outside_a_write_does_not_silence_the_next():
-    with interrupt.cli_handlers():
+    with cli_handlers():
         try:
             signal.raise_signal(signal.SIGINT)
         except Interrupted:
@@ -151,7 +152,7 @@ def test_a_signal_left_pending_by_a_command_does_not_reach_a_later_write(in_gc_c
     save_dcp in the same process, with SIGINT and SIGTERM ignored (so the write takes neither over), completes."""
     from jaxquant import checkpoint as ck
 
-    with interrupt.cli_handlers():
+    with cli_handlers():
         in_gc_callback(lambda: signal.raise_signal(signal.SIGINT))
     before = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -185,3 +186,19 @@ def test_sigint_cancels_the_write_while_sigterm_stays_ignored(monkeypatch, tmp_p
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_checkpoint_package_imports_nothing_of_the_cli_or_training():
+    """The command's signal handling lives in jaxquant/cli/signals.py: jaxquant.checkpoint stands beside the training
+    layers and below the CLI, so none of its modules imports either (function-level imports included)."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(interrupt.__file__).parent
+    found = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names if n.startswith(("jaxquant.cli", "jaxquant.training"))]
+    assert found == []

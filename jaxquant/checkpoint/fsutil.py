@@ -39,10 +39,19 @@ def os_error_cause(e: OSError) -> str:
 
 
 def check_destination(dst: str) -> None:
-    """A destination must not exist, or be an empty directory."""
-    if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst)):
-        raise DestinationExistsError(f"{dst}: destination exists and is not an empty directory; "
-                                     f"refusing to overwrite (remove it or choose another path)")
+    """A destination must not exist, or be an empty directory (not a link to one)."""
+    if not os.path.lexists(dst):
+        return
+    if os.path.islink(dst):
+        what = "is a symbolic link"
+    elif not os.path.isdir(dst):
+        what = "is a file" if os.path.isfile(dst) else "exists and is not a directory"
+    elif os.listdir(dst):
+        what = "is a directory that is not empty"
+    else:
+        return
+    raise DestinationExistsError(f"{dst}: the destination {what}; refusing to overwrite it (remove it or choose "
+                                 f"another path)")
 
 
 def staging_path(dst: str, token: str | None = None) -> str:

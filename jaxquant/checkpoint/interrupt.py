@@ -8,8 +8,9 @@ then finishes as if no signal had come; CI saw both). So inside a *write section
 (a ``KeyboardInterrupt``) at points the write chooses (between chunks, before the commit's rename), and leaving
 the outermost section raises one that came after the last check point. Once :func:`check` has raised it, later
 signals are ignored while the exception unwinds, so the write's cleanup is never cut short. Outside those sections
-(the demo's training loop, ``inspect``) a command's handler raises at once, as Python's own SIGINT handling
-does; one that Python drops there stays pending, unprinted, for the next check point or signal.
+(the demo's training loop, ``inspect``) :func:`on_signal`, installed by a program for its whole run (the ``jaxquant``
+command does, jaxquant/cli/signals.py), raises at once, as Python's own SIGINT handling does; one that Python drops
+there stays pending, unprinted, for the next check point or signal.
 
 A SIGKILL cannot be handled: it leaves a marked staging directory that the next write to the same destination
 removes (``fsutil.remove_stale_staging``).
@@ -20,13 +21,10 @@ Tests stop a write at named moments (:func:`stage`) to signal it there; outside 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
-import sys
 import threading
 import time
-import warnings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Tests only: "<read fd>,<write fd>" makes stage() report each named moment of a write and wait there (see stage)
@@ -50,7 +48,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _Signals:
-    """What :func:`_on_signal` has seen. Signal dispositions belong to the process, so this is one per process;
+    """What :func:`on_signal` has seen. Signal dispositions belong to the process, so this is one per process;
     it is reset whenever our handler is installed where it was not."""
 
     def __init__(self):
@@ -63,10 +61,18 @@ class _Signals:
 
 
 _STATE = _Signals()
-_HANDLED = [0]  # signals _on_signal has run for in this process (never reset: stage() waits for it to grow)
+_HANDLED = [0]  # signals on_signal has run for in this process (never reset: stage() waits for it to grow)
 
 
-def _on_signal(signum, _frame):
+def reset() -> None:
+    """Forget what :func:`on_signal` recorded (a program does this when it installs or removes the handler)."""
+    _STATE.reset()
+
+
+def on_signal(signum, _frame):
+    """A SIGINT/SIGTERM handler for a program that takes the signals for its whole run: raises
+    :class:`Interrupted` at once outside write sections, records the signal inside them (see the module
+    docstring)."""
     _HANDLED[0] += 1
     st = _STATE
     if st.raised:
@@ -77,21 +83,10 @@ def _on_signal(signum, _frame):
         raise Interrupted(signum)  # that something caught or dropped does not silence the next)
 
 
-_on_signal.counts_handled = True  # stage() waits for handlers so marked (they count in _HANDLED)
+on_signal.counts_handled = True  # stage() waits for handlers so marked (they count in _HANDLED)
 
 
-def _keep_lost_interrupt(previous_hook):
-    """An ``unraisablehook`` for commands: an :class:`Interrupted` that Python could not raise (the handler ran
-    inside a GC callback or ``__del__``) stays pending for the next check point or signal, unprinted."""
-
-    def hook(unraisable):
-        if not isinstance(unraisable.exc_value, Interrupted):  # (it is still _STATE.pending)
-            previous_hook(unraisable)
-
-    return hook
-
-
-def _in_main_thread() -> bool:
+def in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
@@ -119,38 +114,6 @@ def _section():
 
 
 @contextlib.contextmanager
-def cli_handlers():
-    """For a command: SIGINT/SIGTERM raise :class:`Interrupted` until the block ends (at check points inside
-    write sections).
-
-    Signals that were blocked while the process started (a supervisor may start us with them blocked so that
-    none is lost before the handlers exist) are unblocked once the handlers are in place, so one may be raised
-    on entering the block: catch :class:`Interrupted` around the ``with``.
-    """
-    if not _in_main_thread():
-        yield
-        return
-    previous = {s: signal.getsignal(s) for s in SIGNALS}
-    previous_hook = sys.unraisablehook
-    _STATE.reset()
-    sys.unraisablehook = ours = _keep_lost_interrupt(previous_hook)
-    for s in SIGNALS:
-        signal.signal(s, _on_signal)
-    try:
-        if hasattr(signal, "pthread_sigmask"):  # POSIX
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        if sys.unraisablehook is ours:  # (report() may have replaced it: the process is exiting)
-            sys.unraisablehook = previous_hook
-        # a signal recorded but never raised in the block (dropped in a GC callback) ends with it: left pending, a
-        # later write of this process that finds SIGINT not at its default (e.g. ignored) would raise it
-        _STATE.reset()
-
-
-@contextlib.contextmanager
 def default_signals_clean_up():
     """Around a write (``save_dcp``, ``convert``): a write section (see the module docstring).
 
@@ -160,16 +123,16 @@ def default_signals_clean_up():
     terminates) once the write is complete. Handlers the program installed itself are left alone (they may
     raise anywhere; ``deferred`` still guards the critical steps against them).
     """
-    if not _in_main_thread():
+    if not in_main_thread():
         yield
         return
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    # a signal still at its default is taken by the outermost write only (an inner one finds _on_signal there)
+    # a signal still at its default is taken by the outermost write only (an inner one finds on_signal there)
     taken = {s: h for s, h in defaults.items() if signal.getsignal(s) is h}
     if taken:
         _STATE.reset()  # the outermost write starts with nothing pending
     for s in taken:
-        signal.signal(s, _on_signal)
+        signal.signal(s, on_signal)
     try:
         with _section():
             yield
@@ -197,14 +160,14 @@ def deferred():
     """Hold SIGINT/SIGTERM for a critical section (a TensorStore operation from start to result, an Orbax restore,
     marker removal + rename). A signal that came meanwhile is raised after it, or, inside a write, at the
     write's next check point."""
-    if not _in_main_thread():
+    if not in_main_thread():
         yield
         return
-    # per signal: one a write took (_on_signal) is recorded by the section; any other handler (the program's own,
+    # per signal: one a write took (on_signal) is recorded by the section; any other handler (the program's own,
     # SIGTERM's default) is swapped for a recorder and gets the signal after; an ignored one stays ignored. (A
     # write may take SIGINT while SIGTERM stays ignored, inherited from a supervisor: both kinds at once.)
     previous = {s: signal.getsignal(s) for s in SIGNALS}
-    swapped = {s: h for s, h in previous.items() if h is not _on_signal and h is not signal.SIG_IGN}
+    swapped = {s: h for s, h in previous.items() if h is not on_signal and h is not signal.SIG_IGN}
     caught = []
 
     def record(signum, _frame):
@@ -260,20 +223,3 @@ def _wait_at_stage(spec: str, name: str) -> None:
     if counted() and _HANDLED[0] == handled:
         raise RuntimeError(f"{STAGES_ENV}: {signal.Signals(signum).name} sent at stage {name!r} never reached "
                            f"the handler")
-
-
-def report(message: str, e: Interrupted) -> int:
-    """Print the one line an interrupted command ends with; its exit status.
-
-    What the interrupted code left half-built (an asyncio loop inside Orbax, unawaited coroutines) is freed
-    here with its ``__del__`` complaints silenced: the process is about to exit and the line above says why.
-    """
-    if _in_main_thread():
-        for s in SIGNALS:  # exiting: a second signal must not turn the line below into a traceback
-            signal.signal(s, signal.SIG_IGN)
-    print(message, file=sys.stderr, flush=True)
-    e.__traceback__ = e.__context__ = None  # lets the interrupted frames go now
-    sys.unraisablehook = lambda _unraisable: None
-    warnings.simplefilter("ignore")
-    gc.collect()
-    return e.exit_code

@@ -1,5 +1,5 @@
 """The ``jaxquant`` command: ``demo`` (train a small transformer with quantized weights, jaxquant/cli/demo.py),
-``bench`` (time the quantizers, jaxquant/cli/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/checkpoint/cli.py).
+``bench`` (time the quantizers, jaxquant/cli/bench.py) and ``ckpt`` (checkpoint tools, jaxquant/cli/ckpt.py).
 ``DESCRIPTION`` is what ``jaxquant --help`` prints."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import argparse
 import os
 import signal
 import sys
+
+from jaxquant.cli import errors
 
 
 def _force_host_devices(n: int) -> None:
@@ -23,20 +25,22 @@ DESCRIPTION = ("FP8 and NVFP4 weights for sharded JAX training. Commands: demo (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxquant`` parser. Its subcommand parsers are ``errors.Parser`` too (argparse's errors as one line) and
+    each command's own parser is its ``parser`` default (``main`` reports an unknown option as that command's)."""
     from jaxquant.cli.demo import add_demo_parser
 
-    parser = argparse.ArgumentParser(prog="jaxquant", description=DESCRIPTION)
+    parser = errors.Parser(prog="jaxquant", description=DESCRIPTION, epilog=errors.EXIT_STATUS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_parser(sub)
     from jaxquant.cli.bench import configure_parser as configure_bench  # sets func=bench.run
-    configure_bench(sub.add_parser("bench", help="time the quantizers against the memory floor and XLA"))
-    try:
-        from jaxquant.checkpoint.cli import add_ckpt_parser
-    except ModuleNotFoundError as e:  # only while the checkpoint package is absent
-        if not (e.name or "").startswith("jaxquant.checkpoint"):
-            raise
-    else:
-        add_ckpt_parser(sub)
+
+    bench = sub.add_parser("bench", help="time the quantizers against the memory floor and XLA",
+                           epilog=errors.EXIT_STATUS)
+    configure_bench(bench)
+    bench.set_defaults(parser=bench)
+    from jaxquant.cli.ckpt import add_ckpt_parser
+
+    add_ckpt_parser(sub)
     return parser
 
 
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # import (jaxlib) can crash the process; cli_handlers unblocks them and a held one is raised there
     _hold_signals(True)
     try:
-        from jaxquant.checkpoint.interrupt import Interrupted, cli_handlers, report
+        from jaxquant.cli.signals import Interrupted, cli_handlers, report
     except KeyboardInterrupt:
         _hold_signals(False)
         print("jaxquant: interrupted by SIGINT", file=sys.stderr)
@@ -65,11 +69,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with cli_handlers():
-            args = build_parser().parse_args(argv)
+            parser = build_parser()
+            # (parse_args would report an option unknown to the command as the top-level parser's, with its usage)
+            args, unknown = parser.parse_known_args(argv)
+            command = getattr(args, "parser", parser)
+            if unknown:
+                command.error(f"unrecognized arguments: {' '.join(unknown)}")
             devices = getattr(args, "devices", None)
             if devices is not None and devices < 1:
-                print(f"jaxquant {args.command}: error: --devices: must be at least 1, got {devices}", file=sys.stderr)
-                return 2
+                return errors.refuse(command.prog, f"--devices: must be at least 1, got {devices}")
             if devices:
                 _force_host_devices(devices)
             return int(args.func(args) or 0)

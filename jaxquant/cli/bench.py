@@ -20,7 +20,7 @@ On a GPU the defaults are sizes 8192² and 16384², 5 x 20 dispatches. On any ot
 smoke run that checks that everything runs and the JSON has its fields: 128x256, 3 x 3 dispatches, the
 layer's dims / 32 (small enough for a CPU to run in seconds). The GPU sizes on the CPU take minutes and GBs.
 The JSON is written only with --json PATH. The options are checked before anything is timed: a bad one
-is one line on stderr and exit status 2.
+is one line on stderr and exit status 2 (the error convention below).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import datetime
 import fnmatch
 import glob
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -389,7 +388,7 @@ def check_args(args, gpu: bool) -> dict:
     """The run's sizes, dtypes, iters, repeats and stages from ``args`` and this backend's defaults, checked before
     any work: ``ValueError`` whose message starts with the option's name."""
     from jaxquant.primitives import formats
-    from jaxquant.cli.demo import check_writable_dir
+    from jaxquant.cli.errors import check_output_file
     from jaxquant.primitives.ops import INPUT_DTYPES
 
     sizes = []
@@ -426,9 +425,7 @@ def check_args(args, gpu: bool) -> dict:
         for rows, cols in sizes:
             formats.check_nvfp4_shape(rows, cols, "--sizes")
     if args.json:   # the results must not be lost at the end of the run
-        if os.path.isdir(args.json):
-            raise ValueError(f"--json: {args.json} is a directory")
-        check_writable_dir(os.path.dirname(os.path.abspath(args.json)), "--json", create=False)
+        check_output_file(args.json, "--json")
     return dict(sizes=sizes, dtypes=dtypes, iters=args.iters or (GPU_ITERS if gpu else CPU_ITERS),
                 repeats=args.repeats or (GPU_REPEATS if gpu else CPU_REPEATS), stages=stages)
 
@@ -441,8 +438,9 @@ def run(args) -> int:
     try:
         settings = check_args(args, gpu)
     except ValueError as e:
-        print(f"jaxquant bench: error: {e}", file=sys.stderr)
-        return 2
+        from jaxquant.cli.errors import refuse
+
+        return refuse("jaxquant bench", str(e))
     iters, repeats = settings["iters"], settings["repeats"]
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from jaxquant.cli import errors
 from jaxquant.primitives import recipes
 # (re-exported: tests, benchmarks and `jaxquant bench` reach these through this module)
 from jaxquant.cli.demo_support import (  # noqa: F401
@@ -173,6 +174,25 @@ class TpSpDemo:
         return loss_fn(self.cfg)
 
 
+def resume_command(path: str, recipe: str, model: str, text: str | None) -> str:
+    """The command that continues checkpoint ``path`` of a run with these options."""
+    again = (f" --model {model}" if model != "llama" else "") + (f" --text {shlex.quote(text)}" if text else "")
+    return f"jaxquant demo --resume {shlex.quote(path)} --recipe {recipe}{again} --steps N"
+
+
+def _interrupted_line(e, saved: list, args) -> str:
+    """The one line of an interrupted run: the last complete checkpoint (the one to resume from), if any. A save
+    that the signal cut short left nothing (its staging directory is removed), so it is never the one named."""
+    if saved:
+        where = (f"the last complete checkpoint is {saved[-1]}; continue with "
+                 f"{resume_command(saved[-1], args.recipe, args.model, args.text)}")
+    elif args.resume is not None:
+        where = f"no checkpoint saved by this run; {args.resume}, which it resumed, is the last complete one"
+    else:
+        where = "no checkpoint saved"
+    return f"{PROG}: interrupted by {e.signame}; {where}"
+
+
 def _all_finite(tree) -> bool:
     import jax
     import jax.numpy as jnp
@@ -203,7 +223,7 @@ def _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, 
 def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, batch_per_device: int = 2,
         lr: float = 3e-3, ckpt_dir: str = "jaxquant-demo-ckpt", seed: int = 0, progress: bool = True,
         cfg=None, resume: str | None = None, save_every: int = 0, model: str = "llama", text: str | None = None,
-        eval_every: int | None = None, plot: str | None = None):
+        eval_every: int | None = None, plot: str | None = None, saved: list | None = None):
     """Train and checkpoint; returns a dict with the losses (``losses``: training, one a step; ``heldout``:
     ``[(step, loss)]`` with ``text``), the checkpoint path and the throughput, and ``first_loss`` (the loss of the
     training run's first step: this run's, or for ``resume`` the one the checkpoint records; None where it does
@@ -211,7 +231,12 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     ``tpsp.ModelConfig``; None: its default, vocabulary 256 with ``text``).
 
     Every argument, the data and the checkpoint to resume are checked before any training (``ValueError`` starting
-    with the option's name); a NaN or ±inf loss or parameter stops the run before it is saved (``NonFiniteError``)."""
+    with the option's name; ``errors.OperationError`` for a checkpoint to resume that cannot be read); a NaN or
+    ±inf loss or parameter stops the run before it is saved (``NonFiniteError``). ``saved``: a list the path of
+    each checkpoint is appended to once it is complete (what an interrupted run can be resumed from)."""
+    _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)   # (before jax loads)
+    if plot is not None:
+        check_plot(plot)
     import jax
     try:
         import optax
@@ -224,9 +249,6 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     from jaxquant.checkpoint import interrupt
     from jaxquant.training import text as textdata
 
-    _check_counts(steps, recipe, model, batch_per_device, lr, save_every, text, eval_every)
-    if plot is not None:
-        check_plot(plot)
     vocab = textdata.VOCAB if text is not None else 64
     net = (LlamaDemo if model == "llama" else TpSpDemo)(cfg, vocab=vocab)
     if text is not None and net.cfg.vocab < textdata.VOCAB:
@@ -268,6 +290,8 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         next_batch = lambda n: synthetic.next()
     else:
         print(f"data: {corpus.describe()}; held-out loss every {eval_every} steps")
+        if corpus.describe_skipped():
+            print(f"data: {corpus.describe_skipped()}")
         next_batch = lambda n: {"tokens": textdata.on_mesh(corpus.batch(n, batch, *procs), mesh)}
         heldout = [{"tokens": textdata.on_mesh(b, mesh)} for b in corpus.heldout_batches(batch, EVAL_BATCHES, *procs)]
         plain = jax.jit(net.plain_loss())
@@ -285,12 +309,16 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
             quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
             tree[f"model_{recipe}"] = {n: quant(w) for n, w in net.compute_weights(step.params(state)).items()}
         record = run_record(recipe, model, data_kind, first_loss)
-        return ck.save_dcp(fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
+        path = ck.save_dcp(fresh_dir(os.path.join(ckpt_dir, f"{recipe}-step{total}")),
                            tree | {"step": total, "demo": record})
+        if saved is not None:
+            saved.append(path)
+        return path
 
     tokens = batch * net.cfg.seq
     losses, times, evals = [], [], []
-    bar = tqdm(range(steps), desc=f"train {recipe}", disable=not progress, dynamic_ncols=True)
+    # drawn only on a terminal: elsewhere (a log, a pipe) each redraw around bar.write is a line of its own
+    bar = tqdm(range(steps), desc=f"train {recipe}", disable=None if progress else True, dynamic_ncols=True)
 
     def report_heldout(total):
         evals.append((total, evaluate()))
@@ -334,28 +362,29 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
         curves += [("held-out loss", [s for s, _ in evals], [v for _, v in evals], "o-")] if evals else []
         where = f"--text {os.path.basename(os.path.normpath(text))}" if text is not None else "synthetic data"
         print(f"plot: {write_plot(plot, curves, xlabel='step', title=f'jaxquant demo: {net.name}, {recipe}, {where}')}")
-    again = (f" --model {model}" if model != "llama" else "") + (f" --text {shlex.quote(text)}" if text else "")
     print(f"checkpoint (parameters, Adam state, step {start + steps}): {path}\n"
           f"  inspect it:        jaxquant ckpt inspect {shlex.quote(path)}\n"
-          f"  resume in JAX:     jaxquant demo --resume {shlex.quote(path)} --recipe {recipe}{again} --steps N   "
-          f"(any --mesh)\n"
+          f"  resume in JAX:     {resume_command(path, recipe, model, text)}   (any --mesh)\n"
           f"  load in PyTorch:   {torch_load_command(path, net.head)}")
     return {"losses": losses, "heldout": evals, "checkpoint": path, "step_time_s": step_time,
             "tokens_per_s": tokens / step_time, "gathered_bytes": sent, "gathered_bytes_bf16": sent_bf16,
             "peak_gib": peak, "first_loss": first_loss, "step": start + steps, "model": dataclasses.asdict(net.cfg)}
 
 
+PROG = "jaxquant demo"
 EXIT_STATUS = ("Exit status 0; 1 when the loss did not fall (the last step's loss is not below the first step's "
                "loss of the training run: with --resume, the first step of the run the checkpoint continues, as it "
                "records it, so a resumed run is judged as the uninterrupted one; a fresh one-step run is not "
-               "judged) or when the loss or the parameters became NaN or inf (the run stops before saving them); 2 "
-               "for a bad option, data or checkpoint to resume, found before any training; 130 / 143 when "
-               "interrupted.")
+               "judged), when the loss or the parameters became NaN or inf (the run stops before saving them) or "
+               "when the checkpoint to resume cannot be read (damaged); 2 for bad usage: a bad option, text path, "
+               "checkpoint to resume (missing, of another recipe, model or data) or destination, found before any "
+               "training; 130 / 143 when interrupted (the line names the last complete checkpoint).")
 
 
 def add_demo_parser(sub) -> None:
     text = "train a small flax NNX Llama with NVFP4/FP8 weights from fp32 master shards"
-    demo = sub.add_parser("demo", help=text, description=f"{text[0].upper()}{text[1:]}. {EXIT_STATUS}")
+    demo = sub.add_parser("demo", help=text, description=f"{text[0].upper()}{text[1:]}. {EXIT_STATUS}",
+                          epilog=errors.EXIT_STATUS)
     demo.add_argument("--model", choices=MODELS, default="llama",
                       help="llama: a flax NNX Llama on an FSDP mesh; tp-sp: a hand-written transformer with tensor "
                            "and sequence parallelism (default llama; --resume needs the checkpoint's)")
@@ -375,47 +404,51 @@ def add_demo_parser(sub) -> None:
                       help="with --text: the held-out loss every N steps, at least 1 (default: steps/10, at least "
                            "1; also before the first step and after the last)")
     demo.add_argument("--plot", default=None, metavar="PATH",
-                      help="write the loss curves (training, and held-out with --text) to this .png file; needs "
-                           "matplotlib (default: no plot)")
+                      help="write the loss curves (training, and held-out with --text) to this .png file, in a "
+                           "directory that exists; needs matplotlib (default: no plot)")
     demo.add_argument("--ckpt-dir", default="jaxquant-demo-ckpt",
-                      help="checkpoints go under this directory, made if missing (default jaxquant-demo-ckpt)")
+                      help="checkpoints go under this directory, made if missing (its parent must exist; default "
+                           "jaxquant-demo-ckpt)")
     demo.add_argument("--devices", type=int, default=8,
                       help="simulated CPU devices when running on the CPU, at least 1 (default 8; ignored if "
                            "XLA_FLAGS sets it)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (it is drawn on stderr only when stderr is a terminal)")
     demo.add_argument("--resume", default=None, metavar="DIR",
                       help="continue from a checkpoint this demo wrote (parameters, Adam state, step; any mesh; "
                            "the same --recipe, --model and data)")
     demo.add_argument("--save-every", type=int, default=0, metavar="N",
                       help="also save a training checkpoint every N steps (default 0: only at the end)")
-    demo.set_defaults(func=main)
+    demo.set_defaults(func=main, parser=demo)
 
 
 def main(args) -> int:
-    """0: the loss fell (or a one-step run); 1: it did not, or it became non-finite (said on stderr); 2: bad
-    arguments, data, a checkpoint that cannot be resumed or a missing extra (see EXIT_STATUS)."""
-    import sys
+    """0: the loss fell (or a one-step run); 1: it did not, it became non-finite, or the checkpoint to resume
+    cannot be read; 2: bad usage (see EXIT_STATUS). Each error is one line on stderr."""
+    import signal
 
+    from jaxquant.cli.signals import Interrupted, report
+
+    saved = []
     try:
         out = run(steps=args.steps, recipe=args.recipe, mesh_spec=args.mesh, batch_per_device=args.batch_per_device,
                   lr=args.lr, ckpt_dir=args.ckpt_dir, seed=args.seed, progress=not args.no_progress,
                   resume=args.resume, save_every=args.save_every, model=args.model, text=args.text,
-                  eval_every=args.eval_every, plot=args.plot)
+                  eval_every=args.eval_every, plot=args.plot, saved=saved)
+    except KeyboardInterrupt as e:   # Interrupted; or Python's own, from code that took SIGINT itself
+        e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        return report(_interrupted_line(e, saved, args), e)
     except MissingExtraError as e:
-        print(f"jaxquant demo: error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:
-        print(f"jaxquant demo: error: {e}", file=sys.stderr)
-        return 1
+        return errors.refuse(PROG, str(e))
+    except (NonFiniteError, errors.OperationError) as e:
+        return errors.fail(PROG, str(e))
     except ValueError as e:
         if str(e).startswith("--"):
-            print(f"jaxquant demo: error: {e}", file=sys.stderr)
-            return 2
+            return errors.refuse(PROG, str(e))
         raise
     first, last = out["first_loss"], out["losses"][-1]
     if first is not None and out["step"] > 1 and not last < first:
-        print(f"jaxquant demo: the loss did not fall ({first:.3f} at step 1 -> {last:.3f} at step {out['step']}); "
-              f"try more --steps or another --lr", file=sys.stderr)
-        return 1
+        return errors.fail(PROG, f"the loss did not fall ({first:.3f} at step 1 -> {last:.3f} at step "
+                                 f"{out['step']}); try more --steps or another --lr")
     return 0

@@ -10,8 +10,9 @@ import math
 import os
 import re
 import shlex
-import tempfile
 from typing import Optional
+
+from jaxquant.cli.errors import OperationError, UsageError, check_output_dir, check_output_file, check_writable
 
 
 class MissingExtraError(ImportError):
@@ -94,23 +95,14 @@ def _os_error_text(e: OSError) -> str:
 
 
 def check_writable_dir(directory: str, option: str, *, create: bool) -> None:
-    """Raise ``ValueError("{option}: ...")`` unless files can be made in ``directory`` (``create``: or in the
-    directory it will be made in, with its parents). Tried by making and removing a temporary directory, so a
-    destination that cannot be written is refused before the work whose results would go there, not after it."""
-    from jaxquant.checkpoint.fsutil import os_error_cause
-
-    path = os.path.abspath(directory)
-    existing = path
-    while create and not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = "does not exist" if not os.path.lexists(existing) else "is not a directory"
-        on_the_way = "" if existing == path else f" (on the way to {directory})"
-        raise ValueError(f"{option}: {existing} {what}{on_the_way}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".jaxquant-probe-", dir=existing))
-    except OSError as e:
-        raise ValueError(f"{option}: cannot write in {existing}: {os_error_cause(e)}") from None
+    """Raise ``UsageError("{option}: ...")`` (a ``ValueError``) unless files can be made in ``directory``
+    (``create``: or ``directory`` is missing and can be made in its parent, which must exist: parents are never
+    made). Tried by making and removing a temporary directory, so a destination that cannot be written is refused
+    before the work whose results would go there, not after it."""
+    if create:
+        check_output_dir(directory, option)
+    else:
+        check_writable(directory, option)
 
 
 # --- the demo's records in its checkpoints ("demo.*"): what --resume checks and judges by
@@ -150,11 +142,24 @@ def run_record(recipe: str, model: str, data: str, first_loss: float | None) -> 
     return {"recipe": recipe, "model": model, "data": data} | ({} if first_loss is None else {"first_loss": first_loss})
 
 
+def _resume_error(e: Exception) -> Exception:
+    """``--resume``'s error for ``e`` (a ``CheckpointError`` or ``OSError``): a path that is no checkpoint to read
+    (missing, a file, a staging directory) is bad usage; a checkpoint that cannot be read (damaged, unreadable) a
+    failed operation. The messages are ``jaxquant ckpt inspect``'s (jaxquant/checkpoint/errors.py)."""
+    from jaxquant import checkpoint as ck
+
+    if isinstance(e, OSError):
+        return OperationError(f"--resume: {_os_error_text(e)}")
+    if isinstance(e, (ck.CheckpointNotFoundError, ck.IncompleteCheckpointError)):
+        return UsageError(f"--resume: {e}")
+    return OperationError(f"--resume: {e}")
+
+
 def check_resume(path: str, recipe: str, model: str = "llama", data: str = "synthetic") -> float | None:
     """Before any work: ``path`` must be a readable DCP checkpoint trained with ``recipe`` (resuming with another
     would switch the compute weights mid-run), ``model`` and on the same kind of ``data``. Returns the loss of its
-    run's first step, None where the checkpoint does not record it. The errors are ``jaxquant ckpt inspect``'s
-    (jaxquant/checkpoint/errors.py)."""
+    run's first step, None where the checkpoint does not record it. Raises ``UsageError`` or, for a checkpoint
+    that cannot be read, ``OperationError`` (see ``_resume_error``)."""
     from jaxquant import checkpoint as ck
 
     try:
@@ -162,39 +167,35 @@ def check_resume(path: str, recipe: str, model: str = "llama", data: str = "synt
         trained_model = checkpoint_model(path)
         trained_data = _recorded(path, "data", str)
         first_loss = _recorded(path, "first_loss", float)
-    except ck.CheckpointError as e:
-        raise ValueError(f"--resume: {e}") from None
-    except OSError as e:
-        raise ValueError(f"--resume: {_os_error_text(e)}") from None
+    except (ck.CheckpointError, OSError) as e:
+        raise _resume_error(e) from None
     if trained is not None and trained != recipe:
-        raise ValueError(f"--resume: {path} was trained with --recipe {trained}, this run asks for --recipe "
+        raise UsageError(f"--resume: {path} was trained with --recipe {trained}, this run asks for --recipe "
                          f"{recipe}; pass --recipe {trained} to continue it")
     if trained_model is not None and trained_model != model:
-        raise ValueError(f"--resume: {path} was trained with --model {trained_model}, this run asks for --model "
+        raise UsageError(f"--resume: {path} was trained with --model {trained_model}, this run asks for --model "
                          f"{model}; pass --model {trained_model} to continue it")
     if trained_data is not None and trained_data != data:
         said = {"text": "--text data (byte tokens)", "synthetic": "the synthetic data (no --text)"}
-        raise ValueError(f"--resume: {path} was trained on {said.get(trained_data, trained_data)}, this run on "
+        raise UsageError(f"--resume: {path} was trained on {said.get(trained_data, trained_data)}, this run on "
                          f"{said.get(data, data)}; {'pass --text PATH' if trained_data == 'text' else 'drop --text'}"
                          f" to continue it")
     return first_loss
 
 
 def resumed_state(step, like, path: str):
-    """The training state of checkpoint ``path`` on ``step``'s mesh; ``ValueError("--resume: ...")`` for a
-    damaged checkpoint (a chunk's CRC-32 is checked as it is read) or one of another model."""
+    """The training state of checkpoint ``path`` on ``step``'s mesh; ``UsageError("--resume: ...")`` for a
+    checkpoint of another model, ``OperationError`` for a damaged one (a chunk's CRC-32 is checked as it is read)."""
     from jaxquant import checkpoint as ck
 
     try:
         return step.load_state_dict(ck.load_dcp(path, step.state_dict_target(like)), like=like)
     except ck.KeyMismatchError as e:
-        raise ValueError(f"--resume: not a checkpoint of this demo's model: {e}") from None
-    except ck.CheckpointError as e:
-        raise ValueError(f"--resume: {e}") from None
-    except OSError as e:
-        raise ValueError(f"--resume: {_os_error_text(e)}") from None
+        raise UsageError(f"--resume: not a checkpoint of this demo's model: {e}") from None
+    except (ck.CheckpointError, OSError) as e:
+        raise _resume_error(e) from None
     except (KeyError, ValueError) as e:   # load_state_dict: entries that are no Adam state of this model
-        raise ValueError(f"--resume: not a checkpoint of this demo's training state: {path}: "
+        raise UsageError(f"--resume: not a checkpoint of this demo's training state: {path}: "
                          f"{e.args[0] if e.args else e}") from None
 
 
@@ -220,26 +221,29 @@ def torch_load_command(path: str, show: str = "model.head") -> str:
 
 
 def check_plot(path: str, option: str = "--plot") -> None:
-    """Before any work: ``path`` must name a ``.png`` file whose directory can be written (made if missing), and
-    matplotlib must be installed."""
+    """Before any work: ``path`` must name a ``.png`` file in a directory that exists and can be written (it is
+    never made), and matplotlib must be installed."""
     if not path.lower().endswith(".png"):
-        raise ValueError(f"{option}: must name a .png file, got {path!r}")
-    if os.path.isdir(path):
-        raise ValueError(f"{option}: {path} is a directory")
+        raise UsageError(f"{option}: must name a .png file, got {path!r}")
+    check_output_file(path, option)
+    require_matplotlib(option)
+
+
+def require_matplotlib(option: str = "--plot") -> None:
+    """``UsageError`` naming ``option`` unless matplotlib is installed."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError(f'{option}: needs matplotlib, which is not installed: pip install matplotlib (or '
+        raise UsageError(f'{option}: needs matplotlib, which is not installed: pip install matplotlib (or '
                          f'pip install "jaxquant[train]")') from None
-    check_writable_dir(os.path.dirname(os.path.abspath(path)), option, create=True)
 
 
 def write_plot(path: str, curves, *, xlabel: str, ylabel: str = "loss (nats / token)", title: str = "",
                zoom_from: Optional[float] = None) -> str:
     """Write a PNG of ``curves`` ``[(label, xs, ys, style)]`` (``style``: a matplotlib format such as ``"-"`` or
-    ``"o-"``) to ``path`` (its directory made if missing); returns ``path``. ``zoom_from``: a second panel with the
-    points at ``x >= zoom_from`` (where curves that fell together differ by little). Draws on a ``Figure`` of its
-    own (no pyplot: no global backend or window)."""
+    ``"o-"``) to ``path``, in a directory that exists (see ``check_plot``); returns ``path``. ``zoom_from``: a
+    second panel with the points at ``x >= zoom_from`` (where curves that fell together differ by little). Draws on
+    a ``Figure`` of its own (no pyplot: no global backend or window)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -264,6 +268,5 @@ def write_plot(path: str, curves, *, xlabel: str, ylabel: str = "loss (nats / to
 
         fig.suptitle(textwrap.fill(title, 150 if zoom_from is not None else 90), fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png")
     return path

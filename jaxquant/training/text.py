@@ -1,11 +1,12 @@
 """Byte-level language-model data from text files: ``jaxquant demo --text`` and benchmarks/bench_convergence.py.
 
-A corpus is a file or a directory of text files (read recursively, in sorted order; hidden entries and files that
-hold a NUL byte, i.e. binaries, are skipped). Tokens are the bytes (vocabulary 256). A held-out part, disjoint
-from the training part, is set aside deterministically: whole documents (files), taken in the order of a hash of
-their path relative to the corpus root until they hold the ``holdout`` fraction of the bytes (a file that would
-take the part past twice that is passed over), or, where no such choice leaves both parts a window (a single file,
-a few files of very different sizes), the last ``holdout`` fraction of the corpus's bytes.
+A corpus is a file or a directory of text files (read recursively, in sorted order; hidden entries, empty files and
+files that hold a NUL byte, i.e. binaries, are skipped, and ``TextData.skipped`` lists them). Tokens are the bytes
+(vocabulary 256). A held-out part, disjoint from the training part, is set aside deterministically: whole
+documents (files), taken in the order of a hash of their path relative to the corpus root until they hold the
+``holdout`` fraction of the bytes (a file that would take the part past twice that is passed over), or, where no
+such choice leaves both parts a window (a single file, a few files of very different sizes), the last ``holdout``
+fraction of the corpus's bytes.
 
 Training batches are random windows of ``seq + 1`` tokens (inputs and the targets shifted by one) of the training
 part. Batch ``n`` of seed ``s`` depends on ``(s, n)`` only: the order is reproducible, another seed gives another
@@ -42,7 +43,7 @@ def _is_text(data: bytes) -> bool:
 
 
 def read_documents(path: str, *, suffixes: tuple | None = None, skip_dirs: tuple = (),
-                   option: str = "--text") -> list[tuple[str, bytes]]:
+                   option: str = "--text", skipped: list | None = None) -> list[tuple[str, bytes]]:
     """``[(relative path, bytes)]`` of the text files of ``path`` (a file: itself), in sorted path order.
 
     Args:
@@ -50,6 +51,10 @@ def read_documents(path: str, *, suffixes: tuple | None = None, skip_dirs: tuple
       suffixes: only files whose name ends with one of these (e.g. ``(".py",)``); None: every text file.
       skip_dirs: directory names not entered (e.g. ``site-packages``).
       option: the option ``path`` came from, which each error message starts with.
+      skipped: if given, ``(relative path, why)`` is appended for each entry of a directory ``path`` that was
+        passed over: a hidden file or directory (``hidden``; not entered), a binary file (``binary: holds a NUL
+        byte``) or an empty one (``empty``), in sorted path order. (Files ``suffixes`` leaves out and ``skip_dirs``
+        are not inputs: not listed.)
 
     Raises:
       ValueError: ``"{option}: ..."`` when ``path`` does not exist, cannot be read or holds no text.
@@ -59,10 +64,14 @@ def read_documents(path: str, *, suffixes: tuple | None = None, skip_dirs: tuple
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"{option}: {path} does not exist")
+    passed = []      # (relative path, why) of the entries passed over
+    rel = lambda f: os.path.relpath(f, path).replace(os.sep, "/")  # noqa: E731
     if os.path.isdir(path):
         files = []
         for root, dirs, names in os.walk(path):
+            passed += [(rel(os.path.join(root, d)) + "/", "hidden") for d in dirs if d.startswith(".")]
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in skip_dirs)
+            passed += [(rel(os.path.join(root, n)), "hidden") for n in names if n.startswith(".")]
             files += [os.path.join(root, n) for n in names
                       if not n.startswith(".") and (suffixes is None or n.endswith(tuple(suffixes)))]
         files.sort()
@@ -76,8 +85,11 @@ def read_documents(path: str, *, suffixes: tuple | None = None, skip_dirs: tuple
         except OSError as e:
             raise ValueError(f"{option}: cannot read {f}: {e.strerror or e}") from None
         if data and _is_text(data):
-            rel = os.path.relpath(f, path) if os.path.isdir(path) else os.path.basename(f)
-            docs.append((rel.replace(os.sep, "/"), data))
+            docs.append((rel(f) if os.path.isdir(path) else os.path.basename(f), data))
+        elif os.path.isdir(path):
+            passed.append((rel(f), "binary: holds a NUL byte" if data else "empty"))
+    if skipped is not None:
+        skipped += sorted(passed)
     if not docs:
         what = "is empty" if not os.path.isdir(path) and os.path.getsize(path) == 0 else (
             "is not a text file (it holds NUL bytes)" if not os.path.isdir(path) else
@@ -131,8 +143,9 @@ class TextData:
         stdlib = path is None
         self.path = stdlib_dir() if stdlib else os.fspath(path)
         self.seq, self.seed = seq, seed
+        self.skipped = []    # (relative path, why) of the entries of a directory passed over (read_documents)
         docs = read_documents(self.path, suffixes=(".py",) if stdlib and suffixes is None else suffixes,
-                              skip_dirs=_NOT_STDLIB if stdlib else (), option=option)
+                              skip_dirs=_NOT_STDLIB if stdlib else (), option=option, skipped=self.skipped)
         self.names = [name for name, _ in docs]
         self.documents = len(docs)
         window = seq + 1
@@ -165,6 +178,15 @@ class TextData:
                else f"the last {self.heldout_tokens.size:,} bytes held out")
         return (f"{self.path}: {self.documents} file{'s' * (self.documents != 1)}, "
                 f"{self.train_tokens.size:,} training bytes, {self.heldout_tokens.size:,} held-out ({how})")
+
+    def describe_skipped(self, most: int = 10) -> str | None:
+        """The entries of the corpus passed over, the first ``most`` named with why; None when there are none."""
+        if not self.skipped:
+            return None
+        named = ", ".join(f"{name} ({why})" for name, why in self.skipped[:most])
+        more = f" and {len(self.skipped) - most} more" if len(self.skipped) > most else ""
+        return (f"{self.path}: skipped {len(self.skipped)} entr{'ies' if len(self.skipped) != 1 else 'y'}: "
+                f"{named}{more}")
 
     def _windows(self, tokens, starts) -> np.ndarray:
         return tokens[np.asarray(starts)[:, None] + np.arange(self.seq + 1)].astype(np.int32)
