@@ -277,6 +277,9 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     n_params = sum(math.prod(shape) for shape in state.plan.shapes)
     print(f"model: {net.describe()}, {n_params:,} parameters; mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; "
           f"weights {recipe}, layer-wise FSDP; batch {batch} x {net.cfg.seq} tokens")
+    from jaxquant.training.layerwise import plan_summary
+
+    print(plan_summary(step.describe(state, file=False)) + " (the table: step.describe(state))")
     if sent_bf16:
         gathered = f"{sent / 1024:.0f} KiB/step per device ({sent / sent_bf16:.2f}x bf16)"
         print(f"weights all-gathered per step (each layer where it is used): {gathered}")

@@ -1205,9 +1205,9 @@ def flax_rules(quantize: str = r"(.*\.)?kernel", *, stacked: Optional[str] = Non
         rules.append(ParamRule(pattern, **kw))
 
     if keep is not None:
-        add(keep)
+        add(keep, keep_dtype=True)
     for pattern, recipe in (recipes or {}).items():
         add(pattern, quantize=recipe, kernel=kernel)
     add(quantize, quantize=True, kernel=kernel)
-    add(r".*")
+    add(r".*", keep_dtype=True)    # unquantized leaves reach the model in the dtype it declared
     return rules
