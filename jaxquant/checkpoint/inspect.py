@@ -14,6 +14,9 @@ from jaxquant.checkpoint.metadata import BytesEntry
 from jaxquant.checkpoint.reader import ChunkReader
 
 
+PLAN_PREFIX = "plan."     # byte entries of step.state_dict's "plan": each parameter's recipe
+
+
 def inspect_dcp(path: str, *, verify: bool = False) -> dict:
     """A report on whether the DCP checkpoint at ``path`` is sound.
 
@@ -41,6 +44,7 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
         interrupted write's staging directory).
     """
     keys, problems = [], []
+    recipes = {}
     records = 0
     verified = {"records": 0, "records_total": 0, "zip_entries": 0, "bytes": 0, "tensor_bytes": 0, "files": set()}
 
@@ -63,7 +67,10 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
                 try:
                     if verify and e.storage is not None:
                         check_crcs(r, e.storage, f"byte entry {key!r}")
-                    r.value(e) if verify else r.value_pickle(e)
+                    if key.startswith(PLAN_PREFIX):   # jaxquant's record of each parameter's recipe: shown
+                        recipes[key[len(PLAN_PREFIX):]] = r.value(e)
+                    else:
+                        r.value(e) if verify else r.value_pickle(e)
                 except CheckpointError as err:
                     row["problems"].append(str(err))
                 continue
@@ -97,6 +104,9 @@ def inspect_dcp(path: str, *, verify: bool = False) -> dict:
     if verify and verified["records"] < records and not problems:  # (each unread record has its problem already)
         problems.append(f"only {verified['records']} of {records} records were read and matched their CRC-32s")
     files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    for row in keys:    # model.<name>: the recipe its training step used, where the checkpoint records it
+        if row["key"].startswith("model.") and row["key"][len("model."):] in recipes:
+            row["recipe"] = recipes[row["key"][len("model."):]]
     return {"path": path, "format": "dcp", "ok": not problems, "problems": problems, "keys": keys, "files": files,
             "records": records, "total_bytes": sum(k["nbytes"] for k in keys),
             "disk_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in files),
@@ -188,13 +198,25 @@ def _plural(n: int, word: str, words: str | None = None) -> str:
 
 
 def _key_table(keys) -> list:
-    """One line per key (dtype, shape, chunks; "!" marks a key with problems), under a header."""
-    w = max([len(k["key"]) for k in keys] + [3])
-    lines = [f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks"]
-    for k in keys:
+    """One line per key (dtype, shape, chunks, and the training recipe where the checkpoint records it; "!" marks a
+    key with problems), under a header. jaxquant's own recipe records (``plan.*``) are shown as that column."""
+    shown = [k for k in keys if not (k["key"].startswith(PLAN_PREFIX) and k["kind"] == "bytes" and not k["problems"])]
+    w = max([len(k["key"]) for k in shown] + [3])
+    with_recipe = any("recipe" in k for k in shown)
+    lines = [f"{'key':<{w}}  {'dtype':<14} {'shape':<20} chunks" + ("  recipe" if with_recipe else "")]
+    for k in shown:
         shape = "bytes" if k["kind"] == "bytes" else str(k["shape"])
         chunks = "-" if k["chunks"] is None else k["chunks"]
-        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {chunks}{'  !' if k['problems'] else ''}")
+        recipe = f"  {k.get('recipe', ''):<6}" if with_recipe else ""
+        lines.append(f"{k['key']:<{w}}  {k['dtype'] or '-':<14} {shape:<20} {chunks:<6}{recipe}"
+                     f"{'  !' if k['problems'] else ''}".rstrip())
+    if with_recipe:
+        counts = {}
+        for k in shown:
+            if "recipe" in k:
+                counts[k["recipe"]] = counts.get(k["recipe"], 0) + 1
+        lines.append("recipes the training step used (its plan.* entries): " +
+                     ", ".join(f"{r} {n}" for r, n in sorted(counts.items())))
     return lines
 
 

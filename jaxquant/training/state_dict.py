@@ -354,8 +354,13 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
       names: None (default names), a callable default name -> PyTorch name, or a dict of them (:class:`NameMap`).
 
     Returns:
-      ``{"model": {name: array}, "optim": {"state": {name: {...}}, "param_groups": [...]}}``.
+      ``{"model": {name: array}, "optim": {"state": {name: {...}}, "param_groups": [...]}, "plan": {name: recipe}}``:
+      ``plan`` records what the step trained each parameter with (``"fp8"``, ``"nvfp4"``, ``"bf16"``, ``"kept"``,
+      ``"bf16 copy"``: ``step.describe``'s recipe column) as DCP byte entries, which ``jaxquant ckpt inspect``
+      shows; loading reads only the keys its target names, so PyTorch and :func:`load_state_dict` skip them.
     """
+    from jaxquant.training.layerwise import plan_row
+
     _, leaf_names = _mapped_names(state, names)
     rules = state.plan.rules
     slots, outer_hyper = _optax_parts(state.opt_state, _dotted(state))
@@ -377,13 +382,14 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
             count = np.float32(np.asarray(slot.state.count))
             for n in _covered_names(slot, leaf_names):
                 optim[n]["step"] = np.asarray(count, np.float32)
+    plan = {n: plan_row(rule)["recipe"] for rule, ns in zip(rules, leaf_names) for n in ns}
     wheres = _group_hyperparams(hyperparams, slots)
     if not slots:      # plain SGD: no per-parameter state, one group of every parameter
         return {"model": model, "optim": {"state": optim, "param_groups": [
-            _param_group("sgd", outer_hyper, wheres[0][1], [n for ns in leaf_names for n in ns])]}}
+            _param_group("sgd", outer_hyper, wheres[0][1], [n for ns in leaf_names for n in ns])]}, "plan": plan}
     groups = [_param_group(s.kind, s.hyper, hp, _covered_names(s, leaf_names), where)
               for s, (where, hp) in zip(slots, wheres)]
-    return {"model": model, "optim": {"state": optim, "param_groups": groups}}
+    return {"model": model, "optim": {"state": optim, "param_groups": groups}, "plan": plan}
 
 
 def _covered_names(slot, leaf_names) -> list:
