@@ -46,10 +46,15 @@ def mesh_of(devices, axis_type=None):
     return jax.make_mesh((devices,), ("fsdp",), axis_types=types, devices=jax.devices()[:devices])
 
 
-@functools.lru_cache(maxsize=None)
 def train(style, cw, devices=8, axis_type=None, steps=STEPS):
     """(losses, params after the steps as numpy, the plan's rows) of SGD on the unchanged model, no rules given (SGD:
     Adam would magnify the rounding of near-zero gradients into whole steps in comparisons)."""
+    return trained(style, cw, devices, axis_type, steps)[:3]
+
+
+@functools.lru_cache(maxsize=None)
+def trained(style, cw, devices=8, axis_type=None, steps=STEPS):
+    """:func:`train`'s results, then the step and its final state."""
     model, loss = model_and_loss(style)
     loss_fn = jq.flax_loss(model, loss, batch=BATCH)
     step = jq.make_train_step(loss_fn, optax.sgd(LR), mesh=mesh_of(devices, axis_type),
@@ -59,7 +64,7 @@ def train(style, cw, devices=8, axis_type=None, steps=STEPS):
     for _ in range(steps):
         state, metrics = step(state, BATCH)
         losses.append(float(metrics["loss"]))
-    return losses, jax.tree.map(np.asarray, step.params(state)), step.describe(state, file=False)
+    return losses, jax.tree.map(np.asarray, step.params(state)), step.describe(state, file=False), step, state
 
 
 def kernel_shapes(style):
@@ -239,3 +244,25 @@ def test_a_model_built_from_its_constructor_is_never_whole_on_a_device():
         state, metrics = step(state, BATCH)
         losses.append(float(metrics["loss"]))
     assert losses == train("einsum", "fp8")[0]
+
+
+def test_the_checkpoint_records_each_parameters_recipe(tmp_path):
+    """``step.state_dict`` carries the plan's recipe of every saved parameter (``plan.*`` byte entries, PyTorch's
+    names, one per layer); ``ckpt inspect`` shows it per key; loading the state back reads only what it names."""
+    from jaxquant import checkpoint as ck
+    from jaxquant.checkpoint.inspect import format_report, inspect_dcp
+
+    *_, step, state = trained("dense-general", "fp8")
+    sd = step.state_dict(state, hyperparams={"lr": LR, "momentum": 0.0, "weight_decay": 0.0})
+    assert sd["plan"]["layers_0.attn.query.kernel"] == "fp8" and sd["plan"]["head.kernel"] == "bf16"
+    assert set(sd["plan"]) == set(sd["model"])
+    path = ck.save_dcp(str(tmp_path / "ckpt"), sd)
+    report = inspect_dcp(path)
+    recipe = {k["key"]: k.get("recipe") for k in report["keys"]}
+    assert recipe["model.layers_0.attn.query.kernel"] == "fp8" and recipe["model.head.kernel"] == "bf16"
+    assert recipe["model.embed.embedding"] == "kept" and report["ok"]
+    text = format_report(report)
+    assert "recipes the training step used" in text and "plan.head.kernel" not in text
+    back = step.load_state_dict(ck.load_dcp(path, step.state_dict_target(state)), like=state)
+    for a, b in zip(jax.tree.leaves(back.master), jax.tree.leaves(state.master)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
