@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxquant as jq
 from jaxquant.zero import distributed as D
 from jaxquant.primitives import ops
-from jaxquant.zero import group_table as gtable
+from jaxquant.primitives.ops import table as gtable
 from jaxquant.zero.group_split import GatheredWeights
 from jaxquant.zero.layout import FlatLayout
 from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4

@@ -300,7 +300,7 @@ def test_quantizers_are_two_custom_calls(columnwise):
 def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
     """On the CPU, impl="auto" keeps the stats passes as custom calls and runs the casts, the rowwise NVFP4
     quantization and the transposes as the pure-JAX reference, which XLA makes faster there
-    (_ffi.CPU_AUTO_REFERENCE): no custom call for them in the lowered module, and the same bytes."""
+    (the targets declared cpu_auto="reference"): no custom call for them in the lowered module, and the same bytes."""
     x = jnp.asarray(random_tiled(rng, 64, 128))
     for name, fn, columnwise, want in (
             ("fp8", jq.quantize_fp8, False, ["jq_fp8_stats"]),

@@ -45,8 +45,8 @@ from jaxquant.tp import collective_gemm
 from jaxquant.primitives import formats, gemm, ops
 
 from jaxquant.training import fsdp
-from jaxquant.training.dense import dense as gemm_dense, split_master
-from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.training.dense import dense as gemm_dense
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master
 from jaxquant.primitives.varying import vary_like
 
 OVERLAPS = ("off", "fused")
@@ -445,7 +445,7 @@ def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype, wgrad_dtypes):
 
 
 def _check_float(name, a):
-    ops._not_quantized(name, a)   # a quantized tensor has a float dtype (its dequantized one) but is no array
+    ops.not_quantized(name, a)   # a quantized tensor has a float dtype (its dequantized one) but is no array
     if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
         raise TypeError(f"{name}: must be a floating-point array, got "
                         f"{getattr(a, 'dtype', type(a).__name__)}")
@@ -468,7 +468,7 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
                          'docs/performance.md); use "off" or "fused"')
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
-    ops._check_impl(impl)
+    ops.check_impl(impl)
     return _Ctx(mesh, tp_axis, int(mesh.shape[tp_axis]), overlap, impl)
 
 
@@ -646,7 +646,7 @@ def _seq_axis(v, name):
 def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl):
     """sp_column_dense / sp_row_dense with overlap="fused": the sp layers' own custom VJP (their
     quantization, operands and collective GEMM kernels) run per rank, inside the caller's shard_map."""
-    ops._check_impl(impl)
+    ops.check_impl(impl)
     n = int(lax.axis_size(tp_axis))
     ctx = _Ctx(None, tp_axis, n, "fused", impl)
     _seq_axis(x, "x")

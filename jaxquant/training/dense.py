@@ -42,7 +42,7 @@ from jaxquant.primitives.gemm import (BWD_FP8, FWD_FP8, NN, TN, nvfp4_global_dec
 from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.primitives.varying import vary_like
 from jaxquant.training.remat import GEMM_OUTPUT, QUANTIZED_ACTIVATION
-from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master, straight_through  # noqa: F401
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
 
 
 def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
-    ops._check_input("x", x)
+    ops.check_input("x", x)
     if x.ndim < 1:
         raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
     if x.shape[-1] != n_in:
