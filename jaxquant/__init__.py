@@ -12,9 +12,10 @@ Checkpoints: ``jaxquant.checkpoint``.
 
 import importlib
 
-# Public name -> the module that defines it. Loaded on first use (PEP 562), so that ``import jaxquant`` (which
-# ``python -m jaxquant`` and the ``jaxquant`` script run before the command) does not import jax: the command's
-# signal handlers are in place before the ~1 s import, and a Ctrl-C in it is one line, not a traceback.
+# Public name -> the module that defines it (tests/test_imports.py holds every entry to that). Loaded on first use
+# (PEP 562), so that ``import jaxquant`` (which ``python -m jaxquant`` and the ``jaxquant`` script run before the
+# command) does not import jax: the command's signal handlers are in place before the ~1 s import, and a Ctrl-C in
+# it is one line, not a traceback.
 _EXPORTS = {
     "formats": "jaxquant.primitives.formats", "ops": "jaxquant.primitives.ops",
     "reference": "jaxquant.primitives.reference",
@@ -26,10 +27,10 @@ _EXPORTS = {
     "master_sharding": "jaxquant.zero.distributed", "post_all_gather_processing": "jaxquant.zero.distributed",
     "quantize_master_weights": "jaxquant.zero.distributed",
     "quantize_master_weights_local": "jaxquant.zero.distributed",
-    "dense": "jaxquant.training.dense", "straight_through": "jaxquant.training.dense",
-    "ShardedWeight": "jaxquant.training.fsdp",
-    "MixedPrecisionPolicy": "jaxquant.training.train", "TrainState": "jaxquant.training.train",
-    "make_train_step": "jaxquant.training.train", "raise_if_nonfinite": "jaxquant.training.train",
+    "straight_through": "jaxquant.primitives.tensors",
+    "dense": "jaxquant.training.dense", "ShardedWeight": "jaxquant.training.fsdp",
+    "MixedPrecisionPolicy": "jaxquant.training.policy", "TrainState": "jaxquant.training.policy",
+    "raise_if_nonfinite": "jaxquant.training.policy", "make_train_step": "jaxquant.training.train",
     "ParamRule": "jaxquant.training.rules",
     "remat_policy": "jaxquant.training.remat", "REMAT_POLICIES": "jaxquant.training.remat",
     "FlaxKernelError": "jaxquant.training.flax_adapter", "flax_intercept": "jaxquant.training.flax_adapter",

@@ -10,8 +10,9 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.primitives import _ffi, formats, ops, reference
-from jaxquant.zero import group_table as gtable
-from jaxquant.zero.group_table import FIELD
+from jaxquant.primitives.ops import table as gtable
+from jaxquant.primitives.ops.grouped import int64_words
+from jaxquant.primitives.ops.table import FIELD
 from conftest import assert_bytes_equal
 
 
@@ -308,7 +309,7 @@ def test_group_transpose_handlers_reject_bad_space():
     """The C++ checks behind the Python ones: a space whose shard parts or pieces do not fit."""
     shapes = [(32, 64)]
     table = ops.group_table([0], shapes, num_shards=1, shard_size=2048, nvfp4=False)
-    words = ops._i64_operand(table)
+    words = int64_words(table)
     out = [jax.ShapeDtypeStruct((64, 32), jnp.uint8)]
     piece = jnp.zeros((2048,), jnp.uint8)
     ranges = np.array([0, 0, 1, 0], np.int64)
@@ -459,7 +460,6 @@ def test_group_handler_rejects_out_of_range_shard_index_on_cpu():
 @pytest.mark.parametrize("impl", ["reference", pytest.param("custom_call", marks=pytest.mark.skipif(
     not _ffi.built_platforms(), reason="needs the compiled extension"))])
 def test_group_split_equals_slices(impl):
-    from jaxquant.zero import group_split
     rng = np.random.default_rng(7)
     big = rng.integers(0, 256, 400_003).astype(np.uint8)
     small = rng.integers(0, 256, 333).astype(np.uint8)
@@ -472,7 +472,7 @@ def test_group_split_equals_slices(impl):
               ((17,), ((2, 316, 17),))]                      # ends at the source's end
     want = [big[3:73].reshape(10, 7), f32[5:7], f32[36], np.concatenate([big[900:1000], small[:100]]).reshape(4, 50),
             big[64:300_064], small[316:333]]
-    got = jax.jit(lambda a, b, c: group_split.split([a, b, c], pieces, impl=impl))(
+    got = jax.jit(lambda a, b, c: ops.group_split([a, b, c], pieces, impl=impl))(
         jnp.asarray(big), jnp.asarray(f32), jnp.asarray(small))
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
@@ -489,7 +489,6 @@ def test_group_split_many_segments_equals_slices(impl):
     and do not agree modulo 16 with their destination, and a 2-segment result whose pieces come from
     two sources; every result equals its slices. The reference (slices, no launches) runs the first 701 of
     them: every kind of result, at a third of the compile time."""
-    from jaxquant.zero import group_split
     rng = np.random.default_rng(21)
     src = [rng.integers(0, 256, 3_000_003).astype(np.uint8), rng.integers(0, 256, 50_001).astype(np.uint8)]
     pieces, want = [], []
@@ -507,21 +506,20 @@ def test_group_split_many_segments_equals_slices(impl):
             off -= off % 16                             # vectors: 16-byte aligned source
         pieces.append(((n,), ((0, off, n),)))
         want.append(src[0][off:off + n])
-    got = jax.jit(lambda a, b: group_split.split([a, b], pieces, impl=impl))(*map(jnp.asarray, src))
+    got = jax.jit(lambda a, b: ops.group_split([a, b], pieces, impl=impl))(*map(jnp.asarray, src))
     assert len(got) == len(want)
     for r, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, r
         assert_bytes_equal(np.asarray(g), w, f"result {r}")
 
 def test_group_split_rejects_bad_pieces():
-    from jaxquant.zero import group_split
     a, b = jnp.zeros(10, jnp.uint8), jnp.zeros(4, jnp.float32)
     with pytest.raises(ValueError, match=r"pieces\[0\].*one dtype"):
-        group_split.split([a, b], [((2,), ((0, 0, 1), (1, 0, 1)))])
+        ops.group_split([a, b], [((2,), ((0, 0, 1), (1, 0, 1)))])
     with pytest.raises(ValueError, match=r"pieces\[0\].*needs 3"):
-        group_split.split([a], [((3,), ((0, 0, 2),))])
+        ops.group_split([a], [((3,), ((0, 0, 2),))])
     with pytest.raises(ValueError, match=r"pieces\[1\].*outside the sources"):
-        group_split.split([a], [((2,), ((0, 0, 2),)), ((4,), ((0, 8, 4),))])
+        ops.group_split([a], [((2,), ((0, 0, 2),)), ((4,), ((0, 8, 4),))])
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or "cpu" not in _ffi.built_platforms(),
@@ -548,15 +546,14 @@ def test_group_split_handler_rejects_bad_plan():
 def test_group_split_stages_same_bytes(rng, impl):
     """Staged copies (one call per stage, results aliased from one call to the next) give the bytes
     of one call, with results spread over sources of several stages, and one call per stage."""
-    from jaxquant.zero import group_split
     srcs = [jnp.asarray(rng.integers(0, 256, n, dtype=np.uint8)) for n in (40, 24, 32)]
     srcs.append(jnp.asarray(rng.standard_normal(6).astype(np.float32)))
     pieces = [((2, 8), ((0, 0, 10), (1, 3, 6))),          # stages 0 and 1
               ((5,), ((2, 1, 5),)),                         # stage 2 only
               ((3, 3), ((1, 12, 4), (0, 30, 2), (2, 20, 3))),  # all three
               ((2,), ((3, 1, 2),))]                         # an fp32 result (stage 0)
-    single = jax.jit(lambda *s: group_split.split(s, pieces, impl=impl))(*srcs)
-    staged_fn = jax.jit(lambda *s: group_split.split(s, pieces, stage_of_source=[0, 1, 2, 0], impl=impl))
+    single = jax.jit(lambda *s: ops.group_split(s, pieces, impl=impl))(*srcs)
+    staged_fn = jax.jit(lambda *s: ops.group_split(s, pieces, stage_of_source=[0, 1, 2, 0], impl=impl))
     staged = staged_fn(*srcs)
     ref = reference.group_split(srcs, pieces)
     for a, b, c in zip(staged, single, ref):
@@ -566,4 +563,4 @@ def test_group_split_stages_same_bytes(rng, impl):
     if impl == "custom_call":
         assert staged_fn.lower(*srcs).as_text().count("stablehlo.custom_call @jq_group_split") == 3
     with pytest.raises(ValueError, match="stage_of_source: one stage per source"):
-        group_split.split(srcs, pieces, stage_of_source=[0, 1], impl=impl)
+        ops.group_split(srcs, pieces, stage_of_source=[0, 1], impl=impl)

@@ -13,10 +13,10 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_layerwise import MASK, init_params, loss_scan, make_batch
+from support.meshes import fsdp_mesh
+from support.transformer import MASK, block, head, init_params, loss_scan, make_batch
 
 B, D, F = 32, 64, 128
 
@@ -57,11 +57,10 @@ def test_unknown_policy_is_named():
 
 def _remat_scan(w, batch, policy):
     h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-    from test_layerwise import _block as block, _head
 
     body = jax.checkpoint(lambda h, layer: (block(h, layer), None), policy=jq.remat_policy(policy))
     h, _ = jax.lax.scan(body, h, w["blocks"])
-    return _head(h, w, batch)
+    return head(h, w, batch)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -70,7 +69,7 @@ def _remat_scan(w, batch, policy):
 def test_remat_scan_step_equals_the_plain_scan_step(policy):
     """On the sharded weights of make_train_step (FP8, 8 devices): the same losses and parameters, bitwise, and
     the backward's re-run forward gathers no weight a second time (its gather and the backward's are one)."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     out = {}
     for name, loss in (("plain", loss_scan), (policy, functools.partial(_remat_scan, policy=policy))):
         step = jq.make_train_step(loss, optax.adam(1e-3), mesh=mesh, quantize_mask=MASK,

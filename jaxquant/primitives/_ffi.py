@@ -1,4 +1,5 @@
-"""Loads the compiled extension modules and registers their FFI targets with XLA.
+"""Loads the compiled extension modules; ``register`` registers the declared FFI targets with XLA (called once,
+by ``jaxquant.primitives.ops``, with every target its ops declare).
 
 ``jaxquant._jaxquant_cpu`` (always built) and ``jaxquant._jaxquant_cuda`` (built when nvcc was
 found) each expose ``registrations()`` -> {target name: PyCapsule} and ``jaxlib_version()``, the
@@ -25,21 +26,9 @@ _PLATFORMS = {"cpu": ("_jaxquant_cpu", "cpu"), "cuda": ("_jaxquant_cuda", "CUDA"
 
 
 # Every CUDA handler only enqueues work on XLA's stream (no host synchronisation, no data-dependent
-# host decisions) and is declared kCmdBufferCompatible in csrc/jaxquant/handlers.h (a test keeps the
-# two in step); XLA takes the trait from the registration, so it is repeated here for CUDA graphs.
+# host decisions) and is declared kCmdBufferCompatible in csrc/jaxquant/handlers.h; XLA takes the trait from
+# the registration, so it is repeated here for CUDA graphs (tests/test_op_declarations.py checks both).
 _TRAITS = {"cuda": {"traits": jaxlib.xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}}
-
-# On the CPU, impl="auto" runs the pure-JAX reference of these targets' ops although their CPU handlers are built:
-# there the reference that XLA compiles (vectorized, on every core) is faster (same bytes either way; the handlers
-# stay for impl="custom_call", the tests that hold them to the contract, and as the CUDA kernels' CPU twins).
-# The other ops keep the custom call on the CPU, where it is as fast as the reference or faster: amax, the
-# statistics passes (fp8_stats, nvfp4_stats), nvfp4_quantize with the columnwise copy, and the grouped ops of the
-# master-weight step (one call per stage). Per-op ratios: docs/performance.md, "The CPU backend".
-CPU_AUTO_REFERENCE = frozenset({
-    "jq_fp8_cast", "jq_fp8_cast_t", "jq_fp8_quantize", "jq_fp8_quantize_t", "jq_nvfp4_quantize",
-    "jq_nvfp4_tile_amax", "jq_nvfp4_scale", "jq_nvfp4_cast_partial", "jq_nvfp4_transpose",
-    "jq_nvfp4_scale_transpose"})
-
 
 class ExtensionError(ImportError):
     pass
@@ -62,21 +51,39 @@ def _load(module_name: str, required: bool):
     return mod
 
 
-def _register_all() -> dict:
-    # JAXQUANT_REFERENCE_ONLY=1 lets the pure-JAX paths run from a source tree with nothing built.
+def _load_all() -> dict:
+    """Platform -> its loaded extension module (the CPU's is required unless JAXQUANT_REFERENCE_ONLY=1, which lets
+    the pure-JAX paths run from a source tree with nothing built)."""
     reference_only = os.environ.get("JAXQUANT_REFERENCE_ONLY") == "1"
-    registered = {}
-    for platform, (module_name, xla_name) in _PLATFORMS.items():
+    loaded = {}
+    for platform, (module_name, _) in _PLATFORMS.items():
         mod = _load(module_name, required=(platform == "cpu" and not reference_only))
-        if mod is None:
-            continue
-        for name, capsule in mod.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform=xla_name, **_TRAITS.get(platform, {}))
-        registered[platform] = mod
-    return registered
+        if mod is not None:
+            loaded[platform] = mod
+    return loaded
 
 
-_MODULES = _register_all()
+_MODULES = _load_all()
+
+
+def register(targets, modules: dict | None = None) -> None:
+    """Register the FFI targets ``targets`` (the declared ones, ``jaxquant.primitives.ops.declared_targets``) of
+    every loaded extension (``modules``: platform -> module, default the loaded ones) with XLA, CUDA's with the
+    command-buffer trait.
+
+    Raises ExtensionError where a module's targets are not exactly ``targets``: an extension built from other
+    sources than the Python that declares the ops.
+    """
+    targets = tuple(targets)
+    for platform, mod in (_MODULES if modules is None else modules).items():
+        capsules = mod.registrations()
+        if set(capsules) != set(targets):
+            raise ExtensionError(
+                f"jaxquant.{_PLATFORMS[platform][0]} registers {sorted(set(capsules) - set(targets))} that no op "
+                f"declares and lacks {sorted(set(targets) - set(capsules))}. " + REBUILD_HINT)
+        for name in targets:
+            jax.ffi.register_ffi_target(name, capsules[name], platform=_PLATFORMS[platform][1],
+                                        **_TRAITS.get(platform, {}))
 
 
 def built_platforms() -> tuple[str, ...]:
@@ -84,10 +91,10 @@ def built_platforms() -> tuple[str, ...]:
     return tuple(_MODULES)
 
 
-def auto_platforms(target: str | None = None) -> tuple[str, ...]:
-    """Platforms where ``impl="auto"`` runs the custom call ``target`` (the reference elsewhere): those it is built
-    for, less the CPU for the targets in ``CPU_AUTO_REFERENCE``."""
-    return tuple(p for p in _MODULES if not (p == "cpu" and target in CPU_AUTO_REFERENCE))
+def auto_platforms(*, cpu: bool = True) -> tuple[str, ...]:
+    """Platforms where ``impl="auto"`` runs a custom call (the reference elsewhere): those it is built for, less the
+    CPU where ``cpu`` is False (a target declared ``cpu_auto="reference"``)."""
+    return tuple(p for p in _MODULES if cpu or p != "cpu")
 
 
 def require() -> None:
@@ -121,9 +128,9 @@ def _has_devices(platform: str) -> bool:
 def backend_summary() -> str:
     """One line: which custom calls are built and what ``impl="auto"`` runs on the default JAX backend.
 
-    Every op dispatches the same way (``ops._dispatch``): the custom call of the platform it is compiled for
-    when that platform's extension is built, the pure-JAX reference otherwise, except on the CPU for the ops in
-    ``CPU_AUTO_REFERENCE``, whose reference is faster there.
+    Every op dispatches the same way (``ops.Op.dispatch``): the custom call of the platform it is compiled for
+    when that platform's extension is built, the pure-JAX reference otherwise, except on the CPU for the targets
+    declared ``cpu_auto="reference"``, whose reference is faster there.
     """
     device = jax.devices()[0]
     platform = device.platform  # "cpu", "gpu", "tpu", ...

@@ -14,7 +14,7 @@ from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 
 
 def _check_rank2(x) -> None:
-    ops._check_input("x", x)
+    ops.check_input("x", x)
     if x.ndim != 2:
         raise ValueError(f"x: must have rank 2, got shape {tuple(x.shape)}")
 

@@ -1,6 +1,7 @@
 """Pure-JAX reference of every primitive: the executable form of docs/numerics.md §1 and §2.
 
-Each function here has a custom-call twin in ``jaxquant.primitives.ops`` that must match it bit for bit.
+Each op of ``jaxquant.primitives.ops`` declares the function here of its own name as its reference
+(``ops.Op.reference``), which its custom calls must match bit for bit.
 No validation happens here; ``jaxquant.primitives.ops`` validates arguments before dispatching.
 """
 
@@ -181,10 +182,51 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
+# The quantizers' two passes (statistics, then cast), composed from the functions above
+# ----------------------------------------------------------------------------------------------
+
+
+def _rounded(x, compute_dtype):
+    return x if compute_dtype is None else formats.to_compute_dtype(x, compute_dtype)
+
+
+def fp8_stats(x, *, compute_dtype):
+    """(amax, non-finite count) of ``x`` after ``compute_dtype`` rounding (None: as is)."""
+    return amax(_rounded(x, compute_dtype))
+
+
+def fp8_quantize(x, amax_value, *, dtype, compute_dtype, amax_epsilon=0.0, force_pow_2_scales=False,
+                 columnwise=False):
+    """``fp8_cast`` of ``x`` after ``compute_dtype`` rounding: (data, scale_inv) or, with ``columnwise``,
+    (data, scale_inv, data_t)."""
+    res = fp8_cast(_rounded(x, compute_dtype), amax_value, dtype=dtype, columnwise=columnwise,
+                   amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales)
+    return tuple(res[:3] if columnwise else res[:2])
+
+
+def nvfp4_stats(x, *, compute_dtype):
+    """(tile_amax [M/16, K/16], amax [1], non-finite count) of a [M, K] ``x`` after ``compute_dtype`` rounding."""
+    rows, cols = x.shape
+    tiles, count = nvfp4_tile_amax(_rounded(x, compute_dtype).reshape(-1), rows=rows, cols=cols, start=0)
+    return tiles, jnp.max(tiles).reshape(1), count
+
+
+def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype, columnwise: bool):
+    """NVFP4 of a [M, K] ``x`` after ``compute_dtype`` rounding, scales from its tile amaxes and global amax:
+    (data, scale_inv) or, with ``columnwise``, (data, scale_inv, data_t, scale_inv_t)."""
+    rows, cols = x.shape
+    scale_inv = nvfp4_scale(tile_amax, amax_value, rows=rows, cols=cols)
+    data = pack_codes(nvfp4_codes(_rounded(x, compute_dtype), scale_inv, amax_value))
+    if not columnwise:
+        return data, scale_inv
+    return data, scale_inv, nvfp4_transpose(data), nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols)
+
+
+# ----------------------------------------------------------------------------------------------
 # Grouped primitives over one shard of a ZeRO flat buffer (docs/numerics.md §3)
 # ----------------------------------------------------------------------------------------------
 #
-# ``table`` is the parameter table of ``jaxquant.zero.group_table`` as ``GroupRow`` tuples (fields by
+# ``table`` is the parameter table of ``jaxquant.primitives.ops.table`` as ``GroupRow`` tuples (fields by
 # name). Shard r owns flat elements [r * n, (r + 1) * n) of the group buffer, with r =
 # ``shard_index`` (a traced int32 scalar). These references place the shard into a zero buffer of
 # the whole group: parameters' elements that other shards own are 0 there and are masked out
@@ -300,7 +342,7 @@ def fp8_group_cast(shard, shard_index, scale, *, table, num_shards: int, dtype):
 
 
 def group_split(sources, pieces):
-    """Reference of ``group_split.split``: ``pieces`` as (shape, ((source, first, count), ...))."""
+    """Reference of ``ops.group_split``: ``pieces`` as (shape, ((source, first, count), ...))."""
     flats = [s.reshape(-1) for s in sources]
     out = []
     for shape, segments in pieces:

@@ -23,9 +23,7 @@ what a backward pass reads.
 Overlap modes: "off" (shard_map, one all_gather / psum_scatter and one GEMM, which XLA schedules under
 independent work) and "fused" (bf16 and FP8: collective GEMM kernels that move the chunks themselves,
 jaxquant/tp/collective_gemm.py; the forward keeps the gathered activation for the wgrad instead of
-gathering it again). Two former modes are gone and refused by name: "xla" (GSPMD einsums left to XLA's
-windowed-einsum pass, which fails XLA's HLO verifier on these layers' backward) and "ring" (a ppermute
-ring, chunk i's GEMM while chunk i+1 travels: slower than "off" in every measurement); docs/sp.md.
+gathering it again). Why no other schedule (XLA's windowed einsums, a ppermute ring): docs/sp.md.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ from jaxquant.tp import collective_gemm
 from jaxquant.primitives import formats, gemm, ops
 
 from jaxquant.training import fsdp
-from jaxquant.training.dense import dense as gemm_dense, split_master
-from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
+from jaxquant.training.dense import dense as gemm_dense
+from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master
 from jaxquant.primitives.varying import vary_like
 
 OVERLAPS = ("off", "fused")
@@ -445,7 +443,7 @@ def _row_layer(ctx: _Ctx, recipe: str, nd: int, dtype, wgrad_dtypes):
 
 
 def _check_float(name, a):
-    ops._not_quantized(name, a)   # a quantized tensor has a float dtype (its dequantized one) but is no array
+    ops.not_quantized(name, a)   # a quantized tensor has a float dtype (its dequantized one) but is no array
     if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
         raise TypeError(f"{name}: must be a floating-point array, got "
                         f"{getattr(a, 'dtype', type(a).__name__)}")
@@ -460,15 +458,9 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
         raise ValueError("mesh: the sp layers need a mesh with Auto axis types (jax.sharding.Mesh(devices, "
                          "names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)); "
                          f"got {mesh.axis_types}")
-    if overlap == "xla":
-        raise ValueError('overlap: "xla" was removed (XLA\'s windowed-einsum pass fails its HLO verifier on these '
-                         'layers\' backward, docs/sp.md); use "off" or "fused"')
-    if overlap == "ring":
-        raise ValueError('overlap: "ring" was removed (it was slower than "off" in every measurement, '
-                         'docs/performance.md); use "off" or "fused"')
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
-    ops._check_impl(impl)
+    ops.check_impl(impl)
     return _Ctx(mesh, tp_axis, int(mesh.shape[tp_axis]), overlap, impl)
 
 
@@ -646,7 +638,7 @@ def _seq_axis(v, name):
 def _per_rank_fused_call(kind, x, w, tp_axis, recipe, out_dtype, impl):
     """sp_column_dense / sp_row_dense with overlap="fused": the sp layers' own custom VJP (their
     quantization, operands and collective GEMM kernels) run per rank, inside the caller's shard_map."""
-    ops._check_impl(impl)
+    ops.check_impl(impl)
     n = int(lax.axis_size(tp_axis))
     ctx = _Ctx(None, tp_axis, n, "fused", impl)
     _seq_axis(x, "x")

@@ -24,7 +24,7 @@ layouts, the tensor-parallel axis ``tp_axis``):
    ``split=False`` none: a ``GatheredWeights`` holds them, each weight cut out where it is read);
 7. with ``columnwise`` (and ``manual_post_all_gather_processing=False``), one grouped transpose for
    the group (``ops.nvfp4_group_columnwise`` / ``ops.fp8_group_transpose``) that reads the gathered
-   pieces in place (``group_table.GatheredSpace``) and writes each parameter's own columnwise arrays.
+   pieces in place (``ops.GatheredSpace``) and writes each parameter's own columnwise arrays.
 
 The number of custom calls (and of XLA kernels) does not depend on the number of parameters. The shard index is
 ``lax.axis_index(axis)``, a device value: every shard runs the same program with no branch on the
@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxquant.primitives import formats, ops
 
 from jaxquant.zero import group_split
-from jaxquant.zero import group_table as gtable
+from jaxquant.primitives.ops import table as gtable
 from jaxquant.zero.layout import FlatLayout
 from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
@@ -221,7 +221,7 @@ def _check_options(layout, recipe, compute_dtype, columnwise):
 
 def _check_flat(name, x, shape, what):
     """``x`` is a float32/bfloat16 array of ``shape``; ``what`` says where the shape comes from."""
-    ops._check_input(name, x)
+    ops.check_input(name, x)
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}: shape must be {tuple(shape)} ({what}), got {tuple(x.shape)}")
 
@@ -288,7 +288,7 @@ def quantize_master_weights_local(shard, layout: FlatLayout, *, axis: str = "fsd
     if hasattr(shard, "shape") and tuple(shard.shape) == (1, layout.shard_size):
         shard = shard.reshape(-1)
     _check_flat("shard", shard, (layout.shard_size,), "layout.shard_size")
-    ops._check_impl(impl)
+    ops.check_impl(impl)
     size = _axis_size(axis)
     if size != layout.num_shards:
         raise ValueError(f"layout: has {layout.num_shards} shards but mesh axis {axis!r} has {size} devices")
@@ -493,7 +493,7 @@ def _space_segments(src0, first, count, shards, bounds):
 
 
 def _split_stages(num_pieces: int, num_shards: int, num_other: int):
-    """``group_split.split``'s stage of each source: gather pieces first (piece j in stage j, with the
+    """``ops.group_split``'s stage of each source: gather pieces first (piece j in stage j, with the
     other sources in stage 0), so that each piece's weights are copied out while the next pieces are
     still being gathered; None (one call) with a single piece or nothing gathered (one shard)."""
     if num_pieces == 1 or num_shards == 1:
@@ -679,7 +679,7 @@ def quantize_master_weights(master_flat, layout: FlatLayout, *, mesh, axis: str 
         multiples of 16), or a bad option value.
     """
     _check_options(layout, recipe, compute_dtype, columnwise)
-    ops._check_impl(impl)
+    ops.check_impl(impl)
     pieces = _check_gather_pieces(gather_pieces)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh: must be a jax.sharding.Mesh, got {type(mesh).__name__}")
