@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
 from jaxquant.training.flax_adapter import stream_keys  # noqa: E402
-from jaxquant.training.layerwise import plan_row  # noqa: E402
+from jaxquant.training.plan_view import plan_row  # noqa: E402
 from jaxquant.training.rules import ParamRule, decide  # noqa: E402
 import flax_styles as fs  # noqa: E402
 

@@ -39,9 +39,8 @@ from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.training.rules import dotted_path  # noqa: E402
 from jaxquant.training.state_dict import name_map  # noqa: E402
 import flax_styles as fs  # noqa: E402
-from test_flax_twin import assert_twin_holds, by_name, flat_state, optax_next, torch_layout  # noqa: E402
-from test_state_dict import ADAM, NEXT_STEP_TOL, torch_required  # noqa: E402
-from test_state_dict_names import torch_load  # noqa: E402
+from support.flax_twin import assert_twin_holds, by_name, flat_state, optax_next, torch_layout  # noqa: E402
+from support.torch_twin import ADAM, NEXT_STEP_TOL, torch_load, torch_required  # noqa: E402
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

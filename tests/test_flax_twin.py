@@ -29,8 +29,9 @@ from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.training.rules import dotted_path  # noqa: E402
 from jaxquant.training.state_dict import name_map  # noqa: E402
 import flax_llama as fl  # noqa: E402
-from test_state_dict import ADAM, NEXT_STEP_TOL, torch_required  # noqa: E402
-from test_state_dict_names import torch_load, torch_save  # noqa: E402
+from support.torch_twin import ADAM, NEXT_STEP_TOL, torch_load, torch_required, torch_save  # noqa: E402
+from support.flax_twin import adam_of, assert_twin_holds, optax_next, torch_layout  # noqa: E402
+from support import flax_twin  # noqa: E402
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
@@ -57,22 +58,14 @@ def to_twin(name):
     return f"layers.{int(i)}.{LAYER[rest]}"
 
 
-def torch_layout(default, a):
-    """A flax parameter (by default name) as the twin holds it: kernels ``[in, out]`` -> ``[out, in]``."""
-    a = np.asarray(a)
-    return np.ascontiguousarray(a.T) if default.endswith(".kernel") else a
-
-
 def by_name(tree, scan):
     """{default name: numpy array} of a params-like tree (a stacked leaf split into its layers)."""
-    out = {}
-    for path, a in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
-        name = dotted_path(path)
-        if scan and name.startswith("layers."):
-            out.update({f"layers.{i}.{name[len('layers.'):]}": np.asarray(a[i]) for i in range(C.layers)})
-        else:
-            out[name] = np.asarray(a)
-    return out
+    return flax_twin.by_name(tree, scan, C.layers)
+
+
+def flat_state(state, scan):
+    """(master, {"mu", "nu"}) by default name, numpy."""
+    return flax_twin.flat_state(state, scan, C.layers)
 
 
 def from_twin(values, like, scan):
@@ -114,11 +107,6 @@ def trained(form):
         losses.append(float(m["loss"]))
     assert losses[1] < losses[0], losses
     return model, step, state
-
-
-def adam_of(opt_state):
-    return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-                if isinstance(s, optax.ScaleByAdamState))
 
 
 # -- the twin --------------------------------------------------------------------------------------
@@ -216,34 +204,6 @@ def jax_fp32_loss_and_grads(model, params, batch):
     return float(loss), grads
 
 
-def assert_twin_holds(model, opt, flat_params, nm, flat_moments=None, **tol):
-    """Every twin parameter (and, given ``flat_moments`` = {"mu": ..., "nu": ...}, its exp_avg / exp_avg_sq) is the
-    flax value of its default name in torch's layout: bitwise without ``tol``; with it (``NEXT_STEP_TOL``), the
-    parameters within it and the moments within its ``rtol``, relative to each element and to the tensor's
-    largest entry (m cancels to near 0 in places: b1 m + (1 - b1) g)."""
-    for name, p in model.named_parameters():
-        default = nm.from_torch[name]
-        want = torch_layout(default, flat_params[default])
-        if tol:
-            np.testing.assert_allclose(p.detach().numpy(), want, err_msg=name, **tol)
-        else:
-            np.testing.assert_array_equal(p.detach().numpy(), want, err_msg=name)
-        for key, field in (("exp_avg", "mu"), ("exp_avg_sq", "nu")) if flat_moments else ():
-            want = torch_layout(default, flat_moments[field][default])
-            if tol:     # tol's atol is sized for the parameters (~0.1); the moments are ~1e-3 (m) and ~1e-6 (v)
-                scale = float(np.max(np.abs(want)))
-                np.testing.assert_allclose(opt.state[p][key].numpy(), want, rtol=tol["rtol"],
-                                           atol=tol["rtol"] * scale, err_msg=f"{name} {key}")
-            else:
-                np.testing.assert_array_equal(opt.state[p][key].numpy(), want, err_msg=f"{name} {key}")
-
-
-def flat_state(state, scan):
-    """(master, {"mu", "nu"}) by default name, numpy."""
-    adam = adam_of(state.opt_state)
-    return by_name(state.master, scan), {"mu": by_name(adam.mu, scan), "nu": by_name(adam.nu, scan)}
-
-
 def twin_from_jax(tmp_path, step, state):
     """A twin and its ``torch.optim.Adam`` loaded strictly from ``step.state_dict(state, names=to_twin)`` written
     with ``save_dcp``."""
@@ -254,19 +214,6 @@ def twin_from_jax(tmp_path, step, state):
     opt = torch.optim.Adam(model.parameters(), lr=1.0)         # lr and betas come from the checkpoint
     torch_load(model, opt, path)
     return model, opt
-
-
-@jax.jit
-def _adam_next(grads_tree, opt_state, master):
-    """Jitted: one program instead of one per op (each compiled on first use, over 8 devices)."""
-    updates, new = optax.adam(ADAM["lr"]).update(grads_tree, opt_state, master)
-    return optax.apply_updates(master, updates), new
-
-
-def optax_next(grads_tree, state):
-    """optax's next Adam step from ``state`` on ``grads_tree``: (master, {"mu", "nu"}) as trees."""
-    master, new = _adam_next(grads_tree, state.opt_state, state.master)
-    return master, adam_of(new)
 
 
 # -- tests -----------------------------------------------------------------------------------------

@@ -277,7 +277,7 @@ def run(steps: int = 40, recipe: str = "nvfp4", mesh_spec: str | None = None, ba
     n_params = sum(math.prod(shape) for shape in state.plan.shapes)
     print(f"model: {net.describe()}, {n_params:,} parameters; mesh fsdp={fsdp} x tp={tp} on {devices[0].platform}; "
           f"weights {recipe}, layer-wise FSDP; batch {batch} x {net.cfg.seq} tokens")
-    from jaxquant.training.layerwise import plan_summary
+    from jaxquant.training.plan_view import plan_summary
 
     print(plan_summary(step.describe(state, file=False)) + " (the table: step.describe(state))")
     if sent_bf16:

@@ -383,7 +383,7 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
       ``"bf16 copy"``: ``step.describe``'s recipe column) as DCP byte entries, which ``jaxquant ckpt inspect``
       shows; loading reads only the keys its target names, so PyTorch and :func:`load_state_dict` skip them.
     """
-    from jaxquant.training.layerwise import plan_row
+    from jaxquant.training.plan_view import plan_row
 
     _, leaf_names = _mapped_names(state, names)
     rules = state.plan.rules
