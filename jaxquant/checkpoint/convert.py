@@ -269,23 +269,3 @@ def orbax_to_dcp(src: str, dst: str, **kw) -> str:
     if not is_orbax(src):
         raise CorruptCheckpointError(f"{src}: not an Orbax checkpoint directory")
     return convert(src, dst, to="dcp", **kw)
-
-
-def dcp_to_dcp(src: str, dst: str, **kw) -> str:
-    """DCP -> DCP, to dequantize or transpose keys.
-
-    Args:
-      src: the DCP checkpoint directory.
-      dst: the destination directory.
-      **kw: :func:`convert`'s keyword arguments (``dequantize``, ``transpose``, ``progress``, ``verify``).
-
-    Returns:
-      ``dst``.
-
-    Raises:
-      CorruptCheckpointError: ``src`` has no ``.metadata``; and :func:`convert`'s errors.
-    """
-    fsutil.check_source_dir(src, "source")
-    if not os.path.exists(os.path.join(src, ".metadata")):
-        raise CorruptCheckpointError(f"{src}: missing .metadata; not a DCP checkpoint directory")
-    return convert(src, dst, to="dcp", **kw)

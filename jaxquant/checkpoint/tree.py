@@ -50,7 +50,9 @@ def rebuild_quantized(template, values: dict):
     return Float8Tensor(**values)
 
 
-def _part(k) -> str:
+def key_part(k) -> str:
+    """One pytree path entry as a name part (a dict key, a sequence index, an attribute name): what ``save_dcp``
+    joins with dots."""
     for attr in ("key", "idx", "name"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
@@ -68,7 +70,7 @@ def flatten(tree, what: str = "tree"):
                                                            or is_value_list(x))
     items, seen = [], {}
     for path, leaf in leaves:
-        parts = tuple(_part(k) for k in path)
+        parts = tuple(key_part(k) for k in path)
         key = ".".join(parts)
         if not key:
             raise CheckpointError(f"{what}: a bare leaf has no key; pass a dict such as {{'params': x}}")

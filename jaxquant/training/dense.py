@@ -272,7 +272,7 @@ def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
 def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     """``dense`` with a layer-wise FSDP weight (``jaxquant.training.fsdp``): gathered here, and again in the backward
     unless its spec keeps the gathered operands (``reshard_after_forward=False``)."""
-    fsdp._check_layer(w, "w")
+    fsdp.check_layer(w, "w")
     if w.spec.transposed and recipe is not None and recipe != w.spec.recipe:
         raise ValueError(f"recipe: an [in, out] ShardedWeight is read in its own recipe {w.spec.recipe!r}, got "
                          f"{recipe!r} (use None)")

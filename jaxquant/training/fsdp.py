@@ -157,7 +157,7 @@ class ShardedWeight:
         """The gathered compute weight of one layer: a bf16 array, or a ``Float8Tensor`` / ``NVFP4Tensor``
         (rowwise and columnwise) whose ``jq.dense`` weight gradient reaches ``grad``. Unlike
         ``jq.dense(x, w)``, a layer that keeps the result keeps the gathered weight for its backward."""
-        _check_layer(self, "w")
+        check_layer(self, "w")
         if self.spec.transposed:
             raise ValueError(f"w: an [in, out] ShardedWeight of shape {self.shape} is read by jq.dense only (x @ w); "
                              f"gather() gives [out, in] weights")
@@ -170,7 +170,8 @@ class ShardedWeight:
         return straight_through(q, _grad_funnel(self.grad, self.spec, q.shape))
 
 
-def _check_layer(w: ShardedWeight, name: str) -> None:
+def check_layer(w: ShardedWeight, name: str) -> None:
+    """ValueError unless ``w`` is one layer's ``[out, in]`` weight (not a stack of layers)."""
     if w.shard.ndim != 2:
         raise ValueError(f"{name}: a ShardedWeight of shape {w.shape} is a stack of layers; use one layer "
                          f"(index it, or jax.lax.scan over the stack) as a [out, in] weight")

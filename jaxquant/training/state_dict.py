@@ -41,12 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxquant.checkpoint.tree import _part
+from jaxquant.checkpoint.tree import key_part
 from jaxquant.training.fsdp import pad_row_blocks, unpad_row_blocks
 
 
 def _parts(path) -> tuple:
-    return tuple(_part(k) for k in path)     # the key parts save_dcp joins with dots
+    return tuple(key_part(k) for k in path)     # the key parts save_dcp joins with dots
 
 
 def _names(rule_parts, rule) -> list:
@@ -165,6 +165,7 @@ class _Slot:
 
     kind: str                  # "adam" (ScaleByAdamState) or "trace" (TraceState)
     state: Any
+    path: tuple                # where it lies in the optax state (``optax.tree_utils`` key path)
     label: Optional[str]       # the optax.multi_transform label(s) above it, dotted; None: none
     hyper: Optional[dict]      # the nearest optax.inject_hyperparams' values, None: none
     covered: tuple             # per master leaf: has tensors here (not an optax.MaskedNode)
@@ -176,56 +177,79 @@ class _Slot:
         return {k: jax.tree.leaves(t, is_leaf=_is_masked) for k, t in trees.items()}
 
 
+_KINDS = {"adam": "ScaleByAdamState", "trace": "TraceState"}   # the optax states torch has a counterpart of
+
+
+def _is_prefix(prefix: tuple, path: tuple) -> bool:
+    return path[:len(prefix)] == prefix
+
+
 def _optax_parts(opt_state, leaf_names) -> tuple:
     """(the :class:`_Slot` s of an optax state, in pytree order; the hyperparameters of an outer
     ``inject_hyperparams`` or None). ``leaf_names``: a name per master leaf, for errors. States that hold
-    per-parameter tensors torch has no name for are an error naming them."""
-    import optax
+    per-parameter tensors torch has no name for are an error naming them.
+
+    Read with ``optax.tree_utils`` (states found by their class name, wherever ``chain``, ``masked``,
+    ``multi_transform`` or ``inject_hyperparams`` put them): a slot's label is the ``multi_transform`` keys on its
+    path (the only dicts above a state), its hyperparameters those of the nearest ``inject_hyperparams`` above it.
+    """
+    from optax import tree_utils as otu
 
     n_leaves = len(leaf_names)
-    slots, outer = [], {"hyper": None}
-
-    def add(kind, s, tree, label, hyper):
-        leaves = jax.tree.leaves(tree, is_leaf=_is_masked)
-        if len(leaves) != n_leaves:
-            raise ValueError(f"optimizer: its {type(s).__name__} holds {len(leaves)} tensors for {n_leaves} "
-                             f"parameters; state_dict maps states shaped like the parameters")
-        slots.append(_Slot(kind, s, label, hyper, tuple(not _is_masked(x) for x in leaves)))
-
-    def walk(s, label, hyper):
-        if isinstance(s, optax.ScaleByAdamState):
-            add("adam", s, s.mu, label, hyper)
-        elif isinstance(s, optax.TraceState):
-            add("trace", s, s.trace, label, hyper)
-        elif hasattr(s, "hyperparams") and hasattr(s, "inner_state"):   # optax.inject_hyperparams
-            hyper = {k: float(v) for k, v in s.hyperparams.items()}
-            if label is None:
-                outer["hyper"] = hyper
-            walk(s.inner_state, label, hyper)
-        elif hasattr(s, "inner_states") and isinstance(s.inner_states, Mapping):   # optax.multi_transform
-            for k in sorted(s.inner_states):     # the pytree's order, so state_dict and its target agree
-                walk(s.inner_states[k], str(k) if label is None else f"{label}.{k}", hyper)
-        elif isinstance(s, (tuple, list)) and not hasattr(s, "_fields"):
-            for x in s:
-                walk(x, label, hyper)
-        elif isinstance(s, (optax.EmptyState, optax.ScaleByScheduleState, optax.MaskedNode)) or s is None:
-            pass
-        elif hasattr(s, "inner_state"):          # optax.masked and other wrappers
-            walk(s.inner_state, label, hyper)
-        else:
-            raise ValueError(f"optimizer: its state {type(s).__name__} has no PyTorch counterpart here; "
-                             f"state_dict maps optax adam / adamw (exp_avg, exp_avg_sq, step) and sgd "
-                             f"(momentum_buffer), also under chain, masked, multi_transform and inject_hyperparams")
-
-    walk(opt_state, None, None)
-    if len({s.kind for s in slots}) > 1:
+    found = {kind: otu.tree_get_all_with_path(opt_state, name) for kind, name in _KINDS.items()}
+    if all(found.values()):
         raise ValueError("optimizer: both an Adam and a momentum trace state; a torch optimizer is one class, "
                          "state_dict maps one of them")
+    # each inject_hyperparams' values, by where its state lies (the path less its "hyperparams" field)
+    hypers = [(path[:-1], {k: float(v) for k, v in values.items()})
+              for path, values in otu.tree_get_all_with_path(opt_state, "hyperparams") if isinstance(values, Mapping)]
+    slots = []
+    for kind, states in found.items():
+        for path, s in states:
+            leaves = jax.tree.leaves(s.mu if kind == "adam" else s.trace, is_leaf=_is_masked)
+            if len(leaves) != n_leaves:
+                raise ValueError(f"optimizer: its {type(s).__name__} holds {len(leaves)} tensors for {n_leaves} "
+                                 f"parameters; state_dict maps states shaped like the parameters")
+            labels = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+            above = [h for at, h in hypers if _is_prefix(at, path)]
+            slots.append(_Slot(kind, s, path, ".".join(labels) or None, above[-1] if above else None,
+                               tuple(not _is_masked(x) for x in leaves)))
+    _no_other_tensors(opt_state, slots)
     for i, name in enumerate(leaf_names):
         if sum(s.covered[i] for s in slots) > 1:      # torch keeps one state per parameter
             raise ValueError(f"optimizer: {sum(s.covered[i] for s in slots)} Adam / momentum states cover the "
                              f"parameter {name}; state_dict maps one per parameter (torch's optimizer state)")
-    return slots, outer["hyper"]
+    outer = [h for at, h in hypers if not any(isinstance(k, jax.tree_util.DictKey) for k in at)]
+    return slots, outer[-1] if outer else None
+
+
+def _no_other_tensors(opt_state, slots) -> None:
+    """ValueError naming the state that holds a tensor outside every slot: per-parameter state torch has no name
+    for (counters, hyperparameters and other scalars are not tensors of a parameter)."""
+    in_slots = {id(x) for slot in slots for x in jax.tree.leaves(slot.state)}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_masked)[0]:
+        if _is_masked(leaf) or not getattr(leaf, "ndim", 0) or id(leaf) in in_slots:
+            continue
+        raise ValueError(f"optimizer: its state {_owner(opt_state, path)} has no PyTorch counterpart here; "
+                         f"state_dict maps optax adam / adamw (exp_avg, exp_avg_sq, step) and sgd "
+                         f"(momentum_buffer), also under chain, masked, multi_transform and inject_hyperparams")
+
+
+def _owner(tree, path) -> str:
+    """The class name of the innermost state (a NamedTuple) on ``path`` (a ``jax.tree_util`` key path)."""
+    owner = type(tree).__name__
+    for k in path:
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            owner = type(tree).__name__
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            tree = getattr(tree, k.name)
+        elif isinstance(k, jax.tree_util.DictKey):
+            tree = tree[k.key]
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            tree = tree[k.idx]
+        else:
+            break
+    return owner
 
 
 def _group_hyperparams(hyperparams, slots) -> list:
@@ -490,7 +514,9 @@ def load_state_dict(step, sd, *, like, step_count=None, names=None):
         count = int(steps.pop())
         if step_count is not None and int(step_count) != count:
             raise ValueError(f"step_count: {step_count} differs from the checkpoint's Adam step {count}")
-    new = {}
+    from optax import tree_utils as otu
+
+    opt_state = like.opt_state
     for slot in slots:
         fields = {}
         for key, per_leaf in slot.tensors().items():
@@ -498,38 +524,14 @@ def load_state_dict(step, sd, *, like, step_count=None, names=None):
             leaves = [x if _is_masked(x) else gather_leaf(optim, key, i, x.dtype) for i, x in enumerate(per_leaf)]
             treedef = jax.tree_util.tree_structure(getattr(slot.state, _FIELDS[key]), is_leaf=_is_masked)
             fields[_FIELDS[key]] = jax.tree_util.tree_unflatten(treedef, leaves)
-        if slot.kind == "adam":   # placed as init placed it
-            fields["count"] = jax.device_put(jnp.asarray(count, slot.state.count.dtype), slot.state.count.sharding)
-        new[id(slot.state)] = slot.state._replace(**fields)
-    opt_state = _replace_state(like.opt_state, new, count)
+        opt_state = otu.tree_set(opt_state, lambda path, _, at=slot.path: path == at,
+                                 **{_KINDS[slot.kind]: slot.state._replace(**fields)})
+    # every step counter (the ``count`` field of Adam's, a schedule's, inject_hyperparams' and its schedules'
+    # states), placed as init placed it, so that a learning-rate schedule resumes where it left off
+    def restart(path, leaf):
+        if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "count":
+            return jax.device_put(jnp.asarray(count, leaf.dtype), leaf.sharding)
+        return leaf
+
+    opt_state = jax.tree_util.tree_map_with_path(restart, opt_state, is_leaf=_is_masked)
     return TrainState(master, opt_state, step.step_count(count), plan)
-
-
-def _replace_state(tree, new, count=None):
-    """``tree`` (an optax state) with each sub-state whose id is a key of ``new`` replaced by its value; the step
-    counters of ``optax.inject_hyperparams`` and of a schedule (``ScaleByScheduleState``, e.g.
-    ``optax.adamw(learning_rate=schedule)``) become ``count`` (so the schedule resumes where it left off)."""
-    import optax
-
-    if id(tree) in new:
-        return new[id(tree)]
-    at = lambda c: jax.device_put(jnp.asarray(count, c.dtype), c.sharding)
-    if isinstance(tree, optax.ScaleByScheduleState):
-        return tree if count is None else tree._replace(count=at(tree.count))
-    if hasattr(tree, "inner_states") and isinstance(tree.inner_states, Mapping) and hasattr(tree, "_replace"):
-        return tree._replace(inner_states={k: _replace_state(v, new, count) for k, v in tree.inner_states.items()})
-    if hasattr(tree, "inner_state") and hasattr(tree, "_replace"):
-        out = tree._replace(inner_state=_replace_state(tree.inner_state, new, count))
-        if count is None:
-            return out
-        if hasattr(getattr(out, "count", None), "dtype"):    # a counter, not tuple.count (optax.MaskedState)
-            out = out._replace(count=at(out.count))
-        if isinstance(getattr(out, "hyperparams_states", None), dict):   # a schedule's own counter
-            out = out._replace(hyperparams_states={k: v._replace(count=at(v.count)) if hasattr(v, "count") else v
-                                                   for k, v in out.hyperparams_states.items()})
-        return out
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_replace_state(x, new, count) for x in tree)
-    if isinstance(tree, list):
-        return [_replace_state(x, new, count) for x in tree]
-    return tree
