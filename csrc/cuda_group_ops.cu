@@ -62,9 +62,9 @@ __device__ void warp_publish_param_max(float* amax, int64_t held, float m);
 
 // One table column (GroupTable::kOffset, kTileBase, ...) of the first kSharedKeys parameters, copied
 // to shared memory by the block: a thread's search for its parameter (at its start, and at each
-// parameter change) then reads shared memory instead of log2(P) dependent global loads, which with
-// 300 weights cost the grouped stats and cast kernels 15-19 µs a launch (one H200). Larger tables
-// search the global table as before; the answer is the same (GroupTable::find).
+// parameter change) then reads shared memory instead of log2(P) dependent global loads, which dominated
+// the grouped stats and cast kernels over a few hundred weights (docs/performance.md, "Grouped kernels").
+// Larger tables search the global table as before; the answer is the same (GroupTable::find).
 constexpr int kSharedKeys = 1024;
 struct BlockKeys {
   const int64_t* keys;  // the shared copy, read only when `fits` (a flag, not a null pointer: the
@@ -552,8 +552,8 @@ __device__ void load_rows(const GatheredSpace& space, int64_t pos, int64_t pitch
 // with 4x4 byte permutes and stores each column's 16 bytes at once (the 4 lanes of a column group
 // write 64 contiguous bytes). FP8 weights have any shape and offset: a lane whose piece crosses the
 // weight's edge, or whose rows or columns are not aligned for the vectors, moves its bytes one at a
-// time. One H200, Llama-3-8B layer (218 MB): 123 us (2026-11-25); 193 us plus a memset of the whole
-// output with the shared-memory transpose (single-byte staging) before.
+// time. Faster than a shared-memory transpose with single-byte staging, which also needed a memset of the
+// whole output (docs/performance.md, "Grouped kernels").
 __device__ void byte_transpose_block(const GroupTable& table, int64_t b, const GatheredSpace& data,
                                      const TransposeOutputs& out) {
   TransposePiece pc;
@@ -589,8 +589,8 @@ int64_t transpose_ctas(int64_t num_blocks, int per_cta) { return (num_blocks + p
 // of its piece (the 8 lanes of a row group read one whole 32-byte sector a row), gathers each of its
 // 8 columns' 16 nibbles into 8 bytes (column_bytes) and stores them: the 4 lanes of a column group
 // fill one output sector. rows, cols % 16 == 0 (the NVFP4 table rule), so a lane's piece is wholly
-// inside the weight or wholly outside it. Measured on one H200 (2026-11-24, Llama-3-8B layer,
-// 109 MB): 216 us with the shared-memory transpose (single-byte staging) before.
+// inside the weight or wholly outside it. Replaces a shared-memory transpose with single-byte staging
+// (docs/performance.md, "Grouped kernels").
 __device__ void nibble_transpose_block(const GroupTable& table, int64_t b, const GatheredSpace& data,
                                        const TransposeOutputs& out) {
   TransposePiece pc;

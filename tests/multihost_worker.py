@@ -23,7 +23,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxquant as jq  # noqa: E402
-import test_layerwise as model  # noqa: E402
+from support import transformer as model  # noqa: E402
 
 assert jax.process_count() == 2 and len(jax.devices()) == 2 * per_process
 assert len(jax.local_devices()) == per_process

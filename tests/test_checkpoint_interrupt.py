@@ -12,7 +12,6 @@ Importing jax + orbax takes seconds on a loaded 2-core machine, so the children 
 process that imported everything once (the real `jaxquant.cli.main` runs in each child).
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import common  # noqa: E402
+from support.files import file_digest, file_snapshot, stage_moments  # noqa: E402
 
 common.setup_devices()
 
@@ -124,24 +124,6 @@ class Server:
         self.p.wait(timeout=60)
 
 
-def _snapshot(path):
-    out = {}
-    for root, _, files in os.walk(path):
-        for n in files:
-            st = os.stat(os.path.join(root, n))
-            out[os.path.relpath(os.path.join(root, n), path)] = (st.st_size, st.st_mtime_ns)
-    return out
-
-
-def _digest(path):
-    h = hashlib.sha256()
-    for rel in sorted(_snapshot(path)):
-        h.update(rel.encode())
-        with open(os.path.join(path, rel), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
-
-
 def _complete(dst, to):
     if not os.path.isdir(dst) or os.path.exists(os.path.join(dst, fsutil.INCOMPLETE_MARKER)):
         return False
@@ -159,14 +141,6 @@ def _baseline(server, req, dst, to, said):
     return stages
 
 
-def _moments(stages):
-    """Indices of the stages to signal at: the first, middle and last occurrence of each name."""
-    at = {}
-    for i, name in enumerate(stages):
-        at.setdefault(name, []).append(i)
-    return sorted({i for idx in at.values() for i in (idx[0], idx[len(idx) // 2], idx[-1])})
-
-
 def _signal_at(k, sig):
     """At stage ``k``: ``sig``; at a later ``cleanup`` stage (the staging directory going): the other signal,
     which must change nothing."""
@@ -176,11 +150,11 @@ def _signal_at(k, sig):
 
 def _trials(server, tmp, src, to, argv_extra=()):
     """Signal a conversion src -> <tmp>/dst at its stages (_moments), alternating SIGINT and SIGTERM."""
-    before = _snapshot(src)
+    before = file_snapshot(src)
     dst, log = str(tmp / "dst"), str(tmp / "log.txt")
     argv = ["ckpt", "convert", src, dst, "--to", to, "--no-progress", *argv_extra]
     stages = _baseline(server, {"kind": "cli", "argv": argv, "log": log}, dst, to, f"wrote {dst}")
-    moments = _moments(stages)
+    moments = stage_moments(stages)
     for n, k in enumerate(moments):
         sig = (signal.SIGINT, signal.SIGTERM)[n % 2]
         rc, _, out, seen = server.run({"kind": "cli", "argv": argv, "log": log}, _signal_at(k, sig))
@@ -191,14 +165,14 @@ def _trials(server, tmp, src, to, argv_extra=()):
         assert "Traceback" not in out and len(out.strip().splitlines()) == 1, what
         assert out.startswith(f"jaxquant ckpt convert: interrupted by {name}; "), what
         left = [n for n in os.listdir(tmp) if ".tmp-" in n]
-        assert not left, f"{what}: staging left: {[(n, sorted(_snapshot(tmp / n))) for n in left]}"
+        assert not left, f"{what}: staging left: {[(n, sorted(file_snapshot(tmp / n))) for n in left]}"
         if stages[k] == "renamed":  # the signal came after the rename: a complete checkpoint, and said so
             assert _complete(dst, to) and f"{dst} was complete already" in out, what
             shutil.rmtree(dst)
         else:
             assert not os.path.exists(dst) and f"nothing was written to {dst}" in out, what
             assert "cleanup" in seen[k:], what
-        assert _snapshot(src) == before, f"{what}: source changed"
+        assert file_snapshot(src) == before, f"{what}: source changed"
     return stages
 
 
@@ -221,7 +195,7 @@ def _make_source(path):
 def test_signals_at_every_stage_of_convert_leave_no_debris(server, tmp_path):
     src = str(tmp_path / "src")
     _make_source(src)
-    digest = _digest(src)
+    digest = file_digest(src)
     (tmp_path / "a").mkdir()
     stages = _trials(server, tmp_path / "a", src, "orbax")
     assert {"staging", "entry", "chunk", "tensorstore", "commit", "renamed"} <= set(stages), stages
@@ -231,16 +205,16 @@ def test_signals_at_every_stage_of_convert_leave_no_debris(server, tmp_path):
     orbax_src = str(tmp_path / "orbax_src")
     assert server.run({"kind": "cli", "argv": ["ckpt", "convert", src, orbax_src, "--to", "orbax", "--no-progress"],
                        "log": str(tmp_path / "log.txt")})[0] == 0
-    odigest = _digest(orbax_src)
+    odigest = file_digest(orbax_src)
     (tmp_path / "b").mkdir()
     assert "restore" in _trials(server, tmp_path / "b", orbax_src, "dcp")
-    assert _digest(src) == digest and _digest(orbax_src) == odigest
+    assert file_digest(src) == digest and file_digest(orbax_src) == odigest
 
 
 def test_signals_at_every_stage_of_save_dcp_leave_no_debris(server, tmp_path):
     dst, log = str(tmp_path / "dst"), str(tmp_path / "log.txt")
     stages = _baseline(server, {"kind": "save", "path": dst, "log": log}, dst, "dcp", "")
-    for n, k in enumerate(_moments(stages)):
+    for n, k in enumerate(stage_moments(stages)):
         sig = (signal.SIGINT, signal.SIGTERM)[n % 2]
         rc, _, out, seen = server.run({"kind": "save", "path": dst, "log": log}, _signal_at(k, sig))
         what = f"save: {signal.Signals(sig).name} at stage {k} ({stages[k]}), exit {rc}, output {out!r}"

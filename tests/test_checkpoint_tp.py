@@ -7,7 +7,6 @@ RowwiseParallel, then fully_shard) on 4 gloo processes, and JAX -> DCP -> JAX ac
 
 import dataclasses
 import importlib.util
-import inspect
 import os
 import sys
 
@@ -17,12 +16,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import common  # noqa: E402
+from support.meshes import fsdp_tp_mesh  # noqa: E402
 
 common.setup_devices()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxquant  # noqa: E402
 import jaxquant.primitives.ops  # noqa: E402
@@ -39,10 +39,6 @@ TP_DIM_STYLE = {0: "col", 1: "row"}
 
 def _x(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def _mesh(fsdp, tp):
-    return Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
 
 
 def _component_tp_dim(attr, value, tp_dim):
@@ -184,7 +180,7 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, qu
     assert chunks["layers.w_rep.weight"] == 2 and chunks["layers.nv_col.weight.amax"] == 1
     full = {k: a for k, a, _ in tensors}
     for fsdp, tp in ((4, 2), (2, 4)):  # resharding: neither mesh is torch's (2, 2)
-        mesh = _mesh(fsdp, tp)
+        mesh = fsdp_tp_mesh(fsdp, tp)
         target = jax_tree(mesh, quant, _as_target)
         target["step"] = int
         out = ck.load_dcp(str(tmp_path / "ck"), target, transpose=TRANSPOSE)
@@ -203,7 +199,7 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, qu
 def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh, load_meshes):
     if common.rerun_if_few_devices(request):
         return
-    tree = jax_tree(_mesh(*save_mesh), quant)
+    tree = jax_tree(fsdp_tp_mesh(*save_mesh), quant)
     ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
     tp = save_mesh[1]
     # replicated over fsdp: each component is written once per TP rank, at its TP offset
@@ -221,7 +217,7 @@ def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh
                 step = v.shape[dim] // tp
                 assert offsets == sorted(tuple(j * step if ax == dim else 0 for ax in range(2)) for j in range(tp))
     for fsdp, tp_load in load_meshes:
-        target = jax_tree(_mesh(fsdp, tp_load), quant, _as_target)
+        target = jax_tree(fsdp_tp_mesh(fsdp, tp_load), quant, _as_target)
         out = ck.load_dcp(str(tmp_path / "ck"), target, transpose=TRANSPOSE)
         for n, (q, _) in quant.items():
             got = out["layers"][n]["weight"]
@@ -235,7 +231,7 @@ def test_tp_quantized_round_trip_jax_dcp_jax(tmp_path, request, quant, save_mesh
 def test_tp_quantized_dequantized_by_save_or_convert_loads_as_tp_sharded_bf16(tmp_path, request, quant):
     if common.rerun_if_few_devices(request):
         return
-    mesh = _mesh(4, 2)
+    mesh = fsdp_tp_mesh(4, 2)
     quant = {n: quant[n] for n in ("nv_col", "nv_row", "f8_row")}
     tree = jax_tree(mesh, quant)
     ck.save_dcp(str(tmp_path / "saved"), tree, dequantize=jnp.bfloat16, transpose=TRANSPOSE)
@@ -277,7 +273,7 @@ def per_tp_rank_nvfp4(x, mesh, tp_dim):
 def test_tp_nvfp4_unaligned_split_round_trips_per_rank_and_refuses_dequantize(tmp_path, request, tp_dim, shape):
     if common.rerun_if_few_devices(request):
         return
-    save_mesh, load_mesh = _mesh(2, 2), _mesh(4, 2)  # same tp (the per-rank scale blocks depend on it)
+    save_mesh, load_mesh = fsdp_tp_mesh(2, 2), fsdp_tp_mesh(4, 2)  # same tp (the per-rank scale blocks depend on it)
     q, locals_ = per_tp_rank_nvfp4(jnp.asarray(_x(shape, 20 + tp_dim)), save_mesh, tp_dim)
     ck.save_dcp(str(tmp_path / "ck"), {"w": q})
     target = {"w": jax.tree_util.tree_map(lambda a: _as_target(a, NamedSharding(load_mesh, a.sharding.spec)), q)}
@@ -298,17 +294,13 @@ def test_tp_nvfp4_unaligned_split_round_trips_per_rank_and_refuses_dequantize(tm
     assert not os.path.exists(tmp_path / "conv")
 
 
-_HAS_TP_MASTER = "tp_axis" in inspect.signature(jaxquant.zero.distributed.quantize_master_weights).parameters
-
-
-@pytest.mark.skipif(not _HAS_TP_MASTER, reason="needs quantize_master_weights(..., tp_axis=) (issue 8 item 1)")
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_quantize_master_weights_tp_output_round_trips_through_dcp(tmp_path, request, recipe):
     if common.rerun_if_few_devices(request):
         return
     from jaxquant.zero.layout import FlatLayout
 
-    mesh = _mesh(2, 2)
+    mesh = fsdp_tp_mesh(2, 2)
     shapes, tp_dims = [(256, 32), (32, 128), (16, 32), (128, 32)], [0, 1, None, 0]  # the last: unaligned NVFP4
     layout = FlatLayout(shapes, 2, tp_size=2, tp_dims=tp_dims)
     master = jax.device_put(layout.flatten([jnp.asarray(_x(s, 30 + p)) for p, s in enumerate(shapes)]),
@@ -321,7 +313,7 @@ def test_quantize_master_weights_tp_output_round_trips_through_dcp(tmp_path, req
             dim = None if d is None else _component_tp_dim(attr, v, d)
             assert v.sharding.is_equivalent_to(NamedSharding(mesh, _tp_spec(dim)), v.ndim), (attr, v.sharding)
     ck.save_dcp(str(tmp_path / "ck"), tree)
-    load_mesh = _mesh(4, 2)
+    load_mesh = fsdp_tp_mesh(4, 2)
     target = jax.tree_util.tree_map(lambda a: _as_target(a, NamedSharding(load_mesh, a.sharding.spec)), tree)
     out = ck.load_dcp(str(tmp_path / "ck"), target)
     for k in tree:
@@ -332,7 +324,7 @@ def test_quantize_master_weights_tp_output_round_trips_through_dcp(tmp_path, req
 def test_tp_resharding_load_reads_each_chunk_once_in_file_order(tmp_path, request, quant, monkeypatch):
     if common.rerun_if_few_devices(request):
         return
-    tree = jax_tree(_mesh(4, 2), quant)
+    tree = jax_tree(fsdp_tp_mesh(4, 2), quant)
     ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
     reads = []
     original = ck.reader.ChunkReader.chunk
@@ -343,7 +335,7 @@ def test_tp_resharding_load_reads_each_chunk_once_in_file_order(tmp_path, reques
 
     monkeypatch.setattr(ck.reader.ChunkReader, "chunk", recording_chunk)
     # (2, 4): row-parallel blocks straddle the stored chunks and each TP component chunk feeds two blocks
-    ck.load_dcp(str(tmp_path / "ck"), jax_tree(_mesh(2, 4), quant, _as_target), transpose=TRANSPOSE)
+    ck.load_dcp(str(tmp_path / "ck"), jax_tree(fsdp_tp_mesh(2, 4), quant, _as_target), transpose=TRANSPOSE)
     md = read_metadata(str(tmp_path / "ck"))
     assert sorted(reads) == sorted((k, c.storage.relative_path, c.storage.offset)
                                    for k, e in md.entries.items() if hasattr(e, "chunks") for c in e.chunks)

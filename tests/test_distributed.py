@@ -21,6 +21,7 @@ from jaxquant.zero import distributed as D
 from jaxquant.primitives import ops
 from jaxquant.primitives.ops import table as gtable
 from jaxquant.zero.group_split import GatheredWeights
+from support.meshes import fsdp_tp_mesh
 from jaxquant.zero.layout import FlatLayout
 from jaxquant.primitives.quantize import quantize_fp8, quantize_nvfp4
 from jaxquant.primitives.tensors import NVFP4Tensor
@@ -34,11 +35,6 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulat
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _mesh(S, tp=1):
-    devs = np.array(jax.devices()[:S * tp]).reshape(S, tp)
-    return jax.sharding.Mesh(devs, ("fsdp", "tp"))
 
 
 def _weights(rng, shapes):
@@ -148,7 +144,7 @@ def test_bit_exact(S, kind, n, seed, recipe):
     rng = np.random.default_rng(seed)
     shapes = _random_shapes(rng, n)
     layout = _layout(kind, shapes, S, rng)
-    _run_and_compare(layout, _weights(rng, shapes), _mesh(S), recipe)
+    _run_and_compare(layout, _weights(rng, shapes), fsdp_tp_mesh(S), recipe)
 
 
 def test_cases_cover_the_hard_layouts():
@@ -176,7 +172,7 @@ def test_tp_mesh_and_columnwise():
     rng = np.random.default_rng(10)
     shapes = [(32, 48), (16, 80), (48, 16)]
     ws = _weights(rng, shapes)
-    mesh = _mesh(4, tp=2)
+    mesh = fsdp_tp_mesh(4, tp=2)
     layout = FlatLayout(shapes, 4)
     for recipe in ("nvfp4", "fp8"):
         out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe=recipe, impl=IMPL,
@@ -190,7 +186,7 @@ def test_manual_post_all_gather_processing():
     rng = np.random.default_rng(11)
     shapes = [(16, 48), (32, 32)]
     ws = _weights(rng, shapes)
-    mesh = _mesh(2)
+    mesh = fsdp_tp_mesh(2)
     layout = FlatLayout(shapes, 2)
     out = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, impl=IMPL, columnwise=True)
     assert all(q.data_t is None and q.scale_inv_t is None for q in out)
@@ -210,7 +206,7 @@ def test_compute_dtype_none_and_fp8_options():
     rng = np.random.default_rng(12)
     shapes = [(16, 16), (32, 48)]
     ws = _weights(rng, shapes)
-    mesh = _mesh(3)
+    mesh = fsdp_tp_mesh(3)
     layout = FlatLayout(shapes, 3)
     flat = _put(layout, ws, mesh)
     out = D.quantize_master_weights(flat, layout, mesh=mesh, compute_dtype=None, impl=IMPL)
@@ -229,7 +225,7 @@ def test_per_device_form_in_user_shard_map():
     rng = np.random.default_rng(13)
     shapes = [(16, 80), (32, 16)]
     ws = _weights(rng, shapes)
-    mesh = _mesh(4, tp=2)
+    mesh = fsdp_tp_mesh(4, tp=2)
     layout = FlatLayout(shapes, 4)
 
     @jax.jit
@@ -261,7 +257,7 @@ def test_check_finite(recipe):
     ws[1][31, 47] = np.inf                 # wk last element  -> flat 512+1535
     ws[2][3, 3] = -np.inf
     ws[2][3, 4] = np.nan
-    mesh = _mesh(4)
+    mesh = fsdp_tp_mesh(4)
     out, rep = D.quantize_master_weights(_put(layout, ws, mesh), layout, mesh=mesh, recipe=recipe,
                                          check_finite=True, impl=IMPL)
     counts = np.asarray(rep.counts)
@@ -319,7 +315,7 @@ def test_hlo_nvfp4_gathers_half_numel_bytes_and_one_pmax(check_finite):
     S = 4
     layout = FlatLayout(shapes, S)
     assert layout.total_size == numel and D.gathered_bytes(layout) == numel // 2
-    mesh = _mesh(S)
+    mesh = fsdp_tp_mesh(S)
     flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
     f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, check_finite=check_finite, impl=IMPL))
     hlo = f.lower(flat).compile().as_text()
@@ -348,7 +344,7 @@ def test_hlo_odd_layout_gather_size():
     assert layout.shard_size == 427
     expect = D.gathered_bytes(layout)
     assert 640 < expect <= 640 + 3 * 2
-    mesh = _mesh(3)
+    mesh = fsdp_tp_mesh(3)
     flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
     hlo = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, impl=IMPL)).lower(flat).compile().as_text()
     gathers, reduces = _collectives(hlo)
@@ -369,7 +365,7 @@ def test_gather_pieces_same_bytes(kind, S, recipe):
     size = D.nvfp4_chunks(layout).size if recipe == "nvfp4" else layout.shard_size
     assert len(D.gather_piece_bounds(size, 3)) == 3, size    # big enough for 3 pieces of >= 128 bytes
     ws = _weights(rng, shapes)
-    mesh = _mesh(S)
+    mesh = fsdp_tp_mesh(S)
     flat = _put(layout, ws, mesh)
     for pieces in (1, 3):
         for columnwise in (False, True):
@@ -408,13 +404,13 @@ def test_gather_piece_bounds():
     assert D.gather_piece_bounds(0) == ((0, 0),)
     assert D.gather_piece_bounds(1 << 30) == ((0, 1 << 30),)                 # default: one piece
     with pytest.raises(ValueError, match="gather_pieces"):
-        D.quantize_master_weights(jnp.zeros(16 * 16), FlatLayout([(16, 16)], 1), mesh=_mesh(1), gather_pieces=0)
+        D.quantize_master_weights(jnp.zeros(16 * 16), FlatLayout([(16, 16)], 1), mesh=fsdp_tp_mesh(1), gather_pieces=0)
 
 
 def test_hlo_fp8_gathers_one_byte_per_element():
     shapes = [(32, 48), (16, 80)]
     layout = FlatLayout(shapes, 2)
-    mesh = _mesh(2)
+    mesh = fsdp_tp_mesh(2)
     flat = _put(layout, [np.zeros(s, np.float32) for s in shapes], mesh)
     step = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe="fp8", impl=IMPL))
     hlo = step.lower(flat).compile().as_text()
@@ -433,7 +429,7 @@ def test_jit_donating_previous_weights():
     rng = np.random.default_rng(14)
     shapes = [(32, 48), (16, 16)]
     layout = FlatLayout(shapes, 2)
-    mesh = _mesh(2)
+    mesh = fsdp_tp_mesh(2)
     ws = _weights(rng, shapes)
     flat = _put(layout, ws, mesh)
 
@@ -461,7 +457,7 @@ def test_jit_donating_previous_weights():
 
 
 def test_errors():
-    mesh = _mesh(2)
+    mesh = fsdp_tp_mesh(2)
     layout = FlatLayout([(16, 32)], 2)
     flat = _put(layout, [np.zeros((16, 32), np.float32)], mesh)
     with pytest.raises(ValueError, match="axis"):
@@ -544,7 +540,7 @@ def test_fsdp_tp_bytes(fsdp, tp, recipe, align):
     tp_dims = [d for _, d, _ in spec]
     ws = _weights(rng, shapes)
     layout = FlatLayout(shapes, fsdp, align, tp_size=tp, tp_dims=tp_dims)
-    mesh = _mesh(fsdp, tp)
+    mesh = fsdp_tp_mesh(fsdp, tp)
     master = layout.flatten(ws)
     assert master.shape == (tp, layout.total_size)
     master = jax.device_put(master, D.master_sharding(mesh, "fsdp", tp_axis="tp"))
@@ -574,7 +570,7 @@ def test_fsdp_tp_layout_roundtrip_and_errors():
         np.testing.assert_array_equal(a, b)
     assert FlatLayout(shapes, 2, tp_dims=[0, 1, None]).flatten(ws).shape[0] == 1
     assert FlatLayout(shapes, 2).flatten(ws).ndim == 1
-    mesh = _mesh(4, 2)
+    mesh = fsdp_tp_mesh(4, 2)
     assert D.master_sharding(mesh, "fsdp", tp_axis="tp").spec == P("tp", "fsdp")
     with pytest.raises(ValueError, match=r"tp_dims\[0\]: dimension 0 of shape \(64, 32\) is not divisible"):
         FlatLayout(shapes, 2, tp_size=3, tp_dims=[0, 1, None])
@@ -589,11 +585,11 @@ def test_fsdp_tp_layout_roundtrip_and_errors():
     with pytest.raises(ValueError, match="tp_axis: 'tq' is not an axis"):
         D.quantize_master_weights(master, lay4, mesh=mesh, tp_axis="tq")
     with pytest.raises(ValueError, match="layout: has tp_size=2 but mesh axis 'tp' has 1"):
-        D.quantize_master_weights(master, FlatLayout(shapes, 8, tp_size=2, tp_dims=[0, 1, None]), mesh=_mesh(8),
+        D.quantize_master_weights(master, FlatLayout(shapes, 8, tp_size=2, tp_dims=[0, 1, None]), mesh=fsdp_tp_mesh(8),
                                   tp_axis="tp")
     bad = FlatLayout([(32, 16)], 4, tp_size=4, tp_dims=[0])      # 8 local rows: off the 16-grid
     with pytest.raises(ValueError, match=r"TP-local shape \(8, 16\).*multiple of 16"):
-        D.quantize_master_weights(jnp.zeros((4, bad.total_size)), bad, mesh=_mesh(2, 4), tp_axis="tp")
+        D.quantize_master_weights(jnp.zeros((4, bad.total_size)), bad, mesh=fsdp_tp_mesh(2, 4), tp_axis="tp")
 
 
 @pytest.mark.slow
@@ -602,7 +598,7 @@ def test_fsdp_tp_check_finite_names_tp_rank_and_shard():
     layout = FlatLayout(shapes, 2, tp_size=2, tp_dims=[0, None], names=["wq", "norm"])
     ws = [np.ones(s, np.float32) for s in shapes]
     ws[0][20, 5] = np.nan          # TP rank 1 (rows 16..31), local row 4 -> local element 133 -> shard 0
-    mesh = _mesh(2, 2)
+    mesh = fsdp_tp_mesh(2, 2)
     master = jax.device_put(layout.flatten(ws), D.master_sharding(mesh, "fsdp", "tp"))
     for recipe in ("nvfp4", "fp8"):
         _, rep = D.quantize_master_weights(master, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
@@ -626,7 +622,7 @@ def test_hlo_fsdp_tp_one_all_reduce_over_both_axes_one_gather_over_fsdp(recipe):
     fsdp, tp = 4, 2
     shapes = [(256, 32), (32, 128), (48, 80)]
     layout = FlatLayout(shapes, fsdp, tp_size=tp, tp_dims=[0, 1, None])
-    mesh = _mesh(fsdp, tp)
+    mesh = fsdp_tp_mesh(fsdp, tp)
     master = jax.device_put(layout.flatten([np.zeros(s, np.float32) for s in shapes]),
                             D.master_sharding(mesh, "fsdp", "tp"))
     f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, tp_axis="tp", recipe=recipe,
@@ -668,7 +664,7 @@ def test_custom_call_count_independent_of_parameter_count(recipe):
         layout = FlatLayout(shapes, 4, align=1 if n == 7 else 3)
         # NVFP4: both layouts have tiles cut by a shard boundary (reducing them adds ops, not per parameter)
         assert len(D.cut_tiles(gtable.rows_of(D.layout_group_table(layout, True)), layout.shard_size, 4)) > 0
-        mesh = _mesh(4)
+        mesh = fsdp_tp_mesh(4)
         flat = jax.ShapeDtypeStruct((layout.total_size,), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
         f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=True,
                                                         manual_post_all_gather_processing=False,
@@ -701,7 +697,7 @@ def test_split_false_same_bytes_without_a_split_pass(kind, S, pieces, recipe):
     shapes = [(64, 96), (32, 80), (48, 64), (16, 160)]
     layout = _layout(kind, shapes, S, rng)
     ws = _weights(rng, shapes)
-    mesh = _mesh(S)
+    mesh = fsdp_tp_mesh(S)
     flat = _put(layout, ws, mesh)
     for columnwise in (False, True):
         f = jax.jit(lambda x: D.quantize_master_weights(x, layout, mesh=mesh, recipe=recipe, columnwise=columnwise,
@@ -724,7 +720,7 @@ def test_split_false_same_bytes_without_a_split_pass(kind, S, pieces, recipe):
 def test_split_false_buffers_do_not_grow_with_parameters_and_check_finite():
     """The GatheredWeights of 7 and of 120 parameters hold the same number of arrays (the split is
     what hands back one array per result); check_finite still returns the report."""
-    mesh = _mesh(4)
+    mesh = fsdp_tp_mesh(4)
     counts = {}
     for n in (7, 120):
         shapes = [(16, 16 * (1 + p % 3)) for p in range(n)]
@@ -740,15 +736,15 @@ def test_split_false_buffers_do_not_grow_with_parameters_and_check_finite():
 
 def test_split_false_errors_and_per_device_form():
     layout = FlatLayout([(32, 32), (16, 48)], 4)
-    mesh = _mesh(4)
+    mesh = fsdp_tp_mesh(4)
     ws = _weights(np.random.default_rng(3), [(32, 32), (16, 48)])
     flat = _put(layout, ws, mesh)
     with pytest.raises(TypeError, match="split: must be a bool"):
         D.quantize_master_weights(flat, layout, mesh=mesh, split="no")
     tp_layout = FlatLayout([(32, 32)], 2, tp_size=2, tp_dims=[0])
     with pytest.raises(ValueError, match="split: False .* 1-D meshes"):
-        D.quantize_master_weights(jnp.zeros((2, tp_layout.total_size)), tp_layout, mesh=_mesh(2, 2), tp_axis="tp",
-                                  split=False)
+        D.quantize_master_weights(jnp.zeros((2, tp_layout.total_size)), tp_layout, mesh=fsdp_tp_mesh(2, 2),
+                                  tp_axis="tp", split=False)
     body = functools.partial(D.quantize_master_weights_local, layout=layout, recipe="fp8", split=False, impl=IMPL)
     gathered = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P()))(flat)
     for q, w in zip(gathered.tensors(), ws):

@@ -2,8 +2,7 @@
 2026-11-24), so that CI keeps them working although it has no GPU: replica groups in the mesh-axes
 spelling, and Triton GEMM fusions whose operand types sit in the called computation's header."""
 
-from test_sharding import _replica_group_size, collectives
-from test_train_gpu import _gemms
+from support.hlo import collectives, gemms, replica_group_size
 
 # a quantizer's max all-reduce over both axes of a 1 x 2 mesh (test_sharding_gpu.py)
 ALL_REDUCE = ("ROOT %pmax.5.2 = f32[1]{0} all-reduce(%param_0.1), channel_id=1, "
@@ -22,14 +21,14 @@ ENTRY %main {
 
 
 def test_replica_group_sizes_in_every_spelling():
-    assert _replica_group_size(ALL_REDUCE) == 2
-    assert _replica_group_size("replica_groups=mesh['fsdp'=4,'tp'=2] {'tp'}, x") == 2
-    assert _replica_group_size("replica_groups=mesh['fsdp'=4,'tp'=2] {'fsdp','tp'}, x") == 8
-    assert _replica_group_size("replica_groups={{0,1,2},{3,4,5}}, x") == 3
-    assert _replica_group_size("replica_groups=[2,4]<=[8], x") == 4
-    assert _replica_group_size("no groups here") == -1
+    assert replica_group_size(ALL_REDUCE) == 2
+    assert replica_group_size("replica_groups=mesh['fsdp'=4,'tp'=2] {'tp'}, x") == 2
+    assert replica_group_size("replica_groups=mesh['fsdp'=4,'tp'=2] {'fsdp','tp'}, x") == 8
+    assert replica_group_size("replica_groups={{0,1,2},{3,4,5}}, x") == 3
+    assert replica_group_size("replica_groups=[2,4]<=[8], x") == 4
+    assert replica_group_size("no groups here") == -1
     assert collectives(ALL_REDUCE) == [("all-reduce", "f32[1]{0}", 2)]
 
 
 def test_gemms_read_fusion_operand_types_from_the_callee():
-    assert _gemms(GEMM_HLO) == [("triton_gemm", ("f32", "f8e4m3fn")), ("__cublas$gemm", ("bf16",))]
+    assert gemms(GEMM_HLO) == [("triton_gemm", ("f32", "f8e4m3fn")), ("__cublas$gemm", ("bf16",))]

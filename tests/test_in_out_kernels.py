@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_layerwise import init_params, loss_scan, make_batch
+from support.transformer import init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

@@ -6,7 +6,6 @@ gathers quantized bytes and reduce-scatters per layer inside the loop.
 
 import functools
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,115 +16,12 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 from codegen import XLA_DEFAULT_CODEGEN
+from support import transformer
+from support.hlo import collective_types
+from support.transformer import (D, F, LR, MASK, VOCAB, assert_close_to, init_params, loss_loop, loss_scan,
+                                 make_batch, scan_after_one_step, stack_params, train, trained_scan)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-
-VOCAB, D, F, L, BATCH, STEPS, LR = 64, 128, 256, 3, 32, 3, 0.05
-
-
-def init_params(stacked=True, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 2 * L + 2)
-    w1 = [jax.random.normal(ks[2 * i], (F, D), jnp.float32) / np.sqrt(D) for i in range(L)]
-    w2 = [jax.random.normal(ks[2 * i + 1], (D, F), jnp.float32) / np.sqrt(F) for i in range(L)]
-    # [1, D]: a masked matrix, so it reaches the loss as bf16 both as a per-layer leaf and stacked [L, 1, D]
-    norm = [jnp.linspace(0.5, 1.5, D, dtype=jnp.float32)[None] + 0.1 * i for i in range(L)]
-    if stacked:
-        blocks = {"w1": jnp.stack(w1), "w2": jnp.stack(w2), "norm": jnp.stack(norm)}
-    else:
-        blocks = [{"w1": a, "w2": b, "norm": c} for a, b, c in zip(w1, w2, norm)]
-    return {"embed": jax.random.normal(ks[-2], (VOCAB, D), jnp.float32),
-            "head": jax.random.normal(ks[-1], (VOCAB, D), jnp.float32) / np.sqrt(D),
-            "blocks": blocks}
-
-
-def stack_params(p):
-    return {**p, "blocks": jax.tree.map(lambda *a: jnp.stack(a), *p["blocks"])}
-
-
-def make_batch(seed=1):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return {"tokens": jax.random.randint(k1, (BATCH,), 0, VOCAB), "targets": jax.random.randint(k2, (BATCH,), 0, VOCAB)}
-
-
-def _block(h, layer, tp_axis=None):
-    x = h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-6) * layer["norm"]
-    if tp_axis is not None:   # column-parallel w1 (Megatron's "f": its transpose sums dx over tp); x stays
-        x = jax.lax.pcast(x, tp_axis, to="varying")   # fp32 so that dx's TP partial sums are not rounded to bf16
-    amax = () if tp_axis is None else (tp_axis,)
-    u = jax.nn.gelu(jq.dense(x, layer["w1"], amax_axes=amax))
-    y = jq.dense(u, layer["w2"], out_dtype=jnp.float32, amax_axes=amax)
-    return h + (y if tp_axis is None else jax.lax.psum(y, tp_axis))
-
-
-def _head(h, w, batch):
-    logits = jq.dense(h.astype(jnp.bfloat16), w["head"], out_dtype=jnp.float32)
-    logp = jax.nn.log_softmax(logits, -1)
-    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][:, None], axis=-1))
-
-
-def loss_scan(w, batch, remat=False, tp_axis=None):
-    h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-    body = lambda h, layer: (_block(h, layer, tp_axis), None)
-    h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h, w["blocks"])
-    return _head(h, w, batch)
-
-
-def loss_loop(w, batch):
-    h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-    for layer in w["blocks"]:
-        h = _block(h, layer)
-    return _head(h, w, batch)
-
-
-# the embedding is read with jnp.take and the norms are no weights of a GEMM: both stay (bf16) arrays
-def MASK(p):
-    not_norm = lambda path, _: "norm" not in jax.tree_util.keystr(path)
-    return {"embed": False, "head": True, "blocks": jax.tree_util.tree_map_with_path(not_norm, p["blocks"])}
-
-
-def train(loss, params, devices=8, cw="nvfp4", mesh=None, steps=STEPS, **kw):
-    mesh = mesh or Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
-    step = jq.make_train_step(loss, optax.sgd(LR), mesh=mesh, policy=jq.MixedPrecisionPolicy(compute_weights=cw),
-                              quantize_mask=MASK, **kw)
-    state, losses = step.init(params), []
-    for _ in range(steps):
-        state, m = step(state, make_batch())
-        losses.append(float(m["loss"]))
-    return step.params(state), losses, step, state
-
-
-@functools.lru_cache(maxsize=None)
-def _trained_scan(cw, reshard, layers):
-    """train(loss_scan, ...) on 8 devices, once per recipe, reshard_after_forward and layer count (L, the cache
-    key only): several tests compare against it and only read what it returns (the step only to lower). Also
-    returns the parameters after the first step (host copies: the step donates its state). Compiled at XLA's default
-    level: test_scan_over_stacked_equals_loop_over_layers compares it bit for bit with another program."""
-    params, losses, step, state = train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard, steps=1,
-                                        compiler_options=XLA_DEFAULT_CODEGEN)
-    first = jax.tree.map(np.asarray, params), list(losses)
-    for _ in range(STEPS - 1):
-        state, m = step(state, make_batch())
-        losses.append(float(m["loss"]))
-    return (step.params(state), losses, step, state), first
-
-
-def trained_scan(cw, reshard=True):
-    """What train(loss_scan, init_params(), cw=cw, reshard_after_forward=reshard) returns, computed once."""
-    return _trained_scan(cw, reshard, L)[0]
-
-
-def scan_after_one_step(cw):
-    """(parameters, [loss]) of train(loss_scan, init_params(), cw=cw, steps=1): trained_scan's first step."""
-    return _trained_scan(cw, True, L)[1]
-
-
-def assert_close_to(params, ref, init, atol_of_update):
-    for (path, a), b, c in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref),
-                               jax.tree.leaves(init)):
-        update = float(jnp.max(jnp.abs(b - c)))
-        assert update > 0, jax.tree_util.keystr(path)
-        np.testing.assert_allclose(a, b, rtol=0, atol=atol_of_update * update, err_msg=jax.tree_util.keystr(path))
-
 
 @pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.slow
@@ -174,7 +70,7 @@ def test_hsdp_with_tp_equals_fsdp():
     assert tuple(state.master["blocks"]["w1"].sharding.spec)[:2] == (None, ("tp", "fsdp"))
     assert tuple(state.master["blocks"]["w2"].sharding.spec) == (None, "fsdp", "tp")
     shard = state.master["blocks"]["w1"].addressable_shards[0].data
-    assert shard.shape == (L, F // 4, D)                # 1/(tp x fsdp) of the rows, whole over dp
+    assert shard.shape == (transformer.L, F // 4, D)                # 1/(tp x fsdp) of the rows, whole over dp
     p4, l4, _, _ = train(loss_scan, init_params(), devices=4, cw="fp8")
     np.testing.assert_allclose(l, l4, rtol=1e-5)
     assert_close_to(p, p4, init_params(), 1e-3)   # a reordered fp32 sum can flip a bf16 rounding of dW
@@ -192,7 +88,7 @@ def test_quantize_mask_leaves_arrive_as_arrays():
     assert isinstance(seen["embed"], jax.Array) and seen["embed"].dtype == jnp.bfloat16      # masked matrix
     assert seen["embed"].shape == (VOCAB, D)                                                  # gathered whole
     assert isinstance(seen["norm"], jax.Array) and seen["norm"].dtype == jnp.bfloat16
-    assert isinstance(seen["w1"], jq.ShardedWeight) and seen["w1"].shape == (L, F, D)
+    assert isinstance(seen["w1"], jq.ShardedWeight) and seen["w1"].shape == (transformer.L, F, D)
     assert losses[-1] < losses[0]
     assert float(jnp.max(jnp.abs(p["embed"] - init_params()["embed"]))) > 0      # the embedding trains
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
@@ -214,16 +110,14 @@ def test_hlo_gathers_quantized_bytes_per_layer_inside_the_loop(cw, wire):
     """The lowered step all-gathers one layer's quantized w1 / w2 (not the [L, ...] stack, not fp32) a fixed
     number of times whatever L is (forward, backward: the loop body), and reduce-scatters one layer's
     gradient [rows, in] -> [rows / 8, in] in the comm dtype (fp32)."""
-    from test_train import collective_types
 
     def counts(layers):
-        global L
-        saved, L = L, layers
+        saved, transformer.L = transformer.L, layers
         try:
             _, _, step, state = train(loss_scan, init_params(), cw=cw, steps=0)   # lowered, not run
             text = step.lower(state, make_batch()).as_text()
         finally:
-            L = saved
+            transformer.L = saved
         return _all_gathers(text), collective_types(text, "reduce_scatter")
 
     cols = (lambda c: c // 2) if cw == "nvfp4" else (lambda c: c)
@@ -272,7 +166,7 @@ def test_temp_memory_grows_per_layer_like_plain_fsdp(cw, monkeypatch):
     """The compiled step's temporary memory grows with the layer count about as plain JAX FSDP's does (activation
     residuals), not by a layer's gathered weights and full-size gradients (XLA:CPU's memory analysis)."""
     def temp(layers, fn):
-        monkeypatch.setattr(sys.modules[__name__], "L", layers)
+        monkeypatch.setattr(transformer, "L", layers)
         return fn(layers)
 
     def jq_temp(layers):

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_layerwise import MASK, init_params, loss_loop, loss_scan, make_batch, stack_params
+from support.transformer import MASK, init_params, loss_loop, loss_scan, make_batch, stack_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
@@ -53,7 +53,7 @@ def test_scan_casts_each_weight_once(cw, target):
     shapes)."""
     import re
 
-    from test_layerwise import D, F
+    from support.transformer import D, F
 
     n = len(jax.devices())
     step, state, _ = _train(loss_scan, init_params(stacked=True), cw, steps=1)

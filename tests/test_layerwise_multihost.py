@@ -17,7 +17,7 @@ import pytest
 
 from ckpt_helpers import common
 from codegen import XLA_DEFAULT_CODEGEN
-from test_layerwise import assert_close_to, init_params, loss_scan, train, trained_scan
+from support.transformer import assert_close_to, init_params, loss_scan, train, trained_scan
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
 
@@ -27,7 +27,7 @@ def _step(cw):
     from jax.sharding import Mesh
 
     import jaxquant as jq
-    from test_layerwise import LR, MASK
+    from support.transformer import LR, MASK
 
     return jq.make_train_step(loss_scan, optax.sgd(LR), mesh=Mesh(np.array(jax.devices()), ("fsdp",)),
                               quantize_mask=MASK, policy=jq.MixedPrecisionPolicy(compute_weights=cw))
@@ -88,7 +88,7 @@ def test_two_processes_equal_one(tmp_path, cw, per_process):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from test_layerwise import LR
+    from support.transformer import LR
 
     jax_sd = step.state_dict(state, hyperparams=dict(lr=LR, momentum=0.0, weight_decay=0.0))
     want = {n: np.asarray(a) for n, a in jax_sd["model"].items()}

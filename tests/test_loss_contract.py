@@ -9,14 +9,15 @@ import optax
 import pytest
 
 import jaxquant as jq
-from test_train import assert_tree_close, init_params, loss_fn, make_batch, mesh_of
+from support.meshes import fsdp_mesh
+from support.mlp import assert_tree_close, init_params, loss_fn, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
 
 def run(fn, steps=1, microbatches=2, strategy="optim_grads_params", batch=None, **call):
     kw = {k: call.pop(k) for k in ("has_aux", "weighted_loss") if k in call}
-    step = jq.make_train_step(fn, optax.sgd(1.0), mesh=mesh_of(8), microbatches=microbatches, strategy=strategy,
+    step = jq.make_train_step(fn, optax.sgd(1.0), mesh=fsdp_mesh(8), microbatches=microbatches, strategy=strategy,
                               policy=jq.MixedPrecisionPolicy(compute_weights="bf16"), **kw)
     state = step.init(init_params())
     for _ in range(steps):

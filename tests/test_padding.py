@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_layerwise import assert_close_to
+from support.transformer import assert_close_to
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

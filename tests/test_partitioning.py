@@ -1,4 +1,4 @@
-"""jaxquant.primitives.partitioning internals (issue 30): decoding an undecoded sharding into mesh-axis names
+"""jaxquant.primitives.partitioning internals: decoding an undecoded sharding into mesh-axis names
 axis by axis, same names as the former search over every axis order and assignment."""
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ CASES = [(sizes, names, shape) for sizes, names in SMALL_MESHES for shape in ((1
 
 
 @pytest.mark.parametrize("sizes,names,shape", CASES, ids=[f"{s}-rank{len(sh)}" for s, _, sh in CASES])
-def test_as_named_matches_the_former_search(sizes, names, shape):
+def test_as_named_matches_a_brute_force_search(sizes, names, shape):
     mesh = _mesh(sizes, names)
     for spec in _every_spec(mesh, len(shape)):
         given = Undecoded(NamedSharding(mesh, spec))
         got = partitioning._as_named(given, mesh, shape)
         want = brute_force_as_named(given, mesh, shape)
         assert want is not None
-        assert got.spec == want.spec, f"{spec}: {got.spec} != former {want.spec}"
+        assert got.spec == want.spec, f"{spec}: {got.spec} != brute force {want.spec}"
         assert got.devices_indices_map(shape) == given.devices_indices_map(shape)
 
 
@@ -221,8 +221,8 @@ def test_static_key_tells_types_apart_and_refuses_unhashable():
     assert key({"xs": [1, 2]}) is None
 
 
-def test_unhashable_static_config_still_runs(built):
-    """A keyword argument that cannot key the cache: the objects are built per call, as before."""
+def test_unhashable_static_config_runs_uncached(built):
+    """A keyword argument that cannot key the cache: the objects are built per call."""
     from jaxquant.primitives import ops
     x = np.ones((64, 128), np.float32)
     calls = []

@@ -12,21 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant.training import fsdp
-from test_layerwise import MASK, init_params, loss_loop, loss_scan, make_batch
+from support.transformer import MASK, init_params, loss_loop, loss_scan, make_batch
+from support.meshes import fsdp_mesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
 
-def _mesh():
-    return Mesh(np.array(jax.devices()[:8]), ("fsdp",))
-
-
 def _make(loss, cw, once, microbatches=2):
-    return jq.make_train_step(loss, optax.adam(1e-3), mesh=_mesh(), quantize_mask=MASK, microbatches=microbatches,
+    return jq.make_train_step(loss, optax.adam(1e-3), mesh=fsdp_mesh(), quantize_mask=MASK, microbatches=microbatches,
                               policy=jq.MixedPrecisionPolicy(compute_weights=cw), quantize_once=once)
 
 
@@ -72,7 +69,7 @@ def test_packed_amaxes_equal_each_layers():
 
     out_specs = [{k: P(None, "fsdp") if w.ndim == 3 and k in ("data", "scales") else P("fsdp") if k in (
         "data", "scales") else P() for k in ("data", "scales", "scale_inv", "amax")} for w in weights]
-    fn = jax.shard_map(body, mesh=_mesh(), in_specs=tuple(in_specs), check_vma=False,
+    fn = jax.shard_map(body, mesh=fsdp_mesh(), in_specs=tuple(in_specs), check_vma=False,
                        out_specs=([{k: o[k] for k in d} for o, d in zip(out_specs, _keys(specs))],) * 2)
     once, want = jax.jit(fn)(*weights)
     for i, (w, a, b) in enumerate(zip(weights, once, want)):

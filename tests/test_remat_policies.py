@@ -16,7 +16,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_layerwise import MASK, init_params, loss_scan, make_batch
+from support.transformer import MASK, block, head, init_params, loss_scan, make_batch
 
 B, D, F = 32, 64, 128
 
@@ -57,11 +57,10 @@ def test_unknown_policy_is_named():
 
 def _remat_scan(w, batch, policy):
     h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
-    from test_layerwise import _block as block, _head
 
     body = jax.checkpoint(lambda h, layer: (block(h, layer), None), policy=jq.remat_policy(policy))
     h, _ = jax.lax.scan(body, h, w["blocks"])
-    return _head(h, w, batch)
+    return head(h, w, batch)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")

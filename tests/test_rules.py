@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_layerwise import MASK, init_params, loss_scan, make_batch
+from support.transformer import MASK, init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

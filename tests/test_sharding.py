@@ -8,116 +8,21 @@ outputs are sharded like the input (columnwise ones transposed). Also: errors fo
 
 from __future__ import annotations
 
-import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant.primitives import ops
 from conftest import assert_bytes_equal, assert_bytes_equal_nan_aware
+from support.hlo import collectives
+from support.sharding import QUANTIZERS, check_quantizer_sharded, norm, tiled_input, two_axis_mesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: run with "
                                 "XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers (also used by tests/test_sharding_gpu.py)
-# ----------------------------------------------------------------------------------------------
-
-
-def _replica_group_size(line: str) -> int:
-    """Devices per replica group, in the three spellings of XLA's HLO printer: explicit lists
-    ``{{0,1},{2,3}}``, iota ``[groups,size]<=[n]``, and mesh axes ``mesh['fsdp'=1,'tp'=2] {'tp'}``
-    (XLA:GPU, jaxlib 0.11); -1 if the line has none."""
-    groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-    if groups:
-        return len(groups.group(1).split(","))
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-    if iota:
-        return int(iota.group(2))
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if mesh:
-        sizes = {k.strip("'"): int(v) for k, v in re.findall(r"('[^']+')=(\d+)", mesh.group(1))}
-        return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(2).split(",") if a.strip())
-    return -1
-
-
-def collectives(hlo: str) -> list[tuple[str, str, int]]:
-    """(kind, result type, replica group size) of every all-gather / all-reduce / all-to-all /
-    collective-permute in compiled HLO text."""
-    found = []
-    for line in hlo.splitlines():
-        hit = re.search(r"=\s*(\S+)\s+(all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(", line)
-        if not hit:
-            continue
-        size = _replica_group_size(line)
-        found.append((hit.group(2), hit.group(1), size))
-    return found
-
-
-def shards_of(mesh, spec) -> int:
-    axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
-
-
-def norm(spec, ndim: int, mesh=None) -> tuple:
-    """PartitionSpec entries as tuples of axis names padded to ``ndim``; axes of size 1 (which
-    split nothing, and XLA drops) left out when ``mesh`` is given."""
-    entries = list(spec) + [None] * (ndim - len(spec))
-    out = []
-    for e in entries:
-        axes = () if e is None else (e if isinstance(e, tuple) else (e,))
-        out.append(tuple(a for a in axes if mesh is None or mesh.shape[a] > 1))
-    return tuple(out)
-
-
-def transposed(spec) -> P:
-    entries = list(spec) + [None] * (2 - len(spec))
-    return P(entries[1], entries[0])
-
-
-QUANTIZERS = {
-    "nvfp4": jax.jit(lambda v: jq.quantize_nvfp4(v, columnwise=True)),
-    "fp8": jax.jit(lambda v: jq.quantize_fp8(v, columnwise=True)),
-}
-
-
-def check_quantizer_sharded(recipe: str, mesh, spec, x: np.ndarray) -> None:
-    """Bytes equal to unsharded, no all-gather, one max all-reduce over the input's axes, output
-    shardings as docs/sharding.md states (scale layouts aligned: x's shape chosen so)."""
-    q = QUANTIZERS[recipe]
-    xs = jax.device_put(x, NamedSharding(mesh, spec))
-    compiled = q.lower(xs).compile()
-    out, ref = compiled(xs), q(x)
-    for name in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if recipe == "nvfp4" else ()):
-        assert_bytes_equal(getattr(out, name), getattr(ref, name), f"{recipe} {spec} {name}")
-    kinds = collectives(compiled.as_text())
-    assert not [k for k in kinds if k[0] != "all-reduce"], f"{spec}: unexpected collectives {kinds}"
-    n = shards_of(mesh, spec)
-    if n > 1:
-        assert len(kinds) == 1 and kinds[0][2] == n, f"{spec}: want one all-reduce over {n} devices, got {kinds}"
-    same, swapped = norm(spec, 2, mesh), norm(transposed(spec), 2, mesh)
-    assert norm(out.data.sharding.spec, 2, mesh) == same
-    assert norm(out.data_t.sharding.spec, 2, mesh) == swapped
-    assert norm(out.amax.sharding.spec, out.amax.ndim, mesh) == ((),) * out.amax.ndim
-    if recipe == "nvfp4":
-        assert norm(out.scale_inv.sharding.spec, 2, mesh) == same
-        assert norm(out.scale_inv_t.sharding.spec, 2, mesh) == swapped
-
-
-def _mesh(shape, names, explicit=False):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit if explicit else AxisType.Auto,) * 2)
-
-
-def _x(rows, cols, seed=0):
-    rng = np.random.default_rng(seed)
-    scale = 10.0 ** rng.uniform(-3, 3, size=(rows // 16, cols // 16))
-    return (rng.standard_normal((rows, cols)) * np.kron(scale, np.ones((16, 16)))).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,15 +43,15 @@ CASES = [  # (mesh shape, axis names, spec); [256, 512] is aligned to every spli
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("shape,names,spec", CASES, ids=[f"{s}-{sp}" for s, _, sp in CASES])
 def test_quantizer_sharded_equals_unsharded(recipe, shape, names, spec):
-    check_quantizer_sharded(recipe, _mesh(shape, names), spec, _x(256, 512))
+    check_quantizer_sharded(recipe, two_axis_mesh(shape, names), spec, tiled_input(256, 512))
 
 
 @pytest.mark.parametrize("impl", ["reference", "custom_call"])
 @pytest.mark.fast_cases("custom_call")  # the other cases: slow
 def test_options_and_impls_sharded(impl):
     """Every impl and the non-default options keep their bytes when sharded."""
-    mesh = _mesh((4, 2), ("fsdp", "tp"))
-    x = _x(128, 64, seed=9)
+    mesh = two_axis_mesh((4, 2), ("fsdp", "tp"))
+    x = tiled_input(128, 64, seed=9)
     xs = jax.device_put(x, NamedSharding(mesh, P("fsdp", "tp")))
     fns = {
         "fp8": lambda v: jq.quantize_fp8(v, dtype=jnp.float8_e5m2, columnwise=True, amax_epsilon=1e-3,
@@ -161,16 +66,16 @@ def test_options_and_impls_sharded(impl):
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_explicit_axes_mesh(recipe):
-    mesh = _mesh((4, 2), ("fsdp", "tp"), explicit=True)
-    check_quantizer_sharded(recipe, mesh, P("fsdp", "tp"), _x(256, 512, seed=1))
+    mesh = two_axis_mesh((4, 2), ("fsdp", "tp"), explicit=True)
+    check_quantizer_sharded(recipe, mesh, P("fsdp", "tp"), tiled_input(256, 512, seed=1))
 
 
 def test_nvfp4_scales_off_the_128x4_layout_are_replicated():
     """M = 192 (not a multiple of 128) and K/16 = 6 (not a multiple of 4): the global padded scale
     arrays cannot be split into the local ones, so they come out replicated, built from the local
     scale rows (uint8 all-gathers of the scales only, never of the input)."""
-    mesh = _mesh((2, 4), ("tp", "fsdp"))
-    x = _x(192, 96, seed=2)
+    mesh = two_axis_mesh((2, 4), ("tp", "fsdp"))
+    x = tiled_input(192, 96, seed=2)
     xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
     compiled = QUANTIZERS["nvfp4"].lower(xs).compile()
     out, ref = compiled(xs), QUANTIZERS["nvfp4"](x)
@@ -185,7 +90,7 @@ def test_nvfp4_scales_off_the_128x4_layout_are_replicated():
 @pytest.mark.parametrize("explicit", [False, True])
 @pytest.mark.parametrize("shape,spec", [((32, 64), P("fsdp", None)), ((64, 48), P(None, "fsdp"))])
 def test_blocks_off_the_16_grid_are_an_error(explicit, shape, spec):
-    mesh = _mesh((2, 4), ("tp", "fsdp"), explicit=explicit)
+    mesh = two_axis_mesh((2, 4), ("tp", "fsdp"), explicit=explicit)
     xs = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, spec))
     with pytest.raises(Exception, match=r"nvfp4_stats: input sharding P\(.*'fsdp'.*\) splits dimension .* "
                                         r"16x16 scale grid"):
@@ -195,12 +100,12 @@ def test_blocks_off_the_16_grid_are_an_error(explicit, shape, spec):
 
 
 # ----------------------------------------------------------------------------------------------
-# check_finite (issue 11 item 4)
+# check_finite: the non-finite count of a sharded input
 # ----------------------------------------------------------------------------------------------
 
 
 def _with_nonfinite(rows, cols):
-    x = _x(rows, cols, seed=3)
+    x = tiled_input(rows, cols, seed=3)
     x[0, 0], x[rows - 1, cols - 1], x[rows // 2, 3] = np.nan, np.inf, -np.inf
     x[5, cols // 2 + 1] = 3.4e38  # finite in fp32, +inf after rounding to bfloat16
     return x
@@ -217,14 +122,14 @@ def test_check_finite_counts_and_leaves_tensor_unchanged(recipe):
     plain = quant(jnp.asarray(x))
     compare = assert_bytes_equal if recipe == "nvfp4" else assert_bytes_equal_nan_aware
     compare(t.data, plain.data, "data")
-    _, clean = quant(jnp.asarray(_x(64, 64)), check_finite=True)
+    _, clean = quant(jnp.asarray(tiled_input(64, 64)), check_finite=True)
     assert int(clean) == 0
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_check_finite_sharded_sums_over_shards(recipe):
     quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
-    mesh = _mesh((2, 4), ("tp", "fsdp"))
+    mesh = two_axis_mesh((2, 4), ("tp", "fsdp"))
     x = _with_nonfinite(128, 256)
     xs = jax.device_put(x, NamedSharding(mesh, P("tp", "fsdp")))
     compiled = jax.jit(lambda v: quant(v, check_finite=True)).lower(xs).compile()
@@ -259,8 +164,8 @@ def _primitive_cases(x, amax1):
 @pytest.mark.parametrize("name", ["amax", "fp8_cast", "nvfp4_tile_amax", "nvfp4_scale", "nvfp4_transpose",
                                   "nvfp4_scale_transpose"])
 def test_primitives_sharded(name):
-    mesh = _mesh((2, 4), ("tp", "fsdp"))
-    x = jnp.asarray(_x(256, 512, seed=4))
+    mesh = two_axis_mesh((2, 4), ("tp", "fsdp"))
+    x = jnp.asarray(tiled_input(256, 512, seed=4))
     fn, operand, same_spec = _primitive_cases(x, ops.amax(x).reshape(1))[name]
     spec = P("tp", "fsdp")
     xs = jax.device_put(operand, NamedSharding(mesh, spec))
@@ -277,11 +182,11 @@ def test_primitives_sharded(name):
 
 
 @pytest.mark.slow
-def test_flat_range_primitive_still_correct_when_sharded():
+def test_flat_range_primitive_is_correct_on_a_sharded_input():
     """nvfp4_cast_partial reads a flat element range: it has no sharding rule (its docstring says the
-    partitioner replicates its operands) but stays correct."""
-    mesh = _mesh((2, 4), ("tp", "fsdp"))
-    x = jnp.asarray(_x(64, 128, seed=5))
+    partitioner replicates its operands) and gives the unsharded bytes."""
+    mesh = two_axis_mesh((2, 4), ("tp", "fsdp"))
+    x = jnp.asarray(tiled_input(64, 128, seed=5))
     amax1 = ops.amax(x).reshape(1)
     scale = ops.nvfp4_scale(ops.nvfp4_tile_amax(x, rows=64, cols=128), amax1, rows=64, cols=128)
     fn = lambda v: ops.nvfp4_cast_partial(v.reshape(-1), jnp.zeros((64 * 64,), jnp.uint8), scale, amax1,
@@ -296,7 +201,7 @@ def test_flat_range_primitive_still_correct_when_sharded():
 
 
 def _batch():
-    x = np.stack([_x(128, 64, seed=s) * np.float32(s + 1) for s in range(3)])
+    x = np.stack([tiled_input(128, 64, seed=s) * np.float32(s + 1) for s in range(3)])
     x[1, 3, 4] = np.nan
     x[2, 100, 7] = np.inf
     return jnp.asarray(x)
@@ -348,8 +253,8 @@ def test_vmap_folds_row_separable_ops_into_one_call():
 
 @pytest.mark.parametrize("manual", [None, frozenset({"fsdp"})], ids=["all-axes", "fsdp-only"])
 def test_ops_inside_shard_map(manual):
-    mesh = _mesh((2, 4), ("tp", "fsdp"))
-    x = _x(256, 128, seed=6)
+    mesh = two_axis_mesh((2, 4), ("tp", "fsdp"))
+    x = tiled_input(256, 128, seed=6)
 
     def body(v):
         t = jq.quantize_nvfp4(v, columnwise=True)

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
-from test_sharding import _mesh, _x, check_quantizer_sharded, collectives
+from support.hlo import collectives
+from support.sharding import check_quantizer_sharded, tiled_input, two_axis_mesh
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2,
@@ -24,7 +25,7 @@ SPECS = [P("tp", None), P(None, "tp"), P(("tp", "fsdp"), None), P("fsdp", "tp"),
 
 def _two_gpu_mesh(name):
     shape, names = MESHES[name]
-    return _mesh(shape, names)
+    return two_axis_mesh(shape, names)
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
@@ -32,14 +33,14 @@ def _two_gpu_mesh(name):
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 def test_quantizer_sharded_on_gpus(mesh_name, spec, recipe):
     # [1024, 768]: 512 rows / 384 columns per GPU, aligned to the 128x4 scale layout (K/16 = 48)
-    check_quantizer_sharded(recipe, _two_gpu_mesh(mesh_name), spec, _x(1024, 768, seed=7))
+    check_quantizer_sharded(recipe, _two_gpu_mesh(mesh_name), spec, tiled_input(1024, 768, seed=7))
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "fp8"])
 def test_check_finite_sharded_on_gpus(recipe):
     quant = jq.quantize_nvfp4 if recipe == "nvfp4" else jq.quantize_fp8
     mesh = _two_gpu_mesh("tp2")
-    x = _x(256, 256, seed=8)
+    x = tiled_input(256, 256, seed=8)
     x[0, 0], x[255, 255] = np.nan, np.inf
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
     compiled = jax.jit(lambda v: quant(v, check_finite=True)).lower(xs).compile()

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from conftest import assert_bytes_equal
 
-from test_sp import (CASES, FUSED_OPERANDS, FUSED_TILINGS, _fused_programs, fused_tiling, _layer_args, _runner,
-                     check_fp8_fused_matches_off, check_layers_match_single_device)
+from support.sp_layers import (CASES, FUSED_OPERANDS, FUSED_TILINGS, check_fp8_fused_matches_off,
+                               check_layers_match_single_device, fused_programs, fused_tiling, layer_args, runner)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2,
@@ -25,15 +25,15 @@ pytestmark = [pytest.mark.gpu,
 def test_layers_on_gpus_match_single_gpu(recipe, kind):
     """overlap="off" (NCCL + cuBLAS) against one GPU; "fused": test_fused_*."""
     tp = len(jax.devices())
-    col_args, row_args = _layer_args(tp, recipe, kind)
-    results = _runner(tp, "off", recipe, devices="gpu")(col_args, row_args)
+    col_args, row_args = layer_args(tp, recipe, kind)
+    results = runner(tp, "off", recipe, devices="gpu")(col_args, row_args)
     # cuBLAS picks other kernels (and FP8 accumulation) for the sharded shapes: compare closely,
     # not bitwise; a misplaced chunk or a wrong scale is off by far more than this
     check_layers_match_single_device(results, col_args, row_args, recipe, rtol=1e-2, same_k_rtol=1e-2)
 
 
 def _fused_operands(seed, tp, rows, k, n_cols, contract, a_dtype, b_dtype, scale=1):
-    """Random operands of _fused_programs' kernels for call ``seed``: ((a, b) of the all-gather GEMM,
+    """Random operands of fused_programs' kernels for call ``seed``: ((a, b) of the all-gather GEMM,
     (a2, b2) of the GEMM reduce-scatter), A scaled by ``scale``, B as ``contract`` lays it out."""
     keys = jax.random.split(jax.random.key(seed), 4)
     as_b = (lambda b: b.astype(b_dtype)) if contract == 0 else (lambda b: jnp.asarray(b.T).astype(b_dtype))
@@ -59,7 +59,7 @@ def test_fused_kernels_match_their_schedule(operands, tiling):
     # more output tiles per ring step (144) than a GPU has CTAs, so that the reduce-scatter's CTAs store
     # (and hand off) a tile during their next one, not only after their last; TileConfig() at a small shape
     rows, k, n_cols = (256, 512, 256) if tiling == "default" else (1024, 512, 4608)
-    gather, scatter = _fused_programs(tp, contract, fused_tiling(tiling))
+    gather, scatter = fused_programs(tp, contract, fused_tiling(tiling))
     for i in range(4):
         (a, b), (a2, b2) = _fused_operands(i, tp, rows, k, n_cols, contract, a_dtype, b_dtype, scale=i + 1)
         (out, full), (out_ref, full_ref) = gather["kernel"](a, b), gather["reference"](a, b)
@@ -80,7 +80,7 @@ def test_fused_kernels_hand_off_each_ring_step_whole(contract):
     before it landed about once in 60 calls on 4 x H100). Both kernels, 120 calls, each within the GEMMs'
     rounding of its plain-JAX schedule."""
     tp = len(jax.devices())
-    gather, scatter = _fused_programs(tp, contract, fused_tiling("default"))
+    gather, scatter = fused_programs(tp, contract, fused_tiling("default"))
     bad = []
     for i in range(120):
         (a, b), (a2, b2) = _fused_operands(1000 + i, tp, 256, 512, 256, contract, jnp.bfloat16, jnp.bfloat16)

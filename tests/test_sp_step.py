@@ -12,24 +12,24 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from jaxquant.cli import demo
+from jaxquant.cli import demo, tpsp
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
-CFG = demo.ModelConfig(layers=2, seq=32)
+CFG = tpsp.ModelConfig(layers=2, seq=32)
 
 
 def _step(recipe, sequence_parallel, cfg=CFG, overlap="off"):
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"))
-    return jq.make_train_step(demo.loss_fn(cfg, "tp", 2, sequence_parallel=sequence_parallel, overlap=overlap),
-                              optax.adam(1e-3), mesh=mesh, tp_axis="tp", param_specs=demo.param_specs(cfg),
-                              quantize_mask=demo.quantize_mask(cfg),
+    return jq.make_train_step(tpsp.loss_fn(cfg, "tp", 2, sequence_parallel=sequence_parallel, overlap=overlap),
+                              optax.adam(1e-3), mesh=mesh, tp_axis="tp", param_specs=tpsp.param_specs(cfg),
+                              quantize_mask=tpsp.quantize_mask(cfg),
                               policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
 
 
 def _train(recipe, sequence_parallel, steps=3, cfg=CFG, overlap="off"):
     """(step, params after the first step, losses of ``steps`` steps)."""
     step = _step(recipe, sequence_parallel, cfg, overlap)
-    state = step.init(demo.init_params(jax.random.key(0), cfg))
+    state = step.init(tpsp.init_params(jax.random.key(0), cfg))
     data = demo.SyntheticData(cfg, batch=4)
     losses, first = [], None
     for _ in range(steps):
@@ -64,7 +64,7 @@ def test_sequence_parallel_moves_bf16_activations_with_gathers_and_reduce_scatte
     """From the lowered step: the tp collectives of the block activations are all-gathers and bf16
     reduce-scatters (the wire dtype of the row-parallel partial sums); no bf16/fp32 activation all-reduce."""
     step = _step("fp8", True)
-    state = step.init(demo.init_params(jax.random.key(0), CFG))
+    state = step.init(tpsp.init_params(jax.random.key(0), CFG))
     text = step.lower(state, demo.SyntheticData(CFG, batch=4).next()).as_text()
     # block activations [b, S or S/tp, d] (weight gradients are 2-D, norm-scale ones [1, 1, d])
     three_d = lambda types: [t for t in types if re.fullmatch(rf"tensor<\d+x({CFG.seq}|{CFG.seq // 2})x\d+x\w+>", t)]
@@ -79,7 +79,7 @@ def test_sequence_parallel_moves_bf16_activations_with_gathers_and_reduce_scatte
 
 # the fused kernels' tiles: 256 rows of each rank's chunk (2 sequences x 256 / tp 2), every rank's output
 # features a multiple of 128 (d_model / tp = 128)
-FUSED_CFG = demo.ModelConfig(d_model=256, heads=4, d_ff=512, layers=1, seq=256)
+FUSED_CFG = tpsp.ModelConfig(d_model=256, heads=4, d_ff=512, layers=1, seq=256)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
@@ -95,7 +95,7 @@ def test_fused_sequence_parallel_step_equals_off_step(recipe):
     _, p_off, l_off = _train(recipe, True, cfg=FUSED_CFG, overlap="off")
     # on GPUs the collective GEMM kernels run (Mosaic GPU custom calls); elsewhere their schedule, whose
     # running sums travel by collective_permute ("off" has none of its own)
-    state = step.init(demo.init_params(jax.random.key(0), FUSED_CFG))
+    state = step.init(tpsp.init_params(jax.random.key(0), FUSED_CFG))
     text = step.lower(state, demo.SyntheticData(FUSED_CFG, batch=4).next()).as_text()
     assert ("mosaic_gpu" if jax.devices()[0].platform == "gpu" else "stablehlo.collective_permute") in text
     np.testing.assert_allclose(l_fused, l_off, rtol=2e-3)

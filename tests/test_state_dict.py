@@ -4,8 +4,6 @@ optax states it cannot map, and (with torch) the checkpoint loaded by torch.dist
 set_state_dict into torch.optim.Adam, whose next step equals optax's on the same gradient, and back."""
 
 import functools
-import importlib.util
-import os
 
 import jax
 import numpy as np
@@ -16,12 +14,10 @@ from jax.sharding import Mesh
 import jaxquant as jq
 from ckpt_helpers import common
 from jaxquant import checkpoint as ck
-from test_layerwise import D, F, L, MASK, VOCAB, init_params, loss_scan, make_batch
+from support.torch_twin import ADAM, NEXT_STEP_TOL, torch_required
+from support.transformer import D, F, L, MASK, VOCAB, init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-# torch's next Adam step vs optax's on the same fp32 state and gradient (also tests/test_state_dict_names.py)
-NEXT_STEP_TOL = dict(rtol=1e-6, atol=1e-7)
 
 
 def make(n, opt=None):
@@ -195,9 +191,6 @@ def test_unmappable_states_are_named():
         lion.state_dict(trained(lion, 1), hyperparams=ADAM)
 
 
-torch_required = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None and os.environ.get("JAXQUANT_REQUIRE_TORCH") != "1",
-    reason="torch Adam interop " + common.TORCH_SKIP_REASON)
 
 
 @torch_required

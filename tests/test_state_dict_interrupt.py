@@ -36,7 +36,7 @@ import jaxquant as jq  # noqa: E402
 from ckpt_helpers import common  # noqa: E402
 from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.checkpoint import fsutil  # noqa: E402
-from test_checkpoint_interrupt import _digest, _moments, _snapshot  # noqa: E402
+from support.files import file_digest, file_snapshot, stage_moments  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
 
@@ -47,7 +47,7 @@ TRIALS_PER_SEED = 4
 
 
 def init_params():
-    from test_layerwise import VOCAB
+    from support.transformer import VOCAB
 
     ks = jax.random.split(jax.random.key(0), 4)
     return {"embed": jax.random.normal(ks[0], (VOCAB, D)), "head": jax.random.normal(ks[1], (VOCAB, D)) / 16,
@@ -56,7 +56,7 @@ def init_params():
 
 
 def make_step():
-    from test_layerwise import MASK, loss_scan
+    from support.transformer import MASK, loss_scan
 
     mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
     return jq.make_train_step(loss_scan, optax.adam(ADAM["lr"]), mesh=mesh, quantize_mask=MASK,
@@ -181,7 +181,7 @@ def _assert_loads_equal(step, like, path, want, what):
 
 
 def test_interrupted_training_save_keeps_the_previous_checkpoint(tmp_path):
-    from test_layerwise import make_batch
+    from support.transformer import make_batch
 
     step = make_step()
     like = step.init(init_params())
@@ -198,12 +198,12 @@ def test_interrupted_training_save_keeps_the_previous_checkpoint(tmp_path):
     ck.save_dcp(src, sd2)
     want2 = _host(sd2)
     assert any(not common.same_bytes(want1[k], want2[k]) for k in want1)
-    snap, digest = _snapshot(prev), _digest(prev)
+    snap, digest = file_snapshot(prev), file_digest(prev)
 
     # the newer state to the previous checkpoint's own path: refused, nothing written
     with pytest.raises(ck.DestinationExistsError, match="refusing to overwrite"):
         ck.save_dcp(prev, sd2)
-    assert sorted(os.listdir(ckpt)) == ["bf16-step1"] and _snapshot(prev) == snap
+    assert sorted(os.listdir(ckpt)) == ["bf16-step1"] and file_snapshot(prev) == snap
 
     new = str(ckpt / "bf16-step2")
     saver = Saver(src)
@@ -213,7 +213,7 @@ def test_interrupted_training_save_keeps_the_previous_checkpoint(tmp_path):
         left = sorted(os.listdir(ckpt))
         assert left in (["bf16-step1"], ["bf16-step1", "bf16-step2"]), f"{what}: debris {left}"
         assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n], f"{what}: {os.listdir(tmp_path)}"
-        assert _snapshot(prev) == snap and _digest(prev) == digest, f"{what}: the previous checkpoint changed"
+        assert file_snapshot(prev) == snap and file_digest(prev) == digest, f"{what}: the previous checkpoint changed"
         _assert_loads_equal(step, like, prev, want1, what)
         if os.path.exists(new):       # completed (no signal, or one after the rename): a whole checkpoint
             assert not os.path.exists(os.path.join(new, fsutil.INCOMPLETE_MARKER)) and ck.inspect_dcp(new)["ok"]
@@ -228,7 +228,7 @@ def test_interrupted_training_save_keeps_the_previous_checkpoint(tmp_path):
         outcome, base_s, stages, _ = saver.save(new, stages=True)         # uninterrupted: the stages
         assert outcome == "done" and {"staging", "entry", "chunk", "commit", "renamed"} <= set(stages), stages
         check("uninterrupted", False, outcome)
-        for k in _moments(stages):   # SIGINT at a stage; a second one during the cleanup changes nothing
+        for k in stage_moments(stages):   # SIGINT at a stage; a second one during the cleanup changes nothing
             at = lambda i, name: signal.SIGINT if i == k or (i > k and name == "cleanup") else None
             outcome, _, seen, _ = saver.save(new, stages=True, at_stage=at)
             what = f"SIGINT at stage {k} ({stages[k]})"

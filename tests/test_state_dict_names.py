@@ -1,4 +1,4 @@
-"""Checkpoint names a PyTorch twin loads (jaxquant/training/state_dict.py, issue 43 item 4): ``names=`` maps the default
+"""Checkpoint names a PyTorch twin loads (jaxquant/training/state_dict.py): ``names=`` maps the default
 names (``blocks.0.w1``) to a twin's own (``layers.0.feed_forward.w1.weight``) in ``model``, ``optim.state`` and the
 param groups, and back on load; a Llama-style ``torch.nn.Module`` with its own names loads the JAX checkpoint
 strictly and takes the same next Adam step, and JAX resumes the twin's checkpoint; optax states under ``chain``,
@@ -15,8 +15,8 @@ from jax.sharding import Mesh
 import jaxquant as jq
 from jaxquant import checkpoint as ck
 from jaxquant.training.state_dict import name_map
-from test_layerwise import make_batch
-from test_state_dict import ADAM, NEXT_STEP_TOL, torch_required
+from support.transformer import make_batch
+from support.torch_twin import ADAM, NEXT_STEP_TOL, torch_load, torch_required, torch_save
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
@@ -209,26 +209,6 @@ def twin_model():
             return torch.nn.functional.cross_entropy(self.output(self.norm(h)), targets)
 
     return Twin()
-
-
-def torch_load(model, opt, path):
-    """torch's way in: dcp.load into get_state_dict's template, then set_state_dict (strict)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=StateDictOptions(strict=True))
-    missing, unexpected = model.load_state_dict(msd, strict=True)
-    assert not missing and not unexpected
-
-
-def torch_save(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
 
 
 def random_grads(like, seed):

@@ -1,4 +1,4 @@
-"""Float8Tensor / NVFP4Tensor describe the logical tensor like an array (issue 30): ``shape``, ``ndim``,
+"""Float8Tensor / NVFP4Tensor describe the logical tensor like an array: ``shape``, ``ndim``,
 ``size`` of the dequantized tensor, ``dtype`` = the dtype ``dequantize()`` returns by default
 (float32); the stored bytes keep their own shapes and dtypes (``data.shape``, ``data.dtype``)."""
 

@@ -2,7 +2,7 @@
 the lowered module, NVFP4 vs on-the-fly parity over 50 steps, NaN reporting, donation, bad input.
 
 The strategy x compute-weights equivalence matrix is in tests/test_train_strategies.py; the model and the
-single-device reference used there live here.
+single-device reference both use are tests/support/mlp.py's.
 """
 
 import re
@@ -15,109 +15,11 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
+from support.hlo import collective_types
+from support.meshes import fsdp_mesh
+from support.mlp import (BATCH, D_HID, D_IN, D_OUT, assert_tree_close, init_params, loss_fn, make_batch, run_step)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-
-D_IN, D_HID, D_OUT, BATCH = 16, 32, 16, 64
-
-
-# ----------------------------------------------------------------------------------------------
-# A small MLP and the single-device reference of one step's math
-# ----------------------------------------------------------------------------------------------
-
-
-def init_params(seed=0):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return {"w1": jax.random.normal(k1, (D_HID, D_IN), jnp.float32) * 0.3,
-            "b1": jnp.linspace(-0.1, 0.1, D_HID, dtype=jnp.float32),
-            "w2": jax.random.normal(k2, (D_OUT, D_HID), jnp.float32) * 0.3}
-
-
-def make_batch(seed=1, n=BATCH):
-    kx, ky = jax.random.split(jax.random.key(seed))
-    return {"x": jax.random.normal(kx, (n, D_IN), jnp.float32),
-            "y": jax.random.normal(ky, (n, D_OUT), jnp.float32)}
-
-
-def loss_fn(w, batch):
-    h = jax.nn.relu(jq.dense(batch["x"], w["w1"], out_dtype=jnp.float32) + w["b1"])
-    return jnp.mean((jq.dense(h, w["w2"], out_dtype=jnp.float32) - batch["y"]) ** 2)
-
-
-def mesh_of(n):
-    return Mesh(np.array(jax.devices()[:n]), ("fsdp",))
-
-
-def compute_weight(w, cw):
-    """What the step hands loss_fn for a 2-D master ``w`` under compute_weights ``cw``."""
-    if cw == "bf16":
-        return w.astype(jnp.bfloat16)
-    fn = jq.quantize_fp8 if cw == "fp8" else jq.quantize_nvfp4
-    return fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
-
-
-def same_math_grad(loss, cw, bias):
-    """jitted (params, batch) -> (loss, grads) of the math one rank runs on one microbatch: bf16 gradients of
-    the compute weights of w1 and w2 (straight-through for quantized ones), fp32 for the bias ``bias``."""
-
-    @jax.jit
-    def grad(params, mb):
-        mats = {n: compute_weight(params[n], cw) for n in ("w1", "w2")}
-
-        def f(diff):
-            w = {n: (jq.straight_through(mats[n], diff[n]) if cw != "bf16" else diff[n]) for n in mats}
-            return loss({**w, bias: diff[bias]}, mb)
-
-        diff = {n: (jnp.zeros(params[n].shape, jnp.bfloat16) if cw != "bf16" else mats[n]) for n in mats}
-        return jax.value_and_grad(f)({**diff, bias: params[bias]})
-
-    return grad
-
-
-def reference_sgd(params, batch, *, cw, num_shards, microbatches, lr, steps, comm_dtype=jnp.float32):
-    """Single-device SGD with the step's math: rank r's rows, microbatch j's rows, gradients accumulated
-    in fp32 from zero, scaled by 1/(S*k), cast to the comm dtype, summed over ranks in rank order."""
-    grad = same_math_grad(loss_fn, cw, "b1")
-    n = jax.tree.leaves(batch)[0].shape[0]
-    rows = n // (num_shards * microbatches)
-    scale = np.float32(1.0 / (num_shards * microbatches))
-    losses = []
-    for _ in range(steps):
-        total, loss_sum = None, 0.0
-        for r in range(num_shards):
-            acc = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
-            for j in range(microbatches):
-                lo = (r * microbatches + j) * rows
-                loss, g = grad(params, jax.tree.map(lambda a: a[lo:lo + rows], batch))
-                loss_sum += float(loss)
-                acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-            part = jax.tree.map(lambda a: (a * scale).astype(comm_dtype), acc)
-            total = part if total is None else jax.tree.map(jnp.add, total, part)
-        g = jax.tree.map(lambda a: a.astype(jnp.float32), total)
-        params = jax.tree.map(lambda p, d: p + (-lr) * d, params, g)
-        losses.append(loss_sum / (num_shards * microbatches))
-    return params, losses
-
-
-def run_step(params, batch, *, steps, optimizer, **kw):
-    mesh = kw.pop("mesh", None) or mesh_of(8)
-    step = jq.make_train_step(loss_fn, optimizer, mesh=mesh, **kw)
-    state = step.init(params)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-    return step.params(state), [float(v) for v in losses], step, state
-
-
-def assert_tree_close(actual, expected, rtol, atol, what=""):
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)):
-        name = what + jax.tree_util.keystr(path)
-        if rtol == 0 and atol == 0:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-        else:
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=name)
-
 
 # ----------------------------------------------------------------------------------------------
 # Tests
@@ -152,7 +54,7 @@ def test_update_is_full_batch_mean_gradient(num_shards):
     params, batch = init_params(), make_batch()
     policy = jq.MixedPrecisionPolicy(compute_weights="bf16", main_params_dtype=jnp.float32)
     p, *_ = run_step(params, batch, steps=1, optimizer=optax.sgd(1.0), policy=policy, microbatches=4,
-                     strategy="optim_grads", mesh=mesh_of(num_shards))
+                     strategy="optim_grads", mesh=fsdp_mesh(num_shards))
 
     def full_loss(ps):   # the full-batch mean loss with the same bf16 weights
         return loss_fn({"w1": ps["w1"].astype(jnp.bfloat16), "w2": ps["w2"].astype(jnp.bfloat16),
@@ -164,15 +66,6 @@ def test_update_is_full_batch_mean_gradient(num_shards):
     assert_tree_close(moved, g, rtol=2e-2, atol=2e-3)
 
 
-def collective_types(text, name):
-    """(operand type, result type) of every ``stablehlo.<name>`` in a lowered module's text."""
-    out = []
-    for m in re.finditer(rf'"stablehlo\.{name}"', text):
-        sig = re.search(r"\}\) : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)", text[m.end():])
-        out.append(sig.groups())
-    return out
-
-
 @pytest.mark.parametrize("comm", [None, jnp.bfloat16])
 @pytest.mark.slow
 def test_grad_comm_dtype_in_lowered_module_optim(comm):
@@ -180,7 +73,7 @@ def test_grad_comm_dtype_in_lowered_module_optim(comm):
     reduce-scattered; it reaches the optimizer in fp32. (That the sum over ranks comes once, after the
     microbatches, is what tests/test_train_microbatches.py's bitwise equality with the reference shows.)"""
     policy = jq.MixedPrecisionPolicy(compute_weights="nvfp4", grad_comm_dtype=comm)
-    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, strategy="optim",
+    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=fsdp_mesh(8), policy=policy, strategy="optim",
                               microbatches=2)
     text = step.lower(step.init(init_params()), make_batch()).as_text()
     t = "bf16" if comm is not None else "f32"
@@ -200,7 +93,7 @@ def test_grad_comm_dtype_in_lowered_module_layerwise(comm):
     """optim_grads_params: each weight's gradient is reduce-scattered on its own, in grad_comm_dtype, from
     the full [out, in] gradient of this rank to its rows; the optimizer reads fp32 shards."""
     policy = jq.MixedPrecisionPolicy(compute_weights="fp8", grad_comm_dtype=comm)
-    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh_of(8), policy=policy, microbatches=2)
+    step = jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=fsdp_mesh(8), policy=policy, microbatches=2)
     text = step.lower(step.init(init_params()), make_batch()).as_text()
     t = "bf16" if comm is not None else "f32"
     scattered = collective_types(text, "reduce_scatter")
@@ -225,7 +118,7 @@ def test_nvfp4_weights_match_bf16_weights_quantized_on_the_fly_over_50_steps():
         h = jax.nn.relu(jq.dense(b["x"], w["w1"], recipe="nvfp4", out_dtype=jnp.float32) + w["b1"])
         return jnp.mean((jq.dense(h, w["w2"], recipe="nvfp4", out_dtype=jnp.float32) - b["y"]) ** 2)
 
-    step = jq.make_train_step(on_the_fly, optax.adam(1e-2), mesh=mesh_of(8),
+    step = jq.make_train_step(on_the_fly, optax.adam(1e-2), mesh=fsdp_mesh(8),
                               policy=jq.MixedPrecisionPolicy(compute_weights="bf16"), strategy="optim_grads_params")
     state, lb = step.init(params), []
     for _ in range(50):
@@ -247,7 +140,7 @@ def test_nan_gradient_names_parameter_and_skips_update(bad, strategy, ranks):
                  jnp.sum(jq.dense(b["p"][:, :D_HID], w["w2"], out_dtype=jnp.float32)))
         return loss_fn(w, b) + 0.0 * extra
 
-    step = jq.make_train_step(poisoned, optax.adam(1e-2), mesh=mesh_of(ranks), strategy=strategy,
+    step = jq.make_train_step(poisoned, optax.adam(1e-2), mesh=fsdp_mesh(ranks), strategy=strategy,
                               policy=jq.MixedPrecisionPolicy(compute_weights="fp8"), report_nan=True)
     params = init_params()
     clean = {**make_batch(), "p": jnp.zeros((BATCH, D_HID), jnp.float32)}
@@ -268,7 +161,7 @@ def test_nan_gradient_names_parameter_and_skips_update(bad, strategy, ranks):
 
 def test_state_is_donated_and_params_round_trip():
     params = init_params()
-    step = jq.make_train_step(loss_fn, optax.sgd(0.0), mesh=mesh_of(8),
+    step = jq.make_train_step(loss_fn, optax.sgd(0.0), mesh=fsdp_mesh(8),
                               policy=jq.MixedPrecisionPolicy(compute_weights="bf16"))
     state = step.init(params)
     assert_tree_close(step.params(state), params, rtol=0, atol=0)
@@ -281,7 +174,7 @@ def test_state_is_donated_and_params_round_trip():
 
 
 def test_bad_input():
-    mesh = mesh_of(8)
+    mesh = fsdp_mesh(8)
     with pytest.raises(ValueError, match="strategy"):
         jq.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, strategy="zero3")
     with pytest.raises(ValueError, match="compute_weights"):

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
+from support import hlo
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu" or len(jax.devices()) < 2, reason="needs 2+ GPUs")]
@@ -61,27 +62,6 @@ def test_grad_comm_dtype_in_compiled_hlo(strategy, op):
             assert "bf16" not in _collective_dtypes(hlo, op)
 
 
-def _gemms(hlo: str) -> list:
-    """(backend, operand element types) of each GEMM of compiled GPU HLO: cuBLAS custom calls and
-    Triton GEMM fusions (XLA's autotuner picks between them per GEMM; jaxlib 0.11 on 2 GPUs names them
-    ``__triton_nested_gemm_fusion``). A fusion's operand types are read from its computation's header,
-    since the call site names its operands without types."""
-    found = []
-    for line in hlo.splitlines():
-        if "custom-call(" in line and "__cublas" in line:
-            kind = re.search(r'custom_call_target="([^"]+)"', line).group(1)
-            operands = line.split("custom-call(", 1)[1].split("), ", 1)[0]
-        elif " fusion(" in line and re.search(r'"kind":"__triton\w*gemm\w*"', line):
-            kind = "triton_gemm"
-            callee = re.search(r"calls=(%[\w.-]+)", line).group(1)
-            header = re.search(rf"^\s*{re.escape(callee)} \((.*)\) ->", hlo, re.M)
-            operands = header.group(1) if header else ""
-        else:
-            continue
-        found.append((kind, tuple(sorted(set(re.findall(r"\b(f8e4m3fn|f8e5m2|bf16|f16|f32)\[", operands))))))
-    return found
-
-
 def test_fp8_train_step_gemms_are_fp8():
     """Every GEMM of the FP8 step (2 layers x forward, dgrad, wgrad) takes FP8 operands. At these small
     shapes XLA may pick a Triton FP8 GEMM over cuBLASLt; tests/test_dense_gpu.py asserts cuBLASLt's
@@ -89,7 +69,7 @@ def test_fp8_train_step_gemms_are_fp8():
     n = 16 * len(jax.devices())
     step = jq.make_train_step(_loss, optax.sgd(0.1), mesh=_mesh(),
                               policy=jq.MixedPrecisionPolicy(compute_weights="fp8"))
-    gemms = _gemms(step.lower(step.init(_params()), _batch(n)).compile().as_text())
+    gemms = hlo.gemms(step.lower(step.init(_params()), _batch(n)).compile().as_text())
     # cuBLASLt's FP8 target names its operand types (the call site's operands print untyped)
     fp8 = [g for g in gemms if g[0].endswith("$f8") or any(t.startswith("f8") for t in g[1])]
     assert len(fp8) >= 6 and len(fp8) == len(gemms), gemms

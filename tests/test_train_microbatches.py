@@ -5,7 +5,7 @@ tests/test_train_strategies.py)."""
 import jax
 import pytest
 
-from test_train_strategies import COMPUTE_WEIGHTS, STRATEGIES, check_strategy_equals_single_device
+from support.mlp import COMPUTE_WEIGHTS, STRATEGIES, check_strategy_equals_single_device
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

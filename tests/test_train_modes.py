@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 import jaxquant.training.fsdp
-from test_layerwise import MASK, init_params, loss_scan, make_batch
+from support.transformer import MASK, init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
@@ -80,7 +80,7 @@ def test_what_each_strategy_shards():
     """Master and optimizer state: replicated for no_shard, row-sharded over fsdp otherwise; the stacked w1's
     gradient travels as an all-reduce of every row (no_shard, optim) or a reduce-scatter (the others), and only
     optim_grads_params gathers inside the layer loop (the others gather every layer once, before it)."""
-    from test_train import collective_types
+    from support.hlo import collective_types
 
     for strategy in STRATEGIES:
         step = make(strategy, "fp8", microbatches=1, opt=optax.adam(1e-3))

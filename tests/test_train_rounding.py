@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 
 import jaxquant as jq
-from test_train import BATCH, D_HID, assert_tree_close, init_params, loss_fn, make_batch, mesh_of
+from support.meshes import fsdp_mesh
+from support.mlp import BATCH, D_HID, assert_tree_close, init_params, loss_fn, make_batch
 
 
 def test_finite_gradient_overflowing_in_bf16_comm_dtype_is_reported():
@@ -17,7 +18,7 @@ def test_finite_gradient_overflowing_in_bf16_comm_dtype_is_reported():
     def big(w, b):
         return loss_fn(w, b) + jnp.sum(w["b1"] * b["p"])
 
-    step = jq.make_train_step(big, optax.sgd(1e-2), mesh=mesh_of(1), report_nan=True,
+    step = jq.make_train_step(big, optax.sgd(1e-2), mesh=fsdp_mesh(1), report_nan=True,
                               policy=jq.MixedPrecisionPolicy(compute_weights="bf16", grad_comm_dtype=jnp.bfloat16))
     clean = {**make_batch(), "p": jnp.zeros((BATCH, D_HID), jnp.float32)}
     state, metrics = step(step.init(init_params()), clean)

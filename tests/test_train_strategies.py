@@ -1,6 +1,6 @@
 """Every strategy x compute_weights with one microbatch (four: tests/test_train_microbatches.py) on 8 simulated
-devices equals a single-device computation of the same math after 3 SGD steps (tests/test_train.py:
-``reference_sgd``).
+devices equals a single-device computation of the same math after 3 SGD steps (tests/support/mlp.py:
+``reference_sgd``, ``check_strategy_equals_single_device``).
 
 With fp32 gradient communication the parameters are bitwise equal (the reference adds the ranks'
 contributions in rank order, as XLA:CPU's all-reduce and reduce-scatter do; strategies with sharded gradients
@@ -10,7 +10,6 @@ communication after one step within bf16 rounding of the 8 contributions and of 
 largest update: the reference adds in bf16 in rank order, XLA:CPU adds in fp32).
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,40 +18,10 @@ import optax
 import pytest
 
 import jaxquant as jq
-from test_train import init_params, make_batch, reference_sgd, run_step
+from support.mlp import (COMPUTE_WEIGHTS, LR, STRATEGIES, check_strategy_equals_single_device, init_params,
+                         make_batch, reference, run_step)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
-
-STEPS, LR = 3, 0.5
-
-
-@functools.lru_cache(maxsize=None)
-def reference(cw, microbatches, comm=jnp.float32, steps=STEPS):
-    return reference_sgd(init_params(), make_batch(), cw=cw, num_shards=8, microbatches=microbatches,
-                         lr=LR, steps=steps, comm_dtype=comm)
-
-
-STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-COMPUTE_WEIGHTS = ["bf16", "fp8", "nvfp4"]
-
-
-def check_strategy_equals_single_device(strategy, cw, microbatches):
-    params, losses, *_ = run_step(init_params(), make_batch(), steps=STEPS, optimizer=optax.sgd(LR),
-                                  policy=jq.MixedPrecisionPolicy(compute_weights=cw), strategy=strategy,
-                                  microbatches=microbatches)
-    ref_params, ref_losses = reference(cw, microbatches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    for name in ref_params:
-        if strategy in ("optim_grads", "optim_grads_params") and microbatches > 1:
-            # sharded gradients are reduce-scattered each microbatch (no full-size accumulator): the sum over
-            # ranks comes before the sum over microbatches, an fp32 reordering of the same terms
-            update = float(jnp.max(jnp.abs(ref_params[name] - init_params()[name])))
-            np.testing.assert_allclose(params[name], ref_params[name], rtol=0, atol=1e-6 * update, err_msg=name)
-        else:
-            np.testing.assert_array_equal(params[name], ref_params[name], err_msg=name)
-    moved = float(jnp.max(jnp.abs(params["w1"] - init_params()["w1"])))
-    assert moved > 1e-2, "the parameters did not train"
-
 
 @pytest.mark.parametrize("cw", COMPUTE_WEIGHTS)
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from test_train import same_math_grad
+from support.mlp import same_math_grad
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 

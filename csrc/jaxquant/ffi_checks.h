@@ -347,7 +347,7 @@ struct CopySegment {
 // or at most covered with `partial` (below).
 constexpr int kSplitFields = 5;
 
-// partial: one stage of a split in several calls (group_split.split's stage_of_source), whose
+// partial: one stage of a split in several calls (ops.group_split's stage_of_source), whose
 // results arrive aliased to the previous stage's: each gets at most its size here, and the stages
 // together cover it (checked in Python, where the plan is built).
 // Per call this is host work on every result (up to ~900 for 300 weights), ahead of the launches:

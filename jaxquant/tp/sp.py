@@ -23,9 +23,7 @@ what a backward pass reads.
 Overlap modes: "off" (shard_map, one all_gather / psum_scatter and one GEMM, which XLA schedules under
 independent work) and "fused" (bf16 and FP8: collective GEMM kernels that move the chunks themselves,
 jaxquant/tp/collective_gemm.py; the forward keeps the gathered activation for the wgrad instead of
-gathering it again). Two former modes are gone and refused by name: "xla" (GSPMD einsums left to XLA's
-windowed-einsum pass, which fails XLA's HLO verifier on these layers' backward) and "ring" (a ppermute
-ring, chunk i's GEMM while chunk i+1 travels: slower than "off" in every measurement); docs/sp.md.
+gathering it again). Why no other schedule (XLA's windowed einsums, a ppermute ring): docs/sp.md.
 """
 
 from __future__ import annotations
@@ -460,12 +458,6 @@ def _context(mesh, tp_axis, overlap, impl) -> _Ctx:
         raise ValueError("mesh: the sp layers need a mesh with Auto axis types (jax.sharding.Mesh(devices, "
                          "names), or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)); "
                          f"got {mesh.axis_types}")
-    if overlap == "xla":
-        raise ValueError('overlap: "xla" was removed (XLA\'s windowed-einsum pass fails its HLO verifier on these '
-                         'layers\' backward, docs/sp.md); use "off" or "fused"')
-    if overlap == "ring":
-        raise ValueError('overlap: "ring" was removed (it was slower than "off" in every measurement, '
-                         'docs/performance.md); use "off" or "fused"')
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap: must be one of {OVERLAPS}, got {overlap!r}")
     ops.check_impl(impl)
