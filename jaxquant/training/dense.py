@@ -46,7 +46,162 @@ from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, split_master
 
 
 # ----------------------------------------------------------------------------------------------
-# GEMM and operand helpers
+# Public entry point, then a layer-wise FSDP weight's call (its life: jaxquant/training/fsdp.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
+    """``y = x @ W.T`` for ``x [..., in]`` and a weight ``W [out, in]`` (PyTorch convention), with its own backward.
+
+    Args:
+      x: the activation ``[..., in]``, float32 or bfloat16.
+      w: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3), an ``NVFP4Tensor``, or one layer's
+        ``jq.ShardedWeight`` from ``make_train_step`` (quantized and all-gathered here, gathered again in the
+        backward unless ``reshard_after_forward=False``, its gradient reduced into ``w.grad``; docs/fsdp.md).
+        A ``ShardedWeight`` of an ``[in, out]`` kernel (``ParamRule(kernel="in_out")``) gives ``x @ W``.
+      recipe: None (follow the weight's type), ``"bf16"``, ``"fp8"`` or ``"nvfp4"``; with an array weight it is
+        quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
+      out_dtype: dtype of ``y`` (default ``x.dtype``).
+      amax_axes: mesh axis name(s) over which the FP8 activation / gradient amax is max-reduced (inside
+        ``shard_map``; default: none).
+
+    Returns:
+      ``y [..., out]``. A quantized weight gets no gradient unless it comes from :func:`straight_through`.
+
+    Raises:
+      ValueError / TypeError naming the argument: shapes that do not match, a recipe the weight cannot take.
+    """
+    if isinstance(w, fsdp.ShardedWeight):
+        return _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes)
+    kind, on_the_fly = _check_recipe(w, recipe)
+    n_out, n_in = (int(d) for d in w.shape)
+    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype)
+    if isinstance(amax_axes, str):
+        amax_axes = (amax_axes,)
+    w, target = split_master(w)
+    cfg = _Config(kind, on_the_fly, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype),
+                  jnp.dtype(w.dtype) if kind == "array" or on_the_fly else None,
+                  None if target is None else jnp.dtype(target.dtype))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, n_in)
+    if target is not None:   # dW varies over every axis x does: a target replicated over one sums over it
+        target = vary_like(target, x2)
+    y = _dense2d(x2, w, target, cfg)
+    return checkpoint_name(y.reshape(*lead, n_out), GEMM_OUTPUT)
+
+
+def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
+    """``dense`` with a layer-wise FSDP weight (``jaxquant.training.fsdp``): gathered here, and again in the backward
+    unless its spec keeps the gathered operands (``reshard_after_forward=False``)."""
+    fsdp.check_layer(w, "w")
+    if w.spec.transposed and recipe is not None and recipe != w.spec.recipe:
+        raise ValueError(f"recipe: an [in, out] ShardedWeight is read in its own recipe {w.spec.recipe!r}, got "
+                         f"{recipe!r} (use None)")
+    if recipe in formats.QUANTIZED_RECIPES and w.spec.recipe == "bf16":   # quantized on the fly, as an array is
+        return dense(x, w.gather(), recipe=recipe, out_dtype=out_dtype, amax_axes=amax_axes)
+    if recipe is not None and recipe != w.spec.recipe:
+        raise ValueError(f"recipe: {recipe!r} does not match the ShardedWeight's recipe {w.spec.recipe!r} "
+                         f"(use None)")
+    n_in, n_out = w.shape if w.spec.transposed else w.shape[::-1]
+    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype, w.spec.transposed)
+    if isinstance(amax_axes, str):
+        amax_axes = (amax_axes,)
+    kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
+    cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
+    x2 = x.reshape(-1, n_in)
+    y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
+    return checkpoint_name(y.reshape(*x.shape[:-1], n_out), GEMM_OUTPUT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _dense_sharded(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
+    return _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg, spec)[0]
+
+
+def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
+    """The weight as the forward GEMM reads it (``fsdp.forward_weight``: quantized, gathered; or the step's
+    once-a-step operands), the GEMM; residuals: the activation and what the backward needs of the weight."""
+    wops, kept = fsdp.forward_weight(shard, gathered, local, spec)
+    y, act = _forward(x2, wops, cfg)
+    return y.astype(cfg.out_dtype), (_named_act(act), kept)
+
+
+def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
+    """The weight as the backward GEMMs read it (``fsdp.backward_weight``), the GEMMs, and ``dW`` reduce-scattered
+    right after its GEMM (``fsdp.reduce_grad``; the sums over axes the weight is replicated on come from the
+    caller's ``vary_like`` of ``grad``)."""
+    act, kept = res
+    dx, dw = _backward(act, fsdp.backward_weight(kept, spec), g, cfg)
+    dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
+    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
+
+
+_dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arrays and quantized tensors
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_recipe(w, recipe) -> tuple[str, bool]:
+    """(kind, on_the_fly) from the weight's type and ``recipe`` (gemm.resolve_recipe: one vocabulary with
+    jaxquant.tp.sp; "bf16" with an array weight is None's no quantization)."""
+    recipe = resolve_recipe(w, recipe, {"array": formats.RECIPES, "fp8": ("fp8",), "nvfp4": ("nvfp4",)})
+    if isinstance(w, Float8Tensor):
+        if w.data.ndim != 2 or jnp.dtype(w.data.dtype) != FWD_FP8:
+            raise ValueError(f"w: a Float8Tensor weight must hold float8_e4m3fn data of rank 2, got "
+                             f"{w.data.dtype} {tuple(w.data.shape)}")
+        return "fp8", False
+    if isinstance(w, NVFP4Tensor):
+        return "nvfp4", False
+    if not hasattr(w, "dtype") or not hasattr(w, "shape"):
+        raise TypeError(f"w: must be an array, a Float8Tensor or an NVFP4Tensor, got {type(w).__name__}")
+    if w.ndim != 2:
+        raise ValueError(f"w: must have rank 2 ([out, in]), got shape {tuple(w.shape)}")
+    if jnp.dtype(w.dtype) not in ops.INPUT_DTYPES:
+        raise TypeError(f"w: dtype must be float32 or bfloat16, got {w.dtype}")
+    return ("array", False) if recipe == "bf16" else (recipe, True)
+
+
+def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
+    ops.check_input("x", x)
+    if x.ndim < 1:
+        raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
+    if x.shape[-1] != n_in:
+        layout = "[in, out]" if transposed else "[out, in]"
+        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is {layout} = "
+                         f"{tuple(w_shape)}), got x of shape {tuple(x.shape)}")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"out_dtype: must be a floating dtype, got {out_dtype}")
+    return out_dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense2d(x2, w, target, cfg: _Config):
+    y, _ = _forward(x2, _weight_operands(w, cfg), cfg)
+    return y.astype(cfg.out_dtype)
+
+
+def _dense2d_fwd(x2, w, target, cfg: _Config):
+    wops = _weight_operands(w, cfg)
+    y, act = _forward(x2, wops, cfg)
+    return y.astype(cfg.out_dtype), (_named_act(act), backward_operands(wops, cfg.kind))  # packed bytes
+
+
+def _dense2d_bwd(cfg: _Config, res, g):
+    dx, dw = _backward(*res, g, cfg)
+    w_ct = None if cfg.w_grad_dtype is None else dw.astype(cfg.w_grad_dtype)      # arrays: the weight itself
+    target_ct = None if cfg.target_dtype is None else dw.astype(cfg.target_dtype)  # straight_through master
+    return dx.astype(cfg.x_dtype), w_ct, target_ct
+
+
+_dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The GEMMs and their operands
 # ----------------------------------------------------------------------------------------------
 
 
@@ -69,11 +224,6 @@ def _weight_operands(w, cfg: _Config):
         fn = quantize_fp8 if cfg.kind == "fp8" else quantize_nvfp4
         w = fn(w, columnwise=True, compute_dtype=jnp.bfloat16)
     return weight_operands(w)   # jaxquant/primitives/gemm.py, shared with jaxquant.tp.sp
-
-
-# ----------------------------------------------------------------------------------------------
-# custom_vjp core on 2-D activations
-# ----------------------------------------------------------------------------------------------
 
 
 def _forward(x2, wops, cfg: _Config):
@@ -125,168 +275,3 @@ def _backward(act, wops, g, cfg: _Config):
     else:   # the rowwise bytes read transposed: the same bf16 values (a 16x16 tile's scale is its transpose's)
         dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN)
     return dx, wgrad(gb.T, None, xb.T, None)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense2d(x2, w, target, cfg: _Config):
-    y, _ = _forward(x2, _weight_operands(w, cfg), cfg)
-    return y.astype(cfg.out_dtype)
-
-
-def _dense2d_fwd(x2, w, target, cfg: _Config):
-    wops = _weight_operands(w, cfg)
-    y, act = _forward(x2, wops, cfg)
-    return y.astype(cfg.out_dtype), (_named_act(act), backward_operands(wops, cfg.kind))  # packed bytes
-
-
-def _dense2d_bwd(cfg: _Config, res, g):
-    dx, dw = _backward(*res, g, cfg)
-    w_ct = None if cfg.w_grad_dtype is None else dw.astype(cfg.w_grad_dtype)      # arrays: the weight itself
-    target_ct = None if cfg.target_dtype is None else dw.astype(cfg.target_dtype)  # straight_through master
-    return dx.astype(cfg.x_dtype), w_ct, target_ct
-
-
-_dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _dense_sharded(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
-    return _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg, spec)[0]
-
-
-def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
-    """Quantize this rank's rows, gather the rowwise bytes, GEMM; residuals: the activation and this rank's
-    quantized rows (FSDP2's reshard after forward: the backward gathers again, with no second cast), or with
-    ``spec.keep_gathered`` the gathered operands (no second gather). ``gathered``: the step's once-a-step
-    gather (``spec.per_use`` False), read forward and backward; ``local``: this rank's rows quantized once a step
-    (``fsdp.quantize_once``), gathered here without a cast or an amax reduction."""
-    if gathered is not None:
-        y, act = _forward(x2, gathered, cfg)
-        return y.astype(cfg.out_dtype), (_named_act(act), gathered)
-    if local is None:
-        # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
-        # otherwise clones the cast into the residual's stacked write, casting every weight twice
-        local = jax.lax.optimization_barrier(fsdp.quantize_rows(shard, spec))
-    gathered = fsdp.forward_operands(local, spec)
-    y, act = _forward(x2, gathered, cfg)
-    return y.astype(cfg.out_dtype), (_named_act(act), gathered if spec.keep_gathered else local)
-
-
-def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
-    act, kept = res
-    # FP8 GEMMs need the transposed bytes (TN) of an [out, in] weight; NVFP4's bf16 GEMM reads the rowwise bytes
-    # transposed; a transposed ([in, out]) weight's dgrad reads its rowwise bytes
-    columnwise = spec.recipe == "fp8" and not spec.transposed
-    if spec.keep_gathered or not spec.per_use:
-        wops = fsdp.with_columnwise(kept, spec) if columnwise else kept
-    else:
-        wops = fsdp.gathered_operands(kept, spec, columnwise=columnwise)
-    dx, dw = _backward(act, wops, g, cfg)
-    # reduce-scattered right after its GEMM; sums over axes the weight is replicated on come from vary_like
-    dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
-    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
-
-
-_dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
-
-
-# ----------------------------------------------------------------------------------------------
-# Public entry point
-# ----------------------------------------------------------------------------------------------
-
-
-def _check_recipe(w, recipe) -> tuple[str, bool]:
-    """(kind, on_the_fly) from the weight's type and ``recipe`` (gemm.resolve_recipe: one vocabulary with
-    jaxquant.tp.sp; "bf16" with an array weight is None's no quantization)."""
-    recipe = resolve_recipe(w, recipe, {"array": formats.RECIPES, "fp8": ("fp8",), "nvfp4": ("nvfp4",)})
-    if isinstance(w, Float8Tensor):
-        if w.data.ndim != 2 or jnp.dtype(w.data.dtype) != FWD_FP8:
-            raise ValueError(f"w: a Float8Tensor weight must hold float8_e4m3fn data of rank 2, got "
-                             f"{w.data.dtype} {tuple(w.data.shape)}")
-        return "fp8", False
-    if isinstance(w, NVFP4Tensor):
-        return "nvfp4", False
-    if not hasattr(w, "dtype") or not hasattr(w, "shape"):
-        raise TypeError(f"w: must be an array, a Float8Tensor or an NVFP4Tensor, got {type(w).__name__}")
-    if w.ndim != 2:
-        raise ValueError(f"w: must have rank 2 ([out, in]), got shape {tuple(w.shape)}")
-    if jnp.dtype(w.dtype) not in ops.INPUT_DTYPES:
-        raise TypeError(f"w: dtype must be float32 or bfloat16, got {w.dtype}")
-    return ("array", False) if recipe == "bf16" else (recipe, True)
-
-
-def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
-    """``y = x @ W.T`` for ``x [..., in]`` and a weight ``W [out, in]`` (PyTorch convention), with its own backward.
-
-    Args:
-      x: the activation ``[..., in]``, float32 or bfloat16.
-      w: a float32/bfloat16 array, a ``Float8Tensor`` (E4M3), an ``NVFP4Tensor``, or one layer's
-        ``jq.ShardedWeight`` from ``make_train_step`` (quantized and all-gathered here, gathered again in the
-        backward unless ``reshard_after_forward=False``, its gradient reduced into ``w.grad``; docs/fsdp.md).
-        A ``ShardedWeight`` of an ``[in, out]`` kernel (``ParamRule(kernel="in_out")``) gives ``x @ W``.
-      recipe: None (follow the weight's type), ``"bf16"``, ``"fp8"`` or ``"nvfp4"``; with an array weight it is
-        quantized on the fly (``compute_dtype`` bf16, as ``quantize_master_weights``) and receives dW.
-      out_dtype: dtype of ``y`` (default ``x.dtype``).
-      amax_axes: mesh axis name(s) over which the FP8 activation / gradient amax is max-reduced (inside
-        ``shard_map``; default: none).
-
-    Returns:
-      ``y [..., out]``. A quantized weight gets no gradient unless it comes from :func:`straight_through`.
-
-    Raises:
-      ValueError / TypeError naming the argument: shapes that do not match, a recipe the weight cannot take.
-    """
-    if isinstance(w, fsdp.ShardedWeight):
-        return _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes)
-    kind, on_the_fly = _check_recipe(w, recipe)
-    n_out, n_in = (int(d) for d in w.shape)
-    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype)
-    if isinstance(amax_axes, str):
-        amax_axes = (amax_axes,)
-    w, target = split_master(w)
-    cfg = _Config(kind, on_the_fly, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype),
-                  jnp.dtype(w.dtype) if kind == "array" or on_the_fly else None,
-                  None if target is None else jnp.dtype(target.dtype))
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, n_in)
-    if target is not None:   # dW varies over every axis x does: a target replicated over one sums over it
-        target = vary_like(target, x2)
-    y = _dense2d(x2, w, target, cfg)
-    return checkpoint_name(y.reshape(*lead, n_out), GEMM_OUTPUT)
-
-
-def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
-    ops.check_input("x", x)
-    if x.ndim < 1:
-        raise ValueError("x: must have rank >= 1 ([..., in]), got a scalar")
-    if x.shape[-1] != n_in:
-        layout = "[in, out]" if transposed else "[out, in]"
-        raise ValueError(f"x: last axis must equal the weight's 'in' size {n_in} (w is {layout} = "
-                         f"{tuple(w_shape)}), got x of shape {tuple(x.shape)}")
-    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        raise TypeError(f"out_dtype: must be a floating dtype, got {out_dtype}")
-    return out_dtype
-
-
-def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
-    """``dense`` with a layer-wise FSDP weight (``jaxquant.training.fsdp``): gathered here, and again in the backward
-    unless its spec keeps the gathered operands (``reshard_after_forward=False``)."""
-    fsdp.check_layer(w, "w")
-    if w.spec.transposed and recipe is not None and recipe != w.spec.recipe:
-        raise ValueError(f"recipe: an [in, out] ShardedWeight is read in its own recipe {w.spec.recipe!r}, got "
-                         f"{recipe!r} (use None)")
-    if recipe in formats.QUANTIZED_RECIPES and w.spec.recipe == "bf16":   # quantized on the fly, as an array is
-        return dense(x, w.gather(), recipe=recipe, out_dtype=out_dtype, amax_axes=amax_axes)
-    if recipe is not None and recipe != w.spec.recipe:
-        raise ValueError(f"recipe: {recipe!r} does not match the ShardedWeight's recipe {w.spec.recipe!r} "
-                         f"(use None)")
-    n_in, n_out = w.shape if w.spec.transposed else w.shape[::-1]
-    out_dtype = _check_x_out(x, n_in, w.shape, out_dtype, w.spec.transposed)
-    if isinstance(amax_axes, str):
-        amax_axes = (amax_axes,)
-    kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
-    cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
-    x2 = x.reshape(-1, n_in)
-    y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
-    return checkpoint_name(y.reshape(*x.shape[:-1], n_out), GEMM_OUTPUT)

@@ -178,19 +178,48 @@ def check_layer(w: ShardedWeight, name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Quantize and gather
+# A weight's way to the GEMMs, in the order a layer runs it: quantize this rank's rows (one amax pmax),
+# gather the quantized rows, build the columnwise copy for the backward; the gradient's way back below
 # ----------------------------------------------------------------------------------------------
 
 
-def _all_gather(a, spec: WeightSpec):
-    """Rows of every FSDP rank in order; marked varying (not invariant) so that the consumers' gradients
-    arrive per rank and are reduce-scattered here, in the comm dtype."""
-    if spec.gather_axis is not None:
-        axis = spec.rows_axis(a.ndim)
-        a = jax.lax.all_gather(a, spec.gather_axis, axis=axis, tiled=True)
-        if spec.pad_rows:   # the padding rows are zeros that no layer reads
-            a = jax.lax.slice_in_dim(a, 0, a.shape[axis] - spec.pad_rows, axis=axis)
-    return mark_varying(a, spec.vary_axes)
+def forward_weight(shard, gathered, local, spec: WeightSpec):
+    """(the operands ``jq.dense``'s forward GEMM reads, what its backward keeps of the weight).
+
+    ``gathered``: the step's once-a-step gather (``spec.per_use`` False), read forward and backward as it is;
+    ``local``: this rank's rows quantized once a step (:func:`quantize_once`), gathered here without a cast or an
+    amax reduction; otherwise this rank's rows are quantized (:func:`quantize_rows`) and gathered. The backward
+    keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast), or
+    with ``spec.keep_gathered`` the gathered operands (no second gather)."""
+    if gathered is not None:
+        return gathered, gathered
+    if local is None:
+        # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
+        # otherwise clones the cast into the residual's stacked write, casting every weight twice
+        local = jax.lax.optimization_barrier(quantize_rows(shard, spec))
+    gathered = forward_operands(local, spec)
+    return gathered, (gathered if spec.keep_gathered else local)
+
+
+def backward_weight(kept, spec: WeightSpec) -> dict:
+    """The operands ``jq.dense``'s backward GEMMs read, from what :func:`forward_weight` kept: FP8 GEMMs need the
+    transposed bytes (TN) of an ``[out, in]`` weight; NVFP4's bf16 GEMM reads the rowwise bytes transposed; a
+    transposed (``[in, out]``) weight's dgrad reads its rowwise bytes."""
+    columnwise = spec.recipe == "fp8" and not spec.transposed
+    if spec.keep_gathered or not spec.per_use:
+        return with_columnwise(kept, spec) if columnwise else kept
+    return gathered_operands(kept, spec, columnwise=columnwise)
+
+
+def quantize_rows(shard, spec: WeightSpec) -> dict:
+    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``)."""
+    return quantize_shard(shard, spec, None if spec.recipe == "bf16" else statistics(shard, spec))
+
+
+def statistics(shard, spec: WeightSpec):
+    """(amax of the whole weight, NVFP4 tile amaxes of the shard or None): one scalar ``pmax``."""
+    amax, tiles = local_statistics(shard, spec)
+    return _max_over(amax, spec.amax_axes), tiles
 
 
 def local_statistics(shard, spec: WeightSpec):
@@ -206,42 +235,6 @@ def _max_over(amax, axes):
     return mark_varying(jax.lax.pmax(amax, axes), axes) if axes else amax
 
 
-def statistics(shard, spec: WeightSpec):
-    """(amax of the whole weight, NVFP4 tile amaxes of the shard or None): one scalar ``pmax``."""
-    amax, tiles = local_statistics(shard, spec)
-    return _max_over(amax, spec.amax_axes), tiles
-
-
-def _per_layer(fn, ndim: int):
-    """``fn`` of one layer's rows, mapped over the leading (stack) axes of an array of ``ndim``."""
-    for _ in range(ndim - 2):
-        fn = jax.vmap(fn)
-    return fn
-
-
-def quantize_once(shards: list, specs: list) -> list:
-    """Every weight's rows quantized (:func:`quantize_shard`, each layer of a stack with its own scales), the amaxes
-    of all of them max-reduced in one packed ``pmax`` per set of amax axes (not one scalar all-reduce a layer): what
-    the step does once, before the first microbatch, so that a layer only gathers (``ShardedWeight.local``).
-    The bytes equal :func:`statistics` + :func:`quantize_shard` per layer (a max is a max, however grouped)."""
-    stats = [None if spec.recipe == "bf16" else _per_layer(lambda s, sp=spec: local_statistics(s, sp), s.ndim)(s)
-             for s, spec in zip(shards, specs)]
-    groups = {}
-    for i, (st, spec) in enumerate(zip(stats, specs)):
-        if st is not None and spec.amax_axes:
-            groups.setdefault(tuple(spec.amax_axes), []).append(i)
-    for axes, members in groups.items():
-        packed = _max_over(jnp.concatenate([stats[i][0].reshape(-1).astype(jnp.float32) for i in members]), axes)
-        at = 0
-        for i in members:
-            amax, tiles = stats[i]
-            stats[i] = (packed[at: at + amax.size].reshape(amax.shape).astype(amax.dtype), tiles)
-            at += amax.size
-    # (bf16: stats None, an empty pytree that vmap passes through)
-    return [_per_layer(lambda s, st, sp=spec: quantize_shard(s, sp, st), s.ndim)(s, st)
-            for s, st, spec in zip(shards, stats, specs)]
-
-
 def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
     """This rank's rows in the compute format, ready to gather (what the backward keeps instead of the
     gathered weight): bf16 ``w``; FP8 ``data``, ``scale_inv``; NVFP4 ``data``, ``scales`` (the unpadded
@@ -255,11 +248,6 @@ def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
     rows, cols = shard.shape
     data, scale_inv, _, _ = ops.nvfp4_quantize(shard, tiles, amax, compute_dtype=COMPUTE_DTYPE)
     return {"data": data, "scales": scale_inv[:rows, : cols // formats.TILE], "amax": amax}
-
-
-def quantize_rows(shard, spec: WeightSpec) -> dict:
-    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``)."""
-    return quantize_shard(shard, spec, None if spec.recipe == "bf16" else statistics(shard, spec))
 
 
 def forward_operands(local: dict, spec: WeightSpec) -> dict:
@@ -286,6 +274,17 @@ def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
     return with_columnwise(out, spec) if columnwise else out
 
 
+def _all_gather(a, spec: WeightSpec):
+    """Rows of every FSDP rank in order; marked varying (not invariant) so that the consumers' gradients
+    arrive per rank and are reduce-scattered here, in the comm dtype."""
+    if spec.gather_axis is not None:
+        axis = spec.rows_axis(a.ndim)
+        a = jax.lax.all_gather(a, spec.gather_axis, axis=axis, tiled=True)
+        if spec.pad_rows:   # the padding rows are zeros that no layer reads
+            a = jax.lax.slice_in_dim(a, 0, a.shape[axis] - spec.pad_rows, axis=axis)
+    return mark_varying(a, spec.vary_axes)
+
+
 def with_columnwise(operands: dict, spec: WeightSpec) -> dict:
     """Gathered operands with the columnwise copy the dgrad GEMM reads: FP8 ``data_t`` (TN layout), NVFP4
     ``data_t`` and ``scale_inv_t`` (docs/numerics.md §2.6); bf16 and operands that have it: unchanged."""
@@ -297,6 +296,39 @@ def with_columnwise(operands: dict, spec: WeightSpec) -> dict:
     rows, cols = data.shape[0], data.shape[1] * 2
     return operands | {"data_t": ops.nvfp4_transpose(data),
                        "scale_inv_t": ops.nvfp4_scale_transpose(operands["scale_inv"], rows=rows, cols=cols)}
+
+
+# The once-a-step forms (``WeightSpec.per_use`` False, ``quantize_once``) and the gathered tensor of ``gather()``
+
+
+def quantize_once(shards: list, specs: list) -> list:
+    """Every weight's rows quantized (:func:`quantize_shard`, each layer of a stack with its own scales), the amaxes
+    of all of them max-reduced in one packed ``pmax`` per set of amax axes (not one scalar all-reduce a layer): what
+    the step does once, before the first microbatch, so that a layer only gathers (``ShardedWeight.local``).
+    The bytes equal :func:`statistics` + :func:`quantize_shard` per layer (a max is a max, however grouped)."""
+    stats = [None if spec.recipe == "bf16" else _per_layer(lambda s, sp=spec: local_statistics(s, sp), s.ndim)(s)
+             for s, spec in zip(shards, specs)]
+    groups = {}
+    for i, (st, spec) in enumerate(zip(stats, specs)):
+        if st is not None and spec.amax_axes:
+            groups.setdefault(tuple(spec.amax_axes), []).append(i)
+    for axes, members in groups.items():
+        packed = _max_over(jnp.concatenate([stats[i][0].reshape(-1).astype(jnp.float32) for i in members]), axes)
+        at = 0
+        for i in members:
+            amax, tiles = stats[i]
+            stats[i] = (packed[at: at + amax.size].reshape(amax.shape).astype(amax.dtype), tiles)
+            at += amax.size
+    # (bf16: stats None, an empty pytree that vmap passes through)
+    return [_per_layer(lambda s, st, sp=spec: quantize_shard(s, sp, st), s.ndim)(s, st)
+            for s, st, spec in zip(shards, stats, specs)]
+
+
+def _per_layer(fn, ndim: int):
+    """``fn`` of one layer's rows, mapped over the leading (stack) axes of an array of ``ndim``."""
+    for _ in range(ndim - 2):
+        fn = jax.vmap(fn)
+    return fn
 
 
 def gather_once(shard, spec: WeightSpec, columnwise: bool = False) -> dict:
