@@ -302,6 +302,7 @@ def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
     quantization and the transposes as the pure-JAX reference, which XLA makes faster there
     (the targets declared cpu_auto="reference"): no custom call for them in the lowered module, and the same bytes."""
     x = jnp.asarray(random_tiled(rng, 64, 128))
+    exercised = set()   # the targets the custom_call runs below call: every one declared cpu_auto="reference"
     for name, fn, columnwise, want in (
             ("fp8", jq.quantize_fp8, False, ["jq_fp8_stats"]),
             ("fp8", jq.quantize_fp8, True, ["jq_fp8_stats"]),
@@ -309,6 +310,7 @@ def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
             ("nvfp4", jq.quantize_nvfp4, True, ["jq_nvfp4_quantize_t", "jq_nvfp4_stats"])):   # (custom: faster)
         auto = functools.partial(fn, columnwise=columnwise)
         assert sorted(_custom_call_targets(auto, x)) == want, (name, columnwise)
+        exercised.update(_custom_call_targets(functools.partial(auto, impl="custom_call"), x))
         got, custom = jax.jit(auto)(x), jax.jit(functools.partial(auto, impl="custom_call"))(x)
         for field in ("data", "scale_inv", "amax", "data_t") + (("scale_inv_t",) if name == "nvfp4" else ()):
             if getattr(custom, field) is not None:
@@ -317,7 +319,8 @@ def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
     flat = x.reshape(-1)[8:200]
     lo, hi = 4, 100
     primitives = {
-        "fp8_cast": lambda v, impl: ops.fp8_cast(v, q.amax, columnwise=True, impl=impl),
+        "fp8_cast": lambda v, impl: ops.fp8_cast(v, q.amax, impl=impl),
+        "fp8_cast columnwise": lambda v, impl: ops.fp8_cast(v, q.amax, columnwise=True, impl=impl),
         "nvfp4_tile_amax": lambda v, impl: ops.nvfp4_tile_amax(flat, rows=64, cols=128, start=8, impl=impl),
         "nvfp4_scale": lambda v, impl: ops.nvfp4_scale(ops.nvfp4_tile_amax(v, rows=64, cols=128, impl="reference"),
                                                        q.amax, rows=64, cols=128, impl=impl),
@@ -329,9 +332,12 @@ def test_auto_on_the_cpu_runs_the_faster_implementation_of_each_op(rng):
     for name, fn in primitives.items():
         auto, custom_call = functools.partial(fn, impl="auto"), functools.partial(fn, impl="custom_call")
         assert _custom_call_targets(auto, x) == [], name
+        exercised.update(_custom_call_targets(custom_call, x))
         got, custom = jax.jit(auto)(x), jax.jit(custom_call)(x)
         for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(custom))):
             assert_bytes_equal_nan_aware(a, b, f"{name} output {i}")
+    missing = ops.cpu_auto_reference() - exercised
+    assert not missing, f"declared cpu_auto='reference' with no case here: {sorted(missing)}"
 
 
 # ----------------------------------------------------------------------------------------------

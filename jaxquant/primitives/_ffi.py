@@ -1,4 +1,5 @@
-"""Loads the compiled extension modules and registers their FFI targets with XLA.
+"""Loads the compiled extension modules; ``register`` registers the declared FFI targets with XLA (called once,
+by ``jaxquant.primitives.ops``, with every target its ops declare).
 
 ``jaxquant._jaxquant_cpu`` (always built) and ``jaxquant._jaxquant_cuda`` (built when nvcc was
 found) each expose ``registrations()`` -> {target name: PyCapsule} and ``jaxlib_version()``, the
@@ -25,8 +26,8 @@ _PLATFORMS = {"cpu": ("_jaxquant_cpu", "cpu"), "cuda": ("_jaxquant_cuda", "CUDA"
 
 
 # Every CUDA handler only enqueues work on XLA's stream (no host synchronisation, no data-dependent
-# host decisions) and is declared kCmdBufferCompatible in csrc/jaxquant/handlers.h (a test keeps the
-# two in step); XLA takes the trait from the registration, so it is repeated here for CUDA graphs.
+# host decisions) and is declared kCmdBufferCompatible in csrc/jaxquant/handlers.h; XLA takes the trait from
+# the registration, so it is repeated here for CUDA graphs (tests/test_op_declarations.py checks both).
 _TRAITS = {"cuda": {"traits": jaxlib.xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}}
 
 class ExtensionError(ImportError):
