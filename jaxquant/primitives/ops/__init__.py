@@ -11,10 +11,12 @@ Arguments are checked at trace time; errors name the argument and the rule (docs
 The package: ``single`` (the single-tensor ops), ``grouped`` (the grouped ops of the ZeRO step and their table,
 ``table``), each op declared once there (``declare.Op``: targets, reference, sharding and batching rule, CPU
 ``auto`` choice); ``checks`` and ``declare`` are the named API other packages build their ops on (zero, tp,
-training). Importing it registers the declared FFI targets with XLA. Adding an op: docs/ops.md.
+training); ``built_platforms`` / ``backend_summary`` say which custom calls are built and what ``auto`` runs.
+Importing it registers the declared FFI targets with XLA. Adding an op: docs/ops.md.
 """
 
 from jaxquant.primitives import _ffi
+from jaxquant.primitives._ffi import backend_summary, built_platforms
 from jaxquant.primitives.formats import check_nvfp4_shape
 from jaxquant.primitives.ops import grouped, single  # noqa: F401  (importing them declares every op)
 from jaxquant.primitives.ops.checks import (IMPLS, INPUT_DTYPES, check_amax, check_array, check_array_like,
@@ -36,4 +38,6 @@ __all__ = [
     "IMPLS", "INPUT_DTYPES", "check_amax", "check_array", "check_array_like", "check_compute_dtype", "check_impl",
     "check_input", "check_range", "not_quantized", "rounds_to_bf16",
     "DECLARED", "DEFINED", "Op", "Target", "cpu_auto_reference", "declared_targets",
+    # what is built, and what impl="auto" runs here (for the CLI's report)
+    "backend_summary", "built_platforms",
 ]
