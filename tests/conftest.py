@@ -22,10 +22,10 @@ def _gpu_plugin_installed() -> bool:
 
 
 _extend_xla_flags("--xla_force_host_platform_device_count=8")
-# On the CPU, most of the suite's time is XLA compiling its programs, and most of that is LLVM's
-# optimisation passes, which the tests do not measure: off, the suite ran ~15% faster, and this process's children
-# inherit it. The checks that need XLA's default level compile with tests/codegen.py's options. Not set where a GPU
-# plugin is installed (the GPU suite compiles as users do) or with JAXQUANT_TEST_XLA_OPT=default.
+# On the CPU, most of the suite's time is XLA compiling its programs, and most of that is LLVM's optimisation passes,
+# which the tests do not measure: off, the suite runs faster (figures: README.md, the test-time paragraph), and this
+# process's children inherit it. The checks that need XLA's default level compile with tests/codegen.py's options.
+# Not set where a GPU plugin is installed (the GPU suite compiles as users do) or with JAXQUANT_TEST_XLA_OPT=default.
 if os.environ.get("JAXQUANT_TEST_XLA_OPT", "0") != "default" and not _gpu_plugin_installed():
     _extend_xla_flags("--xla_backend_optimization_level=0", unless="--xla_backend_optimization_level")
 
