@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
+from support.meshes import fsdp_mesh
 from support.transformer import init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -77,7 +78,7 @@ def test_in_out_kernels_split_over_tp(cw):
 def test_in_out_kernel_errors():
     with pytest.raises(ValueError, match=r"kernel: must be one of \('out_in', 'in_out'\)"):
         jq.ParamRule("x", kernel="io")
-    step = jq.make_train_step(loss_scan, optax.sgd(0.1), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
+    step = jq.make_train_step(loss_scan, optax.sgd(0.1), mesh=fsdp_mesh(),
                               rules=[jq.ParamRule(".*", kernel="in_out")])
     with pytest.raises(ValueError, match=r"blocks\.norm of shape \(3, 1, 128\): kernel='in_out' needs \[in, out\] "
                                          r"kernels \(per layer\), got \(3, 1, 128\)"):
@@ -87,7 +88,7 @@ def test_in_out_kernel_errors():
 def test_state_dict_holds_in_out_kernels_as_pytorch_does():
     """The state dict holds an [in, out] kernel as PyTorch's Linear does, [out, in] (stacked ones per layer): the
     transposed model's state dict equals the [out, in] model's, and each loads into the other."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     steps = {k: jq.make_train_step(loss_scan, optax.adam(1e-3), mesh=mesh, rules=rules(k),
                                    policy=jq.MixedPrecisionPolicy(compute_weights="fp8")) for k in ("in_out", "out_in")}
     states = {"in_out": steps["in_out"].init(transposed(init_params())), "out_in": steps["out_in"].init(init_params())}

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 import jaxquant as jq
 from codegen import XLA_DEFAULT_CODEGEN
 from support import transformer
+from support.meshes import fsdp_mesh
 from support.hlo import collective_types
 from support.transformer import (D, F, LR, MASK, VOCAB, assert_close_to, init_params, loss_loop, loss_scan,
                                  make_batch, scan_after_one_step, stack_params, train, trained_scan)
@@ -205,7 +206,7 @@ def test_reshard_after_forward_false_keeps_the_gathered_weight(cw):
 
 
 def test_reshard_after_forward_is_checked():
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     with pytest.raises(TypeError, match="reshard_after_forward: must be a bool"):
         jq.make_train_step(loss_scan, optax.sgd(LR), mesh=mesh, reshard_after_forward="no")
     with pytest.raises(ValueError, match="reshard_after_forward: False needs strategy='optim_grads_params'"):

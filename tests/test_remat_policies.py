@@ -13,9 +13,9 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from jax.sharding import Mesh
 
 import jaxquant as jq
+from support.meshes import fsdp_mesh
 from support.transformer import MASK, block, head, init_params, loss_scan, make_batch
 
 B, D, F = 32, 64, 128
@@ -69,7 +69,7 @@ def _remat_scan(w, batch, policy):
 def test_remat_scan_step_equals_the_plain_scan_step(policy):
     """On the sharded weights of make_train_step (FP8, 8 devices): the same losses and parameters, bitwise, and
     the backward's re-run forward gathers no weight a second time (its gather and the backward's are one)."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     out = {}
     for name, loss in (("plain", loss_scan), (policy, functools.partial(_remat_scan, policy=policy))):
         step = jq.make_train_step(loss, optax.adam(1e-3), mesh=mesh, quantize_mask=MASK,

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 
 import jaxquant as jq
+from support.meshes import fsdp_mesh
 from support.transformer import MASK, init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -25,7 +25,7 @@ def params_2d_norm():
 
 
 def run(params, cw="fp8", steps=2, **kw):
-    step = jq.make_train_step(loss_scan, optax.sgd(0.05), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
+    step = jq.make_train_step(loss_scan, optax.sgd(0.05), mesh=fsdp_mesh(),
                               policy=jq.MixedPrecisionPolicy(compute_weights=cw), **kw)
     state = step.init(params)
     for _ in range(steps):

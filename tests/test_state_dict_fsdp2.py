@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxquant as jq  # noqa: E402
+from support.meshes import fsdp_mesh  # noqa: E402
 from ckpt_helpers import common  # noqa: E402
 from jaxquant import checkpoint as ck  # noqa: E402
 
@@ -85,7 +85,7 @@ def make_batch(i):
 
 
 def make_step():
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     return jq.make_train_step(fsdp2_loss, optax.adam(ADAM["lr"], b1=ADAM["betas"][0], b2=ADAM["betas"][1],
                                                      eps=ADAM["eps"]),
                               mesh=mesh, policy=jq.MixedPrecisionPolicy(compute_weights="bf16"))

@@ -29,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxquant as jq  # noqa: E402
 from ckpt_helpers import common  # noqa: E402
 from jaxquant import checkpoint as ck  # noqa: E402
 from jaxquant.checkpoint import fsutil  # noqa: E402
+from support.meshes import fsdp_mesh  # noqa: E402
 from support.files import file_digest, file_snapshot, stage_moments  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")]
@@ -58,7 +58,7 @@ def init_params():
 def make_step():
     from support.transformer import MASK, loss_scan
 
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     return jq.make_train_step(loss_scan, optax.adam(ADAM["lr"]), mesh=mesh, quantize_mask=MASK,
                               policy=jq.MixedPrecisionPolicy(compute_weights="bf16"))
 

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
 
 import jaxquant as jq
 import jaxquant.training.fsdp
+from support.meshes import fsdp_mesh
 from support.transformer import MASK, init_params, loss_scan, make_batch
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -25,7 +25,7 @@ LR = 0.05
 
 
 def make(strategy, cw, microbatches=2, opt=None):
-    return jq.make_train_step(loss_scan, opt or optax.sgd(LR), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
+    return jq.make_train_step(loss_scan, opt or optax.sgd(LR), mesh=fsdp_mesh(),
                               strategy=strategy, quantize_mask=MASK, microbatches=microbatches,
                               policy=jq.MixedPrecisionPolicy(compute_weights=cw))
 
@@ -159,7 +159,7 @@ def test_once_a_step_gather_is_each_layers_quantization(recipe):
 
     from jaxquant.training import fsdp
 
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    mesh = fsdp_mesh()
     stack = jax.random.normal(jax.random.key(3), (3, 256, 64), jnp.float32)
     stack = stack * jnp.array([1.0, 30.0, 1e-3])[:, None, None]            # each layer with its own scales
     grad = fsdp.GradReduce(1.0, jnp.dtype(jnp.float32), jnp.dtype(jnp.float32))
