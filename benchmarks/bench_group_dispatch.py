@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_distributed import many_small_shapes, step, time_fn  # noqa: E402
-from jaxquant.zero import group_split  # noqa: E402
+from jaxquant.primitives import ops  # noqa: E402
 from jaxquant.cli.bench import print_kernel_profile, random_master  # noqa: E402
 from jaxquant.zero.layout import FlatLayout  # noqa: E402
 
@@ -34,8 +34,8 @@ def split_results(counts, iters):
     for n in counts:
         size = total // n
         pieces = [((size,), ((0, i * size, size),)) for i in range(n)]
-        first = jax.jit(lambda s: group_split.split([s], pieces)[0][0])
-        all_ = jax.jit(lambda s: sum(o[0].astype(jnp.int32) for o in group_split.split([s], pieces)))
+        first = jax.jit(lambda s: ops.group_split([s], pieces)[0][0])
+        all_ = jax.jit(lambda s: sum(o[0].astype(jnp.int32) for o in ops.group_split([s], pieces)))
         sliced = jax.jit(lambda s: sum(s[i * size:(i + 1) * size][0].astype(jnp.int32) for i in range(n)))
         row = [f"split into {n:4d} results:"]
         for label, fn in (("first read", first), ("all read", all_), ("XLA slices, all read", sliced)):

@@ -68,16 +68,9 @@ def bytes_gathered(plan, recipe: str) -> tuple[int, int]:
 
 
 def print_backends() -> None:
-    import jax
+    from jaxquant.primitives import ops
 
-    from jaxquant.primitives import _ffi
-
-    summary = getattr(_ffi, "backend_summary", None)
-    if summary is not None:
-        print(summary())
-    else:
-        print(f"backend: {jax.default_backend()}; custom calls built for: "
-              f"{', '.join(_ffi.built_platforms()) or 'none (pure-JAX reference everywhere)'}")
+    print(ops.backend_summary())
 
 
 def fresh_dir(path: str) -> str:

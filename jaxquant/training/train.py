@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxquant.training.layerwise import LayerwiseTrainStep, default_compiler_options
-from jaxquant.training.policy import STRATEGIES, MixedPrecisionPolicy, TrainState, raise_if_nonfinite  # noqa: F401
+from jaxquant.training.policy import STRATEGIES, MixedPrecisionPolicy
 
 
 _DEFAULT = object()
@@ -80,8 +80,9 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
       quantize_once: ``optim_grads_params``: every layer's rows are quantized once a step, before the first
         microbatch, their amaxes max-reduced in one packed all-reduce, so that a layer only gathers bytes (no
         cast, no scalar all-reduce before its gather; holds the quantized shards of the whole model, 1/4 of the
-        fp32 master's size for FP8). False (default until measured on GPUs): quantized where each layer reads its
-        weight, with its own scalar amax all-reduce. Same bytes either way.
+        fp32 master's size for FP8). False (default: no quantized copy of the whole model is held; docs/performance.md
+        times both): quantized where each layer reads its weight, with its own scalar amax all-reduce. Same bytes
+        either way.
       rules: a list of ``jq.ParamRule`` (path regex -> quantized or not, recipe, TP split, stacked layer axis;
         first match wins, an unmatched leaf is an error), instead of ``quantize_mask`` / ``param_specs``. None
         with a ``loss_fn`` from ``jq.flax_loss``: that loss's ``default_rules()`` (every contraction's weight
