@@ -170,7 +170,7 @@ def _by_rules(name: str, shape, rules, compute_weights: str) -> LeafDecision:
                          f"{layer}{hint}")
     if r.tp is not None and len(layer) != 2:
         raise ValueError(f"{where}: only [out, in] weights (per layer) can be split over TP, got {layer}")
-    if r.kernel == "in_out" and len(layer) != 2 and recipe is not None:
+    if r.kernel == "in_out" and len(layer) != 2:
         raise ValueError(f"{where}: kernel='in_out' needs [in, out] kernels (per layer), got {layer}")
     why = r.why or f"ParamRule({r.pattern!r}" + (f", quantize={r.quantize!r}" if r.quantize is not False else "") + ")"
-    return LeafDecision(recipe, r.tp, r.stacked, r.kernel == "in_out" and len(layer) == 2, r.keep_dtype, why)
+    return LeafDecision(recipe, r.tp, r.stacked, r.kernel == "in_out", r.keep_dtype, why)
