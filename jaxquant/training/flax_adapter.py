@@ -23,9 +23,10 @@ einsum ``"btd,fd->btf"``). ``promote_dtype`` sees such a kernel as its compute d
 cast as flax would cast it for a bf16 kernel (or to the module's ``dtype``), and the GEMM's output has that dtype
 (``preferred_element_type`` if given). ``precision`` is not used (``jq.dense`` accumulates in fp32).
 
-What does not: a kernel with more than one ``in`` or ``out`` axis (``nn.DenseGeneral(features=(heads, head_dim))``,
-an einsum ``"btd,dnh->btnh"``) cannot be a ``ShardedWeight`` (the step quantizes ``[in, out]`` matrices only):
-keep it unquantized with ``flax_rules(keep=...)`` and flax runs it as usual on the gathered array. A quantized
+A kernel with more than one ``in`` or ``out`` axis (``nn.DenseGeneral(features=(heads, head_dim))``, an einsum
+``"btd,dnh->btnh"``) runs quantized as the 2-D ``[in, out]`` matrix of its contraction (:class:`KernelView`) when
+``flax_loss`` is given ``batch=`` (the loss is traced once to see its axes, :func:`trace_kernels`); without it, keep
+it unquantized with ``flax_rules(keep=...)`` and flax runs it as usual on the gathered array. A quantized
 kernel read by anything other than those two ops (``x @ kernel``, ``jnp.take`` of a quantized embedding, a tied
 ``Embed.attend``, a contraction on the wrong axis, a stack of layers outside its scan) raises
 :class:`FlaxKernelError` naming the parameter, its module and the operation.
@@ -193,7 +194,18 @@ class KernelRef:
         return f"KernelRef({self.describe()})"
 
 
-class _KernelBoxBase:
+class _LayerAxisAgnostic:
+    """flax's ``AxisMetadata`` hooks of a box whose leaves scans slice themselves: adding or removing a layer axis
+    leaves the box as it is."""
+
+    def add_axis(self, index, params):
+        return self
+
+    def remove_axis(self, index, params):
+        return self
+
+
+class _KernelBoxBase(_LayerAxisAgnostic):
     """The value of a quantized kernel's ``nnx.Param`` / linen ``params`` entry during the loss: a pytree whose
     leaves are the ``ShardedWeight``'s arrays (so ``nnx.scan`` / ``nn.scan`` / ``jax.lax.scan`` hand each layer
     its own), which unboxes (linen's ``meta.unbox``: it is a ``flax.core.meta.AxisMetadata``) or indexes with
@@ -219,12 +231,6 @@ class _KernelBoxBase:
     def replace_boxed(self, val):
         return type(self)(val.weight if isinstance(val, KernelRef) else val, self.path, self.view)
 
-    def add_axis(self, index, params):
-        return self
-
-    def remove_axis(self, index, params):
-        return self
-
     # nnx.Variable.__getitem__ / .value readers
     def __getitem__(self, index):
         return self.ref()[index]
@@ -249,16 +255,21 @@ class _KernelBoxBase:
         return f"KernelBox({self.ref().describe()})"
 
 
-_BOX = []   # the box class, made on first use (subclassing flax's AxisMetadata: importing flax costs ~0.15 s)
+_BOXES = {}   # box classes, made on first use (subclassing flax's AxisMetadata: importing flax costs ~0.15 s)
+
+
+def _metadata_class(name, base):
+    """``base`` as a pytree subclass of flax's ``AxisMetadata`` named ``name``, made once."""
+    if name not in _BOXES:
+        from flax.core.meta import AxisMetadata
+
+        _BOXES[name] = jax.tree_util.register_pytree_node_class(type(name, (base, AxisMetadata), {
+            "__module__": __name__, "__doc__": base.__doc__}))
+    return _BOXES[name]
 
 
 def _box_class():
-    if not _BOX:
-        from flax.core.meta import AxisMetadata
-
-        _BOX.append(jax.tree_util.register_pytree_node_class(type("KernelBox", (_KernelBoxBase, AxisMetadata), {
-            "__module__": __name__, "__doc__": _KernelBoxBase.__doc__})))
-    return _BOX[0]
+    return _metadata_class("KernelBox", _KernelBoxBase)
 
 
 def _as_ref(x) -> Optional[KernelRef]:
@@ -629,7 +640,7 @@ class ProbeLog:
         self.order.append(None)
 
 
-class _ProbeBoxBase:
+class _ProbeBoxBase(_LayerAxisAgnostic):
     """A candidate kernel's variable value during the trace: a pytree of its array (so scans slice it per layer)
     that unboxes / indexes to that array, registered in the log."""
 
@@ -650,12 +661,6 @@ class _ProbeBoxBase:
     def replace_boxed(self, val):
         return type(self)(val, self.path, self.log)
 
-    def add_axis(self, index, params):
-        return self
-
-    def remove_axis(self, index, params):
-        return self
-
     def __getitem__(self, index):
         return self.unbox()[index]
 
@@ -664,16 +669,8 @@ class _ProbeBoxBase:
     dtype = property(lambda self: self.array.dtype)
 
 
-_PROBE_BOX = []
-
-
 def _probe_box_class():
-    if not _PROBE_BOX:
-        from flax.core.meta import AxisMetadata
-
-        _PROBE_BOX.append(jax.tree_util.register_pytree_node_class(type("ProbeBox", (_ProbeBoxBase, AxisMetadata), {
-            "__module__": __name__, "__doc__": _ProbeBoxBase.__doc__})))
-    return _PROBE_BOX[0]
+    return _metadata_class("ProbeBox", _ProbeBoxBase)
 
 
 @contextlib.contextmanager
@@ -959,18 +956,19 @@ class FlaxLoss:
             return lambda: self._as_step_params(_Split(self.constructor()).params)
         return self._as_step_params(self.split.params)
 
+    def _map_viewed(self, params, fn):
+        """``params`` with ``fn(view, leaf)`` in place of each leaf that has a (non-identity) view."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        views = [self._view(dotted_path(p)) for p, _ in flat]
+        return jax.tree_util.tree_unflatten(treedef, [v if view is None else fn(view, jnp.asarray(v))
+                                                      for view, (_, v) in zip(views, flat)])
+
     def _as_step_params(self, params):
-        flat = jax.tree_util.tree_flatten_with_path(params)
-        leaves = [self._view(dotted_path(p)).to_matrix(jnp.asarray(v)) if self._view(dotted_path(p)) else v
-                  for p, v in flat[0]]
-        return jax.tree_util.tree_unflatten(flat[1], leaves)
+        return self._map_viewed(params, lambda view, a: view.to_matrix(a))
 
     def model_params(self, params):
         """``params`` (like :meth:`params`) with each viewed kernel back in the model's own shape."""
-        flat = jax.tree_util.tree_flatten_with_path(params)
-        return jax.tree_util.tree_unflatten(flat[1], [
-            self._view(dotted_path(p)).from_matrix(jnp.asarray(v)) if self._view(dotted_path(p)) else v
-            for p, v in flat[0]])
+        return self._map_viewed(params, lambda view, a: view.from_matrix(a))
 
     def merge(self, params):
         """The model (NNX: a new ``nnx.Module``; linen: a variables dict) with ``params`` (e.g. ``step.params(state)``)
