@@ -30,6 +30,8 @@ if os.environ.get("JAXQUANT_TEST_XLA_OPT", "0") != "default" and not _gpu_plugin
     _extend_xla_flags("--xla_backend_optimization_level=0", unless="--xla_backend_optimization_level")
 
 import functools  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -79,8 +81,21 @@ fp8_cast_j = jax.jit(jaxquant.primitives.ops.fp8_cast, static_argnames=(
     "dtype", "amax_epsilon", "force_pow_2_scales", "columnwise", "impl"))
 
 
+def _worker_survives_a_stray_sigint(signum, _frame):
+    print(f"tests/conftest.py: a stray signal {signum} reached xdist worker {os.environ['PYTEST_XDIST_WORKER']} "
+          f"(pid {os.getpid()}, during {os.environ.get('PYTEST_CURRENT_TEST', 'no test')}) outside any test's own "
+          f"handler; ignored", file=sys.stderr, flush=True)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU backend (skipped elsewhere)")
+    # An xdist worker runs many signal tests (they send SIGINT to children, or raise it in-process under their own
+    # handlers and restore the one found). A SIGINT that reaches a worker outside those handlers ended one CI run:
+    # Python's default handler raised KeyboardInterrupt inside JAX's GC callback and the worker died mid-test. The
+    # controller, not the worker, handles the user's Ctrl-C, so a worker logs such a signal and goes on. Tests that
+    # need the default disposition set it themselves (and children reset a handler to the default at exec).
+    if os.environ.get("PYTEST_XDIST_WORKER") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _worker_survives_a_stray_sigint)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
