@@ -18,6 +18,11 @@ Weight gradients are straight-through: quantization is treated as the identity, 
 was quantized: the array itself with ``recipe=`` (quantized on the fly), or the ``master`` attached
 with :func:`straight_through` to an already quantized tensor.
 
+One quantization per activation: the activation operand (the FP8 bytes and scale of ``x``, or its bf16 / weight-dtype
+copy) is made outside the GEMM's ``custom_vjp``, once per ``x`` for every ``dense`` call of the same trace that reads
+that ``x`` with the same recipe and amax axes (q / k / v, gate / up: :func:`shared_activation`), and the backward's
+weight-gradient GEMMs read the same bytes. Each call still returns its own ``dx``; JAX sums them for ``x``.
+
 Amax scope: activation and gradient statistics are those of the ``x``/``g`` this call sees (under
 ``shard_map``: the local block), max-reduced over ``amax_axes`` (the mesh axes that shard the activation,
 e.g. TP/SP). ``make_train_step`` calls the loss per data-parallel rank, so the data-parallel axis is left
@@ -27,9 +32,12 @@ out unless a caller names it.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from typing import NamedTuple, Optional
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 import numpy as np
@@ -83,10 +91,11 @@ def dense(x, w, *, recipe: Optional[str] = None, out_dtype=None, amax_axes=()):
                   jnp.dtype(w.dtype) if kind == "array" or on_the_fly else None,
                   None if target is None else jnp.dtype(target.dtype))
     lead = x.shape[:-1]
+    act, saved = shared_activation(x, cfg.kind, jnp.dtype(w.dtype) if cfg.kind == "array" else None, cfg.amax_axes)
     x2 = x.reshape(-1, n_in)
     if target is not None:   # dW varies over every axis x does: a target replicated over one sums over it
         target = vary_like(target, x2)
-    y = _dense2d(x2, w, target, cfg)
+    y = _dense2d(x2, act, saved, w, target, cfg)
     return checkpoint_name(y.reshape(*lead, n_out), GEMM_OUTPUT)
 
 
@@ -108,22 +117,23 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
         amax_axes = (amax_axes,)
     kind = "array" if w.spec.recipe == "bf16" else w.spec.recipe
     cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
+    act, saved = shared_activation(x, kind, fsdp.COMPUTE_DTYPE if kind == "array" else None, cfg.amax_axes)
     x2 = x.reshape(-1, n_in)
-    y = _dense_sharded(x2, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
+    y = _dense_sharded(x2, act, saved, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
     return checkpoint_name(y.reshape(*x.shape[:-1], n_out), GEMM_OUTPUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _dense_sharded(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
-    return _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _dense_sharded(x2, act, saved, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
+    return _dense_sharded_fwd(x2, act, saved, shard, grad, gathered, local, cfg, spec)[0]
 
 
-def _dense_sharded_fwd(x2, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
+def _dense_sharded_fwd(x2, act, saved, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
     """The weight as the forward GEMM reads it (``fsdp.forward_weight``: quantized, gathered; or the step's
-    once-a-step operands), the GEMM; residuals: the activation and what the backward needs of the weight."""
+    once-a-step operands), the GEMM on the (shared) activation operand ``act``; residuals: its named copy ``saved``
+    (:func:`shared_activation`) and what the backward needs of the weight. ``x2`` is here for its gradient only."""
     wops, kept = fsdp.forward_weight(shard, gathered, local, spec)
-    y, act = _forward(x2, wops, cfg)
-    return y.astype(cfg.out_dtype), (_named_act(act), kept)
+    return _forward(act, wops, cfg).astype(cfg.out_dtype), (saved, kept)
 
 
 def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
@@ -133,7 +143,8 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     act, kept = res
     dx, dw = _backward(act, fsdp.backward_weight(kept, spec), g, cfg)
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
-    return dx.astype(cfg.x_dtype), None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
+    # act, saved: no cotangent (made from stop_gradient(x)); x's gradient is dx
+    return dx.astype(cfg.x_dtype), None, None, None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
 
 
 _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)
@@ -178,23 +189,25 @@ def _check_x_out(x, n_in, w_shape, out_dtype, transposed=False):
     return out_dtype
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense2d(x2, w, target, cfg: _Config):
-    y, _ = _forward(x2, _weight_operands(w, cfg), cfg)
-    return y.astype(cfg.out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _dense2d(x2, act, saved, w, target, cfg: _Config):
+    return _forward(act, _weight_operands(w, cfg), cfg).astype(cfg.out_dtype)
 
 
-def _dense2d_fwd(x2, w, target, cfg: _Config):
+def _dense2d_fwd(x2, act, saved, w, target, cfg: _Config):
+    """The GEMM on the activation operand ``act``; residuals: its named copy ``saved`` (:func:`shared_activation`)
+    and the weight's packed bytes. ``x2`` is here for its gradient only."""
     wops = _weight_operands(w, cfg)
-    y, act = _forward(x2, wops, cfg)
-    return y.astype(cfg.out_dtype), (_named_act(act), backward_operands(wops, cfg.kind))  # packed bytes
+    y = _forward(act, wops, cfg)
+    return y.astype(cfg.out_dtype), (saved, backward_operands(wops, cfg.kind))
 
 
 def _dense2d_bwd(cfg: _Config, res, g):
     dx, dw = _backward(*res, g, cfg)
     w_ct = None if cfg.w_grad_dtype is None else dw.astype(cfg.w_grad_dtype)      # arrays: the weight itself
     target_ct = None if cfg.target_dtype is None else dw.astype(cfg.target_dtype)  # straight_through master
-    return dx.astype(cfg.x_dtype), w_ct, target_ct
+    # act, saved: no cotangent (made from stop_gradient(x)); x's gradient is dx
+    return dx.astype(cfg.x_dtype), None, None, w_ct, target_ct
 
 
 _dense2d.defvjp(_dense2d_fwd, _dense2d_bwd)
@@ -226,23 +239,76 @@ def _weight_operands(w, cfg: _Config):
     return weight_operands(w)   # jaxquant/primitives/gemm.py, shared with jaxquant.tp.sp
 
 
-def _forward(x2, wops, cfg: _Config):
-    """(y fp32 [B, N], the activation's residuals for the backward). A transposed weight ``K [in, out]`` is read
-    as ``W = K.T``: FP8 from its columnwise bytes (TN), NVFP4 and arrays from ``K`` itself contracted on axis 0."""
+def _forward(act, wops, cfg: _Config):
+    """y fp32 [B, N] from the activation operand ``act`` (:func:`shared_activation`). A transposed weight
+    ``K [in, out]`` is read as ``W = K.T``: FP8 from its columnwise bytes (TN), NVFP4 and arrays from ``K`` itself
+    contracted on axis 0."""
     if cfg.kind == "array":
-        xc = x2.astype(wops["w"].dtype)
-        return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN), (xc,)
+        (xc,) = act
+        return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN)
     if cfg.kind == "fp8":
-        xq, sx, _ = quantize_current(x2, FWD_FP8, cfg.amax_axes)
-        return scaled_gemm(xq, sx, wops["data_t" if cfg.transposed else "data"], wops["scale_inv"]), (xq, sx)
-    xb = x2.astype(jnp.bfloat16)
+        xq, sx = act
+        return scaled_gemm(xq, sx, wops["data_t" if cfg.transposed else "data"], wops["scale_inv"])
+    (xb,) = act
     dims = NN if cfg.transposed else TN
-    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims), (xb,)
+    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims)
 
 
-def _named_act(act):
-    """The activation residuals, named for the remat policies (jaxquant.training.remat)."""
-    return jax.tree.map(lambda a: checkpoint_name(a, QUANTIZED_ACTIVATION), act)
+# ----------------------------------------------------------------------------------------------
+# The activation operand, made once per activation tensor for every GEMM that reads it
+# ----------------------------------------------------------------------------------------------
+
+
+class _Made(NamedTuple):
+    x: weakref.ref          # the activation they were made from (the key holds its id)
+    trace: object           # jax.extend.core.get_opaque_trace_state() when they were made
+    arrays: tuple           # weak references to the operand's arrays, then to their named copies
+
+
+class _Memo(threading.local):
+    def __init__(self):
+        self.made: dict = {}
+
+
+_MEMO = _Memo()
+
+
+def shared_activation(x, kind: str, dtype, amax_axes: tuple) -> tuple:
+    """``(act, saved)``: the activation operand the GEMMs read of ``x [..., in]`` (rows ``[B, in]``): FP8
+    ``(E4M3 bytes, scale_inv)`` with the amax max-reduced over ``amax_axes``, NVFP4 ``(bf16 x,)``, arrays
+    ``(x in dtype,)``; and the same arrays named ``QUANTIZED_ACTIVATION`` (the remat policies' name), which only the
+    backward reads. Two values because ``jax.checkpoint`` sends a saved value that its forward also reads through
+    ``reduce_precision`` at the dtype's ``finfo``, which XLA applies with IEEE exponents: E4M3 values whose exponent
+    field is all ones (finite in E4M3) become NaN. Both are made from ``stop_gradient(x)``: each GEMM's
+    ``custom_vjp`` returns its own ``dx``, and JAX sums them for ``x``.
+
+    Made once per ``x``: a call in the same trace with the same ``x`` (the same traced value, as flax models and
+    models written on ``jq.dense`` pass to q / k / v and to gate / up) and the same ``kind`` / ``dtype`` /
+    ``amax_axes`` returns the first call's arrays, so the traced step holds one amax pass, one cast and one saved copy
+    per activation tensor however many GEMMs read it. The memo keeps nothing alive (weak references to ``x`` and to
+    the arrays) and returns only arrays made in the trace now current (never a finished trace's, an outer or inner
+    trace's, or another thread's); a miss makes them again, with the same bytes."""
+    key = (id(x), kind, dtype, tuple(amax_axes))
+    traced = isinstance(x, jax.core.Tracer)
+    if traced:
+        trace = jax.extend.core.get_opaque_trace_state()
+        made = _MEMO.made.get(key)
+        if made is not None and made.x() is x and made.trace == trace:
+            arrays = tuple(r() for r in made.arrays)
+            if all(a is not None for a in arrays):
+                return arrays[: len(arrays) // 2], arrays[len(arrays) // 2:]
+    x2 = jax.lax.stop_gradient(x).reshape(-1, x.shape[-1])
+    if kind == "fp8":
+        xq, sx, _ = quantize_current(x2, FWD_FP8, amax_axes)
+        act = (xq, sx)
+    else:
+        act = (x2.astype(jnp.bfloat16 if kind == "nvfp4" else dtype),)
+    saved = tuple(checkpoint_name(a, QUANTIZED_ACTIVATION) for a in act)
+    if traced:   # the entry goes when x does
+        memo = _MEMO.made
+        memo[key] = _Made(weakref.ref(x, lambda _, k=key, m=memo: m.pop(k, None)), trace,
+                          tuple(weakref.ref(a) for a in act + saved))
+    return act, saved
 
 
 BACKWARD_OPERANDS = {"array": ("w",), "fp8": ("data_t", "scale_inv"), "nvfp4": ("data_t", "scale_inv_t", "dec")}
