@@ -1,10 +1,12 @@
 """Flax models unchanged (training/flax_adapter.py): a Llama-style NNX model and linen model (tests/flax_llama.py),
 layers in a Python loop and under ``nnx.scan`` / ``nn.scan``, train under ``jq.make_train_step`` on an 8-device
-FSDP mesh with bf16 / FP8 / NVFP4 ``[in, out]`` kernels through the interception of flax's dot_general / einsum /
-promote_dtype, and equal the same model hand-written with ``jq.dense``; 8 devices equal 1; rng keys and counters
-pass through untouched; the interception leaves no trace; what cannot run quantized is an error naming it."""
+FSDP mesh with bf16 / FP8 / NVFP4 ``[in, out]`` kernels through the interception of jax's dot_general / einsum /
+asarray (flax's promote_dtype) in a scope, and equal the same model hand-written with ``jq.dense``; 8 devices
+equal 1; rng keys and counters pass through untouched; the interception leaves no trace and modifies no code;
+what cannot run quantized is an error naming it."""
 
 import functools
+import importlib
 import threading
 
 import jax
@@ -22,6 +24,7 @@ from flax import nnx  # noqa: E402
 import jaxquant as jq  # noqa: E402
 from jaxquant.training import flax_adapter as jqf  # noqa: E402
 from jaxquant.training.rules import decide  # noqa: E402
+from jax.numpy import einsum as _bound_einsum  # noqa: E402
 import flax_llama as fl  # noqa: E402
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -191,18 +194,44 @@ def test_non_float_state_passes_through_untouched(family):
     assert jax.tree.structure(jqf.flax_params(merged)) == jax.tree.structure(params)
 
 
+def _attrs():
+    """The module attributes the interception replaces, as they are now."""
+    return {name: getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
+            for name in jqf.intercepted_attributes()}
+
+
+def _functions():
+    """Every function the interception could have modified (jax's, flax's promote_dtype, flax's layers), by name."""
+    import flax.linen.dtypes
+    import flax.nnx.nn.dtypes
+
+    fns = {name: fn for name, (fn, _) in jqf.intercepted_attributes().items()}
+    fns.update({"flax.nnx.nn.dtypes.promote_dtype": flax.nnx.nn.dtypes.promote_dtype,
+                "flax.linen.dtypes.promote_dtype": flax.linen.dtypes.promote_dtype,
+                "jax.lax.dot": jax.lax.dot})
+    for cls in (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nn.Dense, nn.DenseGeneral, nn.Einsum):
+        fns[f"{cls.__module__}.{cls.__qualname__}.__call__"] = cls.__call__
+    return fns
+
+
 def _codes():
-    return {name: fn.__code__ for name, (fn, _) in jqf.intercepted_functions().items()}
+    return {name: fn.__code__ for name, fn in _functions().items()}
 
 
 def test_the_interception_leaves_no_trace():
-    """The swapped functions get their code back when the loss has run (also after an error, nested contexts and
-    a context left in another thread); a plain flax forward outside gives the same numbers as before, and inside
-    the context calls without a quantized kernel run as before."""
-    originals = {name: code for name, (_, code) in jqf.intercepted_functions().items()}
-    assert set(originals) == {"jax.lax.dot_general", "jax.numpy.einsum", "flax.nnx.nn.dtypes.promote_dtype",
-                              "flax.linen.dtypes.promote_dtype", "jax.lax.with_sharding_constraint"}
-    assert _codes() == originals
+    """The interception replaces public module attributes only (jax.lax.dot_general, jax.numpy.einsum,
+    jax.numpy.asarray, jax.lax.with_sharding_constraint) and the NNX model's own attributes holding
+    ``jax.lax.dot_general`` / ``jnp.einsum`` (``nnx.Linear.dot_general``, ``nnx.Einsum.einsum_op``), for the scope:
+    they are restored when the loss has run (also after an error, nested contexts and a context left in another
+    thread); a plain flax forward outside gives the same numbers as before, and inside the context calls without a
+    quantized kernel run as before; a thread outside the context keeps its sharding constraints."""
+    attrs = jqf.intercepted_attributes()
+    originals = {name: fn for name, (fn, _) in attrs.items()}
+    wrappers = {name: w for name, (_, w) in attrs.items()}
+    assert set(originals) == {"jax.lax.dot_general", "jax.numpy.einsum", "jax.numpy.asarray",
+                              "jax.lax.with_sharding_constraint"}
+    assert originals["jax.lax.dot_general"].__module__.startswith("jax")
+    assert _attrs() == originals
     tokens = fl.make_batch()["tokens"]
     nnx_model, variables = fl.nnx_model(True), fl.linen_variables(False)
     linen_forward = jax.jit(fl.LinenLlama(fl.CFG).apply)
@@ -212,23 +241,29 @@ def test_the_interception_leaves_no_trace():
         step, state = make_step(model, jqf.flax_loss(model, fl.nnx_loss if family == "nnx" else fl.linen_loss(scan)),
                                 "nvfp4", scan=scan)
         assert "dot_general" in step.lower(state, fl.make_batch()).as_text()
-        assert _codes() == originals
+        assert _attrs() == originals
     assert jqf._STATE["depth"] == 0
     after = (np.asarray(nnx_model(tokens)), np.asarray(jax.jit(fl.LinenLlama(fl.CFG).apply)(variables, tokens)))
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
 
-    with jqf.flax_intercept():
-        assert all(_codes()[n] is not originals[n] for n in originals)
+    plain = fl.nnx_model(False)
+    linear, einsum = plain.layers[0].attn.q, plain.layers[0].mlp.down
+    assert linear.dot_general is originals["jax.lax.dot_general"] and einsum.einsum_op is originals["jax.numpy.einsum"]
+    with jqf.flax_intercept(plain):
+        assert _attrs() == wrappers
+        assert linear.dot_general is wrappers["jax.lax.dot_general"]           # captured at construction: routed
+        assert einsum.einsum_op is wrappers["jax.numpy.einsum"]
         with jqf.flax_intercept():
             np.testing.assert_array_equal(nnx_model(tokens), before[0])       # no quantized kernel: as before
-        assert all(_codes()[n] is not originals[n] for n in originals)
+        assert _attrs() == wrappers and linear.dot_general is wrappers["jax.lax.dot_general"]
         np.testing.assert_array_equal(jax.jit(fl.LinenLlama(fl.CFG).apply)(variables, tokens), before[1])   # traced
-    assert _codes() == originals
+    assert _attrs() == originals
+    assert linear.dot_general is originals["jax.lax.dot_general"] and einsum.einsum_op is originals["jax.numpy.einsum"]
     with pytest.raises(ZeroDivisionError):
-        with jqf.flax_intercept():
+        with jqf.flax_intercept(plain):
             1 / 0
-    assert _codes() == originals
+    assert _attrs() == originals and linear.dot_general is originals["jax.lax.dot_general"]
     entered, leave = threading.Event(), threading.Event()
 
     def other():
@@ -240,11 +275,46 @@ def test_the_interception_leaves_no_trace():
     t.start()
     entered.wait(30)
     with jqf.flax_intercept():
-        pass
-    assert _codes()["jax.lax.dot_general"] is not originals["jax.lax.dot_general"]   # the other thread is inside
+        x = jnp.ones((8, 4))
+        assert jax.lax.with_sharding_constraint(x, None) is x                 # inside: the constraint is dropped
+    assert _attrs()["jax.lax.dot_general"] is wrappers["jax.lax.dot_general"]   # the other thread is inside
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    y = jax.jit(lambda a: jax.lax.with_sharding_constraint(a, sharding))(jnp.ones((8, 4)))   # this thread: outside
+    assert y.sharding.is_equivalent_to(sharding, 2)
     leave.set()
     t.join(30)
-    assert _codes() == originals and jqf._STATE["depth"] == 0
+    assert _attrs() == originals and jqf._STATE["depth"] == 0
+
+
+def test_the_interception_modifies_no_code():
+    """No function's code object is replaced: inside the loss, as the step traces it (NNX and linen), the module
+    attributes are jaxquant's wrappers and the NNX model's layers hold them, while the code of jax's functions,
+    flax's ``promote_dtype`` and flax's layers is the code they had before."""
+    codes = _codes()
+    attrs = jqf.intercepted_attributes()
+    wrappers = {name: w for name, (_, w) in attrs.items()}
+    seen = []
+
+    def recording(loss):
+        def run(model, batch, **kw):
+            routed = ([model.layers[0].attn.q.dot_general, model.layers[0].mlp.down.einsum_op]
+                      if isinstance(model, nnx.Module) else [])
+            seen.append((_codes(), _attrs(), routed))
+            return loss(model, batch, **kw)
+        return run
+
+    for family, loss in (("nnx", fl.nnx_loss), ("linen", fl.linen_loss(False))):
+        model = model_of(family, False)
+        step, state = make_step(model, jqf.flax_loss(model, recording(loss), batch=fl.make_batch()), "fp8")
+        step.lower(state, fl.make_batch())
+    assert len(seen) >= 4                                                  # the trace of flax_loss and the step's
+    for inside, now, routed in seen:
+        assert inside == codes
+        assert now == wrappers
+        assert routed in ([], [wrappers["jax.lax.dot_general"], wrappers["jax.numpy.einsum"]])
+    assert sum(bool(r) for *_, r in seen) >= 2
+    assert _codes() == codes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +378,7 @@ def test_what_cannot_run_quantized_is_an_error_naming_it(case):
     model = Tiny(make, rngs=nnx.Rngs(0))
     with pytest.raises(jqf.FlaxKernelError, match=match):
         lower(model, jqf.flax_rules() if rules is None else rules)
-    assert _codes() == {n: c for n, (_, c) in jqf.intercepted_functions().items()}
+    assert _attrs() == {n: fn for n, (fn, _) in jqf.intercepted_attributes().items()}
 
 
 def test_multi_axis_kernels_stay_unquantized_and_out_in_kernels_run():
@@ -332,6 +402,46 @@ def test_multi_axis_kernels_stay_unquantized_and_out_in_kernels_run():
     rules = [jq.ParamRule(r"proj\.kernel", quantize=True, kernel="out_in")] + jqf.flax_rules()
     text = lower(out_in, rules, "fp8").as_text()
     assert "f8E4M3FN" in text
+
+
+class RawContractions(nnx.Module):
+    """Contractions written in the model itself: ``jnp.einsum`` and ``jax.lax.dot_general`` looked up at call time
+    (intercepted), and an ``einsum`` bound at import (``from jax.numpy import einsum``: not intercepted)."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 128, rngs=rngs)
+        self.w_einsum = nnx.Param(jax.random.normal(rngs.params(), (128, 4, 32)) / 16)
+        self.w_dot = nnx.Param(jax.random.normal(rngs.params(), (4, 32, 128)) / 16)
+        self.w_bound = nnx.Param(jax.random.normal(rngs.params(), (128, 128)) / 16)
+        self.head = nnx.Linear(128, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        h = jnp.einsum("btd,dnh->btnh", x, self.w_einsum[...])
+        x = x + jax.lax.dot_general(h, self.w_dot[...], (((2, 3), (0, 1)), ((), ())))
+        x = x + _bound_einsum("btd,de->bte", x, self.w_bound[...])
+        return self.head(x)
+
+
+def test_raw_einsum_and_dot_general_on_a_parameter_run_quantized():
+    """A loss's own ``jnp.einsum`` / ``jax.lax.dot_general`` on a parameter is a contraction the trace sees (the
+    module attributes are intercepted in the scope): quantized by default, and the step's first loss is plain flax's
+    within FP8's rounding; an ``einsum`` bound before the scope is not seen, and its kernel stays unquantized with
+    the reason in the plan."""
+    model = RawContractions(nnx.Rngs(0))
+    loss_fn = jq.flax_loss(model, tiny_loss, batch=fl.make_batch())
+    views = loss_fn.kernels.views
+    assert views["w_einsum"].op == "jnp.einsum('btd,dnh->btnh')" and views["w_einsum"].matrix_shape == (128, 128)
+    assert views["w_dot"].op.startswith("jax.lax.dot_general") and views["w_dot"].in_axes == (0, 1)
+    assert "w_bound" not in views and "not the weight operand" in loss_fn.kernels.kept["w_bound"]
+    step = jq.make_train_step(loss_fn, optax.sgd(LR), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
+                              policy=jq.MixedPrecisionPolicy(compute_weights="fp8"))
+    state = step.init(jq.flax_params(loss_fn))
+    recipes = {r["path"]: r["recipe"] for r in step.describe(state, file=False)}
+    assert recipes["w_einsum"] == recipes["w_dot"] == "fp8" and recipes["w_bound"] == "kept"
+    _, metrics = step(state, fl.make_batch())
+    plain = float(jax.jit(tiny_loss)(model, fl.make_batch()))
+    np.testing.assert_allclose(float(metrics["loss"]), plain, rtol=2e-2)
 
 
 def test_flax_rules_decide_like_declared():

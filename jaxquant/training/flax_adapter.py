@@ -3,10 +3,11 @@
 The model's code is not edited. Its trainable parameters become the step's ``params`` (a plain nested dict with
 flax's names, ``layers.0.mlp.up.kernel``), and while the loss runs the kernels the rules quantize reach flax's
 layers as quantized kernels (``jq.ShardedWeight``, ``[in, out]`` as flax stores them, declared with
-``ParamRule(kernel="in_out")``). An interception of flax's dot_general / einsum / promote_dtype, in force only
-inside :func:`flax_intercept` (which :func:`flax_loss` enters around the loss), sends every matmul whose kernel
-operand is such a weight to ``jq.dense`` (per-use quantize + all-gather + GEMM, its own backward) and leaves
-every other call as it was::
+``ParamRule(kernel="in_out")``). An interception through public attributes only (the module attributes
+``jax.lax.dot_general`` / ``jax.numpy.einsum`` / ``jax.numpy.asarray`` replaced for a scope, as qwix does, and
+the NNX layers' own ``dot_general`` / ``einsum_op``), in force only inside :func:`flax_intercept` (which
+:func:`flax_loss` enters around the loss), sends every matmul whose kernel operand is such a weight to
+``jq.dense`` (per-use quantize + all-gather + GEMM, its own backward) and leaves every other call as it was::
 
     params = jq.flax_params(model)                     # NNX module, or linen variables {"params": ...}
     loss_fn = jq.flax_loss(model, loss)                # loss(model | variables, batch[, rng=][, extra=])
@@ -19,9 +20,10 @@ What runs quantized: the kernel operand of ``jax.lax.dot_general`` (``nnx.Linear
 linen ``nn.Dense`` / ``nn.DenseGeneral``) and of ``jnp.einsum`` (``nnx.Einsum``, ``nn.Einsum``) when it is one
 layer's 2-D kernel, contracted on its ``in`` axis with one axis of the activation, with no batch axis on the
 kernel: ``[in, out]`` kernels (``kernel="in_out"``; flax's layout) and ``[out, in]`` ones (the default, e.g. an
-einsum ``"btd,fd->btf"``). ``promote_dtype`` sees such a kernel as its compute dtype (bf16): the activation is
-cast as flax would cast it for a bf16 kernel (or to the module's ``dtype``), and the GEMM's output has that dtype
-(``preferred_element_type`` if given). ``precision`` is not used (``jq.dense`` accumulates in fp32).
+einsum ``"btd,fd->btf"``). flax's ``promote_dtype`` sees such a kernel (through ``jnp.asarray``) as an array of
+its compute dtype (bf16): the activation is cast as flax would cast it for a bf16 kernel (or to the module's
+``dtype``), and the GEMM's output has that dtype (``preferred_element_type`` if given). ``precision`` is not used
+(``jq.dense`` accumulates in fp32).
 
 A kernel with more than one ``in`` or ``out`` axis (``nn.DenseGeneral(features=(heads, head_dim))``, an einsum
 ``"btd,dnh->btnh"``) runs quantized as the 2-D ``[in, out]`` matrix of its contraction (:class:`KernelView`) when
@@ -47,7 +49,6 @@ import re
 import string
 import sys
 import threading
-import types
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -283,97 +284,83 @@ def _as_ref(x) -> Optional[KernelRef]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Interception (qwix's technique: the function objects' code is swapped, so every alias of them, e.g. the
-# ``dot_general`` nnx.Linear stored at construction, is intercepted; restored when the last user leaves)
+# Interception through public attributes only (qwix's technique): for the duration of a scope, the module
+# attributes ``jax.lax.dot_general``, ``jax.numpy.einsum``, ``jax.numpy.asarray`` and
+# ``jax.lax.with_sharding_constraint`` are wrappers (flax's layers look them up at call time, and flax's
+# ``promote_dtype`` casts through ``jnp.asarray``); NNX modules that captured ``jax.lax.dot_general`` /
+# ``jnp.einsum`` at construction (``nnx.Linear.dot_general``, ``nnx.Einsum.einsum_op``: public constructor
+# arguments) get the wrappers as those attributes for the scope. No function's code is touched.
 # ----------------------------------------------------------------------------------------------
 
 # name -> (module, attribute)
 _TARGETS = {
     "dot_general": ("jax.lax", "dot_general"),
     "einsum": ("jax.numpy", "einsum"),
-    "nnx_promote_dtype": ("flax.nnx.nn.dtypes", "promote_dtype"),
-    "linen_promote_dtype": ("flax.linen.dtypes", "promote_dtype"),
+    "asarray": ("jax.numpy", "asarray"),
     "with_sharding_constraint": ("jax.lax", "with_sharding_constraint"),
 }
 
-# The replacement code objects: no free variables (a function's code can only be swapped for code with the same
-# free variables), and they run with the intercepted function's globals, so they find this module by name.
-
-
-def _tramp_dot_general(*args, **kwargs):
-    import sys
-    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("dot_general", args, kwargs)
-
-
-def _tramp_einsum(*args, **kwargs):
-    import sys
-    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("einsum", args, kwargs)
-
-
-def _tramp_nnx_promote_dtype(*args, **kwargs):
-    import sys
-    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("nnx_promote_dtype", args, kwargs)
-
-
-def _tramp_linen_promote_dtype(*args, **kwargs):
-    import sys
-    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("linen_promote_dtype", args, kwargs)
-
-
-def _tramp_with_sharding_constraint(*args, **kwargs):
-    import sys
-    return sys.modules["jaxquant.training.flax_adapter"]._dispatch("with_sharding_constraint", args, kwargs)
-
-
-_TRAMPOLINES = {"dot_general": _tramp_dot_general, "einsum": _tramp_einsum,
-                "nnx_promote_dtype": _tramp_nnx_promote_dtype, "linen_promote_dtype": _tramp_linen_promote_dtype,
-                "with_sharding_constraint": _tramp_with_sharding_constraint}
-
-
-class _Target(types.SimpleNamespace):
-    """One intercepted function: the function object (whose ``__code__`` is swapped), its original code and a
-    copy of it with that code (what every call without a quantized kernel runs)."""
-
+# what an NNX module attribute holding one of these functions (captured at construction) is routed through
+_INSTANCE_TARGETS = ("dot_general", "einsum")
 
 _LOCK = threading.RLock()
-_STATE = {"depth": 0, "targets": {}}   # targets: name -> _Target, resolved once (kept: a stale call still works)
+_STATE = {"depth": 0, "originals": {}}   # originals: name -> the function the module attribute held (kept)
+_LOCAL = threading.local()               # .depth: this thread's nesting of flax_intercept
 
 
-def _resolve_targets() -> dict:
+def _module(name):
     import importlib
 
-    targets = _STATE["targets"]
-    for name, (module, attr) in _TARGETS.items():
-        if name in targets:
-            continue
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except ImportError:           # flax (or a part of it) missing: nothing of it to intercept
-            continue
-        if not isinstance(fn, types.FunctionType) or fn.__code__.co_freevars:
-            raise RuntimeError(f"jaxquant flax adapter: cannot intercept {module}.{attr} ({type(fn).__name__}); "
-                               f"this jax/flax version is not supported")
-        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__kwdefaults__ = fn.__kwdefaults__
-        copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-        targets[name] = _Target(fn=fn, code=fn.__code__, original=copy)
-    return targets
+    return importlib.import_module(_TARGETS[name][0])
+
+
+def _make_wrapper(name):
+    def wrapper(*args, **kwargs):
+        return _dispatch(name, args, kwargs)
+
+    module, attr = _TARGETS[name]
+    wrapper.__name__ = wrapper.__qualname__ = attr
+    wrapper.__doc__ = f"{module}.{attr}, routed by jaxquant's flax adapter (see jaxquant.flax_intercept)."
+    return wrapper
+
+
+_WRAPPERS = {name: _make_wrapper(name) for name in _TARGETS}
+# the functions themselves, as jax defines them (what a module captured at construction holds)
+_JAX_FUNCTIONS = {"dot_general": jax.lax.dot_general, "einsum": jnp.einsum}
+
+
+def _originals() -> dict:
+    """name -> the function the module attribute holds outside the scope (resolved once; updated when something
+    else has replaced the attribute since)."""
+    originals = _STATE["originals"]
+    for name, (_, attr) in _TARGETS.items():
+        current = getattr(_module(name), attr)
+        if current is not _WRAPPERS[name]:
+            originals[name] = current
+        elif name not in originals:   # pragma: no cover - our wrapper left in place by someone else's restore
+            raise RuntimeError(f"jaxquant flax adapter: {'.'.join(_TARGETS[name])} is jaxquant's wrapper outside "
+                               f"the scope, and the original function is unknown")
+    return originals
+
+
+def _in_scope() -> bool:
+    return getattr(_LOCAL, "depth", 0) > 0
 
 
 def _dispatch(name, args, kwargs):
-    original = _STATE["targets"][name].original
+    original = _STATE["originals"][name]
     if name == "with_sharding_constraint":
         # the loss runs per rank (inside the step's shard_map) or abstractly (the trace): a constraint on the
         # global array's sharding has nothing to constrain there; the step places the batch and weights itself
-        return args[0] if args else kwargs["x"]
+        if _in_scope():
+            return args[0] if args else kwargs["x"]
+        return original(*args, **kwargs)
     log = _PROBE_LOG.get(threading.get_ident())
     if log is not None:
         return _PROBE_HANDLERS[name](log, original, *args, **kwargs)
     if not _has_kernel(args, kwargs):
         return original(*args, **kwargs)
     return _HANDLERS[name](original, *args, **kwargs)
-
-
 
 
 def _has_kernel(args, kwargs) -> bool:
@@ -387,36 +374,82 @@ def _has_kernel(args, kwargs) -> bool:
     return any_ref(args) or any_ref(kwargs.values())
 
 
+def _route_modules(models, done: list):
+    """Point the attributes of the NNX modules in ``models`` that hold ``jax.lax.dot_general`` / ``jnp.einsum``
+    itself (captured at construction: ``nnx.Linear``'s ``dot_general``, ``nnx.Einsum``'s ``einsum_op``, a module of
+    the user's that stored one) at the wrappers, appending ``(module, attribute, old value)`` to ``done``."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    originals = _STATE["originals"]
+    swaps = {}
+    for name in _INSTANCE_TARGETS:
+        swaps[id(originals[name])] = (originals[name], _WRAPPERS[name])
+        jax_fn = _JAX_FUNCTIONS.get(name)
+        if jax_fn is not None:
+            swaps[id(jax_fn)] = (jax_fn, _WRAPPERS[name])
+    for model in models:
+        if not isinstance(model, nnx.Module):
+            continue
+        for _, node in nnx.iter_graph(model):
+            if not isinstance(node, nnx.Module):
+                continue
+            for attr, value in list(vars(node).items()):
+                hit = swaps.get(id(value))
+                if hit is not None and hit[0] is value:
+                    setattr(node, attr, hit[1])
+                    done.append((node, attr, value))
+
+
 @contextlib.contextmanager
-def flax_intercept():
-    """Within this context, flax's ``dot_general`` / ``einsum`` / ``promote_dtype`` (every alias of them) send calls
-    whose kernel operand is a quantized kernel to ``jq.dense``; every other call runs the original function.
-    ``jax.lax.with_sharding_constraint`` (and flax's logical constraints, which call it) returns its input: the
-    loss runs per rank inside the step's ``shard_map``, where the model's activation shardings do not apply.
-    Re-entrant and thread-safe; leaving the outermost context restores the original functions (no trace left).
-    :func:`flax_loss` enters it around the loss; use it directly for a loss of your own that reads
-    ``jq.ShardedWeight`` kernels through flax modules."""
+def flax_intercept(*models):
+    """Within this context, calls of ``jax.lax.dot_general`` / ``jnp.einsum`` whose kernel operand is a quantized
+    kernel go to ``jq.dense``, and flax's ``promote_dtype`` (through ``jnp.asarray``) passes such a kernel on as
+    it is, casting the other operands as next to a kernel of its compute dtype (bf16); every other call runs the
+    original function. ``jax.lax.with_sharding_constraint`` (and flax's logical constraints, which call it)
+    returns its input in the threads inside the context: the loss runs per rank inside the step's ``shard_map``,
+    where the model's activation shardings do not apply.
+
+    How: only public attributes are replaced, for the duration of the context: the module attributes
+    ``jax.lax.dot_general``, ``jax.numpy.einsum``, ``jax.numpy.asarray`` and ``jax.lax.with_sharding_constraint``
+    (what flax's layers and a loss's own ``jnp.einsum(...)`` look up at call time), and, on the NNX modules of
+    ``models``, each attribute that holds ``jax.lax.dot_general`` / ``jnp.einsum`` itself (``nnx.Linear``'s
+    ``dot_general``, ``nnx.Einsum``'s ``einsum_op``: constructor arguments, captured at construction). No code
+    object is touched. A name bound before the context (``from jax.numpy import einsum``) is not intercepted.
+    Re-entrant and thread-safe; leaving the outermost context restores the module attributes, and leaving each
+    context the attributes of its ``models``. :func:`flax_loss` enters it around the loss with the model it
+    builds; use it directly for a loss of your own that reads ``jq.ShardedWeight`` kernels through flax modules
+    (pass the NNX model)."""
     with _LOCK:
-        targets = _resolve_targets()
+        originals = _originals() if _STATE["depth"] == 0 else _STATE["originals"]
         if _STATE["depth"] == 0:
-            for name, t in targets.items():
-                t.fn.__code__ = _TRAMPOLINES[name].__code__
+            for name, (_, attr) in _TARGETS.items():
+                setattr(_module(name), attr, _WRAPPERS[name])
         _STATE["depth"] += 1
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    routed = []
     try:
+        _route_modules(models, routed)
         yield
     finally:
+        for node, attr, value in reversed(routed):
+            setattr(node, attr, value)
+        _LOCAL.depth -= 1
         with _LOCK:
             _STATE["depth"] -= 1
             if _STATE["depth"] == 0:
-                for t in targets.values():
-                    t.fn.__code__ = t.code
+                for name, (_, attr) in _TARGETS.items():
+                    module = _module(name)
+                    if getattr(module, attr) is _WRAPPERS[name]:   # else someone replaced it since: theirs stays
+                        setattr(module, attr, originals[name])
 
 
-def intercepted_functions() -> dict:
-    """``{"module.attr": (function, original code)}`` of what :func:`flax_intercept` swaps (for checks)."""
+def intercepted_attributes() -> dict:
+    """``{"module.attr": (original function, wrapper)}``: the module attributes :func:`flax_intercept` replaces by
+    the wrapper for its duration (for checks)."""
     with _LOCK:
-        targets = _resolve_targets()
-    return {".".join(_TARGETS[n]): (t.fn, t.code) for n, t in targets.items()}
+        originals = _originals() if _STATE["depth"] == 0 else _STATE["originals"]
+    return {".".join(_TARGETS[n]): (originals[n], _WRAPPERS[n]) for n in _TARGETS}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -583,25 +616,16 @@ def _einsum(original, subscripts, *operands, out=None, optimize="auto", precisio
     return jnp.transpose(y, [y_labels.index(l) for l in out_labels])
 
 
-def _promote(original, args, dtype, inexact, pack):
-    """flax's promote_dtype with each quantized kernel standing in as a scalar of its compute dtype (bf16): the
-    other arguments are cast as flax casts them next to a bf16 kernel; the kernel is returned as it is."""
-    refs = {i: a for i, a in enumerate(args) if _as_ref(a) is not None}
-    stand_in = [jnp.zeros((), _as_ref(a).dtype) if i in refs else a for i, a in enumerate(args)]
-    out = original(*pack(stand_in), dtype=dtype, inexact=inexact)
-    return type(out)(refs.get(i, o) for i, o in enumerate(out))
+def _asarray(original, a, *args, **kwargs):
+    """``jnp.asarray`` of a quantized kernel is the kernel as it is. flax's ``promote_dtype`` reads the kernel's dtype
+    (its compute dtype, bf16) through ``jnp.asarray(kernel)`` and ``jnp.result_type``, so the other operands are
+    cast as flax casts them next to a bf16 kernel, and hands the kernel on to the contraction unchanged."""
+    if _as_ref(a) is None:   # a list / tuple holding a kernel: not a kernel of a layer
+        return original(a, *args, **kwargs)
+    return a
 
 
-def _nnx_promote(original, args, /, *, dtype=None, inexact=True):
-    return _promote(original, tuple(args), dtype, inexact, lambda a: (tuple(a),))
-
-
-def _linen_promote(original, *args, dtype=None, inexact=True):
-    return _promote(original, args, dtype, inexact, lambda a: tuple(a))
-
-
-_HANDLERS = {"dot_general": _dot_general, "einsum": _einsum, "nnx_promote_dtype": _nnx_promote,
-             "linen_promote_dtype": _linen_promote}
+_HANDLERS = {"dot_general": _dot_general, "einsum": _einsum, "asarray": _asarray}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -717,23 +741,17 @@ def _probe_einsum(log, original, subscripts, *operands, **kwargs):
         return original(subscripts, *operands, **kwargs)
 
 
-def _probe_promote(log, original, args, dtype, inexact, pack):
-    """flax's promote_dtype; a registered parameter's promoted array is registered under its path too."""
-    with _outermost(log):
-        out = original(*pack(list(args)), dtype=dtype, inexact=inexact)
-    for a, o in zip(args, out):
-        if log.path_of(a) is not None:
-            log.register(o, log.path_of(a))
+def _probe_asarray(log, original, a, *args, **kwargs):
+    """``jnp.asarray``; a registered parameter's array (flax's ``promote_dtype`` casts through it) is registered under
+    its path too."""
+    out = original(a, *args, **kwargs)
+    path = log.path_of(a)
+    if path is not None:
+        log.register(out, path)
     return out
 
 
-_PROBE_HANDLERS = {
-    "dot_general": _probe_dot_general, "einsum": _probe_einsum,
-    "nnx_promote_dtype": lambda log, original, args, /, *, dtype=None, inexact=True: _probe_promote(
-        log, original, tuple(args), dtype, inexact, lambda a: (tuple(a),)),
-    "linen_promote_dtype": lambda log, original, *args, dtype=None, inexact=True: _probe_promote(
-        log, original, args, dtype, inexact, lambda a: tuple(a)),
-}
+_PROBE_HANDLERS = {"dot_general": _probe_dot_general, "einsum": _probe_einsum, "asarray": _probe_asarray}
 
 
 class KernelPlan(NamedTuple):
@@ -763,8 +781,9 @@ def trace_kernels(split, loss, batch) -> KernelPlan:
         key = threading.get_ident()
         _PROBE_LOG[key] = log
         try:
-            with flax_intercept():
-                out = loss(split.build(by_path), batch, **({"rng": jax.random.key(0)} if takes_rng else {}))
+            model = split.build(by_path)
+            with flax_intercept(model):
+                out = loss(model, batch, **({"rng": jax.random.key(0)} if takes_rng else {}))
         finally:
             del _PROBE_LOG[key]
         return jax.tree.map(jnp.asarray, out)
@@ -1047,7 +1066,7 @@ class FlaxLoss:
         if not self.loss_takes_rng:
             kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
         counts = _rng_counts(model) if self.rng_streams and rng is None else None
-        with flax_intercept():
+        with flax_intercept(model):
             out = self.loss(model, batch, **kwargs)
         if counts is not None and any(a is not b for a, b in zip(counts, _rng_counts(model))):
             raise ValueError(f"loss_fn: the model draws random numbers from its nnx.Rngs streams "
