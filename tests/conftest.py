@@ -98,14 +98,28 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, _worker_survives_a_stray_sigint)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" / "not extended" deselect
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.fast_cases("id", ...)`` on a parametrized test keeps the cases with those ids in the fast
-    tier (``-m "not slow"``) and marks its other cases slow."""
+    tier (``-m "not slow"``) and marks its other cases slow.
+
+    The extended tier (``-m extended``), which the README's command (what CI runs) leaves out to stay within its
+    time budget on 2 cores: every case but the first of a slow parametrized test, unless the test is marked
+    ``all_cases`` (its cases check different behaviours, e.g. each model style in each recipe); and tests marked
+    ``extended`` themselves (benchmark smokes). The fast tier stays whole."""
+    first_seen = set()
     for item in items:
         m = item.get_closest_marker("fast_cases")
-        if m is not None and getattr(getattr(item, "callspec", None), "id", None) not in m.args:
+        case_id = getattr(getattr(item, "callspec", None), "id", None)
+        if m is not None and case_id not in m.args:
             item.add_marker(pytest.mark.slow)
+        if (case_id is None or item.get_closest_marker("slow") is None
+                or item.get_closest_marker("all_cases") is not None):
+            continue
+        family = item.nodeid.split("[", 1)[0]
+        if family in first_seen:
+            item.add_marker(pytest.mark.extended)
+        first_seen.add(family)
 
 
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")

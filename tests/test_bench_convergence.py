@@ -24,6 +24,7 @@ CONFIGS = ("plain-bf16", "jq-bf16", "jq-fp8", "jq-nvfp4")
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_convergence_smoke_trains_every_config_alike(tmp_path):
     out = tmp_path / "results"
     env = dict(os.environ, JAX_PLATFORMS="cpu")   # XLA_FLAGS as tests/conftest.py set them (8 devices)

@@ -20,6 +20,7 @@ CONFIGS = ("flax-plain", "flax-jq-fp8", "hand-jq-fp8")
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_flax_tiny_reports_every_config_and_the_losses_agree(tmp_path):
     out = tmp_path / "flax.json"
     # the children compile as this session does (tests/conftest.py's XLA_FLAGS: 8 devices, LLVM's optimisation off)

@@ -8,6 +8,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
@@ -60,6 +61,7 @@ def test_process_rule_compares_each_process_count_with_the_first():
         "differ by at most 1.00e-03 (relative)"]
 
 
+@pytest.mark.extended
 def test_bench_e2e_two_processes_train_like_one(tmp_path):
     """bench_e2e --processes 1,2 --devices 2 on the CPU: the step as 2 jax.distributed processes of one device
     each (as cluster launchers start one process per GPU) gives the losses of 1 process x 2 devices: the first
@@ -158,6 +160,7 @@ def test_pipelined_timing_reports_the_dispatch_and_frees_outputs_unless_kept():
         assert max(live) == (5 if keep else 3), live
 
 
+@pytest.mark.extended
 def test_bench_sp_runs_one_process_per_device():
     """bench_sp --processes 2 on simulated CPU devices: each mode runs as 2 jax.distributed processes
     (2 devices each, tp 4 over both), and process 0 reports its rows."""
@@ -167,6 +170,7 @@ def test_bench_sp_runs_one_process_per_device():
     assert results[0]["step_ms"] > 0 and results[0]["dispatch_ms"] > 0
 
 
+@pytest.mark.extended
 def test_bench_sp_stacks_layers_unrolled_or_under_scan():
     """bench_sp --layers K: K layers back to back with a residual add, unrolled (K call sites) or under
     lax.scan (one); the CPU smoke runs sp_mlp so stacked, "off" and "fused" (its plain-JAX schedule on

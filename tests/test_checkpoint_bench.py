@@ -11,6 +11,7 @@ from ckpt_helpers import common  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_ckpt_convert_runs_and_reports_throughput_and_rss():
     r = subprocess.run([sys.executable, os.path.join(common.REPO, "benchmarks", "bench_ckpt_convert.py"),
                         "--size-gb", "0.01", "--tensor-mb", "2"], env=common.env(), capture_output=True, text=True,

@@ -91,6 +91,7 @@ USAGE_CASES = {
 }
 
 
+@pytest.mark.all_cases
 @pytest.mark.parametrize("case", list(USAGE_CASES))
 def test_bad_usage_is_one_line_and_exit_2_before_any_work(work, case):
     """Every command, argparse's errors included: one line naming the command (not the top-level usage, not seven
@@ -104,6 +105,7 @@ def test_bad_usage_is_one_line_and_exit_2_before_any_work(work, case):
     assert sorted(os.listdir(tmp)) == before
 
 
+@pytest.mark.all_cases
 @pytest.mark.parametrize("argv", [["ckpt", "convert", "{tmp}/bad", "{tmp}/out", "--to", "dcp"],
                                   ["demo", "--resume", "{tmp}/bad", "--mesh", "1x1", "--recipe", "bf16", "--ckpt-dir",
                                    "{tmp}/out"]], ids=["ckpt convert", "demo --resume"])

@@ -80,6 +80,7 @@ def kernel_shapes(style):
             "layers_0.attn.out.kernel": (c.heads * c.head_dim, c.dim)}
 
 
+@pytest.mark.all_cases   # issue 53: both models, every recipe, in CI
 @pytest.mark.parametrize("style", ["einsum", "dense-general"])
 @pytest.mark.parametrize("cw", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.fast_cases("fp8-einsum", "nvfp4-dense-general")

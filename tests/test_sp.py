@@ -413,6 +413,7 @@ MIXED_FP8_LOWERS = pytest.mark.skipif(jax.__version_info__ < (0, 11),
                                       reason=f"jax {jax.__version__}'s wgmma refuses mixed FP8 operands")
 
 
+@pytest.mark.slow   # the first case in the README's command, the rest in the extended tier (tests/conftest.py)
 @pytest.mark.parametrize("tiling", list(FUSED_TILINGS))
 @pytest.mark.parametrize("operands", [pytest.param(name, marks=MIXED_FP8_LOWERS) if a != b else name
                                       for name, (a, b, _) in FUSED_OPERANDS.items()])
