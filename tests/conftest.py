@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
     tier (``-m "not slow"``) and marks its other cases slow.
 
     The extended tier (``-m extended``), which the README's command (what CI runs) leaves out to stay within its
-    time budget on 2 cores: every case but the first of a slow parametrized test, unless the test is marked
+    time budget on 2 cores: every slow case but the first case of a parametrized test, unless the test is marked
     ``all_cases`` (its cases check different behaviours, e.g. each model style in each recipe); and tests marked
     ``extended`` themselves (benchmark smokes). The fast tier stays whole."""
     first_seen = set()
@@ -113,11 +113,10 @@ def pytest_collection_modifyitems(config, items):
         case_id = getattr(getattr(item, "callspec", None), "id", None)
         if m is not None and case_id not in m.args:
             item.add_marker(pytest.mark.slow)
-        if (case_id is None or item.get_closest_marker("slow") is None
-                or item.get_closest_marker("all_cases") is not None):
+        if case_id is None or item.get_closest_marker("all_cases") is not None:
             continue
         family = item.nodeid.split("[", 1)[0]
-        if family in first_seen:
+        if family in first_seen and item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.extended)
         first_seen.add(family)
 

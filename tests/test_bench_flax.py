@@ -58,6 +58,7 @@ def _adapter_takes_an_example_batch() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("model", ["einsum"])   # dense-general's adapter path: tests/test_flax_adapter_styles.py
 def test_bench_flax_style_models_plain_and_fp8(tmp_path, model):
     """--model einsum / dense-general (tests/flax_styles.py's models, CPU size): flax-plain trains (its loss falls from
