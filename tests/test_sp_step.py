@@ -39,7 +39,7 @@ def _train(recipe, sequence_parallel, steps=3, cfg=CFG, overlap="off"):
     return step, first, losses
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "bf16"]   # fp8 first: the case the README command runs (tests/conftest.py))
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])   # fp8 first: the case the README command runs (tests/conftest.py)
 @pytest.mark.slow
 def test_sequence_parallel_step_equals_tensor_parallel_step(recipe):
     """Same model, batch and optimizer, with and without sequence parallelism: the losses of 3 steps agree
