@@ -29,17 +29,22 @@ CPU smoke: ``--tiny``.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 from datetime import datetime
+
+# the trace reading and interval logic (one copy, also the per-HLO-op breakdown of a profile); this folder
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import breakdown  # noqa: E402
+from breakdown import (_BARRIER_KERNEL, _COLLECTIVE_GEMM_KERNEL, _GEMM_KERNEL, collective_times,  # noqa: E402,F401
+                       covered as _covered, gpu0_events, idle_gaps as _idle_gaps, load_trace, merge as _merge)
 
 CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop", "jq-bf16", "jq-fp8", "jq-nvfp4")
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
@@ -254,7 +259,7 @@ def _make_plain(a, mesh, scan):
     shardings = jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)), shapes_)
     # built sharded (a large model does not fit one device whole)
     params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=shardings)()
-    opt = optax.adam(1e-4)
+    opt = adam()
     opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
     state = (params, opt_state)
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
@@ -301,7 +306,6 @@ def _tp_loss(a, scan, sp, overlap="off"):
 
 def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False):
     import jax
-    import optax
 
     import jaxquant as jq
 
@@ -311,19 +315,28 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantiz
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
     if a.tp > 1:
         specs = jax.tree_util.tree_map_with_path(lambda k, _: _tp_split(k), shapes_)
-        step = jq.make_train_step(_tp_loss(a, scan, sp, overlap), optax.adam(1e-4), mesh=mesh, quantize_mask=mask,
+        step = jq.make_train_step(_tp_loss(a, scan, sp, overlap), adam(), mesh=mesh, quantize_mask=mask,
                                   policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep,
                                   quantize_once=quantize_once)
     else:
         loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
-        step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, quantize_mask=mask, policy=policy,
+        step = jq.make_train_step(loss, adam(), mesh=mesh, quantize_mask=mask, policy=policy,
                                   reshard_after_forward=not keep, quantize_once=quantize_once)
     return jq_runner(step, lambda: init_params(a, stacked=scan))
 
 
+def adam():
+    """Every config's optimizer: optax Adam, lr 1e-4, its update under the name scope that benchmarks/breakdown.py
+    reports as ``optimizer`` (metadata only: the same compiled code)."""
+    import optax
+
+    return breakdown.scoped_optimizer(optax.adam(1e-4))
+
+
 def jq_runner(step, init):
     """(run, state) of a make_train_step ``step``: the parameters built directly in the step's shardings (a large
-    model does not fit one device whole); ``run(state, batch) -> (state, loss)``."""
+    model does not fit one device whole); ``run(state, batch) -> (state, loss)``; ``run.lower(state, batch)`` the
+    step's ``jax.stages.Lowered``."""
     import jax
 
     params = jax.jit(init, out_shardings=step.master_shardings(jax.eval_shape(init)))()
@@ -334,6 +347,7 @@ def jq_runner(step, init):
         state, metrics = step(state, batch)
         return state, metrics["loss"]
 
+    run.lower = step.lower
     return run, state
 
 
@@ -391,7 +405,7 @@ def run_one(a, config, make_batch=None, flops=None):
                 times.append(time.perf_counter() - t0)
                 losses.append(float(loss))
     step_s = statistics.median(times)
-    trace = None
+    trace = parts = None
     if a.profile:
         path = os.path.join(a.profile, a.flag_set, config)
         with jax.profiler.trace(path, create_perfetto_trace=True):
@@ -399,13 +413,18 @@ def run_one(a, config, make_batch=None, flops=None):
                 state, loss = fn(state, batch)
             jax.block_until_ready(loss)
         trace = exposed_collectives(path, steps=3)
+        # the program traced, beside its trace: the HLO ops the breakdown attributes the kernels to
+        hlo = fn.lower(state, batch).compile().as_text()
+        with open(os.path.join(path, f"{config}.hlo.txt"), "w") as f:
+            f.write(hlo)
+        parts = breakdown.breakdown(path, hlo, steps=3)
     stats = jax.local_devices()[0].memory_stats() or {}
     tokens = a.batch * n * a.seq
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "tflops_per_gpu": (flops or model_flops)(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
             "device": jax.local_devices()[0].device_kind, "trace": trace, "clocks": clocks.summary(),
-            "processes": a.processes, "losses": losses}
+            "processes": a.processes, "losses": losses} | ({"breakdown": parts} if a.profile else {})
 
 
 class ClockSampler:
@@ -486,48 +505,38 @@ def exposed_collectives(path, steps):
     """From the Perfetto trace of ``steps`` steps: per step, ms of collective (NCCL) kernels on GPU 0 and ms
     of them not overlapped by any other kernel of GPU 0 (exposed); kernel ms per kind: GEMM, collective
     GEMM (overlap="fused"'s kernels), cross-GPU barrier and other; the time GPU 0 runs no kernel between
-    its first and last kernel (idle) and the largest such gaps with the kernels either side."""
-    import glob
-    import gzip
-
-    files = sorted(glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    if not files:
+    its first and last kernel (idle) and the largest such gaps with the kernels either side. (The trace reading
+    and interval logic are benchmarks/breakdown.py's, which also attributes each kernel by its HLO op.)"""
+    events = load_trace(path)
+    if events is None:
         return None
-    with gzip.open(files[-1]) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    gpu0 = [pid for pid, name in names.items() if "GPU:0" in name or name.endswith("/device:GPU:0")]
-    if not gpu0:
+    kernels = gpu0_events(events)
+    if not kernels:
         return None
     by_kind = dict.fromkeys(("gemm", "collective_gemm", "barrier", "other"), 0.0)
     comm, comp, others, named, comm_named, every = [], [], {}, [], [], {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu0 and "dur" in e:
-            name = e.get("name", "")
-            iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-            named.append((iv, name))
-            ms_count = every.setdefault(name[:70], [0.0, 0])
-            ms_count[0] += float(e["dur"])
-            ms_count[1] += 1
-            # the barrier's kernel name mentions NCCL too; it is the fused kernels' launch cost, not a collective
-            if "nccl" in name.lower() and not _BARRIER_KERNEL.search(name):
-                comm.append(iv)
-                comm_named.append((iv, name))
-                continue
-            comp.append(iv)
-            kind = ("collective_gemm" if _COLLECTIVE_GEMM_KERNEL.search(name)
-                    else "barrier" if _BARRIER_KERNEL.search(name)
-                    else "gemm" if _GEMM_KERNEL.search(name) else "other")
-            by_kind[kind] += float(e["dur"])
-            if kind == "other":
-                others[name[:70]] = others.get(name[:70], 0.0) + float(e["dur"])
-    union = lambda ivs: _merge(sorted(ivs))
-    comm_u, comp_u = union(comm), union(comp)
-    total = sum(b - a for a, b in comm_u)
-    hidden = sum(_covered(a, b, comp_u) for a, b in comm_u)
-    busy_u = union(comm + comp)
+    for e in kernels:
+        name = e.get("name", "")
+        iv = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        named.append((iv, name))
+        ms_count = every.setdefault(name[:70], [0.0, 0])
+        ms_count[0] += float(e["dur"])
+        ms_count[1] += 1
+        # the barrier's kernel name mentions NCCL too; it is the fused kernels' launch cost, not a collective
+        if "nccl" in name.lower() and not _BARRIER_KERNEL.search(name):
+            comm.append(iv)
+            comm_named.append((iv, name))
+            continue
+        comp.append(iv)
+        kind = ("collective_gemm" if _COLLECTIVE_GEMM_KERNEL.search(name)
+                else "barrier" if _BARRIER_KERNEL.search(name)
+                else "gemm" if _GEMM_KERNEL.search(name) else "other")
+        by_kind[kind] += float(e["dur"])
+        if kind == "other":
+            others[name[:70]] = others.get(name[:70], 0.0) + float(e["dur"])
+    total, hidden = collective_times(comm, comp)
+    comp_u = _merge(sorted(comp))
+    busy_u = _merge(sorted(comm + comp))
     busy = sum(b - a for a, b in busy_u)
     top = sorted(others.items(), key=lambda kv: -kv[1])[:6]
     exposed_by = {}   # per collective kernel: the time no computation overlaps it
@@ -549,49 +558,6 @@ def exposed_collectives(path, steps):
                         in sorted(every.items(), key=lambda kv: -kv[1][0])],
             "kernels_per_step": len(named) // steps,
             **_idle_gaps(busy_u, named, steps)}
-
-
-def _idle_gaps(busy, named, steps, top=4):
-    """Idle ms per step between GPU 0's merged kernel intervals ``busy``, and the ``top`` largest gaps as
-    (ms, kernel ending before it, kernel starting after it), names cut to 50 characters."""
-    gaps = [(c - b, b, c) for (_, b), (c, _) in zip(busy, busy[1:])]
-    ending = {round(iv[1], 3): name for iv, name in named}
-    starting = {round(iv[0], 3): name for iv, name in named}
-    largest = sorted(gaps, reverse=True)[:top]
-    return {"idle_ms": sum(g for g, _, _ in gaps) / steps / 1e3,
-            "largest_gaps": [(round(g / 1e3, 3), ending.get(round(b, 3), "?")[:50], starting.get(round(c, 3), "?")[:50])
-                             for g, b, c in largest]}
-
-
-_GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
-# jaxquant/tp/collective_gemm.py's kernels (overlap="fused"): GEMM and transfers in one kernel, named after
-# their Pallas bodies; they count as computation that hides nothing but themselves
-_COLLECTIVE_GEMM_KERNEL = re.compile(r"collective_(gather_gemm|gemm_scatter)")
-# the one-block cross-GPU barrier XLA launches before each Mosaic GPU kernel that addresses other GPUs
-# (single-process meshes: docs/sp.md); its time is the wait for the slowest GPU
-_BARRIER_KERNEL = re.compile(r"barrier", re.I)
-
-
-def _covered(a, b, merged):
-    """How much of [a, b] the sorted, disjoint intervals ``merged`` cover (a binary search to the first
-    one that can overlap, not a scan of all of them)."""
-    i = max(bisect.bisect_right(merged, (a,)) - 1, 0)
-    covered = 0.0
-    for c, d in merged[i:]:
-        if c >= b:
-            break
-        covered += max(0.0, min(b, d) - max(a, c))
-    return covered
-
-
-def _merge(ivs):
-    out = []
-    for a, b in ivs:
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,6 +582,8 @@ def main(argv=None):
         return 2
     results = run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
     print_table(results, a)
+    if a.profile:
+        breakdown.report(results, a.profile)
     return 1 if any("error" in r for r in results) else 0
 
 

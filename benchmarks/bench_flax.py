@@ -287,7 +287,7 @@ def make_flax_plain(a, mesh, scan):
         return P(*lead, "fsdp", None) if x.ndim == 2 + scan and x.shape[scan] % fsdp == 0 else P()
     shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), shapes)
     params = jax.jit(lambda: flax_state(a, scan), out_shardings=shardings)()
-    opt = optax.adam(1e-4)
+    opt = e2e.adam()
     opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)   # the moments sharded as params
 
     def step(state, batch):
@@ -324,7 +324,7 @@ def make_style_plain(a, mesh):
     shapes = jax.eval_shape(init)[0]
     shardings = jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp)), shapes)
     params, rest = jax.jit(init, out_shardings=(shardings, NamedSharding(mesh, P())))()
-    opt = optax.adam(1e-4)
+    opt = e2e.adam()
     opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)
 
     def step(state, batch):
@@ -344,7 +344,6 @@ def make_style_jq(a, mesh, recipe):
     import inspect
 
     import jax
-    import optax
     from flax import nnx
 
     import jaxquant as jq
@@ -357,13 +356,12 @@ def make_style_jq(a, mesh, recipe):
     example = style_batch_shape(a, mesh.size)          # only its shapes are read
     model = nnx.eval_shape(build) if family == "nnx" else jax.eval_shape(build)   # abstract: no arrays kept
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
-    step = jq.make_train_step(jq.flax_loss(model, loss, batch=example), optax.adam(1e-4), mesh=mesh, policy=policy)
+    step = jq.make_train_step(jq.flax_loss(model, loss, batch=example), e2e.adam(), mesh=mesh, policy=policy)
     return e2e.jq_runner(step, lambda: jq.flax_params(jq.flax_loss(build(), loss, batch=example)))
 
 
 def make_jq(a, mesh, recipe, flax):
     import jax
-    import optax
     from flax import nnx
 
     import jaxquant as jq
@@ -372,7 +370,7 @@ def make_jq(a, mesh, recipe, flax):
     if flax:
         init = lambda: jq.flax_params(flax_model(a))
         model = nnx.eval_shape(lambda: flax_model(a))       # abstract: flax_loss keeps no arrays of it
-        step = jq.make_train_step(jq.flax_loss(model, flax_loss), optax.adam(1e-4), mesh=mesh, policy=policy,
+        step = jq.make_train_step(jq.flax_loss(model, flax_loss), e2e.adam(), mesh=mesh, policy=policy,
                                   rules=jq.flax_rules())
     else:
         init = lambda: hand_params(jq.flax_params(flax_model(a)))
@@ -384,7 +382,7 @@ def make_jq(a, mesh, recipe, flax):
             for p in w["blocks"]:
                 x = hand_block(a, x, p)
             return e2e.mse(x, batch["y"])
-        step = jq.make_train_step(loss, optax.adam(1e-4), mesh=mesh, policy=policy, quantize_mask=mask)
+        step = jq.make_train_step(loss, e2e.adam(), mesh=mesh, policy=policy, quantize_mask=mask)
     return e2e.jq_runner(step, init)
 
 
@@ -426,6 +424,8 @@ def main(argv=None):
                           f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}")
     results = e2e.run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
     print_table(results, a)
+    if a.profile:
+        e2e.breakdown.report(results, a.profile)
     return 1 if any("error" in r for r in results) else 0
 
 
