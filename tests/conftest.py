@@ -89,11 +89,11 @@ def _worker_survives_a_stray_sigint(signum, _frame):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU backend (skipped elsewhere)")
-    # An xdist worker runs many signal tests (they send SIGINT to children, or raise it in-process under their own
-    # handlers and restore the one found). A SIGINT that reaches a worker outside those handlers ended one CI run:
-    # Python's default handler raised KeyboardInterrupt inside JAX's GC callback and the worker died mid-test. The
-    # controller, not the worker, handles the user's Ctrl-C, so a worker logs such a signal and goes on. Tests that
-    # need the default disposition set it themselves (and children reset a handler to the default at exec).
+    # A SIGINT that reaches a worker outside the signal tests' own handlers ended one CI run: Python's default handler
+    # raised KeyboardInterrupt inside JAX's GC callback and the worker died mid-test (the sender of that one is not
+    # known). execnet itself sends its worker a SIGINT when the worker is still busy 5 s after termination begins, at
+    # the end of every run. The controller, not the worker, handles the user's Ctrl-C, so a worker logs such a signal
+    # and goes on. Tests that need the default disposition set it themselves (children reset handlers at exec).
     if os.environ.get("PYTEST_XDIST_WORKER") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _worker_survives_a_stray_sigint)
 
