@@ -43,8 +43,8 @@ from datetime import datetime
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import breakdown  # noqa: E402
-from breakdown import (_BARRIER_KERNEL, _COLLECTIVE_GEMM_KERNEL, _GEMM_KERNEL, collective_times,  # noqa: E402,F401
-                       covered as _covered, gpu0_events, idle_gaps as _idle_gaps, load_trace, merge as _merge)
+from breakdown import (BARRIER_KERNEL, COLLECTIVE_GEMM_KERNEL, GEMM_KERNEL, collective_times, covered,  # noqa: E402
+                       gpu0_events, idle_gaps, load_trace, merge)
 
 CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-loop", "jq-bf16", "jq-fp8", "jq-nvfp4")
 # with --tp > 1: tensor parallelism inside make_train_step, with sequence parallelism (jq.sp_column_dense /
@@ -523,26 +523,26 @@ def exposed_collectives(path, steps):
         ms_count[0] += float(e["dur"])
         ms_count[1] += 1
         # the barrier's kernel name mentions NCCL too; it is the fused kernels' launch cost, not a collective
-        if "nccl" in name.lower() and not _BARRIER_KERNEL.search(name):
+        if "nccl" in name.lower() and not BARRIER_KERNEL.search(name):
             comm.append(iv)
             comm_named.append((iv, name))
             continue
         comp.append(iv)
-        kind = ("collective_gemm" if _COLLECTIVE_GEMM_KERNEL.search(name)
-                else "barrier" if _BARRIER_KERNEL.search(name)
-                else "gemm" if _GEMM_KERNEL.search(name) else "other")
+        kind = ("collective_gemm" if COLLECTIVE_GEMM_KERNEL.search(name)
+                else "barrier" if BARRIER_KERNEL.search(name)
+                else "gemm" if GEMM_KERNEL.search(name) else "other")
         by_kind[kind] += float(e["dur"])
         if kind == "other":
             others[name[:70]] = others.get(name[:70], 0.0) + float(e["dur"])
     total, hidden = collective_times(comm, comp)
-    comp_u = _merge(sorted(comp))
-    busy_u = _merge(sorted(comm + comp))
+    comp_u = merge(sorted(comp))
+    busy_u = merge(sorted(comm + comp))
     busy = sum(b - a for a, b in busy_u)
     top = sorted(others.items(), key=lambda kv: -kv[1])[:6]
     exposed_by = {}   # per collective kernel: the time no computation overlaps it
     for (a, b), name in comm_named:
         key = name[:40]
-        exposed_by[key] = exposed_by.get(key, 0.0) + (b - a) - _covered(a, b, comp_u)
+        exposed_by[key] = exposed_by.get(key, 0.0) + (b - a) - covered(a, b, comp_u)
     # kernel times summed (GEMM and other kernels may overlap each other on several streams)
     return {"collective_ms": total / steps / 1e3, "exposed_collective_ms": (total - hidden) / steps / 1e3,
             "busy_ms": busy / steps / 1e3, "gemm_kernel_ms": by_kind["gemm"] / steps / 1e3,
@@ -557,7 +557,7 @@ def exposed_collectives(path, steps):
             "kernels": [(n, round(t / steps / 1e3, 3), round(c / steps, 1)) for n, (t, c)
                         in sorted(every.items(), key=lambda kv: -kv[1][0])],
             "kernels_per_step": len(named) // steps,
-            **_idle_gaps(busy_u, named, steps)}
+            **idle_gaps(busy_u, named, steps)}
 
 
 # ----------------------------------------------------------------------------------------------

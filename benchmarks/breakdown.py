@@ -79,13 +79,13 @@ ATTENTION_TARGET = re.compile(r"fmha", re.I)
 ATTENTION_OP_NAME = re.compile(r"dot_product_attention|BTNH,BSNH->BNTS|BNTS,BSNH->BTNH")
 GEMM_TARGET = re.compile(r"^__cublas|gemm|matmul", re.I)
 DERIVED_THREADS = re.compile(r"^(XLA Ops|XLA Modules|Steps|Framework|Source code|TensorFlow)")
-_GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
+GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_", re.I)
 # jaxquant/tp/collective_gemm.py's kernels (overlap="fused"): GEMM and transfers in one kernel, named after
 # their Pallas bodies; they count as computation that hides nothing but themselves
-_COLLECTIVE_GEMM_KERNEL = re.compile(r"collective_(gather_gemm|gemm_scatter)")
+COLLECTIVE_GEMM_KERNEL = re.compile(r"collective_(gather_gemm|gemm_scatter)")
 # the one-block cross-GPU barrier XLA launches before each Mosaic GPU kernel that addresses other GPUs
 # (single-process meshes: docs/sp.md); its time is the wait for the slowest GPU
-_BARRIER_KERNEL = re.compile(r"barrier", re.I)
+BARRIER_KERNEL = re.compile(r"barrier", re.I)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,8 +288,8 @@ class Hlo:
             return "quantize"
         gemms = [i for i in everything
                  if i.opcode in ("dot", "convolution") or (i.target and GEMM_TARGET.search(i.target))]
-        if not gemms and ins.opcode == "custom-call" and (_GEMM_KERNEL.search(kernel)
-                                                          or _COLLECTIVE_GEMM_KERNEL.search(kernel)):
+        if not gemms and ins.opcode == "custom-call" and (GEMM_KERNEL.search(kernel)
+                                                          or COLLECTIVE_GEMM_KERNEL.search(kernel)):
             gemms = [ins]
         if gemms:
             dts = self.dtypes(ins.operands) + tuple(d for g in gemms for d in self.dtypes(g.operands))
@@ -350,7 +350,7 @@ def breakdown(trace_dir, hlo_text, steps, events=None) -> dict:
         elif ins is not None:                       # a loop's or command buffer's own memcpy / kernel
             label = "other"
             how["container"] += 1
-        elif "nccl" in name.lower() and not _BARRIER_KERNEL.search(name):
+        elif "nccl" in name.lower() and not BARRIER_KERNEL.search(name):
             label = "collective"
             how["nccl_name"] += 1
         else:

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxquant as jq
-from support.mlp import same_math_grad
+from support.mlp import reference_sgd
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
@@ -60,24 +60,8 @@ def mlp_loss(w, batch, tp_axis=None):
 @functools.lru_cache(maxsize=None)
 def reference(cw, num_shards, microbatches=1):
     """Single-device SGD of the same math (see the module docstring)."""
-    grad = same_math_grad(mlp_loss, cw, "b2")
-    params, batch, losses = init_params(), make_batch(), []
-    k = microbatches
-    n = BATCH // (num_shards * k)
-    for _ in range(STEPS):
-        total, loss_sum = None, 0.0
-        for r in range(num_shards):
-            acc = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), params)
-            for j in range(k):
-                lo = (r * k + j) * n
-                loss, g = grad(params, jax.tree.map(lambda a: a[lo:lo + n], batch))
-                loss_sum += float(loss)
-                acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-            part = jax.tree.map(lambda a: a * np.float32(1 / (num_shards * k)), acc)
-            total = part if total is None else jax.tree.map(jnp.add, total, part)
-        params = jax.tree.map(lambda p, d: p + (-LR) * d, params, total)
-        losses.append(loss_sum / (num_shards * k))
-    return params, losses
+    return reference_sgd(init_params(), make_batch(), cw=cw, num_shards=num_shards, microbatches=microbatches,
+                         lr=LR, steps=STEPS, loss=mlp_loss, bias="b2")
 
 
 def run_tp(fsdp, tp, cw, strategy="optim_grads_params", steps=STEPS, params=None, report_nan=False, microbatches=1):

@@ -59,10 +59,12 @@ def same_math_grad(loss, cw, bias):
     return grad
 
 
-def reference_sgd(params, batch, *, cw, num_shards, microbatches, lr, steps, comm_dtype=jnp.float32):
+def reference_sgd(params, batch, *, cw, num_shards, microbatches, lr, steps, comm_dtype=jnp.float32, loss=None,
+                  bias="b1"):
     """Single-device SGD with the step's math: rank r's rows, microbatch j's rows, gradients accumulated
-    in fp32 from zero, scaled by 1/(S*k), cast to the comm dtype, summed over ranks in rank order."""
-    grad = same_math_grad(loss_fn, cw, "b1")
+    in fp32 from zero, scaled by 1/(S*k), cast to the comm dtype, summed over ranks in rank order. ``loss``
+    (default: this module's ``loss_fn``) and its ``bias`` leaf: see :func:`same_math_grad`."""
+    grad = same_math_grad(loss or loss_fn, cw, bias)
     n = jax.tree.leaves(batch)[0].shape[0]
     rows = n // (num_shards * microbatches)
     scale = np.float32(1.0 / (num_shards * microbatches))
