@@ -144,6 +144,7 @@ def test_group_ops_custom_call_equals_reference(num_params, num_shards, odd, dty
 
 @pytest.mark.parametrize("num_params", [300, 1100])
 @pytest.mark.slow
+@pytest.mark.extended   # on the CPU 96 parameters, one handler loop: test_group_ops_custom_call_equals_reference
 def test_group_stats_and_casts_many_params_equal_reference(num_params):
     """Many small parameters at odd offsets over 3 shards: the GPU kernels find each thread's
     parameter in a shared-memory copy of the table column up to 1,024 parameters (300) and in the
