@@ -74,6 +74,11 @@ MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enabl
 # "sync": every collective synchronous (nothing overlaps communication): the no-overlap baseline of a step
 SYNC_FLAGS = "--xla_gpu_disable_async_collectives=ALLCOLLECTIVES"
 FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS, "sync": SYNC_FLAGS}
+# With --profile every config runs without CUDA command buffers: a kernel launched from a command buffer carries no
+# HLO op in the trace, so breakdown.py could attribute only the kernels named after their fusion (most of a step went
+# to "unattributed" on an H200 with jax 0.11.2); XLA then launches each kernel itself (docs/performance.md says what
+# that changes in the step time).
+PROFILE_FLAGS = "--xla_gpu_enable_command_buffer="
 
 
 def parse_args(argv=None):
@@ -108,7 +113,8 @@ def parse_args(argv=None):
                    help="jaxquant's grad_comm_dtype (the plain step reduce-scatters bf16 gradients)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke test)")
     p.add_argument("--profile", default=None, help="directory: trace 3 steps of each config; report the exposed "
-                                                   "collective time from the trace")
+                                                   "collective time and the per-HLO-op breakdown from the trace (every "
+                                                   "config then runs without CUDA command buffers: PROFILE_FLAGS)")
     p.add_argument("--json", default=None, help="write every result here")
     p.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature with "
                                                        "nvidia-smi while the steps are timed")
@@ -609,7 +615,8 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
             for nproc in getattr(a, "process_counts", [1]):
                 env = dict(os.environ)
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]
-                                    + (" --xla_force_host_platform_device_count=1" if nproc > 1 else "")).strip()
+                                    + (" --xla_force_host_platform_device_count=1" if nproc > 1 else "")
+                                    + (" " + PROFILE_FLAGS if getattr(a, "profile", None) else "")).strip()
                 cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags,
                        "--nproc", str(nproc)]
                 t0 = time.perf_counter()

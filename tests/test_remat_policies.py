@@ -44,10 +44,12 @@ def test_each_policy_keeps_what_it_names(recipe, capsys):
     assert any(f"[{B},{F}]" in s for s in outputs), outputs      # the first layer's output (the gelu's input)
     acts = _saved("quantized_activations", recipe, capsys)
     assert acts and all("named 'jaxquant_quantized_activation'" in s for s in acts), acts
-    # NVFP4 GEMMs read the bf16 activation; "bf16" (no quantization) the activation in the fp32 weight's dtype
+    # FP8's weight-gradient GEMM reads the transposed E4M3 bytes [in, B] (TN); NVFP4 GEMMs the bf16 activation;
+    # "bf16" (no quantization) the activation in the fp32 weight's dtype
     want = {"fp8": "f8_e4m3fn", "nvfp4": "bf16", "bf16": "f32"}[recipe]
     for width in (D, F):
-        assert any(s.startswith(f"{want}[{B},{width}]") for s in acts), acts
+        shape = f"[{width},{B}]" if recipe == "fp8" else f"[{B},{width}]"
+        assert any(s.startswith(want + shape) for s in acts), acts
 
 
 def test_unknown_policy_is_named():

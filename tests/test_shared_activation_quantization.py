@@ -4,11 +4,12 @@ distinct activation tensor, in the forward and in a remat's re-run forward in th
 gradient keeps its own; the shared path trains bit for bit like GEMMs that each quantize their own copy of the
 activation (FP8 and NVFP4), and the demo's flax Llama, an unchanged caller, gets the same sharing.
 
-The counts are read from the lowered StableHLO, one ``jq_fp8_stats`` custom call per amax pass: what the step asks
-for, before XLA's common-subexpression elimination (which merged the repeated passes of the per-GEMM step when
-compiled for the CPU, while docs/performance.md's GPU profile counted them repeated). They
-tell the passes apart by what they read: the master-weight rows (fp32, rounded to bf16 inside the pass:
-``round_bf16 = true``), the model's bf16 activations, and the output gradients, fp32 here (every GEMM returns fp32).
+The counts are read from the lowered StableHLO: what the step asks for, before XLA's common-subexpression elimination
+(which merged the repeated passes of the per-GEMM step when compiled for the CPU, while docs/performance.md's GPU
+profile counted them repeated). A master weight's amax is a ``jq_fp8_stats`` custom call (its fp32 rows rounded to
+bf16 inside the pass: ``round_bf16 = true``); an activation's or output gradient's amax is left to XLA (the pure-JAX
+statistics, so that XLA fuses it into the kernel that produces the tensor: ``jaxquant/training/dense.py``,
+``ACTIVATION_AMAX_IMPL``), one reduction of the whole tensor to a scalar with ``maximum``.
 """
 
 import functools
@@ -98,13 +99,18 @@ def _step(recipe, copies=False, remat=False):
 
 
 def amax_passes(text: str) -> dict:
-    """The ``jq_fp8_stats`` custom calls of a lowered module, by what they read: ``weight`` (master rows, rounded to
-    bf16 in the pass), ``bf16`` / ``f32`` (an activation or gradient of that dtype, read as it is)."""
-    out = {"weight": 0, "bf16": 0, "f32": 0}
+    """The amax passes of a lowered module: ``weight`` (``jq_fp8_stats`` custom calls on master rows, rounded to bf16
+    in the pass), ``tensor`` (an activation's or output gradient's: a reduction of every axis to a scalar with
+    ``maximum``; the step has no other), ``custom`` (``jq_fp8_stats`` calls on anything else: none expected)."""
+    out = {"weight": 0, "tensor": 0, "custom": 0}
     for line in text.splitlines():
-        hit = re.search(r"custom_call @jq_fp8_stats\(.*round_bf16 = (true|false).*: \(tensor<[0-9x]*x(\w+)>\)", line)
+        hit = re.search(r"custom_call @jq_fp8_stats\(.*round_bf16 = (true|false)", line)
         if hit:
-            out["weight" if hit[1] == "true" else hit[2]] += 1
+            out["weight" if hit[1] == "true" else "custom"] += 1
+        hit = re.search(r"stablehlo\.reduce\(.*applies stablehlo\.maximum across dimensions = \[([0-9, ]*)\] : "
+                        r"\(tensor<([0-9x]*)x\w+>", line)
+        if hit and len(hit[1].split(",")) == len(hit[2].split("x")):
+            out["tensor"] += 1
     return out
 
 
@@ -117,10 +123,10 @@ def test_one_amax_pass_per_activation_tensor(remat):
     step, state = _step("fp8", remat=remat)
     got = amax_passes(step.lower(state, _batch(0)).as_text())
     # the weights' amax passes: each GEMM's, in each run of the forward (remat re-runs them too)
-    assert got == {"weight": GEMMS * reruns, "bf16": ACTIVATIONS * reruns, "f32": GEMMS}, got
+    assert got == {"weight": GEMMS * reruns, "tensor": ACTIVATIONS * reruns + GEMMS, "custom": 0}, got
     step, state = _step("fp8", copies=True, remat=remat)
     got = amax_passes(step.lower(state, _batch(0)).as_text())
-    assert got["bf16"] == GEMMS * reruns, got
+    assert got["tensor"] == GEMMS * reruns + GEMMS, got
 
 
 def test_dense_on_arrays_quantizes_a_shared_activation_once():
@@ -139,8 +145,8 @@ def test_dense_on_arrays_quantizes_a_shared_activation_once():
     for copies in (False, True):
         fn = jax.jit(jax.grad(functools.partial(loss, copies=copies), argnums=(0, 1)))
         got = amax_passes(fn.lower(x, ws).as_text())
-        assert got["bf16"] == (3 if copies else 1), got    # the activation (x is bf16)
-        assert got["f32"] == 3, got                        # each GEMM's output gradient
+        # the activation (one, or one per copy), and each GEMM's output gradient
+        assert got == {"weight": 3, "tensor": (3 if copies else 1) + 3, "custom": 0}, got
         grads[copies] = jax.tree.map(np.asarray, fn(x, ws))
     jax.tree.map(np.testing.assert_array_equal, grads[False], grads[True])
 
@@ -166,9 +172,9 @@ def test_shared_activation_trains_bit_for_bit_like_per_gemm_quantization(recipe)
 
 def test_demo_llama_through_the_flax_adapter_shares_too():
     """The demo's NNX Llama (separate nnx.Linear q / k / v and gate / up, nothing of jaxquant in it) under
-    make_train_step, FP8, its layers under nnx.scan (the body lowered once): the lowered step's bf16 amax passes are
-    the 4 activations and 7 output gradients of the block plus the head's activation and gradient (before: the 7
-    GEMMs' activations and 7 gradients, plus the head's two)."""
+    make_train_step, FP8, its layers under nnx.scan (the body lowered once): the lowered step's activation and
+    gradient amax passes are the 4 activations and 7 output gradients of the block plus the head's activation and
+    gradient (before: the 7 GEMMs' activations and 7 gradients, plus the head's two)."""
     from jaxquant.cli import llama
 
     cfg = llama.LlamaConfig(vocab=64, dim=64, heads=2, ffn=128, layers=1, seq=16)
@@ -177,4 +183,4 @@ def test_demo_llama_through_the_flax_adapter_shares_too():
                               policy=jq.MixedPrecisionPolicy(compute_weights="fp8"))
     state = step.init(jq.flax_params(loss_fn))
     got = amax_passes(step.lower(state, {"tokens": jnp.zeros((4, cfg.seq + 1), jnp.int32)}).as_text())
-    assert got == {"weight": GEMMS + 1, "bf16": ACTIVATIONS + GEMMS + 2, "f32": 0}, got
+    assert got == {"weight": GEMMS + 1, "tensor": ACTIVATIONS + GEMMS + 2, "custom": 0}, got

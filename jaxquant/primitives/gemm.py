@@ -41,11 +41,14 @@ def scaled_gemm(a, a_scale, b, b_scale, dims=TN):
     return acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
 
 
-def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=False, impl="auto"):
+def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=False, impl="auto",
+                     amax_impl=None):
     """FP8 current scaling of a block: (data, scale_inv, data_t or None). The amax is the block's,
     max-reduced over the mesh ``amax_axes`` first, so every rank derives the same scale and quantizes
-    its own block once (docs/numerics.md §1.1-§1.6)."""
-    amax, _ = ops.fp8_stats(v, compute_dtype=compute_dtype, impl=impl)
+    its own block once (docs/numerics.md §1.1-§1.6). ``amax_impl`` (default ``impl``) computes the amax:
+    ``"reference"`` leaves it to XLA, which can fuse the reduction into the kernel that produces ``v``
+    (the same value: a max is exact)."""
+    amax, _ = ops.fp8_stats(v, compute_dtype=compute_dtype, impl=impl if amax_impl is None else amax_impl)
     if amax_axes:
         # varying again after the reduction: ops' custom-call and reference branches must agree on it
         amax = mark_varying(jax.lax.pmax(amax, amax_axes), amax_axes)

@@ -6,7 +6,8 @@ GEMMs, all ``lax.dot_general`` with fp32 accumulation and both operands contract
 ``data_t`` (its stored transpose) in the backward and never transposed at step time:
 
 * FP8 (docs/numerics.md §1): activations quantized to E4M3 with current scaling in the forward, output
-  gradients to E5M2 in the backward (``ops.fp8_stats`` / ``ops.fp8_quantize``); the three GEMMs take the
+  gradients to E5M2 in the backward (amax by XLA, ``ops.fp8_quantize``: one pass writes the bytes and their
+  transpose, which the weight-gradient GEMM reads); the three GEMMs take the
   float8 operands and the product of the two ``scale_inv`` multiplies the fp32 output.
 * NVFP4 (docs/numerics.md §2): each weight element becomes ``value(q) * s8``, exact in bf16 (a 2-bit
   by 4-bit significand product), the GEMM runs on bf16 operands, and the global decode factor
@@ -21,7 +22,8 @@ with :func:`straight_through` to an already quantized tensor.
 One quantization per activation: the activation operand (the FP8 bytes and scale of ``x``, or its bf16 / weight-dtype
 copy) is made outside the GEMM's ``custom_vjp``, once per ``x`` for every ``dense`` call of the same trace that reads
 that ``x`` with the same recipe and amax axes (q / k / v, gate / up: :func:`shared_activation`), and the backward's
-weight-gradient GEMMs read the same bytes. Each call still returns its own ``dx``; JAX sums them for ``x``.
+weight-gradient GEMMs read the same bytes (FP8: their transpose, written by the same cast pass; the output gradient
+likewise). Each call still returns its own ``dx``; JAX sums them for ``x``.
 
 Amax scope: activation and gradient statistics are those of the ``x``/``g`` this call sees (under
 ``shard_map``: the local block), max-reduced over ``amax_axes`` (the mesh axes that shard the activation,
@@ -259,6 +261,12 @@ def _forward(act, wops, cfg: _Config):
 # ----------------------------------------------------------------------------------------------
 
 
+# The activation and gradient amaxes are left to XLA (the pure-JAX statistics, the same value: a max is exact), which
+# fuses each reduction into the kernel that produces the tensor (the norm, SwiGLU, the incoming gradient's fusion)
+# instead of reading the tensor again in a pass of its own.
+ACTIVATION_AMAX_IMPL = "reference"
+
+
 class _Made(NamedTuple):
     x: weakref.ref          # the activation they were made from (the key holds its id)
     trace: object           # jax.extend.core.get_opaque_trace_state() when they were made
@@ -276,11 +284,12 @@ _MEMO = _Memo()
 def shared_activation(x, kind: str, dtype, amax_axes: tuple) -> tuple:
     """``(act, saved)``: the activation operand the GEMMs read of ``x [..., in]`` (rows ``[B, in]``): FP8
     ``(E4M3 bytes, scale_inv)`` with the amax max-reduced over ``amax_axes``, NVFP4 ``(bf16 x,)``, arrays
-    ``(x in dtype,)``; and the same arrays named ``QUANTIZED_ACTIVATION`` (the remat policies' name), which only the
-    backward reads. Two values because ``jax.checkpoint`` sends a saved value that its forward also reads through
-    ``reduce_precision`` at the dtype's ``finfo``, which XLA applies with IEEE exponents: E4M3 values whose exponent
-    field is all ones (finite in E4M3) become NaN. Both are made from ``stop_gradient(x)``: each GEMM's
-    ``custom_vjp`` returns its own ``dx``, and JAX sums them for ``x``.
+    ``(x in dtype,)``; and what the backward's weight-gradient GEMM reads, named ``QUANTIZED_ACTIVATION`` (the remat
+    policies' name): FP8 ``(the transposed E4M3 bytes [in, B], scale_inv)``, written by the same cast pass (TN
+    layout), otherwise the same arrays. Two values because ``jax.checkpoint`` sends a saved value that its forward
+    also reads through ``reduce_precision`` at the dtype's ``finfo``, which XLA applies with IEEE exponents: E4M3
+    values whose exponent field is all ones (finite in E4M3) become NaN. Both are made from ``stop_gradient(x)``: each
+    GEMM's ``custom_vjp`` returns its own ``dx``, and JAX sums them for ``x``.
 
     Made once per ``x``: a call in the same trace with the same ``x`` (the same traced value, as flax models and
     models written on ``jq.dense`` pass to q / k / v and to gate / up) and the same ``kind`` / ``dtype`` /
@@ -299,11 +308,12 @@ def shared_activation(x, kind: str, dtype, amax_axes: tuple) -> tuple:
                 return arrays[: len(arrays) // 2], arrays[len(arrays) // 2:]
     x2 = jax.lax.stop_gradient(x).reshape(-1, x.shape[-1])
     if kind == "fp8":
-        xq, sx, _ = quantize_current(x2, FWD_FP8, amax_axes)
-        act = (xq, sx)
+        # one pass writes the forward's bytes and the transpose the weight-gradient GEMM reads (TN)
+        xq, sx, xq_t = quantize_current(x2, FWD_FP8, amax_axes, columnwise=True, amax_impl=ACTIVATION_AMAX_IMPL)
+        act, kept = (xq, sx), (xq_t, sx)
     else:
-        act = (x2.astype(jnp.bfloat16 if kind == "nvfp4" else dtype),)
-    saved = tuple(checkpoint_name(a, QUANTIZED_ACTIVATION) for a in act)
+        act = kept = (x2.astype(jnp.bfloat16 if kind == "nvfp4" else dtype),)
+    saved = tuple(checkpoint_name(a, QUANTIZED_ACTIVATION) for a in kept)
     if traced:   # the entry goes when x does
         memo = _MEMO.made
         memo[key] = _Made(weakref.ref(x, lambda _, k=key, m=memo: m.pop(k, None)), trace,
@@ -328,10 +338,10 @@ def _backward(act, wops, g, cfg: _Config):
         # dx = g @ W; dW = g.T @ x, both written TN.
         return scaled_gemm(gc, None, w if cfg.transposed else w.T, None), wgrad(gc.T, None, xc.T, None)
     if cfg.kind == "fp8":
-        xq, sx = act
-        gq, sg, _ = quantize_current(g, BWD_FP8, cfg.amax_axes)
+        xq_t, sx = act
+        gq, sg, gq_t = quantize_current(g, BWD_FP8, cfg.amax_axes, columnwise=True, amax_impl=ACTIVATION_AMAX_IMPL)
         w_t = wops["data"] if cfg.transposed else wops["data_t"]      # W.T's bytes [in, out], K-major for TN
-        return scaled_gemm(gq, sg, w_t, wops["scale_inv"]), wgrad(gq.T, sg, xq.T, sx)
+        return scaled_gemm(gq, sg, w_t, wops["scale_inv"]), wgrad(gq_t, sg, xq_t, sx)
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
     if cfg.transposed:   # K [in, out] contracted on its minor axis: TN
