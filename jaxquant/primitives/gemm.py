@@ -25,20 +25,27 @@ TN = (((1,), (1,)), ((), ()))              # a [M, K] x b [N, K]: both contracte
 NN = (((1,), (0,)), ((), ()))              # a [M, K] x b [K, N]
 
 
-def scaled_gemm(a, a_scale, b, b_scale, dims=TN):
-    """``dot_general(a, b, dims)`` in fp32 times the operands' per-tensor factors (None: no factor)."""
+def scaled_gemm(a, a_scale, b, b_scale, dims=TN, out_dtype=None):
+    """``dot_general(a, b, dims)`` in fp32 times the operands' per-tensor factors (None: no factor).
+
+    ``out_dtype`` (bf16 / f16): the dtype the caller casts the result to. An unscaled bf16 x bf16 GEMM then writes it
+    itself off the CPU, as plain JAX's ``x @ w`` does: cuBLAS rounds its fp32 accumulator once, which is the cast of
+    the fp32 result, and the fp32 result is never written or read. The result has dtype ``out_dtype`` either way."""
     if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
         # XLA's CPU runtime refuses some bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"); the
         # same GEMM on fp32 copies is exact there (a bf16 product is exact in fp32, the sum is fp32 either way)
         up = lambda: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
                                          preferred_element_type=jnp.float32)
         as_is = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+        if a_scale is None and b_scale is None and out_dtype is not None and jnp.dtype(out_dtype).itemsize == 2:
+            direct = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+            return jax.lax.platform_dependent(cpu=lambda: up().astype(out_dtype), default=direct)
         acc = jax.lax.platform_dependent(cpu=up, default=as_is)
     else:
         acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-    if a_scale is None and b_scale is None:
-        return acc
-    return acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
+    if a_scale is not None or b_scale is not None:
+        acc = acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
+    return acc if out_dtype is None else acc.astype(out_dtype)
 
 
 def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=False, impl="auto",

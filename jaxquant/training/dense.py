@@ -143,7 +143,7 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     right after its GEMM (``fsdp.reduce_grad``; the sums over axes the weight is replicated on come from the
     caller's ``vary_like`` of ``grad``)."""
     act, kept = res
-    dx, dw = _backward(act, fsdp.backward_weight(kept, spec), g, cfg)
+    dx, dw = _backward(act, fsdp.backward_weight(kept, spec), g, cfg, fsdp.COMPUTE_DTYPE)
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
     # act, saved: no cotangent (made from stop_gradient(x)); x's gradient is dx
     return dx.astype(cfg.x_dtype), None, None, None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
@@ -205,7 +205,7 @@ def _dense2d_fwd(x2, act, saved, w, target, cfg: _Config):
 
 
 def _dense2d_bwd(cfg: _Config, res, g):
-    dx, dw = _backward(*res, g, cfg)
+    dx, dw = _backward(*res, g, cfg, cfg.w_grad_dtype)
     w_ct = None if cfg.w_grad_dtype is None else dw.astype(cfg.w_grad_dtype)      # arrays: the weight itself
     target_ct = None if cfg.target_dtype is None else dw.astype(cfg.target_dtype)  # straight_through master
     # act, saved: no cotangent (made from stop_gradient(x)); x's gradient is dx
@@ -247,7 +247,7 @@ def _forward(act, wops, cfg: _Config):
     contracted on axis 0."""
     if cfg.kind == "array":
         (xc,) = act
-        return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN)
+        return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN, out_dtype=cfg.out_dtype)
     if cfg.kind == "fp8":
         xq, sx = act
         return scaled_gemm(xq, sx, wops["data_t" if cfg.transposed else "data"], wops["scale_inv"])
@@ -329,14 +329,19 @@ def backward_operands(wops, kind: str) -> dict:
     return {k: wops[k] for k in BACKWARD_OPERANDS[kind]}
 
 
-def _backward(act, wops, g, cfg: _Config):
-    """(dx fp32 [B, K], dW fp32 [N, K], or [K, N] for a transposed weight) from the output gradient ``g [B, N]``."""
-    wgrad = (lambda a, sa, b, sb: scaled_gemm(b, sb, a, sa)) if cfg.transposed else scaled_gemm   # dK = dW.T
+def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
+    """(dx [B, K], dW [N, K], or [K, N] for a transposed weight) from the output gradient ``g [B, N]``: fp32, except
+    where a GEMM has no scale factor (an unquantized layer's dx and dW, NVFP4's dW): it writes dx in ``x``'s dtype and
+    dW in ``dw_dtype``, the dtypes the callers cast them to, when those are 16-bit (:func:`scaled_gemm`)."""
+    def wgrad(a, sa, b, sb, out_dtype=None):
+        return scaled_gemm(b, sb, a, sa, out_dtype=out_dtype) if cfg.transposed else \
+            scaled_gemm(a, sa, b, sb, out_dtype=out_dtype)    # dK = dW.T
     if cfg.kind == "array":
         (xc,), w = act, wops["w"]
         gc = g.astype(w.dtype)
         # dx = g @ W; dW = g.T @ x, both written TN.
-        return scaled_gemm(gc, None, w if cfg.transposed else w.T, None), wgrad(gc.T, None, xc.T, None)
+        return (scaled_gemm(gc, None, w if cfg.transposed else w.T, None, out_dtype=cfg.x_dtype),
+                wgrad(gc.T, None, xc.T, None, out_dtype=dw_dtype))
     if cfg.kind == "fp8":
         xq_t, sx = act
         gq, sg, gq_t = quantize_current(g, BWD_FP8, cfg.amax_axes, columnwise=True, amax_impl=ACTIVATION_AMAX_IMPL)
@@ -350,4 +355,4 @@ def _backward(act, wops, g, cfg: _Config):
         dx = scaled_gemm(gb, None, nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), wops["dec"])
     else:   # the rowwise bytes read transposed: the same bf16 values (a 16x16 tile's scale is its transpose's)
         dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN)
-    return dx, wgrad(gb.T, None, xb.T, None)
+    return dx, wgrad(gb.T, None, xb.T, None, out_dtype=dw_dtype)
