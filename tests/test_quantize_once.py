@@ -109,7 +109,10 @@ def test_lowered_scan_step_reduces_amaxes_once_and_gathers_one_layer(cw):
     # w1 and w2: L amaxes each, the head: 1 -> one packed reduction of 2L+1; none of a scalar
     assert _max_reductions(texts[True]) == [f"tensor<{2 * L + 1}xf32>"], _max_reductions(texts[True])
     per_use = _max_reductions(texts[False])   # where used: one reduction of one amax per weight read
-    assert len(per_use) == 3 and set(per_use) <= {"tensor<f32>", "tensor<1xf32>"}, per_use
+    if cw == "fp8":   # ... except FP8's: the casts read the amaxes the previous step computed (TrainState.weight_amax)
+        assert per_use == [], per_use
+    else:
+        assert len(per_use) == 3 and set(per_use) <= {"tensor<f32>", "tensor<1xf32>"}, per_use
     data = "f8E4M3FN" if cw == "fp8" else "ui8"
     width = D if cw == "fp8" else D // 2
     gathers = re.findall(r'"stablehlo\.all_gather".*: \((tensor<[^>]*>)\) -> (tensor<[^>]*>)', texts[True])

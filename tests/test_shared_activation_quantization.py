@@ -122,8 +122,8 @@ def test_one_amax_pass_per_activation_tensor(remat):
     reruns = 2 if remat else 1      # the forward, and the backward's re-run of it
     step, state = _step("fp8", remat=remat)
     got = amax_passes(step.lower(state, _batch(0)).as_text())
-    # the weights' amax passes: each GEMM's, in each run of the forward (remat re-runs them too)
-    assert got == {"weight": GEMMS * reruns, "tensor": ACTIVATIONS * reruns + GEMMS, "custom": 0}, got
+    # no weight amax pass in the layers: the casts read the amaxes the previous step computed (TrainState.weight_amax)
+    assert got == {"weight": 0, "tensor": ACTIVATIONS * reruns + GEMMS, "custom": 0}, got
     step, state = _step("fp8", copies=True, remat=remat)
     got = amax_passes(step.lower(state, _batch(0)).as_text())
     assert got["tensor"] == GEMMS * reruns + GEMMS, got
@@ -145,7 +145,8 @@ def test_dense_on_arrays_quantizes_a_shared_activation_once():
     for copies in (False, True):
         fn = jax.jit(jax.grad(functools.partial(loss, copies=copies), argnums=(0, 1)))
         got = amax_passes(fn.lower(x, ws).as_text())
-        # the activation (one, or one per copy), and each GEMM's output gradient
+        # the activation (one, or one per copy), and each GEMM's output gradient (the weights are arrays, quantized
+        # on the fly: each its own amax pass)
         assert got == {"weight": 3, "tensor": (3 if copies else 1) + 3, "custom": 0}, got
         grads[copies] = jax.tree.map(np.asarray, fn(x, ws))
     jax.tree.map(np.testing.assert_array_equal, grads[False], grads[True])
@@ -183,4 +184,6 @@ def test_demo_llama_through_the_flax_adapter_shares_too():
                               policy=jq.MixedPrecisionPolicy(compute_weights="fp8"))
     state = step.init(jq.flax_params(loss_fn))
     got = amax_passes(step.lower(state, {"tokens": jnp.zeros((4, cfg.seq + 1), jnp.int32)}).as_text())
-    assert got == {"weight": GEMMS + 1, "tensor": ACTIVATIONS + GEMMS + 2, "custom": 0}, got
+    # + 1: the head's weight, a whole 2-D leaf, whose next amax the update computes (the stacked layers' per-layer
+    # amaxes reduce over two of three axes: not counted)
+    assert got == {"weight": 0, "tensor": ACTIVATIONS + GEMMS + 2 + 1, "custom": 0}, got

@@ -121,20 +121,21 @@ def _dense_sharded_entry(x, w, recipe, out_dtype, amax_axes):
     cfg = _Config(kind, False, out_dtype, tuple(amax_axes), jnp.dtype(x.dtype), None, None, w.spec.transposed)
     act, saved = shared_activation(x, kind, fsdp.COMPUTE_DTYPE if kind == "array" else None, cfg.amax_axes)
     x2 = x.reshape(-1, n_in)
-    y = _dense_sharded(x2, act, saved, w.shard, vary_like(w.grad, x2), w.gathered, w.local, cfg, w.spec)
+    y = _dense_sharded(x2, act, saved, w.shard, vary_like(w.grad, x2), w.gathered, w.local, w.amax, cfg, w.spec)
     return checkpoint_name(y.reshape(*x.shape[:-1], n_out), GEMM_OUTPUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _dense_sharded(x2, act, saved, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
-    return _dense_sharded_fwd(x2, act, saved, shard, grad, gathered, local, cfg, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _dense_sharded(x2, act, saved, shard, grad, gathered, local, amax, cfg: _Config, spec: fsdp.WeightSpec):
+    return _dense_sharded_fwd(x2, act, saved, shard, grad, gathered, local, amax, cfg, spec)[0]
 
 
-def _dense_sharded_fwd(x2, act, saved, shard, grad, gathered, local, cfg: _Config, spec: fsdp.WeightSpec):
+def _dense_sharded_fwd(x2, act, saved, shard, grad, gathered, local, amax, cfg: _Config, spec: fsdp.WeightSpec):
     """The weight as the forward GEMM reads it (``fsdp.forward_weight``: quantized, gathered; or the step's
-    once-a-step operands), the GEMM on the (shared) activation operand ``act``; residuals: its named copy ``saved``
-    (:func:`shared_activation`) and what the backward needs of the weight. ``x2`` is here for its gradient only."""
-    wops, kept = fsdp.forward_weight(shard, gathered, local, spec)
+    once-a-step operands; ``amax``: the FP8 weight's precomputed amax or None), the GEMM on the (shared) activation
+    operand ``act``; residuals: its named copy ``saved`` (:func:`shared_activation`) and what the backward needs of the
+    weight. ``x2`` is here for its gradient only."""
+    wops, kept = fsdp.forward_weight(shard, gathered, local, spec, amax)
     return _forward(act, wops, cfg).astype(cfg.out_dtype), (saved, kept)
 
 
@@ -146,7 +147,8 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     dx, dw = _backward(act, fsdp.backward_weight(kept, spec), g, cfg, fsdp.COMPUTE_DTYPE)
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
     # act, saved: no cotangent (made from stop_gradient(x)); x's gradient is dx
-    return dx.astype(cfg.x_dtype), None, None, None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None
+    return (dx.astype(cfg.x_dtype), None, None, None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None,
+            None)
 
 
 _dense_sharded.defvjp(_dense_sharded_fwd, _dense_sharded_bwd)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.primitives import formats, ops
+from jaxquant.primitives import formats, ops, reference
 from jaxquant.primitives.gemm import FWD_FP8, nvfp4_global_decode
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, straight_through
 from jaxquant.primitives.varying import mark_varying, vary_like
@@ -139,6 +139,7 @@ class ShardedWeight:
     spec: WeightSpec = dataclasses.field(metadata=dict(static=True))
     gathered: Optional[dict] = None   # the step's once-a-step gathered operands (``spec.per_use`` False)
     local: Optional[dict] = None      # the step's once-a-step quantized rows (:func:`quantize_shard`'s dict)
+    amax: Optional[jax.Array] = None  # FP8: the whole weight's amax, precomputed (:func:`weight_amax`), else None
 
     @property
     def shape(self) -> tuple:
@@ -165,7 +166,7 @@ class ShardedWeight:
             return gather_array(self.shard, self.grad, self.spec, None if self.gathered is None else self.gathered["w"])
         operands = (self.gathered if self.gathered is not None else
                     gathered_operands(self.local, self.spec, False) if self.local is not None else
-                    gather_once(self.shard, self.spec))
+                    gather_once(self.shard, self.spec, amax=self.amax))
         q = jax.lax.stop_gradient(tensor_of(with_columnwise(operands, self.spec)))
         return straight_through(q, _grad_funnel(self.grad, self.spec, q.shape))
 
@@ -183,12 +184,13 @@ def check_layer(w: ShardedWeight, name: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def forward_weight(shard, gathered, local, spec: WeightSpec):
+def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     """(the operands ``jq.dense``'s forward GEMM reads, what its backward keeps of the weight).
 
     ``gathered``: the step's once-a-step gather (``spec.per_use`` False), read forward and backward as it is;
     ``local``: this rank's rows quantized once a step (:func:`quantize_once`), gathered here without a cast or an
-    amax reduction; otherwise this rank's rows are quantized (:func:`quantize_rows`) and gathered. The backward
+    amax reduction; otherwise this rank's rows are quantized (:func:`quantize_rows`, with the precomputed ``amax``
+    when given) and gathered. The backward
     keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast), or
     with ``spec.keep_gathered`` the gathered operands (no second gather)."""
     if gathered is not None:
@@ -196,7 +198,7 @@ def forward_weight(shard, gathered, local, spec: WeightSpec):
     if local is None:
         # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
         # otherwise clones the cast into the residual's stacked write, casting every weight twice
-        local = jax.lax.optimization_barrier(quantize_rows(shard, spec))
+        local = jax.lax.optimization_barrier(quantize_rows(shard, spec, amax))
     gathered = forward_operands(local, spec)
     return gathered, (gathered if spec.keep_gathered else local)
 
@@ -211,9 +213,24 @@ def backward_weight(kept, spec: WeightSpec) -> dict:
     return gathered_operands(kept, spec, columnwise=columnwise)
 
 
-def quantize_rows(shard, spec: WeightSpec) -> dict:
-    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``)."""
-    return quantize_shard(shard, spec, None if spec.recipe == "bf16" else statistics(shard, spec))
+def quantize_rows(shard, spec: WeightSpec, amax=None) -> dict:
+    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``), or, FP8,
+    with the whole weight's ``amax`` precomputed by :func:`weight_amax` (no amax pass, no reduction)."""
+    if spec.recipe == "bf16":
+        return quantize_shard(shard, spec, None)
+    if amax is None:
+        return quantize_shard(shard, spec, statistics(shard, spec))
+    # varying over the amax axes, as statistics' pmax result is made
+    return quantize_shard(shard, spec, (mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax, None))
+
+
+def weight_amax(master, spec: WeightSpec):
+    """The amax of every layer of an FP8 compute weight's (global, unsharded-view) master leaf ``[..., rows, cols]``,
+    after bf16 rounding: shape ``[...]``. The same value as :func:`statistics` of each layer (this rank's rows'
+    amax, max-reduced over the axes that split the weight: a max is a max, however grouped); computed by XLA where
+    the optimizer writes the master, so that the reduction fuses into that update."""
+    fn = lambda layer: reference.fp8_stats(layer, compute_dtype=COMPUTE_DTYPE)[0]
+    return _per_layer(fn, master.ndim)(master)
 
 
 def statistics(shard, spec: WeightSpec):
@@ -331,11 +348,14 @@ def _per_layer(fn, ndim: int):
     return fn
 
 
-def gather_once(shard, spec: WeightSpec, columnwise: bool = False) -> dict:
+def gather_once(shard, spec: WeightSpec, columnwise: bool = False, amax=None) -> dict:
     """Quantize this rank's rows and gather them: :func:`gathered_operands` of one layer, or of every layer
-    of a stack ``[..., rows, in]`` (each layer with its own scales, all gathered in one collective)."""
-    fn = lambda s: gathered_operands(quantize_rows(s, spec), spec, columnwise)
-    return _per_layer(fn, shard.ndim)(shard)
+    of a stack ``[..., rows, in]`` (each layer with its own scales, all gathered in one collective); ``amax``: the
+    precomputed amaxes (:func:`weight_amax`, shape ``[...]``) or None."""
+    if amax is None:
+        return _per_layer(lambda s: gathered_operands(quantize_rows(s, spec), spec, columnwise), shard.ndim)(shard)
+    fn = lambda s, a: gathered_operands(quantize_rows(s, spec, a), spec, columnwise)
+    return _per_layer(fn, shard.ndim)(shard, amax)
 
 
 def tensor_of(operands: dict):

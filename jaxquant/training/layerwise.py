@@ -50,7 +50,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.primitives import formats
 from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
-                           pad_row_blocks, quantize_once, unpad_row_blocks)
+                           pad_row_blocks, quantize_once, unpad_row_blocks, weight_amax)
 from jaxquant.primitives.formats import to_compute_dtype
 from jaxquant.primitives.varying import mark_varying
 from jaxquant.zero.layout import TP_SPLITS
@@ -253,14 +253,15 @@ class LayerwiseTrainStep:
 
     # -- per rank ----------------------------------------------------------------------------
 
-    def _body(self, plan, masters, batch, rng, extra):
-        """Inside shard_map over every mesh axis: (metrics, gradient shards[, non-finite flags])."""
+    def _body(self, plan, masters, amaxes, batch, rng, extra):
+        """Inside shard_map over every mesh axis: (metrics, gradient shards[, non-finite flags]). ``amaxes``: the
+        state's ``weight_amax`` (replicated)."""
         pol, k = self.policy, self.microbatches
         # ZeRO 0-2: every compute weight gathered once, before the first microbatch, held for the step
         gathered = [None if r.weight.per_use else
-                    (gather_once(m, r.weight, columnwise=r.recipe == "fp8") if r.quantized else
+                    (gather_once(m, r.weight, columnwise=r.recipe == "fp8", amax=a) if r.quantized else
                      gathered_array(m, r.weight))
-                    for m, r in zip(masters, plan.rules)]
+                    for m, a, r in zip(masters, amaxes, plan.rules)]
         # ZeRO-3 with quantize_once: every layer's rows quantized once, one packed amax reduction; layers gather
         once = [i for i, r in enumerate(plan.rules) if r.quantized and r.weight.per_use and self.quantize_once]
         local = [None] * len(masters)
@@ -275,8 +276,8 @@ class LayerwiseTrainStep:
 
         def loss_of(sinks, mb):
             mb, key = mb
-            leaves = [ShardedWeight(m, s, r.weight, g, q) if r.quantized else gather_array(m, s, r.weight, g)
-                      for m, s, r, g, q in zip(masters, sinks, plan.rules, gathered, local)]
+            leaves = [ShardedWeight(m, s, r.weight, g, q, a) if r.quantized else gather_array(m, s, r.weight, g)
+                      for m, s, r, g, q, a in zip(masters, sinks, plan.rules, gathered, local, amaxes)]
             kw = kwargs if key is None else kwargs | {"rng": key[0]}
             out = self.loss_fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), mb, **kw)
             stats = self._loss_stats(out)
@@ -370,15 +371,31 @@ class LayerwiseTrainStep:
         rows = g.shape[axis] // spec.num_shards
         return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(spec.gather_axis) * rows, rows, axis=axis)
 
-    def _grads(self, plan, master, batch, rng, extra):
+    def _grads(self, plan, master, amaxes, batch, rng, extra):
         out_specs = (P(), [r.spec for r in plan.rules]) + ((P(),) if self.report_nan else ())
         fn = jax.shard_map(functools.partial(self._body, plan), mesh=self.mesh,
-                           in_specs=([r.spec for r in plan.rules], P(self._batch_axes), P(), P()), out_specs=out_specs)
-        return fn(jax.tree_util.tree_leaves(master), batch, rng, extra)
+                           in_specs=([r.spec for r in plan.rules], [P()] * len(plan.rules), P(self._batch_axes), P(),
+                                     P()), out_specs=out_specs)
+        return fn(jax.tree_util.tree_leaves(master), list(amaxes), batch, rng, extra)
+
+    def _amax_leaves(self, plan) -> list:
+        """Per leaf: whether its casts read a precomputed amax (``TrainState.weight_amax``): FP8 compute weights, but
+        those ``quantize_once`` quantizes (their amaxes are reduced together there)."""
+        return [r.quantized and r.recipe == "fp8" and not (r.weight.per_use and self.quantize_once)
+                for r in plan.rules]
+
+    def _weight_amax(self, plan, master) -> list:
+        """``TrainState.weight_amax`` of ``master`` (inside the step: where the update writes it)."""
+        replicated = NamedSharding(self.mesh, P())
+        return [jax.lax.with_sharding_constraint(weight_amax(m, r.weight), replicated) if use else None
+                for m, r, use in zip(jax.tree_util.tree_leaves(master), plan.rules, self._amax_leaves(plan))]
 
     def _step_fn(self, plan, state: TrainState, batch, rng=None, extra=None):
         master = state.master
-        metrics, grads, *flags = self._grads(plan, master, batch, rng, extra)
+        amaxes = state.weight_amax
+        if amaxes is None:   # a state built by hand: the casts compute their own amax
+            amaxes = [None] * len(plan.rules)
+        metrics, grads, *flags = self._grads(plan, master, amaxes, batch, rng, extra)
         grads = jax.tree_util.tree_unflatten(plan.treedef, grads)
         new_master, opt_state, ok = apply_update(self.optimizer, grads, state, self._master_shardings(plan),
                                                  lambda o: self._opt_shardings(plan, o),
@@ -386,7 +403,13 @@ class LayerwiseTrainStep:
         if self.report_nan:
             metrics["nonfinite"] = jax.tree_util.tree_unflatten(plan.treedef, list(flags[0]))
             metrics["update_skipped"] = jnp.logical_not(ok)
-        return TrainState(new_master, opt_state, state.step + 1, plan), metrics
+        return TrainState(new_master, opt_state, state.step + 1, plan, self._weight_amax(plan, new_master)), metrics
+
+    def refresh_amax(self, state: TrainState) -> TrainState:
+        """``state`` with ``weight_amax`` computed from its ``master`` (after replacing the master by hand: the
+        steps and ``init`` / ``load_state_dict`` keep it current themselves)."""
+        amax = jax.jit(functools.partial(self._weight_amax, state.plan))(state.master)
+        return dataclasses.replace(state, weight_amax=amax)
 
     def _compiled(self, plan):
         if plan not in self._steps:
@@ -488,7 +511,7 @@ class LayerwiseTrainStep:
             master = jax.jit(stored, out_shardings=self._master_shardings(plan))(params)
         opt_shape = jax.eval_shape(self.optimizer.init, master)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(plan, opt_shape))(master)
-        return TrainState(master, opt_state, self.step_count(0), plan)
+        return self.refresh_amax(TrainState(master, opt_state, self.step_count(0), plan))
 
     def step_count(self, n) -> jax.Array:
         """``TrainState.step`` for ``n`` steps taken: int32, replicated on the mesh as the step returns it (an

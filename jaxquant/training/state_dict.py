@@ -540,4 +540,4 @@ def load_state_dict(step, sd, *, like, step_count=None, names=None):
         return leaf
 
     opt_state = jax.tree_util.tree_map_with_path(restart, opt_state, is_leaf=_is_masked)
-    return TrainState(master, opt_state, step.step_count(count), plan)
+    return step.refresh_amax(TrainState(master, opt_state, step.step_count(count), plan))
