@@ -1,5 +1,6 @@
 """jaxquant <-> torch.distributed.checkpoint, in one process and in 4 gloo processes (FSDP2 x TP)."""
 
+import functools
 import os
 import sys
 
@@ -77,15 +78,31 @@ def test_jax_save_loads_in_torch_single_process_bit_identical(tmp_path, request)
     assert common.same_bytes(sd["q.amax"].numpy(), np.asarray(q.amax))
 
 
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    """The two 4-process tests' FSDP2 x TP jobs in one start of the 4 gloo ranks (starting torch in 4 processes is
+    most of a job's time): loading the JAX (fsdp=2, tp=2) save of TENSORS (its step 11), and torch's own save of
+    TENSORS (step 23). A call runs them once, after a test's rerun_if_few_devices; returns (the load's per-rank
+    results, torch's checkpoint)."""
+    @functools.cache
+    def run():
+        work = tmp_path_factory.mktemp("fsdp2-tp")
+        mesh = common.mesh22()
+        tree = {"layers": {n: {"weight": jax.device_put(a, NamedSharding(mesh, _jax_spec(a, s)))}
+                           for n, a, s in TENSORS}, "step": np.array(11, np.int64)}
+        ck.save_dcp(str(work / "ck"), tree)
+        loaded, _ = common.torch_jobs([
+            dict(mode="load", ckpt=work / "ck", tensors=TENSORS, step=11, workdir=str(work / "load")),
+            dict(mode="save", ckpt=work / "torch_ck", tensors=TENSORS, step=23, workdir=str(work / "save"))])
+        return loaded, work / "torch_ck"
+    return run
+
+
 @pytest.mark.slow
-def test_jax_save_loads_into_fsdp2_tp_dtensors_in_4_processes(tmp_path, request):
+def test_jax_save_loads_into_fsdp2_tp_dtensors_in_4_processes(request, torch_runs):
     if common.rerun_if_few_devices(request):
         return
-    mesh = common.mesh22()
-    tree = {"layers": {n: {"weight": jax.device_put(a, NamedSharding(mesh, _jax_spec(a, s)))} for n, a, s in TENSORS},
-            "step": np.array(11, np.int64)}
-    ck.save_dcp(str(tmp_path / "ck"), tree)
-    results = common.torch_job("load", str(tmp_path / "ck"), TENSORS, 11, str(tmp_path / "work"))
+    results, _ = torch_runs()
     # the worker asserted every rank's local shard bytes; check the layouts are the FSDP2 x TP ones
     for r in results:
         assert set(r["checked"]) == {n for n, _, _ in TENSORS}
@@ -99,11 +116,11 @@ def test_jax_save_loads_into_fsdp2_tp_dtensors_in_4_processes(tmp_path, request)
 
 
 @pytest.mark.slow
-def test_torch_fsdp2_tp_save_loads_into_jax_layouts_bit_identical(tmp_path, request):
+def test_torch_fsdp2_tp_save_loads_into_jax_layouts_bit_identical(request, torch_runs):
     if common.rerun_if_few_devices(request):
         return
-    common.torch_job("save", str(tmp_path / "ck"), TENSORS, 23, str(tmp_path / "work"))
-    md = ck.inspect_dcp(str(tmp_path / "ck"), verify=True)
+    torch_ck = torch_runs()[1]      # torch saved TENSORS (step 23)
+    md = ck.inspect_dcp(str(torch_ck), verify=True)
     assert md["ok"] and {k["key"]: k["chunks"] for k in md["keys"]}["layers.col_uneven_f32.weight"] == 4
     mesh = common.mesh22()
     for spec in (COL, ROW, P()):
@@ -111,7 +128,7 @@ def test_torch_fsdp2_tp_save_loads_into_jax_layouts_bit_identical(tmp_path, requ
         for n, a, _ in TENSORS:
             s = spec if a.shape[0] % 4 == 0 else (P() if spec == P() else P(None, "tp"))
             target["layers"][n] = {"weight": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))}
-        out = ck.load_dcp(str(tmp_path / "ck"), target)
+        out = ck.load_dcp(str(torch_ck), target)
         assert out["step"] == 23
         for n, a, _ in TENSORS:
             got = out["layers"][n]["weight"]

@@ -6,6 +6,7 @@ RowwiseParallel, then fully_shard) on 4 gloo processes, and JAX -> DCP -> JAX ac
 """
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import sys
@@ -122,18 +123,35 @@ torch_required = pytest.mark.skipif(
     reason="the FSDP2 x TP gloo processes " + common.TORCH_SKIP_REASON)
 
 
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory, quant):
+    """The two torch tests' FSDP2 x TP jobs in one start of the 4 gloo ranks (starting torch in 4 processes is most
+    of a job's time): loading the JAX (fsdp=2, tp=2) save (its step 5), and torch's own save (step 17). A call runs
+    them once, after a test's rerun_if_few_devices; returns (the JAX mesh, its tree, the JAX checkpoint, the load's
+    per-rank results, torch's checkpoint)."""
+    @functools.cache
+    def run():
+        work = tmp_path_factory.mktemp("fsdp2-tp")
+        mesh = common.mesh22()
+        tree = jax_tree(mesh, quant)
+        tree["step"] = np.array(5, np.int64)
+        ck.save_dcp(str(work / "ck"), tree, transpose=TRANSPOSE)
+        tensors = torch_tensors(quant)
+        loaded, _ = common.torch_jobs([
+            dict(mode="load", ckpt=work / "ck", tensors=tensors, step=5, workdir=str(work / "load"), key=str),
+            dict(mode="save", ckpt=work / "torch_ck", tensors=tensors, step=17, workdir=str(work / "save"), key=str)],
+            timeout=180)
+        return mesh, tree, work / "ck", loaded, work / "torch_ck"
+    return run
+
+
 @torch_required
 @pytest.mark.slow
-def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, quant):
+def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(request, quant, torch_runs):
     if common.rerun_if_few_devices(request):
         return
-    mesh = common.mesh22()
-    tree = jax_tree(mesh, quant)
-    tree["step"] = np.array(5, np.int64)
-    ck.save_dcp(str(tmp_path / "ck"), tree, transpose=TRANSPOSE)
+    mesh, tree, jax_ck, results, _ = torch_runs()
     tensors = torch_tensors(quant)
-    results = common.torch_job("load", str(tmp_path / "ck"), tensors, 5, str(tmp_path / "work"), timeout=180,
-                               key=str)
     # every rank checked the bytes of every local shard (worker); here: the placements and where blocks lie
     keys = {k for k, _, _ in tensors}
     for rank, r in enumerate(results):
@@ -154,7 +172,7 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
             else:
                 assert got["placements"] == ["plain"] and got["shape"] == list(full.shape), got
     # from a mesh of torch's sizes the masters' DCP chunks are exactly torch's local shards
-    md = read_metadata(str(tmp_path / "ck"))
+    md = read_metadata(str(jax_ck))
     for n in MASTERS:
         key = f"layers.{n}.weight"
         assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.entries[key].chunks) == \
@@ -168,12 +186,12 @@ def test_jax_fsdp_tp_save_loads_into_torch_fsdp2_tp_dtensors(tmp_path, request, 
 
 @torch_required
 @pytest.mark.slow
-def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, quant):
+def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(request, quant, torch_runs):
     if common.rerun_if_few_devices(request):
         return
     tensors = torch_tensors(quant)
-    common.torch_job("save", str(tmp_path / "ck"), tensors, 17, str(tmp_path / "work"), timeout=180, key=str)
-    report = ck.inspect_dcp(str(tmp_path / "ck"), verify=True)
+    torch_ck = torch_runs()[-1]      # torch saved ``tensors`` (step 17)
+    report = ck.inspect_dcp(str(torch_ck), verify=True)
     assert report["ok"]
     chunks = {k["key"]: k["chunks"] for k in report["keys"]}
     assert chunks["layers.w_col.weight"] == 4 and chunks["layers.nv_col.weight.data_t"] == 4
@@ -183,7 +201,7 @@ def test_torch_fsdp2_tp_save_loads_into_jax_fsdp_tp_meshes(tmp_path, request, qu
         mesh = fsdp_tp_mesh(fsdp, tp)
         target = jax_tree(mesh, quant, _as_target)
         target["step"] = int
-        out = ck.load_dcp(str(tmp_path / "ck"), target, transpose=TRANSPOSE)
+        out = ck.load_dcp(str(torch_ck), target, transpose=TRANSPOSE)
         assert out["step"] == 17
         for n, (a, _) in MASTERS.items():
             _assert_same_layout_and_bytes(out["layers"][n]["weight"], target["layers"][n]["weight"].sharding, a,

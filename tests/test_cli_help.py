@@ -26,8 +26,16 @@ def _run_help(*args):
     return r.stdout
 
 
+def _help_in_process(capsys, *args):
+    """What ``jaxquant ARGS --help`` prints: the parser the subprocess above runs, its help on stdout, exit 0."""
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args([*args, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_top_level_help_lists_every_subcommand_in_plain_text():
+def test_top_level_help_lists_every_subcommand_in_plain_text(capsys):
     out = _run_help()
     assert "``" not in out, out
     commands = set(_subparsers(cli.build_parser()))
@@ -35,10 +43,11 @@ def test_top_level_help_lists_every_subcommand_in_plain_text():
     for name in commands:
         assert f"\n    {name} " in out, (name, out)  # the subcommand list
         assert f"{name} (" in out, (name, out)       # and the description names it
-    ckpt = _run_help("ckpt")
+    # the subcommands' help in-process (one interpreter start is the command's: the same parser prints it)
+    ckpt = _help_in_process(capsys, "ckpt")
     assert "``" not in ckpt and "\n    inspect " in ckpt and "\n    convert " in ckpt, ckpt
     for sub in (("bench",), ("ckpt", "convert"), ("ckpt", "inspect")):
-        assert "``" not in _run_help(*sub), sub
+        assert "``" not in _help_in_process(capsys, *sub), sub
 
 
 def test_every_option_of_ckpt_convert_inspect_and_bench_has_help():

@@ -14,15 +14,15 @@ from jaxquant import cli
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 
 
-def _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys):
-    """A 30-step NVFP4 run on fsdp=8: the per-device bytes, the loss fell, the checkpoint it names inspects;
+def _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys, steps):
+    """A ``steps``-step NVFP4 run on fsdp=8: the per-device bytes, the loss fell, the checkpoint it names inspects;
     the listing."""
     assert "mesh fsdp=8 x tp=1" in out, out
     ratio = float(out.split(" per device (")[1].split("x bf16")[0])
     assert 0.25 < ratio < 0.35, out      # NVFP4 matrices: 0.5 + 1/16 bytes an element; the bf16 embedding dilutes
     first, last = _loss_range(out)
     assert last < first - 0.5, out
-    ckpt = tmp_path / "nvfp4-step30"
+    ckpt = tmp_path / f"nvfp4-step{steps}"
     assert (ckpt / ".metadata").is_file()
     assert f"jaxquant ckpt inspect {ckpt}" in out
     assert cli.main(["ckpt", "inspect", str(ckpt)]) == 0
@@ -145,36 +145,40 @@ def _assert_model_listing(model, out, listing):
 
 
 @pytest.mark.slow
-# the resume leg's --mesh (None: the model's default) and the mesh it then runs on
-@pytest.mark.parametrize("model,other_mesh,resumed_on", [("llama", "2x1", "fsdp=2 x tp=1"),
+# the resume leg's --mesh (None: the model's default) and the mesh it then runs on. The Llama's, fsdp=3 (padded
+# shards), is test_demo_never_saves_non_finite_parameters_and_names_its_mesh_once's: one compile of that step serves
+# both (the session's compilation cache, tests/conftest.py).
+@pytest.mark.parametrize("model,other_mesh,resumed_on", [("llama", "3x1", "fsdp=3 x tp=1"),
                                                          ("tp-sp", None, "fsdp=4 x tp=2")])
 def test_demo_trains_checkpoints_and_resumes_on_another_mesh(tmp_path, capsys, model, other_mesh, resumed_on):
-    """The default flax NNX Llama and the hand-written TP-SP model train 30 steps with NVFP4 weights on fsdp=8 (the
+    """The default flax NNX Llama and the hand-written TP-SP model train 20 steps with NVFP4 weights on fsdp=8 (the
     loss falls); the checkpoints name each layer's parameters as the model does, with the Adam state, and `jaxquant
     ckpt inspect` reads them; --save-every writes training checkpoints on the way; --resume continues from one
-    (parameters, Adam state, step, the data stream) on another mesh than the one it was written on: the TP-SP model's
-    on its default mesh, fsdp=4 x tp=2 (heads and MLP hidden units split over tp, Megatron column/row-parallel)."""
-    rc = cli.main(["demo", "--model", model, "--steps", "30", "--mesh", "8x1", "--save-every", "15", "--ckpt-dir",
-                   str(tmp_path), "--no-progress"])
+    (parameters, Adam state, step, the data stream) on another mesh than the one it was written on: the Llama's on
+    fsdp=3, the TP-SP model's on its default mesh, fsdp=4 x tp=2 (heads and MLP hidden units split over tp,
+    Megatron column/row-parallel)."""
+    steps, every = 20, 10
+    rc = cli.main(["demo", "--model", model, "--steps", str(steps), "--mesh", "8x1", "--save-every", str(every),
+                   "--ckpt-dir", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    _assert_model_listing(model, out, _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys))
+    _assert_model_listing(model, out, _assert_trained_nvfp4_and_inspect(out, tmp_path, capsys, steps))
     first, _ = _loss_range(out)
-    assert (tmp_path / "nvfp4-step15" / ".metadata").is_file()
+    assert (tmp_path / f"nvfp4-step{every}" / ".metadata").is_file()
     flag = "" if model == "llama" else f" --model {model}"
-    assert f"jaxquant demo --resume {tmp_path / 'nvfp4-step30'} --recipe nvfp4{flag} --steps N" in out
+    assert f"jaxquant demo --resume {tmp_path / f'nvfp4-step{steps}'} --recipe nvfp4{flag} --steps N" in out
     assert "load in PyTorch:   python -c 'import torch" in out
     mesh_arg = ["--mesh", other_mesh] if other_mesh else []
-    rc = cli.main(["demo", "--model", model, "--steps", "15", *mesh_arg, "--resume",
-                   str(tmp_path / "nvfp4-step15"), "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
+    rc = cli.main(["demo", "--model", model, "--steps", str(steps - every), *mesh_arg, "--resume",
+                   str(tmp_path / f"nvfp4-step{every}"), "--ckpt-dir", str(tmp_path / "again"), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"resumed from {tmp_path / 'nvfp4-step15'} at step 15" in out
+    assert f"resumed from {tmp_path / f'nvfp4-step{every}'} at step {every}" in out
     assert f"mesh {resumed_on}" in out and "weights nvfp4" in out, out
     resumed_first, resumed_last = _loss_range(out)
-    assert resumed_first < first - 1.0, out               # the loss goes on from where step 15 left it
+    assert resumed_first < first - 1.0, out               # the loss goes on from where step 10 left it
     assert resumed_last < resumed_first, out
-    assert (tmp_path / "again" / "nvfp4-step30" / ".metadata").is_file()
+    assert (tmp_path / "again" / f"nvfp4-step{steps}" / ".metadata").is_file()
     rc = cli.main(["demo", "--resume", str(tmp_path / "nowhere"), "--ckpt-dir", str(tmp_path), "--no-progress"])
     assert rc == 2 and "--resume: " in capsys.readouterr().err
 
@@ -324,6 +328,7 @@ def test_demo_stops_on_a_nan_loss_before_saving(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+# (its step, the Llama's NVFP4 one on fsdp=3, is the resume leg's in test_demo_trains_checkpoints_and_resumes_on_...)
 def test_demo_never_saves_non_finite_parameters_and_names_its_mesh_once(tmp_path, capsys, monkeypatch):
     """A state whose parameters are not all finite is not saved (exit 1, one line). On fsdp=3, which divides none
     of the model's weights (the step pads them to split them), every line names the mesh as fsdp=3 (it once said

@@ -15,6 +15,7 @@ passes, the mean over the 8 slices), so what is left is fp32 arithmetic order; `
 tolerance from it, element by element.
 """
 
+import functools
 import json
 import math
 import os
@@ -173,6 +174,7 @@ def _step4_bound(g_slices, m3, v3, count, flips=True):
     return d_u, d_m, d_v, update
 
 
+@functools.lru_cache(maxsize=None)     # one step count for every parameter: one evaluation
 def _bias_gap(t):
     """max |optax's update / torch's - 1| from the bias corrections alone: optax's ``1 - b**t`` in fp32 (``b**t``
     evaluated here as optax does it, +-2 fp32 ulps for the step's own evaluation; ``1 - p`` is exact for p in

@@ -71,29 +71,44 @@ def run_ranks(argv, timeout, world=4):
     assert not bad, f"torch ranks failed: {bad[0]}"
 
 
-def torch_job(mode, ckpt, tensors, step, workdir, timeout=240, key=lambda name: f"layers.{name}.weight"):
-    """Run 4 gloo ranks of torch_fsdp_tp_worker.py (within ``timeout`` seconds in all); their results.
+def _layer_weight(name):
+    return f"layers.{name}.weight"
 
-    ``tensors``: [(name, full numpy array, style "col"|"row"|"rep"|"plain")]; each is stored under the
-    checkpoint key ``key(name)``; the ranks' results are keyed by name.
+
+def torch_jobs(jobs, timeout=240):
+    """Run 4 gloo ranks of torch_fsdp_tp_worker.py once (within ``timeout`` seconds in all) for ``jobs``, in order (a
+    barrier after each; starting torch in 4 processes takes most of a job's time); each job's per-rank results.
+
+    A job: {"mode": "save" | "load", "ckpt", "tensors", "step", "workdir", "key" (optional)}; ``tensors``:
+    [(name, full numpy array, style "col"|"row"|"rep"|"plain")]; each is stored under the checkpoint key
+    ``key(name)`` (default ``layers.{name}.weight``); the ranks' results are keyed by name.
     """
     from jaxquant.checkpoint.dtypes import to_torch_name
 
-    os.makedirs(workdir, exist_ok=True)
-    specs = []
-    for name, arr, style in tensors:
-        fn = f"{name}.bin"
-        np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tofile(os.path.join(workdir, fn))
-        specs.append({"name": name, "key": key(name), "shape": list(arr.shape),
-                      "dtype": to_torch_name(arr.dtype, what=name), "style": style, "file": fn})
-    spec_path = os.path.join(workdir, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump({"tensors": specs, "step": step}, f)
-    run_ranks([os.path.join(HERE, "torch_fsdp_tp_worker.py"), mode, ckpt, spec_path, workdir], timeout)
+    listed = []
+    for job in jobs:
+        workdir, key = job["workdir"], job.get("key", _layer_weight)
+        os.makedirs(workdir, exist_ok=True)
+        specs = []
+        for name, arr, style in job["tensors"]:
+            fn = f"{name}.bin"
+            np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tofile(os.path.join(workdir, fn))
+            specs.append({"name": name, "key": key(name), "shape": list(arr.shape),
+                          "dtype": to_torch_name(arr.dtype, what=name), "style": style, "file": fn})
+        spec_path = os.path.join(workdir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump({"tensors": specs, "step": job["step"]}, f)
+        listed.append({"mode": job["mode"], "ckpt": str(job["ckpt"]), "spec": spec_path, "out": workdir})
+    jobs_path = os.path.join(jobs[0]["workdir"], "jobs.json")
+    with open(jobs_path, "w") as f:
+        json.dump(listed, f)
+    run_ranks([os.path.join(HERE, "torch_fsdp_tp_worker.py"), jobs_path], timeout)
     results = []
-    for rank in range(4):
-        with open(os.path.join(workdir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
+    for job in listed:
+        results.append([])
+        for rank in range(4):
+            with open(os.path.join(job["out"], f"rank{rank}.json")) as f:
+                results[-1].append(json.load(f))
     return results
 
 

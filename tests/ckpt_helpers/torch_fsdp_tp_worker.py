@@ -1,6 +1,8 @@
 """One rank of a 4-process (gloo, CPU) FSDP2 x TP job over a mesh (dp=2, tp=2): dcp.save or dcp.load.
 
-Usage: python torch_fsdp_tp_worker.py {save,load} CKPT SPEC_JSON RESULT_DIR
+Usage: python torch_fsdp_tp_worker.py JOBS_JSON
+JOBS_JSON: [{"mode": "save" | "load", "ckpt": CKPT, "spec": SPEC_JSON, "out": RESULT_DIR}, ...], run in order (a
+barrier after each) in one process group: starting torch in 4 processes takes most of a job's time.
 env: RANK, WORLD_SIZE (4), MASTER_PORT.
 
 SPEC_JSON: {"step": int, "tensors": [{"name", "key", "shape", "dtype", "style", "file"}]}; "key" is the
@@ -81,15 +83,10 @@ def check_local(rank, s, t, base):
     return {"placements": placements, "offset": list(offset), "shape": list(shape)}
 
 
-def main():
-    mode, ckpt, spec_path, result_dir = sys.argv[1:5]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-                            world_size=world)
+def run_job(rank, mesh, mode, ckpt, spec_path, result_dir):
     base = os.path.dirname(spec_path)
     with open(spec_path) as f:
         spec = json.load(f)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     state = build_state(spec["tensors"], mesh, base, fill=(mode == "save"))
     result = {"rank": rank, "checked": {}}
     if mode == "save":
@@ -103,7 +100,18 @@ def main():
             result["checked"][s["name"]] = check_local(rank, s, state[s["key"]], base)
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for job in jobs:
+        run_job(rank, mesh, job["mode"], job["ckpt"], job["spec"], job["out"])
+        dist.barrier()
     dist.destroy_process_group()
     # skip the interpreter's teardown: gloo's threads can abort it ("terminate called without an active
     # exception", seen once in CI) after the rank's work is written, failing a rank that succeeded
