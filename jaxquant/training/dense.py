@@ -264,8 +264,9 @@ def _forward(act, wops, cfg: _Config):
 
 
 # The activation and gradient amaxes are left to XLA (the pure-JAX statistics, the same value: a max is exact), which
-# fuses each reduction into the kernel that produces the tensor (the norm, SwiGLU, the incoming gradient's fusion)
-# instead of reading the tensor again in a pass of its own.
+# fuses a reduction into the fusion that produces the tensor (the SwiGLU, the gradients' elementwise fusions, in an
+# H200 profile: docs/performance.md) instead of reading it again in a pass of its own; a tensor a custom call
+# produces (cuDNN attention's output) keeps a reduction of its own.
 ACTIVATION_AMAX_IMPL = "reference"
 
 

@@ -224,11 +224,11 @@ def quantize_rows(shard, spec: WeightSpec, amax=None) -> dict:
     return quantize_shard(shard, spec, (mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax, None))
 
 
-def weight_amax(master, spec: WeightSpec):
+def weight_amax(master):
     """The amax of every layer of an FP8 compute weight's (global, unsharded-view) master leaf ``[..., rows, cols]``,
     after bf16 rounding: shape ``[...]``. The same value as :func:`statistics` of each layer (this rank's rows'
-    amax, max-reduced over the axes that split the weight: a max is a max, however grouped); computed by XLA where
-    the optimizer writes the master, so that the reduction fuses into that update."""
+    amax, max-reduced over the axes that split the weight: a max is a max, however grouped). Left to XLA in the step
+    that writes the master, which may fuse the reduction into the optimizer's update (not checked in a profile)."""
     fn = lambda layer: reference.fp8_stats(layer, compute_dtype=COMPUTE_DTYPE)[0]
     return _per_layer(fn, master.ndim)(master)
 
@@ -352,10 +352,8 @@ def gather_once(shard, spec: WeightSpec, columnwise: bool = False, amax=None) ->
     """Quantize this rank's rows and gather them: :func:`gathered_operands` of one layer, or of every layer
     of a stack ``[..., rows, in]`` (each layer with its own scales, all gathered in one collective); ``amax``: the
     precomputed amaxes (:func:`weight_amax`, shape ``[...]``) or None."""
-    if amax is None:
-        return _per_layer(lambda s: gathered_operands(quantize_rows(s, spec), spec, columnwise), shard.ndim)(shard)
     fn = lambda s, a: gathered_operands(quantize_rows(s, spec, a), spec, columnwise)
-    return _per_layer(fn, shard.ndim)(shard, amax)
+    return _per_layer(fn, shard.ndim)(shard, amax)     # vmap passes amax=None through (an empty pytree)
 
 
 def tensor_of(operands: dict):

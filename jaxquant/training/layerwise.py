@@ -387,8 +387,8 @@ class LayerwiseTrainStep:
     def _weight_amax(self, plan, master) -> list:
         """``TrainState.weight_amax`` of ``master`` (inside the step: where the update writes it)."""
         replicated = NamedSharding(self.mesh, P())
-        return [jax.lax.with_sharding_constraint(weight_amax(m, r.weight), replicated) if use else None
-                for m, r, use in zip(jax.tree_util.tree_leaves(master), plan.rules, self._amax_leaves(plan))]
+        return [jax.lax.with_sharding_constraint(weight_amax(m), replicated) if use else None
+                for m, use in zip(jax.tree_util.tree_leaves(master), self._amax_leaves(plan))]
 
     def _step_fn(self, plan, state: TrainState, batch, rng=None, extra=None):
         master = state.master
