@@ -191,6 +191,13 @@ def test_unmappable_states_are_named():
         lion.state_dict(trained(lion, 1), hyperparams=ADAM)
 
 
+def test_a_donated_state_is_refused_with_one_line():
+    step = make(8)
+    state = step.init(init_params())
+    step(state, make_batch())           # consumes (donates) state
+    with pytest.raises(ValueError, match=r"state: its arrays were donated to a training step \(master\."):
+        step.state_dict(state, hyperparams=ADAM)
+
 
 
 @torch_required

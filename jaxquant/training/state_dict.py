@@ -365,6 +365,17 @@ def _dotted(like) -> list:
     return [".".join(_parts(p)) for p, _ in jax.tree_util.tree_flatten_with_path(like.master)[0]]
 
 
+def _check_not_donated(state) -> None:
+    """A clear error for a state whose arrays a step consumed: reading a donated buffer can crash the process
+    instead of raising (seen on the CPU runtime)."""
+    deleted = [".".join(_parts(p)) for p, a in jax.tree_util.tree_flatten_with_path(state)[0]
+               if isinstance(a, jax.Array) and a.is_deleted()]
+    if deleted:
+        more = f" and {len(deleted) - 1} more" if len(deleted) > 1 else ""
+        raise ValueError(f"state: its arrays were donated to a training step ({deleted[0]}{more} deleted); a step "
+                         "consumes the state it is given, so save the state it returned")
+
+
 def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
     """The training state as torch's ``get_state_dict(model, optimizer)`` names it (see the module docstring).
 
@@ -385,6 +396,7 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
     """
     from jaxquant.training.plan_view import plan_row
 
+    _check_not_donated(state)
     _, leaf_names = _mapped_names(state, names)
     rules = state.plan.rules
     slots, outer_hyper = _optax_parts(state.opt_state, _dotted(state))
