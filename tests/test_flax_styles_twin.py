@@ -82,8 +82,12 @@ class Style:
                 "mlp.up.kernel": "feed_forward.w3.weight"}
 
     def top(self) -> dict:
-        out = {"embed.embedding": "tok_embeddings.weight", "norm.scale": "norm.weight"}
-        return out if self.tied else {**out, "head.kernel": "output.weight"}
+        """{flax name outside the layers: the twin's}; the tied embedding has two names, the twin's ``output.weight``
+        being ``tok_embeddings.weight`` itself (torch's ``state_dict`` lists a tied tensor under both)."""
+        if self.tied:
+            return {"embed.embedding": ("tok_embeddings.weight", "output.weight"), "norm.scale": "norm.weight"}
+        return {"embed.embedding": "tok_embeddings.weight", "norm.scale": "norm.weight",
+                "head.kernel": "output.weight"}
 
     def to_twin(self, name):
         """The twin's name of a flax name: ``layers_0.attn.query.kernel`` (linen) / ``layers.0.attn.q.kernel``
@@ -187,9 +191,9 @@ def trained(style):
 
 def twin_model(s: Style):
     """``s``'s model in PyTorch, fp32, with its own names: tok_embeddings, layers.{i}.attention_norm /
-    attention.wq / wk / wv / wo / ffn_norm / feed_forward.w1 (gate) / w2 (down) / w3 (up), norm, output (untied)
-    or the embedding as the head (tied); every projection an ``nn.Linear`` (weight ``[out, in]``: wq
-    ``[heads*head_dim, embed]``), the heads split from its output."""
+    attention.wq / wk / wv / wo / ffn_norm / feed_forward.w1 (gate) / w2 (down) / w3 (up), norm, output (tied: its
+    weight is ``tok_embeddings.weight``, as torchtitan and Hugging Face tie a head); every projection an
+    ``nn.Linear`` (weight ``[out, in]``: wq ``[heads*head_dim, embed]``), the heads split from its output."""
     import torch
     from torch import nn as tnn
 
@@ -255,8 +259,9 @@ def twin_model(s: Style):
             self.tok_embeddings = tnn.Embedding(c.vocab, c.dim)
             self.layers = tnn.ModuleList([Layer() for _ in range(c.layers)])
             self.norm = RMSNorm()
-            if not s.tied:
-                self.output = tnn.Linear(c.dim, c.vocab, bias=False)
+            self.output = tnn.Linear(c.dim, c.vocab, bias=False)
+            if s.tied:       # as torchtitan / Hugging Face tie a head: one Parameter under two names
+                self.output.weight = self.tok_embeddings.weight
 
         def forward(self, tokens):
             """Mean next-token cross-entropy of int tokens [batch, seq + 1]."""
@@ -264,7 +269,7 @@ def twin_model(s: Style):
             for layer in self.layers:
                 h = layer(h)
             h = self.norm(h)
-            logits = F.linear(h, self.tok_embeddings.weight) if s.tied else self.output(h)
+            logits = self.output(h)
             return F.cross_entropy(logits.reshape(-1, c.vocab), tokens[:, 1:].reshape(-1))
 
     return Twin()
@@ -344,16 +349,21 @@ def test_torch_twin_of_linears_loads_the_checkpoint_and_steps_like_optax(tmp_pat
     c = s.cfg
     loss_fn, step, state, _ = trained(style)
     nm = name_map(state, s.to_twin)
-    twin_names = {n for n, _ in twin_model(s).named_parameters()}
-    assert set(nm.from_torch) == twin_names and len(twin_names) == (2 if s.tied else 3) + 9 * c.layers
+    twin = twin_model(s)
+    twin_names = set(twin.state_dict())                # a tied tensor under both of its names
+    twin_params = {n for n, _ in twin.named_parameters()}    # ... and once here, as torch's optimizer keys it
+    assert set(nm.from_torch) == twin_names and len(twin_names) == 3 + 9 * c.layers
+    assert twin_names - twin_params == ({"output.weight"} if s.tied else set())
     sd = step.state_dict(state, hyperparams=ADAM, names=s.to_twin)
-    assert set(sd["model"]) == set(sd["optim"]["state"]) == set(sd["optim"]["param_groups"][0]["params"]) == \
-        twin_names
+    assert set(sd["model"]) == twin_names
+    assert set(sd["optim"]["state"]) == set(sd["optim"]["param_groups"][0]["params"]) == twin_params
     # the multi-axis kernels as 2-D [out, in]: what nn.Linear(embed, heads*head_dim).weight is
     assert sd["model"]["layers.0.attention.wq.weight"].shape == (s.q, c.dim)
     assert sd["model"]["layers.0.attention.wk.weight"].shape == (s.kv, c.dim)
     assert sd["model"]["layers.1.attention.wo.weight"].shape == (c.dim, s.q)
-    assert "output.weight" not in sd["model"] if s.tied else sd["model"]["output.weight"].shape == (c.vocab, c.dim)
+    assert sd["model"]["output.weight"].shape == (c.vocab, c.dim)
+    if s.tied:
+        assert sd["model"]["output.weight"] is sd["model"]["tok_embeddings.weight"]
 
     model, opt = twin_from_jax(tmp_path, s, step, state)
     assert opt.param_groups[0]["lr"] == ADAM["lr"] and opt.param_groups[0]["betas"] == ADAM["betas"]

@@ -151,6 +151,10 @@ def test_names_errors_name_the_parameters(llama):
         step.load_state_dict({}, like=state, names=one)
     with pytest.raises(ValueError, match=r"names: every parameter needs a non-empty str name, got None for 'embed'"):
         step.state_dict(state, hyperparams=ADAM, names=lambda n: None if n == "embed" else n)
+    with pytest.raises(ValueError, match=r"got \(\) for 'embed'; a tied parameter takes a tuple of them"):
+        step.state_dict(state, hyperparams=ADAM, names=lambda n: () if n == "embed" else n)
+    with pytest.raises(ValueError, match=r"names: 'embed' and 'head' both map to 'head'"):     # a tied name taken
+        step.state_dict(state, hyperparams=ADAM, names=lambda n: ("embed", "head") if n == "embed" else n)
     with pytest.raises(TypeError, match="names: must be None, a callable"):
         step.state_dict(state, hyperparams=ADAM, names=["embed"])
     # a checkpoint in the default names read with the twin's: the missing twin name, its parameter, and the strays

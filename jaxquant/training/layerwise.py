@@ -528,7 +528,8 @@ class LayerwiseTrainStep:
             ``momentum``, ``weight_decay``) that the optax state does not hold: one dict, or ``{label: dict}`` per
             ``optax.multi_transform`` label.
           names: a PyTorch twin's own names: a callable or a dict from the default names (``blocks.0.w1``,
-            ``embed``) to the twin's (``layers.0.feed_forward.w1.weight``); it must be one-to-one. None: defaults.
+            ``embed``) to the twin's (``layers.0.feed_forward.w1.weight``); it must be one-to-one. A tied
+            parameter takes a tuple of names (``("tok_embeddings.weight", "output.weight")``). None: defaults.
 
         Returns:
           ``{"model": ..., "optim": {"state": ..., "param_groups": [...]}}`` of sharded arrays, ready for

@@ -9,7 +9,8 @@ join the params pytree path with dots (``{"blocks": {"w1": ...}}`` -> ``blocks.w
 after the first path element (``blocks.0.w1`` ... ``blocks.{L-1}.w1``), as a PyTorch model holds them.
 ``names=`` (a callable or a dict on those default names) renames them to a PyTorch twin's own names
 (``blocks.0.w1`` -> ``layers.0.feed_forward.w1.weight``), everywhere a name occurs: ``model``,
-``optim.state`` and every group's ``params``; loading reads the same names back (:class:`NameMap`).
+``optim.state`` and every group's ``params``; loading reads the same names back (:class:`NameMap`). A tied
+parameter takes a tuple of names, as torch lists a tensor shared by two modules.
 
 Optimizer states. The per-parameter tensors are those of optax's Adam (``ScaleByAdamState``) or momentum
 trace (``TraceState``), found anywhere in the state: inside ``optax.chain`` (e.g. after
@@ -65,13 +66,20 @@ def _names(rule_parts, rule) -> list:
 class NameMap:
     """The checkpoint names of one model's parameters, both ways (one-to-one, checked when built).
 
+    A tied parameter (one tensor a PyTorch twin holds under several names, e.g. ``output.weight =
+    tok_embeddings.weight``) is given a tuple of names: torch's ``get_state_dict`` lists it in ``model`` under
+    every name and in ``optim`` under the first (``named_parameters`` yields a shared tensor once, by the name it
+    was first registered under), so the first name is the optimizer's and the rest are ``aliases``.
+
     Attributes:
-      to_torch: default name (``blocks.0.w1``, ``embed``) -> the name in the checkpoint.
-      from_torch: the inverse, checkpoint name -> default name.
+      to_torch: default name (``blocks.0.w1``, ``embed``) -> the name in the checkpoint (a tied parameter's first).
+      from_torch: the inverse, every checkpoint name (aliases included) -> default name.
+      aliases: default name -> the further names of a tied parameter, written in ``model`` only.
     """
 
     to_torch: dict
     from_torch: dict
+    aliases: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, defaults, names=None) -> "NameMap":
@@ -80,7 +88,7 @@ class NameMap:
         Args:
           defaults: every default name of the model, in parameter order.
           names: None (the default names), a callable ``default name -> name``, or a dict with one entry for
-            every default name (and no other).
+            every default name (and no other); a name may be a tuple of names for a tied parameter.
 
         Returns:
           A :class:`NameMap`; a ``ValueError`` names missing or unknown dict keys, names that are not
@@ -105,18 +113,23 @@ class NameMap:
         else:
             raise TypeError(f"names: must be None, a callable default name -> PyTorch name, or a dict, got "
                             f"{type(names).__name__}")
-        bad = {d: t for d, t in table.items() if not isinstance(t, str) or not t}
+        every = {d: (t,) if isinstance(t, str) else tuple(t) if isinstance(t, (tuple, list)) else (t,)
+                 for d, t in table.items()}
+        bad = {d: t for d, t in table.items() if not every[d] or not all(isinstance(n, str) and n for n in every[d])}
         if bad:
             d, t = next(iter(bad.items()))
             raise ValueError(f"names: every parameter needs a non-empty str name, got {t!r} for {d!r}"
-                             f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
+                             f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; a tied parameter takes a "
+                             f"tuple of them")
         inverse = {}
-        for d, t in table.items():
-            if t in inverse:      # loading could not tell the two apart
-                raise ValueError(f"names: {inverse[t]!r} and {d!r} both map to {t!r}; the mapping must be "
-                                 f"one-to-one")
-            inverse[t] = d
-        return cls(table, inverse)
+        for d, ts in every.items():
+            for t in ts:
+                if t in inverse:      # loading could not tell the two apart
+                    raise ValueError(f"names: {inverse[t]!r} and {d!r} both map to {t!r}; the mapping must be "
+                                     f"one-to-one")
+                inverse[t] = d
+        return cls({d: ts[0] for d, ts in every.items()}, inverse,
+                   {d: ts[1:] for d, ts in every.items() if len(ts) > 1})
 
 
 def _few(xs, n=4) -> str:
@@ -386,7 +399,8 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
         ``weight_decay``; ``decoupled_weight_decay=True`` for AdamW) where the optax state does not hold them
         (no ``inject_hyperparams``): one dict for every param group, or ``{label: dict}`` per
         ``optax.multi_transform`` label.
-      names: None (default names), a callable default name -> PyTorch name, or a dict of them (:class:`NameMap`).
+      names: None (default names), a callable default name -> PyTorch name, or a dict of them (:class:`NameMap`);
+        a tuple of names for a tied parameter (written under each in ``model``, under the first in ``optim``).
 
     Returns:
       ``{"model": {name: array}, "optim": {"state": {name: {...}}, "param_groups": [...]}, "plan": {name: recipe}}``:
@@ -397,7 +411,7 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
     from jaxquant.training.plan_view import plan_row
 
     _check_not_donated(state)
-    _, leaf_names = _mapped_names(state, names)
+    nm, leaf_names = _mapped_names(state, names)
     rules = state.plan.rules
     slots, outer_hyper = _optax_parts(state.opt_state, _dotted(state))
 
@@ -408,6 +422,8 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
     model = {}
     for i, master in enumerate(jax.tree.leaves(state.master)):
         model.update(zip(leaf_names[i], split(master, i)))
+    for default, extra in nm.aliases.items():     # a tied parameter: the same tensor under its other names
+        model.update(dict.fromkeys(extra, model[nm.to_torch[default]]))
     optim = {}
     for slot in slots:
         for key, per_leaf in slot.tensors().items():
@@ -419,6 +435,7 @@ def state_dict(step, state, *, hyperparams=None, names=None) -> dict:
             for n in _covered_names(slot, leaf_names):
                 optim[n]["step"] = np.asarray(count, np.float32)
     plan = {n: plan_row(rule)["recipe"] for rule, ns in zip(rules, leaf_names) for n in ns}
+    plan.update({a: plan[nm.to_torch[d]] for d, extra in nm.aliases.items() for a in extra})
     wheres = _group_hyperparams(hyperparams, slots)
     if not slots:      # plain SGD: no per-parameter state, one group of every parameter
         return {"model": model, "optim": {"state": optim, "param_groups": [
