@@ -218,7 +218,7 @@ def model_flops(a, tokens):
 # ----------------------------------------------------------------------------------------------
 
 
-def plain_opt_state(opt, params, param_shardings, mesh):
+def plain_opt_state(opt, params, param_shardings, mesh, abstract=False):
     """(state, shardings) of optax ``opt``'s state for the plain baselines, every moment sharded like its parameter
     (``param_shardings``: a tree of shardings like ``params``) and the rest (step counts) replicated. A bare
     ``jax.jit(opt.init)(params)`` returns the moments whole on the first device (the zeros read none of the sharded
@@ -233,7 +233,8 @@ def plain_opt_state(opt, params, param_shardings, mesh):
     replicated = NamedSharding(mesh, P())
     shardings = optax.tree_map_params(opt, lambda _, s: s, jax.eval_shape(opt.init, params), param_shardings,
                                       transform_non_params=lambda x: jax.tree.map(lambda _: replicated, x))
-    return jax.jit(opt.init, out_shardings=shardings)(params), shardings
+    init = jax.jit(opt.init, out_shardings=shardings)
+    return (jax.eval_shape(init, params) if abstract else init(params)), shardings
 
 
 def plain_step_shardings(mesh, param_shardings, opt_shardings):
@@ -245,7 +246,9 @@ def plain_step_shardings(mesh, param_shardings, opt_shardings):
     return (param_shardings, opt_shardings), NamedSharding(mesh, P())
 
 
-def _make_plain(a, mesh, scan):
+def _make_plain(a, mesh, scan, abstract=False):
+    """(jitted step, state) of the plain baseline; ``abstract``: the state as ``jax.ShapeDtypeStruct`` s in its
+    shardings (nothing allocated: for lowering and compiling a model that does not fit)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -263,10 +266,13 @@ def _make_plain(a, mesh, scan):
         return P(*lead, "fsdp", None) if x.shape[-2] % fsdp == 0 and x.shape[-2] > 1 else P()
     shapes_ = jax.eval_shape(lambda: init_params(a, stacked=scan))
     shardings = jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)), shapes_)
-    # built sharded (a large model does not fit one device whole)
-    params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=shardings)()
     opt = adam()
-    opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
+    if abstract:
+        params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes_, shardings)
+        opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh, abstract=True)
+    else:     # built sharded (a large model does not fit one device whole)
+        params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=shardings)()
+        opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
     state = (params, opt_state)
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
 
@@ -310,7 +316,7 @@ def _tp_loss(a, scan, sp, overlap="off"):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False, abstract=False):
     import jax
 
     import jaxquant as jq
@@ -328,7 +334,7 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantiz
         loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
         step = jq.make_train_step(loss, adam(), mesh=mesh, quantize_mask=mask, policy=policy,
                                   reshard_after_forward=not keep, quantize_once=quantize_once)
-    return jq_runner(step, lambda: init_params(a, stacked=scan))
+    return jq_runner(step, lambda: init_params(a, stacked=scan), abstract)
 
 
 def adam():
@@ -339,15 +345,22 @@ def adam():
     return breakdown.scoped_optimizer(optax.adam(1e-4))
 
 
-def jq_runner(step, init):
+def jq_runner(step, init, abstract=False):
     """(run, state) of a make_train_step ``step``: the parameters built directly in the step's shardings (a large
     model does not fit one device whole); ``run(state, batch) -> (state, loss)``; ``run.lower(state, batch)`` the
-    step's ``jax.stages.Lowered``."""
+    step's ``jax.stages.Lowered``. ``abstract``: the state as ``jax.ShapeDtypeStruct`` s in the shardings
+    ``step.init`` gives (nothing allocated)."""
     import jax
 
-    params = jax.jit(init, out_shardings=step.master_shardings(jax.eval_shape(init)))()
-    state = step.init(params)
-    del params
+    shapes_ = jax.eval_shape(init)
+    shardings = step.master_shardings(shapes_)
+    if abstract:
+        params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes_, shardings)
+        placed = jax.jit(step.init).lower(params).compile().output_shardings
+        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                             jax.eval_shape(step.init, params), placed)
+    else:
+        state = step.init(jax.jit(init, out_shardings=shardings)())
 
     def run(state, batch):
         state, metrics = step(state, batch)
