@@ -57,6 +57,10 @@ EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf
                  "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
     tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
           for form in ("-loop", ""))
+# PyTorch peers of the same model (benchmarks/bench_torch.py, each config its own processes, one per GPU): FSDP2 +
+# torch.compile in bf16, and the same with torchao's float8 training
+TORCH_CONFIGS = ("torch-bf16", "torch-fp8")
+EXTRA_CONFIGS += TORCH_CONFIGS
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
 
@@ -612,13 +616,17 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
     results = []
     for flags in flag_sets:
         for config in configs:
-            for nproc in getattr(a, "process_counts", [1]):
+            torch_peer = config in TORCH_CONFIGS
+            if torch_peer and flags != flag_sets[0]:
+                continue              # XLA's flags do not touch PyTorch: once is enough
+            for nproc in getattr(a, "process_counts", [1])[:1] if torch_peer else getattr(a, "process_counts", [1]):
                 env = dict(os.environ)
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]
                                     + (" --xla_force_host_platform_device_count=1" if nproc > 1 else "")
                                     + (" " + PROFILE_FLAGS if getattr(a, "profile", None) else "")).strip()
-                cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags,
-                       "--nproc", str(nproc)]
+                child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_torch.py") if torch_peer \
+                    else os.path.abspath(script)
+                cmd = [sys.executable, child, *argv, "--one", config, "--flag-set", flags, "--nproc", str(nproc)]
                 t0 = time.perf_counter()
                 runs = run_processes(cmd, env, nproc)
                 line = [l for l in runs[0][1].splitlines() if l.startswith("RESULT ")]   # process 0 reports
@@ -688,8 +696,26 @@ def print_table(results, a):
               f"{r['tflops_per_gpu']:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.1f} | {exposed} |")
     for line in overlap_rule(ok):
         print(line)
+    for line in peer_rule(ok):
+        print(line)
     for line in process_rule(ok):
         print(line)
+
+
+def peer_rule(ok):
+    """Per jaxquant config, same flags, against the PyTorch peer of its recipe (torch-bf16 for bf16 and NVFP4, which
+    computes in bf16 on Hopper; torch-fp8 for FP8), and torch-fp8 against torch-bf16: the peer's step time over the
+    config's."""
+    torch_rows = {r["config"]: r for r in ok if r["config"] in TORCH_CONFIGS}
+    for r in ok:
+        if r["config"].startswith("jq-"):
+            peer = torch_rows.get("torch-fp8" if r["config"].split("-")[1] == "fp8" else "torch-bf16")
+            if peer:
+                yield (f"{r['config']} ({r['flags']}): {peer['step_ms'] / r['step_ms']:.2f}x {peer['config']} "
+                       f"({r['step_ms']:.1f} vs {peer['step_ms']:.1f} ms)")
+    if len(torch_rows) == 2:
+        bf16, fp8 = torch_rows["torch-bf16"], torch_rows["torch-fp8"]
+        yield f"torch-fp8: {bf16['step_ms'] / fp8['step_ms']:.2f}x torch-bf16"
 
 
 def process_rule(ok):
