@@ -569,7 +569,8 @@ def main(argv=None):
         print(f"unknown config or flag set: {bad} (--model {a.model}'s configs: {known})", file=sys.stderr)
         return 2
     describe = lambda r: (f"{r['step_ms']:8.2f} ms  {r['tflops_per_gpu']:6.1f} TFLOP/s  {r['peak_gib']:6.2f} GiB  "
-                          f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}")
+                          f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}"
+                          + (f"  GEMMs {r['gemms']}" if r.get("gemms") else ""))
     results = e2e.run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
     print_table(results, a)
     if a.profile:
