@@ -82,6 +82,7 @@ def build_model(a, init=None):
     """The model (fp32 parameters, on the CPU): ``init`` bench_e2e's ``init_params(a, stacked=False)`` as numpy
     arrays (``{"blocks": [{"w_qkv": [out, in], ..., "attn_norm": [1, hidden], ...}]}``; torch's Linear weight is the
     same ``[out, in]``), or None: bench_e2e's distribution (normal / sqrt(in), norm scales 1) from torch's generator."""
+    import numpy as np
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -130,7 +131,7 @@ def build_model(a, init=None):
             for name, param in block.named_parameters():
                 key = name.split(".")[0]
                 if init is not None:
-                    param.copy_(torch.as_tensor(init["blocks"][i][key]).reshape(param.shape))
+                    param.copy_(torch.from_numpy(np.array(init["blocks"][i][key], np.float32)).reshape(param.shape))
                 elif key.startswith("w_"):
                     param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]))
     return model
@@ -206,6 +207,7 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
     """Run ``config`` in this process as rank ``rank`` of ``world`` (the process group already initialized); returns
     bench_e2e's result row (rank 0's memory). ``init``: bench_e2e's parameters (numpy), ``batch``: ``{"x": [batch,
     seq, hidden], "y": ...}`` numpy arrays of this rank's rows (default: random, seeded by the rank)."""
+    import numpy as np
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -225,8 +227,8 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
         x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
         y = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
     else:
-        x = torch.as_tensor(batch["x"], dtype=torch.float32).to(device, torch.bfloat16)
-        y = torch.as_tensor(batch["y"], dtype=torch.float32).to(device)
+        x = torch.from_numpy(np.array(batch["x"], np.float32)).to(device, torch.bfloat16)
+        y = torch.from_numpy(np.array(batch["y"], np.float32)).to(device)
 
     def step():
         loss = mse(model(x), y)
