@@ -10,7 +10,8 @@ Configurations (bench_e2e.py runs them beside its own, ``--configs torch-bf16,to
 * ``torch-fp8``: the same with every block's four linears in float8 (torchao; missing: one line, exit 2).
 
 Model: bench_e2e's, module for module: ``--layers`` pre-norm blocks, RMSNorm (statistics in fp32), one fused QKV
-linear (``[(heads + 2 kv_heads) x 128, hidden]``), ``scaled_dot_product_attention`` (causal, grouped-query), the
+linear (``[(heads + 2 kv_heads) x 128, hidden]``), ``scaled_dot_product_attention`` (causal; the kv heads repeated
+for grouped-query attention), the
 output projection, one fused SwiGLU gate/up linear and the down projection, no bias, no embedding; the MSE of the last
 block's output against a random fp32 target. Optimizer: Adam (torch's fused AdamW with weight decay 0 on CUDA), lr
 1e-4, bench_e2e's. Every rank trains on its own ``--batch`` sequences of ``--seq`` tokens; the step time is the median
@@ -78,8 +79,8 @@ def missing_requirement(config):
 # ----------------------------------------------------------------------------------------------
 
 
-def build_model(a, init=None):
-    """The model (fp32 parameters, on the CPU): ``init`` bench_e2e's ``init_params(a, stacked=False)`` as numpy
+def build_model(a, init=None, device="cpu"):
+    """The model (fp32 parameters, made on ``device``): ``init`` bench_e2e's ``init_params(a, stacked=False)`` as numpy
     arrays (``{"blocks": [{"w_qkv": [out, in], ..., "attn_norm": [1, hidden], ...}]}``; torch's Linear weight is the
     same ``[out, in]``), or None: bench_e2e's distribution (normal / sqrt(in), norm scales 1) from torch's generator."""
     import numpy as np
@@ -110,7 +111,10 @@ def build_model(a, init=None):
             b, s, _ = h.shape
             qkv = self.w_qkv(self.attn_norm(h)).view(b, s, a.heads + 2 * a.kv_heads, a.head_dim)
             q, k, v = (t.transpose(1, 2) for t in qkv.split([a.heads, a.kv_heads, a.kv_heads], dim=2))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=a.kv_heads != a.heads)
+            # each kv head serves heads / kv_heads consecutive query heads (jax.nn.dot_product_attention's grouping),
+            # repeated as torchtitan's Llama does, so that SDPA's flash kernels take it
+            k, v = (t.repeat_interleave(a.heads // a.kv_heads, dim=1) for t in (k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             h = h + self.w_o(o.transpose(1, 2).reshape(b, s, -1))
             gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
             return h + self.w_down(F.silu(gate) * up)
@@ -125,7 +129,8 @@ def build_model(a, init=None):
                 x = block(x)
             return x
 
-    model = Model()
+    with torch.device(device):
+        model = Model()
     with torch.no_grad():
         for i, block in enumerate(model.blocks):
             for name, param in block.named_parameters():
@@ -219,7 +224,7 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
     compile_blocks = a.torch_compile == "on" or (a.torch_compile == "auto" and cuda)
     mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(0)                               # every rank builds the same model before sharding it
-    model = build_model(a, init).to(device)
+    model = build_model(a, init, device)
     opt, after_step = prepare(a, config, model, mesh, compile_blocks)
     if batch is None:
         gen = torch.Generator(device=device).manual_seed(7 + rank)
