@@ -34,13 +34,16 @@ flags (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn``, ``--s
 Their configs: ``flax-plain`` (the plain step above: fp32 parameters, every kernel and the embedding split over fsdp
 along their first axis that divides, Adam's moments sharded alike) and ``flax-jq-bf16`` / ``-fp8`` / ``-nvfp4`` (the
 model unchanged under ``jq.make_train_step(jq.flax_loss(model, loss, batch=...))``, the adapter's default rules).
-``--model dense-general`` also has, when named, flax's own FP8 (``flax.linen.fp8_ops``: delayed scaling, an amax
-history of 1024 steps per operand, what MaxText's ``fp8`` quantization plugs into the same place): ``flax-fp8``, the
-blocks' ``DenseGeneral`` / ``Dense`` layers with ``dot_general_cls=nn.Fp8DirectDotGeneralOp`` (FP8 operands handed
-to ``dot_general``); ``flax-fp8-qdq`` with the deprecated ``nn.Fp8DotGeneralOp`` (quantize-dequantize around a bf16
-``dot_general``, for XLA to rewrite). The head stays bf16, as jaxquant's default keeps it. The step is flax-plain's
-(fp32 parameters and Adam's moments sharded alike) through flax's ``TrainState.apply_gradients``, which replaces the
-``_overwrite_with_gradient`` collection (scales, amax histories; replicated) by its gradient, as flax documents.
+Every ``--model`` also has, when named, flax's own FP8 (``flax.linen.fp8_ops``: delayed scaling, an amax history of
+1024 steps per operand; current MaxText's ``fp8`` quantization plugs the same ops into the same place):
+``flax-fp8``, each block's projections on ``nn.Fp8DirectDotGeneralOp`` (FP8 operands handed to ``dot_general``) and,
+for the einsum model's attention, ``nn.Fp8Einsum``; ``flax-fp8-qdq`` on the deprecated ``nn.Fp8DotGeneralOp``
+(quantize-dequantize around a bf16 ``dot_general``, for XLA to rewrite; not for the einsum model). The head stays
+bf16, as jaxquant's default keeps it. Linen (``dense-general``) takes them as ``dot_general_cls`` and trains through
+flax's ``TrainState.apply_gradients``, which sets the ``_overwrite_with_gradient`` collection (scales, amax
+histories) to its gradient, as flax documents; the NNX models take them through ``nnx.bridge.ToNNX`` as their layers'
+``dot_general`` / ``einsum_op`` and the step does the same by hand. Parameters and Adam's moments are sharded as
+flax-plain's, the fp8 meta variables replicated.
 
     python benchmarks/bench_flax.py --steps 5     # the issue's check: flax FP8 within 3% of hand-jq-fp8, >= 1.35x plain
     python benchmarks/bench_flax.py --model einsum --steps 5     # flax-plain and flax-jq-bf16 / fp8 / nvfp4
