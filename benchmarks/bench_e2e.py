@@ -57,6 +57,10 @@ EXTRA_CONFIGS = ("jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf
                  "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
     tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
           for form in ("-loop", ""))
+# PyTorch peers of the same model (benchmarks/bench_torch.py, each config its own processes, one per GPU): FSDP2 +
+# torch.compile in bf16, and the same with torchao's float8 training
+TORCH_CONFIGS = ("torch-bf16", "torch-fp8")
+EXTRA_CONFIGS += TORCH_CONFIGS
 TP_SPLIT = {"w_qkv": "col", "w_o": "row", "w_gate_up": "col", "w_down": "row"}
 
 
@@ -115,6 +119,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, help="directory: trace 3 steps of each config; report the exposed "
                                                    "collective time and the per-HLO-op breakdown from the trace (every "
                                                    "config then runs without CUDA command buffers: PROFILE_FLAGS)")
+    p.add_argument("--gemms", nargs="?", const="", default=None, metavar="DIR",
+                   help="after the timed steps, compile the step again (from the persistent compilation cache this "
+                        "run then writes) and count its GEMMs by kind (gemm_kinds): whether XLA made FP8 cuBLASLt "
+                        "calls of a config's FP8 ops; with DIR, also write each config's compiled HLO there")
     p.add_argument("--json", default=None, help="write every result here")
     p.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature with "
                                                        "nvidia-smi while the steps are timed")
@@ -389,6 +397,15 @@ def run_one(a, config, make_batch=None, flops=None):
         raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
     mesh = Mesh(devices.reshape(-1, a.tp), ("fsdp", "tp")) if a.tp > 1 else Mesh(devices, ("fsdp",))
     n = mesh.size
+    if a.gemms is not None:   # the second compile (below) reads this run's executable back, not compiling again
+        import tempfile
+
+        try:
+            jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench-gemms-"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        except (AttributeError, ValueError) as err:    # another JAX: the second compile compiles again
+            print(f"bench_e2e.py: --gemms without the persistent cache ({err})", file=sys.stderr)
     scan = not config.endswith("-loop")
     if config.startswith("plain"):
         fn, state = _make_plain(a, mesh, scan)
@@ -437,13 +454,38 @@ def run_one(a, config, make_batch=None, flops=None):
         with open(os.path.join(path, f"{config}.hlo.txt"), "w") as f:
             f.write(hlo)
         parts = breakdown.breakdown(path, hlo, steps=3)
+    gemms = None
+    if a.gemms is not None:
+        hlo = fn.lower(state, batch).compile().as_text()
+        gemms = gemm_kinds(hlo)
+        if a.gemms:
+            with open(os.path.join(a.gemms, f"{config}.hlo.txt"), "w") as f:
+                f.write(hlo)
     stats = jax.local_devices()[0].memory_stats() or {}
     tokens = a.batch * n * a.seq
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "tflops_per_gpu": (flops or model_flops)(a, tokens) / step_s / n / 1e12, "compile_s": first - step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2 ** 30, "loss": float(loss), "devices": n,
             "device": jax.local_devices()[0].device_kind, "trace": trace, "clocks": clocks.summary(),
-            "processes": a.processes, "losses": losses} | ({"breakdown": parts} if a.profile else {})
+            "processes": a.processes, "losses": losses} | ({"breakdown": parts} if a.profile else {}) \
+        | ({"gemms": gemms} if gemms is not None else {})
+
+
+def gemm_kinds(hlo: str) -> dict:
+    """GEMMs of a compiled (optimized) HLO module's text by kind, one count per instruction: ``cublaslt_f8``, XLA's
+    FP8 cuBLASLt calls (``__cublas$lt$matmul$f8``, the FP8 GEMMs of a GPU); ``cublas_other``, its other cuBLAS GEMM
+    calls (bf16 / fp32); ``dot`` and ``dot_f8``, dot instructions left in the module (in fusions XLA emits itself, on
+    the CPU every GEMM), those with an FP8 operand apart."""
+    counts = dict.fromkeys(("cublaslt_f8", "cublas_other", "dot", "dot_f8"), 0)
+    for line in hlo.splitlines():
+        if 'custom_call_target="__cublas$lt$matmul$f8"' in line:
+            counts["cublaslt_f8"] += 1
+        elif 'custom_call_target="__cublas$' in line:
+            counts["cublas_other"] += 1
+        elif " dot(" in line:
+            operands = line.split(" dot(", 1)[1]
+            counts["dot_f8" if "f8e4m3" in operands or "f8e5m2" in operands else "dot"] += 1
+    return counts
 
 
 class ClockSampler:
@@ -615,7 +657,8 @@ def describe(r) -> str:
                f"exposed most {t['top_exposed_collectives']}, "
                f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else "")
             + (f"  clocks {r['clocks']}, ~{joules_per_step(r['clocks'], r['step_ms'])} J a step a GPU"
-               if r.get("clocks") else ""))
+               if r.get("clocks") else "")
+            + (f"  GEMMs {r['gemms']}" if r.get("gemms") else ""))
 
 
 def run_configs(a, configs, flag_sets, script, argv, describe):
@@ -625,13 +668,17 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
     results = []
     for flags in flag_sets:
         for config in configs:
-            for nproc in getattr(a, "process_counts", [1]):
+            torch_peer = config in TORCH_CONFIGS
+            if torch_peer and flags != flag_sets[0]:
+                continue              # XLA's flags do not touch PyTorch: once is enough
+            for nproc in getattr(a, "process_counts", [1])[:1] if torch_peer else getattr(a, "process_counts", [1]):
                 env = dict(os.environ)
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG_SETS[flags]
                                     + (" --xla_force_host_platform_device_count=1" if nproc > 1 else "")
                                     + (" " + PROFILE_FLAGS if getattr(a, "profile", None) else "")).strip()
-                cmd = [sys.executable, os.path.abspath(script), *argv, "--one", config, "--flag-set", flags,
-                       "--nproc", str(nproc)]
+                child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_torch.py") if torch_peer \
+                    else os.path.abspath(script)
+                cmd = [sys.executable, child, *argv, "--one", config, "--flag-set", flags, "--nproc", str(nproc)]
                 t0 = time.perf_counter()
                 runs = run_processes(cmd, env, nproc)
                 line = [l for l in runs[0][1].splitlines() if l.startswith("RESULT ")]   # process 0 reports
@@ -701,8 +748,26 @@ def print_table(results, a):
               f"{r['tflops_per_gpu']:.0f} | {r['peak_gib']:.1f} | {r['compile_s']:.1f} | {exposed} |")
     for line in overlap_rule(ok):
         print(line)
+    for line in peer_rule(ok):
+        print(line)
     for line in process_rule(ok):
         print(line)
+
+
+def peer_rule(ok):
+    """Per jaxquant config, same flags, against the PyTorch peer of its recipe (torch-bf16 for bf16 and NVFP4, which
+    computes in bf16 on Hopper; torch-fp8 for FP8), and torch-fp8 against torch-bf16: the peer's step time over the
+    config's."""
+    torch_rows = {r["config"]: r for r in ok if r["config"] in TORCH_CONFIGS}
+    for r in ok:
+        if r["config"].startswith("jq-"):
+            peer = torch_rows.get("torch-fp8" if r["config"].split("-")[1] == "fp8" else "torch-bf16")
+            if peer:
+                yield (f"{r['config']} ({r['flags']}): {peer['step_ms'] / r['step_ms']:.2f}x {peer['config']} "
+                       f"({r['step_ms']:.1f} vs {peer['step_ms']:.1f} ms)")
+    if len(torch_rows) == 2:
+        bf16, fp8 = torch_rows["torch-bf16"], torch_rows["torch-fp8"]
+        yield f"torch-fp8: {bf16['step_ms'] / fp8['step_ms']:.2f}x torch-bf16"
 
 
 def process_rule(ok):

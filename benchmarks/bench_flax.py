@@ -34,6 +34,16 @@ flags (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn``, ``--s
 Their configs: ``flax-plain`` (the plain step above: fp32 parameters, every kernel and the embedding split over fsdp
 along their first axis that divides, Adam's moments sharded alike) and ``flax-jq-bf16`` / ``-fp8`` / ``-nvfp4`` (the
 model unchanged under ``jq.make_train_step(jq.flax_loss(model, loss, batch=...))``, the adapter's default rules).
+Every ``--model`` also has, when named, flax's own FP8 (``flax.linen.fp8_ops``: delayed scaling, an amax history of
+1024 steps per operand; current MaxText's ``fp8`` quantization plugs the same ops into the same place):
+``flax-fp8``, each block's projections on ``nn.Fp8DirectDotGeneralOp`` (FP8 operands handed to ``dot_general``) and,
+for the einsum model's attention, ``nn.Fp8Einsum``; ``flax-fp8-qdq`` on the deprecated ``nn.Fp8DotGeneralOp``
+(quantize-dequantize around a bf16 ``dot_general``, for XLA to rewrite; not for the einsum model). The head stays
+bf16, as jaxquant's default keeps it. Linen (``dense-general``) takes them as ``dot_general_cls`` and trains through
+flax's ``TrainState.apply_gradients``, which sets the ``_overwrite_with_gradient`` collection (scales, amax
+histories) to its gradient, as flax documents; the NNX models take them through ``nnx.bridge.ToNNX`` as their layers'
+``dot_general`` / ``einsum_op`` and the step does the same by hand. Parameters and Adam's moments are sharded as
+flax-plain's, the fp8 meta variables replicated.
 
     python benchmarks/bench_flax.py --steps 5     # the issue's check: flax FP8 within 3% of hand-jq-fp8, >= 1.35x plain
     python benchmarks/bench_flax.py --model einsum --steps 5     # flax-plain and flax-jq-bf16 / fp8 / nvfp4
@@ -59,6 +69,10 @@ CONFIGS = ("flax-plain", "flax-jq-bf16", "flax-jq-fp8", "flax-jq-nvfp4", "hand-j
 EXTRA_CONFIGS = ("flax-plain-scan", "hand-jq-bf16", "hand-jq-nvfp4")
 MODELS = ("llama", "einsum", "dense-general")
 STYLE_CONFIGS = ("flax-plain", "flax-jq-bf16", "flax-jq-fp8", "flax-jq-nvfp4")    # --model einsum / dense-general
+# flax's own FP8 (flax.linen.fp8_ops, delayed scaling), --model dense-general, run when named: "flax-fp8" through
+# nn.Fp8DirectDotGeneralOp (FP8 operands handed to dot_general), "flax-fp8-qdq" through the deprecated
+# nn.Fp8DotGeneralOp (quantize-dequantize around a bf16 dot_general, left to XLA to rewrite into an FP8 GEMM)
+FLAX_FP8_CONFIGS = {"flax-fp8": "Fp8DirectDotGeneralOp", "flax-fp8-qdq": "Fp8DotGeneralOp"}
 # the shape flags a --model einsum / dense-general run takes from its config unless given
 STYLE_FLAGS = {"--layers": "layers", "--hidden": "dim", "--heads": "heads", "--kv-heads": "kv_heads", "--ffn": "mlp",
                "--seq": "seq", "--vocab": "vocab"}
@@ -110,8 +124,9 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def flax_model(a, scan=False, seed=0):
-    """The NNX Llama (classes defined here: flax is imported in the child processes only)."""
+def flax_model(a, scan=False, seed=0, dot_general=None):
+    """The NNX Llama (classes defined here: flax is imported in the child processes only); ``dot_general``: a
+    factory ``rngs -> op`` of its ``nnx.Linear`` layers' ``dot_general`` (None: jax's)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -120,7 +135,8 @@ def flax_model(a, scan=False, seed=0):
 
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
-            dense = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
+            op = lambda: {} if dot_general is None else {"dot_general": dot_general(rngs)}
+            dense = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=jnp.bfloat16, rngs=rngs, **op())
             norm = lambda: nnx.RMSNorm(a.hidden, epsilon=1e-6, dtype=jnp.bfloat16, rngs=rngs)
             e, q, kv = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
             self.attn_norm, self.q, self.k, self.v = norm(), dense(e, q), dense(e, kv), dense(e, kv)
@@ -337,6 +353,139 @@ def make_style_plain(a, mesh):
     return jax.jit(step, donate_argnums=0, out_shardings=out), (params, opt_state)
 
 
+def nnx_fp8_dot_general(class_name):
+    """A factory ``rngs -> op``: flax's linen FP8 op ``nn.<class_name>`` as an NNX module (``nnx.bridge.ToNNX``, its
+    scales and amax histories made now by ``nnx.bridge.lazy_init``), an ``nnx.Linear``'s ``dot_general``."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def make(rngs):
+        # no rngs: the op draws no random numbers, and a bridge holding an rng stream would split it on every call,
+        # a state update jax.grad's trace refuses
+        del rngs
+        op = nnx.bridge.ToNNX(getattr(nn, class_name)())
+        # the variables' shapes are the op's own (a scale, an amax history), whatever operands it first sees
+        nnx.bridge.lazy_init(op, jnp.zeros((1, 16), jnp.bfloat16), jnp.zeros((16, 16), jnp.bfloat16),
+                             (((1,), (0,)), ((), ())))
+        return op
+
+    return make
+
+
+def nnx_fp8_einsum(rngs):
+    """flax's ``nn.Fp8Einsum`` as an NNX module, an ``nnx.Einsum``'s ``einsum_op`` (which also passes
+    ``out_sharding``, a keyword Fp8Einsum does not take: the adapter drops it, and refuses one that asks for a
+    sharding)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Fp8EinsumOp(nnx.Module):
+        def __init__(self, rngs):
+            del rngs                                   # as nnx_fp8_dot_general's
+            self.op = nnx.bridge.ToNNX(nn.Fp8Einsum())
+            nnx.bridge.lazy_init(self.op, "bd,de->be", jnp.zeros((1, 16), jnp.bfloat16),
+                                 jnp.zeros((16, 16), jnp.bfloat16))
+
+        def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None):
+            if out_sharding is not None:
+                raise ValueError(f"nnx_fp8_einsum: out_sharding={out_sharding}: flax's Fp8Einsum takes none")
+            return self.op(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type)
+
+    return Fp8EinsumOp(rngs)
+
+
+def make_nnx_flax_fp8(a, mesh, config):
+    """``flax-fp8`` / ``flax-fp8-qdq`` of the NNX models (``--model llama``, ``einsum``): the model's ``nnx.Linear``
+    (and ``nnx.Einsum``) layers on flax's FP8 ops through ``nnx.bridge``; the step is flax-plain's over the
+    ``nnx.Param`` s (fp32, sharded, Adam's moments alike) with the fp8 meta variables (collection
+    ``OVERWRITE_WITH_GRADIENT``, replicated) set to their gradient, as ``TrainState.apply_gradients`` does for linen;
+    the rest of the state (the einsum model's dropout stream) held as it is."""
+    import dataclasses
+
+    import jax
+    import optax
+    from flax import nnx
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import flax_styles as fs
+
+    class_name = FLAX_FP8_CONFIGS[config]
+    if a.model == "llama":
+        build = lambda: flax_model(a, dot_general=nnx_fp8_dot_general(class_name))
+        loss = flax_loss
+    else:
+        if class_name != "Fp8DirectDotGeneralOp":
+            raise SystemExit(f"bench_flax.py: {config}: --model einsum's attention has flax's Fp8Einsum only")
+        cfg = dataclasses.replace(style_config(a), nnx_dot_general=nnx_fp8_dot_general(class_name),
+                                  nnx_einsum_op=nnx_fp8_einsum)
+        build = lambda: fs.nnx_einsum_model(cfg, nnx.Rngs(params=0, dropout=1))
+        loss = fs.nnx_einsum_loss
+    meta = lambda path, x: type(x).__name__ == OVERWRITE_WITH_GRADIENT    # the bridge names the type after it
+    graphdef = nnx.split(nnx.eval_shape(build), nnx.Param, meta, ...)[0]
+    init = lambda: nnx.split(build(), nnx.Param, meta, ...)[1:]
+    fsdp = int(mesh.shape["fsdp"])
+    replicated = NamedSharding(mesh, P())
+    shapes = jax.eval_shape(init)[0]
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp)), shapes)
+    params, fp8_meta, rest = jax.jit(init, out_shardings=(shardings, replicated, replicated))()
+    opt = e2e.adam()
+    opt_state, opt_shardings = e2e.plain_opt_state(opt, params, shardings, mesh)
+
+    def step(state, batch):
+        (params, fp8_meta), opt_state = state
+        value, (grads, new_meta) = jax.value_and_grad(
+            lambda p, m: loss(nnx.merge(graphdef, p, m, rest), batch), argnums=(0, 1))(params, fp8_meta)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return ((optax.apply_updates(params, updates), new_meta), opt_state), value
+
+    out = (((shardings, replicated), opt_shardings), replicated)
+    return jax.jit(step, donate_argnums=0, out_shardings=out), ((params, fp8_meta), opt_state)
+
+
+def make_style_flax_fp8(a, mesh, config):
+    """``flax-fp8`` / ``flax-fp8-qdq`` of ``--model dense-general``: flax-plain's step with the blocks' layers on
+    flax's FP8 op (``FLAX_FP8_CONFIGS``), the fp8 meta variables (``OVERWRITE_WITH_GRADIENT``) replicated beside the
+    sharded parameters, the update through ``flax.training.train_state.TrainState.apply_gradients``."""
+    import dataclasses
+    import functools
+
+    import flax.linen as nn
+    import jax
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+    from flax.training.train_state import TrainState
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import flax_styles as fs
+
+    if a.model != "dense-general":
+        return make_nnx_flax_fp8(a, mesh, config)
+    cfg = dataclasses.replace(style_config(a), dot_general_cls=getattr(nn, FLAX_FP8_CONFIGS[config]))
+    loss = functools.partial(fs.linen_dense_general_loss, cfg=cfg)
+    init = lambda: nn.unbox(fs.linen_dense_general_init(cfg))    # {"params": ..., OVERWRITE_WITH_GRADIENT: ...}
+    fsdp = int(mesh.shape["fsdp"])
+    replicated = NamedSharding(mesh, P())
+    shapes = jax.eval_shape(init)
+    param_shardings = jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp)), shapes["params"])
+    shardings = {"params": param_shardings,
+                 OVERWRITE_WITH_GRADIENT: jax.tree.map(lambda _: replicated, shapes[OVERWRITE_WITH_GRADIENT])}
+    variables = jax.jit(init, out_shardings=shardings)()
+    opt = e2e.adam()
+    opt_state, opt_shardings = e2e.plain_opt_state(opt, variables["params"], param_shardings, mesh)
+    # TrainState holds every variable as its params; apply_gradients updates "params" with opt and sets the fp8 meta
+    # collection to its gradient (the new scales and amax histories the FP8 op's custom VJP returns)
+    state = TrainState(step=jax.device_put(0, replicated), apply_fn=None, params=variables, tx=opt, opt_state=opt_state)
+    state_shardings = TrainState(step=replicated, apply_fn=None, params=shardings, tx=opt, opt_state=opt_shardings)
+
+    def step(state, batch):
+        value, grads = jax.value_and_grad(lambda v: loss(v, batch))(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, replicated)), state
+
+
 def make_style_jq(a, mesh, recipe):
     """``flax-jq-*`` of ``--model einsum`` / ``dense-general``: the model unchanged under ``jq.make_train_step``
     through the flax adapter's API with an example batch (multi-axis kernels as 2-D views, the adapter's default
@@ -393,6 +542,8 @@ def run_one(a, config):
     style = a.model != "llama"
 
     def build(_a, mesh, *_, **__):
+        if config in FLAX_FP8_CONFIGS:
+            return make_style_flax_fp8(a, mesh, config)
         if config.startswith("flax-plain"):
             return make_style_plain(a, mesh) if style else make_flax_plain(a, mesh, scan=config.endswith("-scan"))
         return make_style_jq(a, mesh, recipe) if style else make_jq(a, mesh, recipe, flax=kind == "flax")
@@ -415,13 +566,14 @@ def main(argv=None):
         return 0
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     flag_sets = [f.strip() for f in a.flags.split(",") if f.strip()]
-    known = CONFIGS + EXTRA_CONFIGS if a.model == "llama" else STYLE_CONFIGS
+    known = (CONFIGS + EXTRA_CONFIGS if a.model == "llama" else STYLE_CONFIGS) + tuple(FLAX_FP8_CONFIGS)
     bad = [c for c in configs if c not in known] + [f for f in flag_sets if f not in e2e.FLAG_SETS]
     if bad:
         print(f"unknown config or flag set: {bad} (--model {a.model}'s configs: {known})", file=sys.stderr)
         return 2
     describe = lambda r: (f"{r['step_ms']:8.2f} ms  {r['tflops_per_gpu']:6.1f} TFLOP/s  {r['peak_gib']:6.2f} GiB  "
-                          f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}")
+                          f"compile {r['compile_s']:6.1f} s  loss {r['loss']:.6f}"
+                          + (f"  GEMMs {r['gemms']}" if r.get("gemms") else ""))
     results = e2e.run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
     print_table(results, a)
     if a.profile:
@@ -462,6 +614,10 @@ def print_table(results, a):
                                              f"{'meets' if hand >= TARGET_VS_HAND else 'MISSES'}), ")
                   + ("" if plain is None else f"{plain:.2f}x flax-plain (target >= {TARGET_VS_PLAIN}x: "
                                               f"{'meets' if plain >= TARGET_VS_PLAIN else 'MISSES'})"))
+        if r["config"] == "flax-jq-fp8":     # against flax's own FP8 on the same model
+            for peer in (p for p in ok if p["flags"] == r["flags"] and p["config"] in FLAX_FP8_CONFIGS):
+                print(f"{r['flags']}: flax-jq-fp8 {peer['step_ms'] / r['step_ms']:.3f}x {peer['config']} (flax's "
+                      f"{FLAX_FP8_CONFIGS[peer['config']]}, {peer['step_ms']:.2f} ms)")
 
 
 if __name__ == "__main__":

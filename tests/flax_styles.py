@@ -40,6 +40,14 @@ class StyleConfig:
     dropout: float = 0.0
     dtype: Any = jnp.float32       # compute dtype; parameters are fp32
     eps: float = 1e-6
+    # (b) only: the ``dot_general_cls`` of its blocks' ``DenseGeneral`` / ``Dense`` layers (None: ``lax.dot_general``),
+    # how a linen user turns on flax's own FP8 (``nn.Fp8DirectDotGeneralOp``); the head keeps ``lax.dot_general``
+    dot_general_cls: Any = None
+    # (a) only: factories ``rngs -> op`` of its blocks' ``nnx.Linear`` ``dot_general`` and ``nnx.Einsum`` ``einsum_op``
+    # (None: jax's), where an NNX user plugs in another matmul (flax's FP8 ops through ``nnx.bridge``); the tied head
+    # keeps jax's
+    nnx_dot_general: Any = None
+    nnx_einsum_op: Any = None
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
@@ -125,7 +133,8 @@ class EinsumAttention(nnx.Module):
         # receptive field and would scale it by 1 / sqrt(heads) more
         def proj(spec, shape, contracted, kept):
             init = nnx.initializers.lecun_normal(in_axis=contracted, out_axis=kept)
-            return nnx.Einsum(spec, shape, dtype=cfg.dtype, kernel_init=init, rngs=rngs)
+            op = {} if cfg.nnx_einsum_op is None else {"einsum_op": cfg.nnx_einsum_op(rngs)}
+            return nnx.Einsum(spec, shape, dtype=cfg.dtype, kernel_init=init, rngs=rngs, **op)
 
         n, k, d, h = cfg.heads, cfg.kv_heads, cfg.dim, cfg.head_dim
         self.q = proj("BTD,NDH->BTNH", (n, d, h), 1, (0, 2))
@@ -139,7 +148,8 @@ class EinsumAttention(nnx.Module):
 
 class GatedMlp(nnx.Module):
     def __init__(self, cfg: StyleConfig, *, rngs: nnx.Rngs):
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype, rngs=rngs)
+        op = lambda: {} if cfg.nnx_dot_general is None else {"dot_general": cfg.nnx_dot_general(rngs)}
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=cfg.dtype, rngs=rngs, **op())
         self.gate, self.up, self.down = linear(cfg.dim, cfg.mlp), linear(cfg.dim, cfg.mlp), linear(cfg.mlp, cfg.dim)
 
     def __call__(self, x):
@@ -210,7 +220,7 @@ class DenseGeneralAttention(nn.Module):
 
         def proj(features, names, name, axis=-1):
             return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=c.dtype, name=name,
-                                   kernel_init=_logical(init, names))
+                                   kernel_init=_logical(init, names), dot_general_cls=c.dot_general_cls)
 
         q = proj((c.heads, c.head_dim), ("embed", "heads", "kv"), "query")(x)
         k = proj((c.kv_heads, c.head_dim), ("embed", "kv_heads", "kv"), "key")(x)
@@ -227,7 +237,7 @@ class DenseGeneralMlp(nn.Module):
     def __call__(self, x):
         c = self.cfg
         dense = lambda features, names, name: nn.Dense(
-            features, use_bias=False, dtype=c.dtype, name=name,
+            features, use_bias=False, dtype=c.dtype, name=name, dot_general_cls=c.dot_general_cls,
             kernel_init=_logical(nn.initializers.lecun_normal(), names))
         h = jax.nn.silu(dense(c.mlp, ("embed", "mlp"), "gate")(x)) * dense(c.mlp, ("embed", "mlp"), "up")(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))

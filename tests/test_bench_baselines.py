@@ -113,3 +113,56 @@ def test_bench_convergence_plain_keeps_adam_sharded(mesh):
     train, state = bench_convergence.plain_train(a, cfg, mesh, bench_convergence.optimizer(a), evaluator)
     tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq + 1), 0, cfg.vocab, jnp.int32)
     _check(train, state, {"tokens": jax.device_put(tokens, NamedSharding(mesh, P("fsdp")))}, "bench_convergence")
+
+
+def _flax_fp8_parts(state):
+    """(params, fp8 meta, Adam state) of a bench_flax flax-fp8 state: linen's flax TrainState (every variable collection
+    in ``params``) or NNX's ``((params, meta), opt_state)``."""
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+    if hasattr(state, "apply_gradients"):
+        return state.params["params"], state.params[OVERWRITE_WITH_GRADIENT], state.opt_state
+    (params, meta), opt_state = state
+    return params, meta, opt_state
+
+
+def _meta_leaves(meta, name):
+    """The fp8 meta leaves whose path names ``name`` (one per FP8 op), as numpy arrays."""
+    leaves = [np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(meta)[0]
+              if name in jax.tree_util.keystr(tuple(path))]
+    assert leaves, name
+    return leaves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dense-general", "llama", "einsum"])
+def test_bench_flax_fp8_peer_is_fair_and_tracks_plain(mesh, model):
+    """bench_flax's flax-fp8 (flax.linen.fp8_ops' Fp8DirectDotGeneralOp / Fp8Einsum; linen through dot_general_cls, NNX
+    through nnx.bridge): Adam's moments sharded like the parameters, the fp8 meta variables replicated; its first loss
+    within FP8's error of flax-plain's from the same parameters and batch; each step overwrites the meta variables
+    with their gradient (the amax histories take the operands' amax, the scales follow from them), and it trains."""
+    style = model != "llama"
+    a = bench_flax.parse_args(["--tiny", "--model", model] + ["--layers", "1", "--batch", "1"] * style)
+    batch = bench_flax.style_batch(a, mesh) if style else _e2e_batch(a, mesh)
+    plain_step, plain_state = (bench_flax.make_style_plain(a, mesh) if style
+                               else bench_flax.make_flax_plain(a, mesh, scan=False))
+    _, plain_loss = plain_step(plain_state, batch)
+    step, state = bench_flax.make_style_flax_fp8(a, mesh, "flax-fp8")
+    params, meta, opt_state = _flax_fp8_parts(state)
+    assert_moments_sharded_like_params(params, opt_state, f"{model} flax-fp8 after init")
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(meta)), model
+    # initial meta: scales 1, histories 0 (so the first step quantizes with scale 1: delayed scaling has no amax yet)
+    assert all(np.all(s == 1) for s in _meta_leaves(meta, "input_scale")), model
+    state, first = step(state, batch)
+    # FP8 operands (e4m3 at scale 1 in this first step) against bf16: well within 2% of the loss here
+    assert float(first) == pytest.approx(float(plain_loss), rel=2e-2), (model, float(first), float(plain_loss))
+    _, meta, _ = _flax_fp8_parts(state)
+    for name in ("input_amax_history", "kernel_amax_history", "output_grad_amax_history"):
+        assert all(h[0] > 0 and np.all(h[1:] == 0) for h in _meta_leaves(meta, name)), (model, name)
+    state, second = step(state, batch)
+    params, meta, opt_state = _flax_fp8_parts(state)
+    assert all(np.all(s != 1) for s in _meta_leaves(meta, "kernel_scale")), model    # amax / e4m3's max, not 1
+    # the history rolls one place left and takes the new amax first: the first step's amax is now the last entry
+    assert all(h[0] > 0 and h[-1] > 0 for h in _meta_leaves(meta, "input_amax_history")), model
+    assert float(second) < float(first), (model, float(first), float(second))
+    assert_moments_sharded_like_params(params, opt_state, f"{model} flax-fp8 after two steps")
