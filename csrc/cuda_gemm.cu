@@ -163,19 +163,28 @@ __global__ void factor_product_kernel(const float* a_scale, const float* b_scale
 
 // Row-major D[M, N] = A[M, K] . B[N, K]^T is, column-major, D^T[N, M] = op(B)=T [N, K] x op(A)=N [K, M]: cuBLASLt's
 // A is our b and its B our a, with m = N, n = M, k = K (the TN layout cuBLASLt's FP8 GEMM requires).
-ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale,
-                       ffi::Buffer<ffi::F32> b_scale, bool fast_accum, bool factor_product,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
+// XLA runs the handler inside its command buffers by capturing the stream (CUDA graph tracing). Host work that the
+// capture's default (thread-local) mode forbids, as a library's first call may do (handle creation, loading kernels),
+// is allowed for the call's duration: relaxed mode keeps the capture and only lifts that check.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                       ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale, bool fast_accum,
+                       bool factor_product, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::Buffer<ffi::U8>> workspace) {
   int64_t m, n, k;
   JQ_RETURN_IF_ERROR(check_fp8_gemm(a, b, a_scale, b_scale, *out, &m, &n, &k));
   JQ_RETURN_IF_ERROR(check_count(*workspace, kFp8GemmWorkspaceBytes, "workspace"));
+  RelaxedCapture relaxed;
   const CublasLt& lt = cublaslt();
   if (!lt.error.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jaxquant: fp8_gemm: " + lt.error);
-  int device = 0;
-  if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
-    cudaGetLastError();
-    return ffi::Error(ffi::ErrorCode::kInternal, "jaxquant: fp8_gemm: cannot tell the stream's device");
-  }
   cublasLtHandle_t handle;
   JQ_RETURN_IF_ERROR(handle_for(device, &handle));
 

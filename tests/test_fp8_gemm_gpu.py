@@ -151,6 +151,28 @@ def test_under_shard_map_scan_remat_and_vmap():
     _same_bytes(x, y)
 
 
+def test_in_a_command_buffer():
+    """A program of several GEMMs and fusions, which XLA runs as a CUDA graph it records by capturing the stream: the
+    handler's first call (library, handle, algorithm) happens inside that capture."""
+    keys = jax.random.split(jax.random.key(8), 7)
+    x = _operand(keys[0], (256, 512), E4M3)
+    ws = [_operand(k, (512, 512), E4M3) for k in keys[1:]]
+    s = jnp.float32(1 / 64)
+
+    def chain(x, *ws):
+        outs = []
+        for w in ws:
+            y = gemm.scaled_gemm(x, s, w, s, out_dtype=jnp.bfloat16)
+            outs.append(y)
+            x = (jnp.tanh(y.astype(jnp.float32)) * 100).astype(jnp.float8_e4m3fn)
+        return outs
+
+    got_xla, got_custom, _, hlo = _both(chain, x, *ws)
+    assert hlo.count('"jq_fp8_gemm"') == len(ws)
+    for u, v in zip(got_xla, got_custom):
+        _same_bytes(u, v)
+
+
 def test_dense_fwd_bwd_same_bytes_with_the_custom_call():
     import jaxquant as jq
     kx, kw, kg = jax.random.split(jax.random.key(6), 3)

@@ -198,12 +198,14 @@
   JQ_DEFINE_TENSOR_HANDLERS(S, CTX)  \
   JQ_DEFINE_GROUP_HANDLERS(S, CTX)
 
-// a, b, a_scale, b_scale -> the result and cuBLASLt's workspace (a result: XLA allocates it with the program's
+// (the stream, XLA's device ordinal: the key of the cached handle and algorithm) a, b, a_scale, b_scale -> the result
+// and cuBLASLt's workspace (a result: XLA allocates it with the program's
 // buffers, so the call holds no allocation of its own and replays in a command buffer unchanged).
 #define JQ_DEFINE_CUBLASLT_HANDLERS(S, CTX)                                                          \
   namespace F = ::xla::ffi;                                                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Gemm##S, Fp8Gemm##S,                                           \
-                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                F::Ffi::Bind() CTX.Ctx<F::DeviceOrdinal>()                          \
+                                    .Arg<F::AnyBuffer>()                                            \
                                     .Arg<F::AnyBuffer>()                                            \
                                     .Arg<F::Buffer<F::F32>>()                                       \
                                     .Arg<F::Buffer<F::F32>>()                                       \
