@@ -24,7 +24,7 @@ namespace jaxquant {
 namespace {
 
 // The workspace result's first bytes hold the device scalars of the factor-product mode (alpha, beta); cuBLASLt gets
-// the rest, as much as XLA gives its own cuBLASLt GEMMs on Hopper, so that the heuristic sees the same limit.
+// the rest, and its heuristic picks only algorithms that fit in it.
 constexpr int64_t kScalarBytes = 256;
 
 // cuBLASLt's entry points, resolved from the loaded library.

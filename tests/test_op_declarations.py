@@ -61,6 +61,8 @@ def test_a_cuda_only_optional_target_may_be_missing_but_never_on_the_cpu(monkeyp
         _ffi.register(targets, {"cpu": _Extension(cuda)}, **kw)
     with pytest.raises(_ffi.ExtensionError, match="lacks"):
         _ffi.register(targets, {"cuda": _Extension(cpu[:-1])}, **kw)
+    with pytest.raises(ValueError, match="no CPU handler"):
+        ops.Target("jq_elsewhere", cpu_auto="reference", platforms=("cuda",))
 
 
 class _Extension:

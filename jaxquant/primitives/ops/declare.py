@@ -45,6 +45,8 @@ class Target:
     def __post_init__(self):
         if self.cpu_auto not in CPU_AUTO:
             raise ValueError(f"cpu_auto: must be one of {CPU_AUTO}, got {self.cpu_auto!r}")
+        if self.cpu_auto == "reference" and not self.on("cpu"):
+            raise ValueError(f"cpu_auto: {self.name} has no CPU handler, so no CPU choice to declare")
 
     def on(self, platform: str) -> bool:
         """Whether ``platform``'s extension has (or, optional, may have) a handler for it."""

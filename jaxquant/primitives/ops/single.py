@@ -560,19 +560,18 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
     return (res[0], res[1]) + ((res[2], res[3]) if columnwise else (None, None))
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # The FP8 GEMM (jaxquant.primitives.gemm.scaled_gemm; csrc/cuda_gemm.cu)
 # ----------------------------------------------------------------------------------------------
 
 FP8_GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_GEMM_WORKSPACE_BYTES = 32 << 20   # csrc/jaxquant/ffi_checks.h kFp8GemmWorkspaceBytes: cuBLASLt's workspace
 
 # Sharded under jit: each device multiplies its rows of ``a`` by the whole of ``b`` (K is never split: a split K
 # would need a sum of partial products in fp32 before the factors and the rounding); no fold under vmap (a batch
 # folded into M could change cuBLASLt's algorithm, so the batch runs item by item).
-FP8_GEMM = Op("fp8_gemm", (Target("jq_fp8_gemm", cpu_auto="reference", platforms=("cuda",), optional=True),),
+FP8_GEMM = Op("fp8_gemm", (Target("jq_fp8_gemm", platforms=("cuda",), optional=True),),
               reference.fp8_gemm, rule=Rule("fp8_gemm", ("m 1", "1 1", "", ""), "m 1"))
 
 
@@ -598,8 +597,9 @@ def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool
       a, b: float8_e4m3fn or float8_e5m2 ``[M, K]`` and ``[N, K]``, not both E5M2; N and K multiples of 16.
       a_scale, b_scale: the operands' fp32 dequantization factors (``scale_inv``), scalars or ``[1]``.
       out_dtype: bfloat16 (default) or float32.
-      fast_accum: cuBLASLt's FP8 fast accumulation (default True: what XLA's own FP8 GEMM uses at the default
-        precision, so both give the same bytes).
+      fast_accum: cuBLASLt's FP8 fast accumulation (default True: XLA's own FP8 GEMM turns it on for float8
+        operands at the default precision with no dot algorithm set, as ``lax.dot_general`` leaves it, so both give
+        the same bytes; tests/test_fp8_gemm_gpu.py checks it).
       factor_product: give cuBLASLt the product ``a_scale * b_scale`` (computed on the device) as its alpha instead
         of the two factors as its A / B scales (default False).
       impl: "auto" (default: the custom call on CUDA where the extension has it, the reference elsewhere),
@@ -635,6 +635,3 @@ def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool
         return reference.fp8_gemm(x, y, sx, sy, out_dtype=out_dtype)
 
     return FP8_GEMM.dispatch(impl, custom, ref, a, b, _scalar(a_scale), _scalar(b_scale))
-
-
-FP8_GEMM_WORKSPACE_BYTES = 32 << 20   # csrc/jaxquant/ffi_checks.h kFp8GemmWorkspaceBytes: cuBLASLt's workspace
