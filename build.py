@@ -3,7 +3,8 @@
 
   _jaxquant_cpu   always: csrc/cpu_ops.cc + csrc/module.cc with the system C++ compiler.
   _jaxquant_cuda  when nvcc is found (or --cuda on): csrc/cuda_ops.cu + csrc/cuda_group_ops.cu for sm_90
-                  (software E2M1 rounding) and sm_100a (hardware FP4 conversion), plus PTX for newer chips.
+                  (software E2M1 rounding) and sm_100a (hardware FP4 conversion), plus PTX for newer chips; and
+                  csrc/cuda_gemm.cu, the FP8 GEMM on cuBLASLt, when cuBLASLt's header is found (find_cublaslt).
 
 Both compile against the XLA FFI headers of the *installed* jaxlib (jax.ffi.include_dir()) and
 record its version, which jaxquant checks at import. Used by setup.py during `pip install`, or
@@ -31,7 +32,7 @@ CUDA_ARCH_FLAGS = [
 ]
 CUDA_ARCHS = "sm_90,sm_100a,compute_90"
 BUILD_CACHE = ROOT / "build" / "ext-cache"   # the latest module built of each name, under its inputs' key
-CUDA_SOURCES = [CSRC / "cuda_ops.cu", CSRC / "cuda_group_ops.cu"]  # single-tensor ops; grouped ops
+CUDA_SOURCES = [CSRC / "cuda_ops.cu", CSRC / "cuda_group_ops.cu", CSRC / "cuda_gemm.cu"]  # single; grouped; GEMM
 
 
 def find_nvcc() -> str | None:
@@ -46,6 +47,41 @@ def cuda_home(nvcc: str) -> Path:
     if (path / "lib64").exists() or (path / "targets").exists():
         return path
     return Path("/usr/local/cuda")
+
+
+def _cublaslt_homes(cuda: Path | None):
+    """Where cuBLASLt may be, in order: $JAXQUANT_CUBLAS_HOME, the nvidia-cublas wheel of this Python (JAX's CUDA
+    plugin depends on it: ``nvidia/cu13``, or ``nvidia/cublas`` for CUDA 12), the CUDA toolkit."""
+    if os.environ.get("JAXQUANT_CUBLAS_HOME"):
+        yield Path(os.environ["JAXQUANT_CUBLAS_HOME"])
+    for entry in sys.path:
+        for sub in ("cu13", "cublas"):
+            yield Path(entry or ".") / "nvidia" / sub
+    if cuda is not None:
+        yield cuda
+        yield cuda / "targets" / "x86_64-linux"
+
+
+def find_cublaslt(cuda: Path | None = None) -> tuple[Path, str] | None:
+    """(include folder, library file) of the first cuBLASLt found (_cublaslt_homes), or None: the CUDA module then
+    has no FP8 GEMM and Python keeps XLA's. The library file is the one of the header's major version (its soname),
+    in the same home's lib/ or lib64/; "" when only the header is there (the module opens the library by its soname
+    at run time, JAX's copy first: csrc/cuda_gemm.cu), which is also enough to compile."""
+    if os.environ.get("JAXQUANT_CUBLASLT") == "off":
+        return None
+    for home in _cublaslt_homes(cuda):
+        header = home / "include" / "cublasLt.h"
+        if not header.is_file():
+            continue
+        major = None
+        api = home / "include" / "cublas_api.h"
+        for line in (api.read_text(errors="replace").splitlines() if api.is_file() else ()):
+            if line.startswith("#define CUBLAS_VER_MAJOR"):
+                major = line.split()[-1]
+        libs = [home / d / f"libcublasLt.so.{major}" for d in ("lib", "lib64")] if major else []
+        library = next((p for p in libs if p.is_file()), None)
+        return home / "include", str(library.resolve()) if library else ""
+    return None
 
 
 def want_cuda(mode: str | None = None) -> bool:
@@ -164,10 +200,16 @@ def build_cuda(output: Path, verbose: bool = False) -> Path:
     home = cuda_home(nvcc)
     cxx = os.environ.get("CXX", "c++")
     flags = _common_flags("_jaxquant_cuda", "Cuda", CUDA_ARCHS)
+    cublaslt = find_cublaslt(home)
+    if cublaslt is not None:
+        include, library = cublaslt
+        flags += ["-DJQ_HAVE_CUBLASLT=1", f"-I{include}", f'-DJQ_CUBLASLT_LIBRARY="{library}"']
     key = _build_key([nvcc, cxx], flags)
     if _from_cache(output, key):
         return output
-    _announce(f"{output.name}: CUDA handlers with {nvcc} for {CUDA_ARCHS} (about a minute; "
+    gemm = (f"the FP8 GEMM on cuBLASLt ({cublaslt[0]})" if cublaslt else
+            "no FP8 GEMM: cuBLASLt's header not found (nvidia-cublas, the CUDA toolkit or $JAXQUANT_CUBLAS_HOME)")
+    _announce(f"{output.name}: CUDA handlers with {nvcc} for {CUDA_ARCHS}, {gemm} (about a minute; "
               f"JAXQUANT_CUDA=off skips it)")
     with tempfile.TemporaryDirectory() as tmp:
         objs = []

@@ -14,6 +14,10 @@
 namespace jaxquant {
 #define JQ_DECLARE(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(JQ_CAT(stem, JQ_SUFFIX));
 JQ_FOR_EACH_TARGET(JQ_DECLARE)
+#if JQ_HAVE_CUBLASLT
+JQ_FOR_EACH_CUBLASLT_TARGET(JQ_DECLARE)
+std::string cublaslt_library();  // cuda_gemm.cu: the file the FP8 GEMM's cuBLASLt was loaded from
+#endif
 #undef JQ_DECLARE
 }  // namespace jaxquant
 
@@ -25,6 +29,9 @@ PYBIND11_MODULE(JQ_MODULE, m) {
     py::dict d;
 #define JQ_ENTRY(name, stem) d[name] = py::capsule(reinterpret_cast<void*>(&jaxquant::JQ_CAT(stem, JQ_SUFFIX)));
     JQ_FOR_EACH_TARGET(JQ_ENTRY)
+#if JQ_HAVE_CUBLASLT
+    JQ_FOR_EACH_CUBLASLT_TARGET(JQ_ENTRY)
+#endif
 #undef JQ_ENTRY
     return d;
   });
@@ -40,5 +47,14 @@ PYBIND11_MODULE(JQ_MODULE, m) {
     return py::make_tuple(jaxquant::kMaxGatherPieces, jaxquant::kMaxGatherShards);
   });
   m.def("jaxlib_version", []() { return std::string(JQ_JAXLIB_VERSION); });
+  // The file of the cuBLASLt the FP8 GEMM uses (loading it if no GEMM has yet); "" where it cannot be loaded or the
+  // module is built without it.
+  m.def("cublaslt_library", []() {
+#if JQ_HAVE_CUBLASLT
+    return jaxquant::cublaslt_library();
+#else
+    return std::string();
+#endif
+  });
   m.def("cuda_archs", []() { return std::string(JQ_CUDA_ARCHS); });
 }

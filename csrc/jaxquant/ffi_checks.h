@@ -398,6 +398,37 @@ inline ffi::Error split_segments(const ffi::RemainingArgs& args, const ffi::Rema
   return ffi::Error::Success();
 }
 
+// The FP8 GEMM (cuda_gemm.cu): a [M, K] x b [N, K] (both contracted on K, their minor axis), float8 operands of
+// which at most one is E5M2 (cuBLASLt has no E5M2 x E5M2 GEMM), one-element fp32 factors, result [M, N] BF16 or F32.
+// cuBLASLt's FP8 GEMM needs 16-byte aligned leading dimensions: K (the operands') and N (the result's) multiples of
+// 16; M is free. Python sends only such problems (others stay XLA's dot).
+constexpr int64_t kFp8GemmWorkspaceBytes = int64_t(32) << 20;
+
+inline bool is_fp8_type(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
+
+inline ffi::Error check_fp8_gemm(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::Buffer<ffi::F32>& a_scale,
+                                 const ffi::Buffer<ffi::F32>& b_scale, const ffi::AnyBuffer& out, int64_t* m,
+                                 int64_t* n, int64_t* k) {
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 2) return invalid("fp8_gemm: a and b must have rank 2 ([M, K], [N, K])");
+  *m = da[0];
+  *n = db[0];
+  *k = da[1];
+  if (db[1] != *k) return invalid("fp8_gemm: b must be [N, K] with a's K = " + std::to_string(*k));
+  if (!is_fp8_type(a.element_type()) || !is_fp8_type(b.element_type()))
+    return invalid("fp8_gemm: a and b must be F8E4M3FN or F8E5M2");
+  if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2)
+    return invalid("fp8_gemm: cuBLASLt has no F8E5M2 x F8E5M2 GEMM");
+  if (*m <= 0 || *n <= 0 || *k <= 0 || *k % 16 || *n % 16)
+    return invalid("fp8_gemm: needs M > 0 and N, K positive multiples of 16, got M, N, K = " + std::to_string(*m) +
+                   ", " + std::to_string(*n) + ", " + std::to_string(*k));
+  if (auto e = check_count(a_scale, 1, "a_scale"); e.failure()) return e;
+  if (auto e = check_count(b_scale, 1, "b_scale"); e.failure()) return e;
+  if (out.element_type() != ffi::DataType::BF16 && out.element_type() != ffi::DataType::F32)
+    return invalid("fp8_gemm: the result's dtype must be BF16 or F32");
+  return check_2d(out, *m, *n, "result");
+}
+
 #define JQ_RETURN_IF_ERROR(expr)        \
   do {                                  \
     ::xla::ffi::Error _jq_err = (expr); \

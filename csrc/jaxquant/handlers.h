@@ -29,6 +29,11 @@
   X("jq_fp8_group_transpose", JqFp8GroupTranspose) \
   X("jq_group_split", JqGroupSplit)
 
+// Targets only the CUDA module has, and only when build.py found cuBLASLt's header (JQ_HAVE_CUBLASLT): the FP8 GEMM
+// (cuda_gemm.cu). Python declares them CUDA-only and optional (jaxquant/primitives/ops/single.py).
+#define JQ_FOR_EACH_CUBLASLT_TARGET(X) \
+  X("jq_fp8_gemm", JqFp8Gemm)
+
 #define JQ_NO_CTX
 // Handlers that only enqueue work on the stream (no host sync, no data-dependent host decisions)
 // may be captured into XLA command buffers (CUDA graphs).
@@ -192,3 +197,19 @@
 #define JQ_DEFINE_HANDLERS(S, CTX) \
   JQ_DEFINE_TENSOR_HANDLERS(S, CTX)  \
   JQ_DEFINE_GROUP_HANDLERS(S, CTX)
+
+// (the stream, XLA's device ordinal: the key of the cached handle and algorithm) a, b, a_scale, b_scale -> the result
+// and cuBLASLt's workspace (a result: XLA allocates it with the program's
+// buffers, so the call holds no allocation of its own and replays in a command buffer unchanged).
+#define JQ_DEFINE_CUBLASLT_HANDLERS(S, CTX)                                                          \
+  namespace F = ::xla::ffi;                                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqFp8Gemm##S, Fp8Gemm##S,                                           \
+                                F::Ffi::Bind() CTX.Ctx<F::DeviceOrdinal>()                          \
+                                    .Arg<F::AnyBuffer>()                                            \
+                                    .Arg<F::AnyBuffer>()                                            \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("fast_accum")                                       \
+                                    .Attr<bool>("factor_product")                                   \
+                                    .Ret<F::AnyBuffer>()                                            \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);

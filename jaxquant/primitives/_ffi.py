@@ -64,26 +64,41 @@ def _load_all() -> dict:
 
 
 _MODULES = _load_all()
+_REGISTERED: dict[str, frozenset] = {}   # platform -> the targets its loaded extension registered
 
 
-def register(targets, modules: dict | None = None) -> None:
+def register(targets, modules: dict | None = None, *, platforms: dict | None = None, optional=()) -> None:
     """Register the FFI targets ``targets`` (the declared ones, ``jaxquant.primitives.ops.declared_targets``) of
     every loaded extension (``modules``: platform -> module, default the loaded ones) with XLA, CUDA's with the
     command-buffer trait.
 
-    Raises ExtensionError where a module's targets are not exactly ``targets``: an extension built from other
-    sources than the Python that declares the ops.
+    ``platforms``: target -> the platforms whose extension has its handler (a target not named: every platform);
+    ``optional``: targets an extension may lack (compiled only where their library was found at build time: the FP8
+    GEMM on cuBLASLt); ``impl="auto"`` runs the reference where it does (:func:`auto_platforms`).
+
+    Raises ExtensionError where a module's targets are not ``targets`` (those of its platform, less optional ones
+    it lacks): an extension built from other sources than the Python that declares the ops.
     """
-    targets = tuple(targets)
+    targets, platforms = tuple(targets), platforms or {}
     for platform, mod in (_MODULES if modules is None else modules).items():
         capsules = mod.registrations()
-        if set(capsules) != set(targets):
+        want = {t for t in targets if platform in platforms.get(t, (platform,))}
+        lacks = want - set(optional) - set(capsules)
+        if lacks or set(capsules) - want:
             raise ExtensionError(
-                f"jaxquant.{_PLATFORMS[platform][0]} registers {sorted(set(capsules) - set(targets))} that no op "
-                f"declares and lacks {sorted(set(targets) - set(capsules))}. " + REBUILD_HINT)
+                f"jaxquant.{_PLATFORMS[platform][0]} registers {sorted(set(capsules) - want)} that no op "
+                f"declares and lacks {sorted(lacks)}. " + REBUILD_HINT)
         for name in targets:
-            jax.ffi.register_ffi_target(name, capsules[name], platform=_PLATFORMS[platform][1],
-                                        **_TRAITS.get(platform, {}))
+            if name in capsules:
+                jax.ffi.register_ffi_target(name, capsules[name], platform=_PLATFORMS[platform][1],
+                                            **_TRAITS.get(platform, {}))
+        if modules is None:
+            _REGISTERED[platform] = frozenset(capsules)
+
+
+def has_target(platform: str, target: str) -> bool:
+    """Whether ``platform``'s loaded extension registered ``target`` (an optional one may be missing)."""
+    return target in _REGISTERED.get(platform, ())
 
 
 def built_platforms() -> tuple[str, ...]:
@@ -91,15 +106,20 @@ def built_platforms() -> tuple[str, ...]:
     return tuple(_MODULES)
 
 
-def auto_platforms(*, cpu: bool = True) -> tuple[str, ...]:
+def auto_platforms(*, cpu: bool = True, target: str | None = None) -> tuple[str, ...]:
     """Platforms where ``impl="auto"`` runs a custom call (the reference elsewhere): those it is built for, less the
-    CPU where ``cpu`` is False (a target declared ``cpu_auto="reference"``)."""
-    return tuple(p for p in _MODULES if cpu or p != "cpu")
+    CPU where ``cpu`` is False (a target declared ``cpu_auto="reference"``), and with ``target`` those whose
+    extension registered it."""
+    return tuple(p for p in _MODULES if (cpu or p != "cpu") and (target is None or has_target(p, target)))
 
 
-def require() -> None:
+def require(target: str | None = None) -> None:
     if not _MODULES:
         raise ExtensionError("impl='custom_call' needs jaxquant's compiled extension. " + REBUILD_HINT)
+    if target is not None and not any(has_target(p, target) for p in _MODULES):
+        raise ExtensionError(
+            f"impl='custom_call': no built extension has {target} (the FP8 GEMM is built into the CUDA extension "
+            f"only where cuBLASLt's header was found: docs/development.md, 'GPU FP8 GEMM'). " + REBUILD_HINT)
 
 
 def call(target: str, results, *args, input_output_aliases=None, **attrs):

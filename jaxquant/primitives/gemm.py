@@ -10,11 +10,13 @@ its exact bf16 blockwise value (§2.8).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.primitives import formats, ops, reference
+from jaxquant.primitives import _ffi, formats, ops, reference
 from jaxquant.primitives.quantize import fp8_columnwise, nvfp4_columnwise
 from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor
 from jaxquant.primitives.varying import mark_varying
@@ -24,13 +26,43 @@ BWD_FP8 = jnp.dtype(jnp.float8_e5m2)       # output gradients in the backward
 TN = (((1,), (1,)), ((), ()))              # a [M, K] x b [N, K]: both contracted on their minor axis
 NN = (((1,), (0,)), ((), ()))              # a [M, K] x b [K, N]
 
+# Which GEMM a scaled float8 x float8 TN product with a bf16 result runs on CUDA (``scaled_gemm``):
+#   "xla"       XLA's dot: its cuBLASLt FP8 GEMM writes the fp32 accumulator, the factors and the cast to bf16 are
+#               fused into the kernels that read it (4 bytes an element read back);
+#   "cublaslt"  jaxquant's custom call (``ops.fp8_gemm``, csrc/cuda_gemm.cu): the same cuBLASLt GEMM with the factors
+#               in its epilogue, writing bf16 (where the CUDA extension was built with it; XLA's dot elsewhere).
+# Read when a function is traced; the environment variable JAXQUANT_FP8_GEMM sets it at import.
+FP8_GEMM_IMPLS = ("xla", "cublaslt")
+FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "xla")
+
+
+def fp8_gemm_impl() -> str:
+    """The checked value of :data:`FP8_GEMM_IMPL`."""
+    if FP8_GEMM_IMPL not in FP8_GEMM_IMPLS:
+        raise ValueError(f"gemm.FP8_GEMM_IMPL / JAXQUANT_FP8_GEMM: must be one of {FP8_GEMM_IMPLS}, "
+                         f"got {FP8_GEMM_IMPL!r}")
+    return FP8_GEMM_IMPL
+
+
+def _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
+    """Whether this product runs as ``ops.fp8_gemm`` (:data:`FP8_GEMM_IMPL`): float8 operands cuBLASLt takes, TN,
+    both factors, a bf16 result, and a CUDA extension that has the GEMM."""
+    return (fp8_gemm_impl() == "cublaslt" and _ffi.has_target("cuda", "jq_fp8_gemm") and dims == TN
+            and a_scale is not None and b_scale is not None
+            and out_dtype is not None and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
+            and ops.single.fp8_gemm_supported(a.shape, b.shape, a.dtype, b.dtype))
+
 
 def scaled_gemm(a, a_scale, b, b_scale, dims=TN, out_dtype=None):
     """``dot_general(a, b, dims)`` in fp32 times the operands' per-tensor factors (None: no factor).
 
     ``out_dtype`` (bf16 / f16): the dtype the caller casts the result to. An unscaled bf16 x bf16 GEMM then writes it
     itself off the CPU, as plain JAX's ``x @ w`` does: cuBLAS rounds its fp32 accumulator once, which is the cast of
-    the fp32 result, and the fp32 result is never written or read. The result has dtype ``out_dtype`` either way."""
+    the fp32 result, and the fp32 result is never written or read. A scaled float8 x float8 GEMM to bf16 does the
+    same on CUDA with :data:`FP8_GEMM_IMPL` "cublaslt" (``ops.fp8_gemm``: the same bytes as XLA's dot, the factors
+    applied inside the GEMM). The result has dtype ``out_dtype`` either way."""
+    if _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype):
+        return ops.fp8_gemm(a, b, a_scale, b_scale, out_dtype=out_dtype)
     if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
         # XLA's CPU runtime refuses some bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"); the
         # same GEMM on fp32 copies is exact there (a bf16 product is exact in fp32, the sum is fp32 either way)
@@ -45,7 +77,7 @@ def scaled_gemm(a, a_scale, b, b_scale, dims=TN, out_dtype=None):
         acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     if a_scale is not None or b_scale is not None:
         acc = acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
-    return acc if out_dtype is None else acc.astype(out_dtype)
+    return acc if out_dtype is None else reference.round_result(acc, out_dtype)
 
 
 def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=False, impl="auto",

@@ -182,6 +182,28 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
+# The FP8 GEMM (jaxquant.primitives.gemm.scaled_gemm on float8 operands)
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype):
+    """``a [M, K]`` x ``b [N, K]`` (both contracted on their minor axis) accumulated in fp32, times the operands'
+    dequantization factors ``a_scale * b_scale`` (fp32 scalars), rounded once to ``out_dtype`` (RNE; a bf16 rounding
+    that XLA keeps: ``formats.to_compute_dtype``)."""
+    acc = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return round_result(acc * (jnp.reshape(a_scale, ()) * jnp.reshape(b_scale, ())), out_dtype)
+
+
+def round_result(acc, out_dtype):
+    """The fp32 ``acc`` in ``out_dtype``; to bf16 with ``formats.to_compute_dtype``, whose rounding XLA never drops
+    (a plain convert followed by one back to fp32 may be simplified away on the GPU)."""
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype == jnp.dtype(jnp.bfloat16) and acc.dtype == jnp.dtype(jnp.float32):
+        return formats.to_compute_dtype(acc, out_dtype)
+    return acc.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
 # The quantizers' two passes (statistics, then cast), composed from the functions above
 # ----------------------------------------------------------------------------------------------
 

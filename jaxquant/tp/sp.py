@@ -99,7 +99,7 @@ def _dot(a, b, dims, out_dtype=jnp.float32):
     parts = [(op.data, op.scale_inv) if isinstance(op, _Scaled) else (op, None) for op in (a, b)]
     if parts[0][1] is None and parts[1][1] is None:
         return lax.dot_general(parts[0][0], parts[1][0], dims, preferred_element_type=out_dtype)
-    return gemm.scaled_gemm(*parts[0], *parts[1], dims).astype(out_dtype)
+    return gemm.scaled_gemm(*parts[0], *parts[1], dims, out_dtype=out_dtype)
 
 
 def _shape(op) -> tuple[int, ...]:

@@ -250,9 +250,10 @@ def _forward(act, wops, cfg: _Config):
     if cfg.kind == "array":
         (xc,) = act
         return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN, out_dtype=cfg.out_dtype)
-    if cfg.kind == "fp8":
+    if cfg.kind == "fp8":   # written in the output dtype (scaled_gemm: on CUDA the GEMM can round to bf16 itself)
         xq, sx = act
-        return scaled_gemm(xq, sx, wops["data_t" if cfg.transposed else "data"], wops["scale_inv"])
+        return scaled_gemm(xq, sx, wops["data_t" if cfg.transposed else "data"], wops["scale_inv"],
+                           out_dtype=cfg.out_dtype)
     (xb,) = act
     dims = NN if cfg.transposed else TN
     return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims)
@@ -334,8 +335,9 @@ def backward_operands(wops, kind: str) -> dict:
 
 def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
     """(dx [B, K], dW [N, K], or [K, N] for a transposed weight) from the output gradient ``g [B, N]``: fp32, except
-    where a GEMM has no scale factor (an unquantized layer's dx and dW, NVFP4's dW): it writes dx in ``x``'s dtype and
-    dW in ``dw_dtype``, the dtypes the callers cast them to, when those are 16-bit (:func:`scaled_gemm`)."""
+    where a GEMM has no scale factor (an unquantized layer's dx and dW, NVFP4's dW) or is an FP8 GEMM: it writes dx in
+    ``x``'s dtype and dW in ``dw_dtype``, the dtypes the callers cast them to, when those are 16-bit
+    (:func:`scaled_gemm`)."""
     def wgrad(a, sa, b, sb, out_dtype=None):
         return scaled_gemm(b, sb, a, sa, out_dtype=out_dtype) if cfg.transposed else \
             scaled_gemm(a, sa, b, sb, out_dtype=out_dtype)    # dK = dW.T
@@ -349,7 +351,8 @@ def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
         xq_t, sx = act
         gq, sg, gq_t = quantize_current(g, BWD_FP8, cfg.amax_axes, columnwise=True, amax_impl=ACTIVATION_AMAX_IMPL)
         w_t = wops["data"] if cfg.transposed else wops["data_t"]      # W.T's bytes [in, out], K-major for TN
-        return scaled_gemm(gq, sg, w_t, wops["scale_inv"]), wgrad(gq_t, sg, xq_t, sx)
+        return (scaled_gemm(gq, sg, w_t, wops["scale_inv"], out_dtype=cfg.x_dtype),
+                wgrad(gq_t, sg, xq_t, sx, out_dtype=dw_dtype))
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
     if cfg.transposed:   # K [in, out] contracted on its minor axis: TN

@@ -22,14 +22,15 @@ from jaxquant.primitives.ops import grouped, single  # noqa: F401  (importing th
 from jaxquant.primitives.ops.checks import (IMPLS, INPUT_DTYPES, check_amax, check_array, check_array_like,
                                             check_compute_dtype, check_impl, check_input, check_range, not_quantized,
                                             rounds_to_bf16)
-from jaxquant.primitives.ops.declare import DECLARED, DEFINED, Op, Target, cpu_auto_reference, declared_targets
+from jaxquant.primitives.ops.declare import (DECLARED, DEFINED, Op, Target, cpu_auto_reference, declared_targets,
+                                             optional_targets, target_platforms)
 from jaxquant.primitives.ops.grouped import group_table
 from jaxquant.primitives.ops.table import GROUP_TABLE_FIELDS, GatheredSpace
 
 if list(DEFINED) != list(DECLARED):
     raise ImportError(f"ops declared without a function: {sorted(set(DECLARED) - set(DEFINED))}")
 globals().update(DEFINED)   # ops.<name>: every declared op, from its one declaration
-_ffi.register(declared_targets())
+_ffi.register(declared_targets(), platforms=target_platforms(), optional=optional_targets())
 
 __all__ = [
     *DEFINED,   # amax, fp8_cast, ..., nvfp4_group_tile_amax, group_split (single.py, then grouped.py)
@@ -37,7 +38,8 @@ __all__ = [
     # the API other packages' ops build on
     "IMPLS", "INPUT_DTYPES", "check_amax", "check_array", "check_array_like", "check_compute_dtype", "check_impl",
     "check_input", "check_range", "not_quantized", "rounds_to_bf16",
-    "DECLARED", "DEFINED", "Op", "Target", "cpu_auto_reference", "declared_targets",
+    "DECLARED", "DEFINED", "Op", "Target", "cpu_auto_reference", "declared_targets", "optional_targets",
+    "target_platforms",
     # what is built, and what impl="auto" runs here (for the CLI's report)
     "backend_summary", "built_platforms",
 ]

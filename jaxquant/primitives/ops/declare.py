@@ -31,14 +31,26 @@ class Target:
     cpu_auto: what ``impl="auto"`` runs on the CPU: "custom_call" (default) or "reference", for the targets whose
       reference XLA compiles into faster CPU code than the handler (docs/performance.md, "The CPU backend"; the
       bytes are the same either way, the handler stays for ``impl="custom_call"`` and as the CUDA kernel's twin).
+    platforms: the extensions that have a handler for it (``_ffi`` platform names); None (default): every one.
+    optional: the handler is compiled only where the library it calls was found at build time (cuBLASLt for the FP8
+      GEMM, csrc/jaxquant/handlers.h ``JQ_FOR_EACH_CUBLASLT_TARGET``): an extension without it is accepted, and
+      ``impl="auto"`` runs the reference there.
     """
 
     name: str
     cpu_auto: str = "custom_call"
+    platforms: Optional[tuple[str, ...]] = None
+    optional: bool = False
 
     def __post_init__(self):
         if self.cpu_auto not in CPU_AUTO:
             raise ValueError(f"cpu_auto: must be one of {CPU_AUTO}, got {self.cpu_auto!r}")
+        if self.cpu_auto == "reference" and not self.on("cpu"):
+            raise ValueError(f"cpu_auto: {self.name} has no CPU handler, so no CPU choice to declare")
+
+    def on(self, platform: str) -> bool:
+        """Whether ``platform``'s extension has (or, optional, may have) a handler for it."""
+        return self.platforms is None or platform in self.platforms
 
 
 DECLARED: dict[str, "Op"] = {}   # op name -> its declaration, in declaration order
@@ -110,19 +122,31 @@ class Op:
         check_impl(impl)
         if impl == "reference":
             return ref(*args)
+        declared = self.target(target)
         if impl == "custom_call":
-            _ffi.require()
+            _ffi.require(declared.name)
             return custom(*args)
-        on_cpu = self.target(target).cpu_auto == "custom_call"
-        branches = {p: custom for p in _ffi.auto_platforms(cpu=on_cpu)}
+        on_cpu = declared.cpu_auto == "custom_call"
+        branches = {p: custom for p in _ffi.auto_platforms(cpu=on_cpu, target=declared.name)}
         if not branches:
             return ref(*args)
         return jax.lax.platform_dependent(*args, default=ref, **branches)
 
 
-def declared_targets() -> tuple[str, ...]:
-    """Every declared FFI target, in declaration order (what ``_ffi.register`` registers)."""
-    return tuple(t.name for op in DECLARED.values() for t in op.targets)
+def declared_targets(platform: str | None = None) -> tuple[str, ...]:
+    """Every declared FFI target (of ``platform``'s extension: ``Target.platforms``), in declaration order (what
+    ``_ffi.register`` registers)."""
+    return tuple(t.name for op in DECLARED.values() for t in op.targets if platform is None or t.on(platform))
+
+
+def target_platforms() -> dict:
+    """Target -> the platforms whose extension has its handler, for the targets not on every platform."""
+    return {t.name: t.platforms for op in DECLARED.values() for t in op.targets if t.platforms is not None}
+
+
+def optional_targets() -> frozenset:
+    """The targets an extension may lack (``Target.optional``)."""
+    return frozenset(t.name for op in DECLARED.values() for t in op.targets if t.optional)
 
 
 def cpu_auto_reference() -> frozenset:

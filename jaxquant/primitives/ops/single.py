@@ -1,4 +1,5 @@
-"""The single-tensor ops: FP8 casts, the NVFP4 stages, and the two passes each quantizer runs.
+"""The single-tensor ops: FP8 casts, the NVFP4 stages, the two passes each quantizer runs, and the FP8 GEMM (CUDA
+only, on cuBLASLt).
 
 Each op is declared once (``declare.Op``: its targets, reference, sharding and batching rule, CPU ``auto``
 choice) right above the function that validates its arguments and builds its custom call. Arguments are checked at
@@ -559,3 +560,78 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
     return (res[0], res[1]) + ((res[2], res[3]) if columnwise else (None, None))
 
 
+# ----------------------------------------------------------------------------------------------
+# The FP8 GEMM (jaxquant.primitives.gemm.scaled_gemm; csrc/cuda_gemm.cu)
+# ----------------------------------------------------------------------------------------------
+
+FP8_GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_GEMM_WORKSPACE_BYTES = 32 << 20   # csrc/jaxquant/ffi_checks.h kFp8GemmWorkspaceBytes: cuBLASLt's workspace
+
+# Sharded under jit: each device multiplies its rows of ``a`` by the whole of ``b`` (K is never split: a split K
+# would need a sum of partial products in fp32 before the factors and the rounding); no fold under vmap (a batch
+# folded into M could change cuBLASLt's algorithm, so the batch runs item by item).
+FP8_GEMM = Op("fp8_gemm", (Target("jq_fp8_gemm", platforms=("cuda",), optional=True),),
+              reference.fp8_gemm, rule=Rule("fp8_gemm", ("m 1", "1 1", "", ""), "m 1"))
+
+
+def fp8_gemm_supported(a_shape, b_shape, a_dtype, b_dtype) -> bool:
+    """Whether cuBLASLt's FP8 GEMM takes ``a [M, K]`` x ``b [N, K]`` (csrc/jaxquant/ffi_checks.h
+    ``check_fp8_gemm``): float8 operands, not both E5M2, M > 0, N and K positive multiples of 16."""
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != b_shape[1]:
+        return False
+    dtypes = (jnp.dtype(a_dtype), jnp.dtype(b_dtype))
+    if not all(d in FP8_DTYPES for d in dtypes) or dtypes == (jnp.dtype(jnp.float8_e5m2),) * 2:
+        return False
+    m, n, k = a_shape[0], b_shape[0], a_shape[1]
+    return m > 0 and n > 0 and k > 0 and n % 16 == 0 and k % 16 == 0
+
+
+@FP8_GEMM.define
+def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool = True,
+             factor_product: bool = False, impl: str = "auto"):
+    """``a [M, K]`` x ``b [N, K]`` accumulated in fp32 times ``a_scale * b_scale``, in ``out_dtype``
+    (``reference.fp8_gemm``), on CUDA one cuBLASLt FP8 GEMM that rounds the scaled product once, to ``out_dtype``.
+
+    Args:
+      a, b: float8_e4m3fn or float8_e5m2 ``[M, K]`` and ``[N, K]``, not both E5M2; N and K multiples of 16.
+      a_scale, b_scale: the operands' fp32 dequantization factors (``scale_inv``), scalars or ``[1]``.
+      out_dtype: bfloat16 (default) or float32.
+      fast_accum: cuBLASLt's FP8 fast accumulation (default True: XLA's own FP8 GEMM turns it on for float8
+        operands at the default precision with no dot algorithm set, as ``lax.dot_general`` leaves it, so both give
+        the same bytes; tests/test_fp8_gemm_gpu.py checks it).
+      factor_product: give cuBLASLt the product ``a_scale * b_scale`` (computed on the device) as its alpha instead
+        of the two factors as its A / B scales (default False).
+      impl: "auto" (default: the custom call on CUDA where the extension has it, the reference elsewhere),
+        "custom_call" or "reference".
+
+    Raises:
+      TypeError, ValueError: operands of other dtypes or shapes (those cuBLASLt does not take).
+      ExtensionError: ``impl="custom_call"`` where no extension has the GEMM.
+    """
+    check_impl(impl)
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in FP8_GEMM_OUT_DTYPES:
+        raise TypeError(f"out_dtype: must be bfloat16 or float32, got {out_dtype}")
+    for name, v in (("a", a), ("b", b)):
+        if not hasattr(v, "dtype") or jnp.dtype(v.dtype) not in FP8_DTYPES or v.ndim != 2:
+            raise TypeError(f"{name}: must be a rank-2 float8_e4m3fn or float8_e5m2 array, got "
+                            f"{getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
+    if not fp8_gemm_supported(a.shape, b.shape, a.dtype, b.dtype):
+        raise ValueError(f"a, b: cuBLASLt's FP8 GEMM takes a [M, K] x b [N, K] with N and K positive multiples of 16, "
+                         f"not both float8_e5m2; got {a.dtype} {tuple(a.shape)} x {b.dtype} {tuple(b.shape)}")
+    for name, v in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if not hasattr(v, "dtype") or jnp.dtype(v.dtype) != jnp.float32 or v.size != 1:
+            raise TypeError(f"{name}: must be a float32 scalar or [1] array, got "
+                            f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")
+    outs = [jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype),
+            jax.ShapeDtypeStruct((FP8_GEMM_WORKSPACE_BYTES,), jnp.uint8)]
+
+    def custom(x, y, sx, sy):
+        return FP8_GEMM.call("jq_fp8_gemm", outs, x, y, sx, sy, fast_accum=bool(fast_accum),
+                             factor_product=bool(factor_product))[0]
+
+    def ref(x, y, sx, sy):
+        return reference.fp8_gemm(x, y, sx, sy, out_dtype=out_dtype)
+
+    return FP8_GEMM.dispatch(impl, custom, ref, a, b, _scalar(a_scale), _scalar(b_scale))
