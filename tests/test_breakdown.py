@@ -163,6 +163,14 @@ def test_hlo_parser_reads_what_classification_needs():
     assert hlo.instrs["fmha"].op_name == "jit(step)/dot_product_attention_fwd"
 
 
+def test_jaxquants_own_gemm_is_an_fp8_gemm_and_its_casts_quantize():
+    line = ('  %jq_gemm = (bf16[64,64]{1,0}, s8[33554432]{0}) custom-call(%gte.0, %cast_fusion, %amax_fusion, '
+            '%amax_fusion), custom_call_target="jq_fp8_gemm", api_version=API_VERSION_TYPED_FFI')
+    hlo = bd.Hlo(HLO.replace("  %gemm_fusion =", line + "\n  %gemm_fusion ="))
+    assert hlo.classify(hlo.instrs["jq_gemm"], "sm90_xmma_gemm_e4m3bf16") == "fp8_gemm"
+    assert hlo.classify(hlo.instrs["jq_cast"]) == "quantize"
+
+
 def test_cpu_trace_is_attributed_by_hlo_op(tmp_path):
     """A real trace: XLA:CPU's thunk events carry ``hlo_op`` / ``hlo_module``; a dot, jaxquant's FP8 quantization,
     elementwise work and a scoped Adam update land in their categories, every event attributed by its op."""

@@ -29,11 +29,12 @@ NN = (((1,), (0,)), ((), ()))              # a [M, K] x b [K, N]
 # Which GEMM a scaled float8 x float8 TN product with a bf16 result runs on CUDA (``scaled_gemm``):
 #   "xla"       XLA's dot: its cuBLASLt FP8 GEMM writes the fp32 accumulator, the factors and the cast to bf16 are
 #               fused into the kernels that read it (4 bytes an element read back);
-#   "cublaslt"  jaxquant's custom call (``ops.fp8_gemm``, csrc/cuda_gemm.cu): the same cuBLASLt GEMM with the factors
-#               in its epilogue, writing bf16 (where the CUDA extension was built with it; XLA's dot elsewhere).
+#   "cublaslt"  (default) jaxquant's custom call (``ops.fp8_gemm``, csrc/cuda_gemm.cu): the same cuBLASLt GEMM, the
+#               same bytes, with the factors in its epilogue, writing bf16 (where the CUDA extension was built with
+#               it; XLA's dot elsewhere). docs/performance.md, "XLA's FP8 GEMM or jaxquant's", has the A/B.
 # Read when a function is traced; the environment variable JAXQUANT_FP8_GEMM sets it at import.
 FP8_GEMM_IMPLS = ("xla", "cublaslt")
-FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "xla")
+FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "cublaslt")
 
 
 def fp8_gemm_impl() -> str:
