@@ -43,7 +43,8 @@ body, a reduce's reducer) and its ``metadata={op_name=...}``.
   collective GEMMs of ``overlap="fused"``), ``fp8_gemm`` when an operand of the GEMM (or of its fusion) is 8- or 4-bit
   floating point (``f8*`` / ``f4*``: the FP8 and FP4 GEMMs), ``bf16_gemm`` otherwise (bf16, f32);
 * ``quantize`` also: other fusions whose output is ``f8*`` / ``f4*`` or that reduce an ``abs`` with ``maximum``
-  (an amax);
+  (an amax), but an optimizer-scope fusion that also reduces an amax (the FP8 weights' amax taken in their update)
+  is ``optimizer``;
 * ``optimizer``: ops whose ``op_name`` holds the scope ``OPTIMIZER_SCOPE`` ("optimizer"; a fusion when any op in it
   does). optax's own code leaves no trace in the HLO (no name scope; its frames are not in the stack frames jax
   keeps), so the benchmarks wrap their optimizer in ``scoped_optimizer`` (``jax.named_scope``: metadata only, the same
@@ -298,13 +299,16 @@ class Hlo:
         if gemms:
             dts = self.dtypes(ins.operands) + tuple(d for g in gemms for d in self.dtypes(g.operands))
             return "fp8_gemm" if any(LOW_PRECISION.match(d) for d in dts) else "bf16_gemm"
-        if any(LOW_PRECISION.match(d) for d in ins.out_dtypes) or (
-                any(i.opcode == "abs" for i in inner)
-                and any(i.opcode == "reduce" and any(self._is_max_reducer(c) for c in i.calls) for i in inner)):
+        if any(LOW_PRECISION.match(d) for d in ins.out_dtypes):
             return "quantize"
+        # before the amax rule: the update of an FP8 weight's master also takes its amax for the next step
+        # (TrainState.weight_amax), in the same fusion; the kernel is the optimizer's
         scope = re.compile(rf"(^|/){re.escape(OPTIMIZER_SCOPE)}(/|$)")
         if any(scope.search(i.op_name) for i in everything):
             return "optimizer"
+        if any(i.opcode == "abs" for i in inner) and any(
+                i.opcode == "reduce" and any(self._is_max_reducer(c) for c in i.calls) for i in inner):
+            return "quantize"
         if ins.opcode == "custom-call" or ins.opcode in CONTAINER_OPS:
             return "other"
         return "norm_elementwise"

@@ -171,6 +171,15 @@ def test_jaxquants_own_gemm_is_an_fp8_gemm_and_its_casts_quantize():
     assert hlo.classify(hlo.instrs["jq_cast"]) == "quantize"
 
 
+
+def test_an_update_that_also_takes_the_weights_amax_is_the_optimizers():
+    line = ('  %update_amax = f32[] fusion(%m), kind=kInput, calls=%amax_computation, '
+            'metadata={op_name="jit(step)/optimizer/max"}')
+    hlo = bd.Hlo(HLO.replace("  %gemm_fusion =", line + "\n  %gemm_fusion ="))
+    assert hlo.classify(hlo.instrs["update_amax"]) == "optimizer"
+    assert hlo.classify(hlo.instrs["amax_fusion"]) == "quantize"          # the same reduction outside the update
+
+
 def test_cpu_trace_is_attributed_by_hlo_op(tmp_path):
     """A real trace: XLA:CPU's thunk events carry ``hlo_op`` / ``hlo_module``; a dot, jaxquant's FP8 quantization,
     elementwise work and a scoped Adam update land in their categories, every event attributed by its op."""
