@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxquant as jq
 from jaxquant.primitives import _ffi, gemm, ops, reference
+from support.fp8_dense import dense_fwd_bwd
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -117,22 +117,10 @@ def test_a_bad_switch_value_is_refused(monkeypatch):
         gemm.scaled_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)
 
 
-def _dense_fwd_bwd():
-    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
-    x = jax.random.normal(kx, (64, 96), jnp.bfloat16)
-    w = jax.random.normal(kw, (48, 96), jnp.float32) * 0.05
-    q = jq.quantize_fp8(w, columnwise=True)
-    ct = jax.random.normal(kg, (64, 48), jnp.bfloat16)
-
-    def fn(x, m):
-        y, vjp = jax.vjp(lambda x, m: jq.dense(x, jq.straight_through(q, m)), x, m)
-        return (y,) + vjp(ct)
-
-    return fn, (x, jnp.zeros(w.shape, jnp.bfloat16))
 
 
 def test_dense_with_the_switch_gives_the_same_bytes_on_the_cpu(gemm_on_cuda, monkeypatch):
-    fn, args = _dense_fwd_bwd()
+    fn, args = dense_fwd_bwd(64, 48, 96, seed=3)
     assert _lowered(fn, *args).count("@jq_fp8_gemm") == 2   # forward and dgrad in bf16; this wgrad stays fp32
     jax.clear_caches()
     on = jax.jit(fn)(*args)

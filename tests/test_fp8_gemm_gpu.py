@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxquant.primitives import _ffi, gemm, ops
+from support.fp8_dense import dense_fwd_bwd
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend"),
@@ -174,18 +175,7 @@ def test_in_a_command_buffer():
 
 
 def test_dense_fwd_bwd_same_bytes_with_the_custom_call():
-    import jaxquant as jq
-    kx, kw, kg = jax.random.split(jax.random.key(6), 3)
-    x = jax.random.normal(kx, (512, 1024), jnp.bfloat16)
-    w = jax.random.normal(kw, (768, 1024), jnp.float32) * 0.05
-    q = jq.quantize_fp8(w, columnwise=True)
-    ct = jax.random.normal(kg, (512, 768), jnp.bfloat16)
-
-    def fn(x, m):
-        y, vjp = jax.vjp(lambda x, m: jq.dense(x, jq.straight_through(q, m)), x, m)
-        return (y,) + vjp(ct)
-
-    m = jnp.zeros(w.shape, jnp.bfloat16)
+    fn, (x, m) = dense_fwd_bwd(512, 768, 1024, seed=6)
     x_res, y_res, _, hlo = _both(fn, x, m)
     assert hlo.count("jq_fp8_gemm") >= 2   # forward and dgrad write bf16; this wgrad keeps fp32 (master's dtype)
     for u, v in zip(x_res, y_res):
