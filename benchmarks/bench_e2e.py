@@ -378,6 +378,17 @@ def jq_runner(step, init, abstract=False):
     return run, state
 
 
+def make_config(a, mesh, config, abstract=False):
+    """(jitted step, state) of a plain or jaxquant ``config`` (its name says the form and options: ``-loop``, the
+    recipe, ``-sp`` / ``-spfused``, ``-keep``, ``-once``); ``abstract``: the state as ``jax.ShapeDtypeStruct`` s."""
+    scan = not config.endswith("-loop")
+    if config.startswith("plain"):
+        return _make_plain(a, mesh, scan, abstract=abstract)
+    return _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
+                    overlap="fused" if "-spfused" in config else "off", quantize_once="-once" in config,
+                    abstract=abstract)
+
+
 def run_one(a, config, make_batch=None, flops=None):
     """Time ``config``'s step; ``make_batch(a, mesh)``: the batch the step reads (default: this model's x and y),
     ``flops(a, tokens)``: the model FLOPs of a step over ``tokens`` tokens (default ``model_flops``)."""
@@ -406,13 +417,7 @@ def run_one(a, config, make_batch=None, flops=None):
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         except (AttributeError, ValueError) as err:    # another JAX: the second compile compiles again
             print(f"bench_e2e.py: --gemms without the persistent cache ({err})", file=sys.stderr)
-    scan = not config.endswith("-loop")
-    if config.startswith("plain"):
-        fn, state = _make_plain(a, mesh, scan)
-    else:
-        fn, state = _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
-                             overlap="fused" if "-spfused" in config else "off",
-                             quantize_once="-once" in config)
+    fn, state = make_config(a, mesh, config)
     kx, ky = jax.random.split(jax.random.key(7))
     shape = (a.batch * n, a.seq, a.hidden)
     # made in place (every process its own rows, the tp ranks of an fsdp rank the same rows)

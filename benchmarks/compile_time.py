@@ -30,11 +30,7 @@ def compile_one(a, config) -> dict:
 
     devices = np.array(jax.devices()[:a.devices] if a.devices else jax.devices())
     mesh = Mesh(devices, ("fsdp",))
-    scan = not config.endswith("-loop")
-    if config.startswith("plain"):
-        fn, state = e2e._make_plain(a, mesh, scan, abstract=True)
-    else:
-        fn, state = e2e._make_jq(a, mesh, config.split("-")[1], scan, abstract=True)
+    fn, state = e2e.make_config(a, mesh, config, abstract=True)
     rows = NamedSharding(mesh, P("fsdp"))
     shape = (a.batch * mesh.size, a.seq, a.hidden)
     batch = {"x": jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rows),
@@ -58,8 +54,8 @@ def main(argv=None):
         return 0
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     flag_sets = [f.strip() for f in a.flags.split(",") if f.strip()]
-    bad = [c for c in configs if c not in e2e.CONFIGS + e2e.EXTRA_CONFIGS or "-sp" in c or "-once" in c
-           or "-keep" in c] + [f for f in flag_sets if f not in e2e.FLAG_SETS]
+    bad = [c for c in configs if c not in e2e.CONFIGS + e2e.EXTRA_CONFIGS or "-sp" in c] + \
+        [f for f in flag_sets if f not in e2e.FLAG_SETS]
     if bad:
         print(f"unknown or unsupported config or flag set: {bad}", file=sys.stderr)
         return 2
