@@ -171,7 +171,10 @@ ffi::Error ready(const char* op, int device, cublasLtHandle_t* handle) {
 
 // One described problem run on the stream: the heuristic's first choice for `key` (asked for once per problem and
 // device, then cached: host work only on later calls), with the rest of the workspace after the scalars. `shape`
-// names the problem in the error when cuBLASLt has no algorithm for it.
+// names the problem in the error when cuBLASLt has no algorithm for it. XLA's own GEMMs are cuBLASLt calls too
+// (__cublas$lt$matmul, the same 32 MiB workspace), on whichever of the heuristic's candidates its autotuner timed
+// fastest: a different kernel, whose bytes are the same as long as both accumulate K in one pass (no split K), which
+// tests/test_fp8_gemm_gpu.py and tests/test_bf16_gemm_gpu.py check on the shapes the training step runs.
 ffi::Error run_matmul(const char* op, cudaStream_t stream, cublasLtHandle_t handle, const Described& call,
                       const AlgoKey& key, const void* alpha, const void* beta, const void* lt_a, const void* lt_b,
                       void* d, uint8_t* ws, const std::string& shape) {
