@@ -4,7 +4,8 @@
   _jaxquant_cpu   always: csrc/cpu_ops.cc + csrc/module.cc with the system C++ compiler.
   _jaxquant_cuda  when nvcc is found (or --cuda on): csrc/cuda_ops.cu + csrc/cuda_group_ops.cu for sm_90
                   (software E2M1 rounding) and sm_100a (hardware FP4 conversion), plus PTX for newer chips; and
-                  csrc/cuda_gemm.cu, the FP8 GEMM on cuBLASLt, when cuBLASLt's header is found (find_cublaslt).
+                  csrc/cuda_gemm.cu, the FP8 and scaled bf16 GEMMs on cuBLASLt, when cuBLASLt's header is found
+                  (find_cublaslt).
 
 Both compile against the XLA FFI headers of the *installed* jaxlib (jax.ffi.include_dir()) and
 record its version, which jaxquant checks at import. Used by setup.py during `pip install`, or
@@ -64,9 +65,9 @@ def _cublaslt_homes(cuda: Path | None):
 
 def find_cublaslt(cuda: Path | None = None) -> tuple[Path, str] | None:
     """(include folder, library file) of the first cuBLASLt found (_cublaslt_homes), or None: the CUDA module then
-    has no FP8 GEMM and Python keeps XLA's. The library file is the one of the header's major version (its soname),
-    in the same home's lib/ or lib64/; "" when only the header is there (the module opens the library by its soname
-    at run time, JAX's copy first: csrc/cuda_gemm.cu), which is also enough to compile."""
+    has no GEMMs of its own and Python keeps XLA's. The library file is the one of the header's major version (its
+    soname), in the same home's lib/ or lib64/; "" when only the header is there (the module opens the library by its
+    soname at run time, JAX's copy first: csrc/cuda_gemm.cu), which is also enough to compile."""
     if os.environ.get("JAXQUANT_CUBLASLT") == "off":
         return None
     for home in _cublaslt_homes(cuda):
@@ -207,8 +208,8 @@ def build_cuda(output: Path, verbose: bool = False) -> Path:
     key = _build_key([nvcc, cxx], flags)
     if _from_cache(output, key):
         return output
-    gemm = (f"the FP8 GEMM on cuBLASLt ({cublaslt[0]})" if cublaslt else
-            "no FP8 GEMM: cuBLASLt's header not found (nvidia-cublas, the CUDA toolkit or $JAXQUANT_CUBLAS_HOME)")
+    gemm = (f"the FP8 and scaled bf16 GEMMs on cuBLASLt ({cublaslt[0]})" if cublaslt else
+            "no GEMMs on cuBLASLt: its header not found (nvidia-cublas, the CUDA toolkit or $JAXQUANT_CUBLAS_HOME)")
     _announce(f"{output.name}: CUDA handlers with {nvcc} for {CUDA_ARCHS}, {gemm} (about a minute; "
               f"JAXQUANT_CUDA=off skips it)")
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,8 @@ body, a reduce's reducer) and its ``metadata={op_name=...}``.
   ``jax.nn.dot_product_attention``'s einsums (``BTNH,BSNH->BNTS``, ``BNTS,BSNH->BTNH``): the softmax between them has
   no such scope and counts as ``norm_elementwise`` there;
 * ``quantize``: jaxquant's FFI custom calls (targets ``jq_*``: amax, stats, cast, cast-transpose, NVFP4 scales ...)
-  but its GEMM (``GEMM_FFI_TARGETS``: ``jq_fp8_gemm``, an ``fp8_gemm``);
+  but its GEMMs (``GEMM_FFI_TARGETS``: ``jq_fp8_gemm``, an ``fp8_gemm``; ``jq_bf16_gemm``, NVFP4's on Hopper, whose
+  operands are bf16: a ``bf16_gemm``);
 * ``fp8_gemm`` / ``bf16_gemm``: GEMMs (``dot`` / ``convolution``, cuBLAS custom calls, fusions whose body holds a dot,
   e.g. Triton / cuDNN GEMM fusions; a custom call of another target whose kernel name reads as a GEMM, e.g. the
   collective GEMMs of ``overlap="fused"``), ``fp8_gemm`` when an operand of the GEMM (or of its fusion) is 8- or 4-bit
@@ -67,7 +68,7 @@ import os
 import re
 from collections import Counter, defaultdict
 
-GEMM_FFI_TARGETS = ("jq_fp8_gemm",)        # jaxquant's FFI targets that are GEMMs (csrc/cuda_gemm.cu)
+GEMM_FFI_TARGETS = ("jq_fp8_gemm", "jq_bf16_gemm")   # jaxquant's FFI targets that are GEMMs (csrc/cuda_gemm.cu)
 CATEGORIES = ("fp8_gemm", "bf16_gemm", "attention", "quantize", "norm_elementwise", "optimizer", "collective_total",
               "collective_exposed", "idle", "other", "unattributed")
 # stacked in the PNG: the categories that do not overlap each other (collective_total holds the hidden part too)
@@ -287,8 +288,8 @@ class Hlo:
         if any(ATTENTION_TARGET.search(t) for t in targets) or any(ATTENTION_OP_NAME.search(i.op_name)
                                                                   for i in everything):
             return "attention"
-        if any(t in GEMM_FFI_TARGETS for t in targets):      # jaxquant's own GEMM: its operands are float8
-            return "fp8_gemm"
+        if any(t in GEMM_FFI_TARGETS for t in targets):      # jaxquant's own GEMMs, by their operands' dtypes
+            return "fp8_gemm" if any(LOW_PRECISION.match(d) for d in self.dtypes(ins.operands)) else "bf16_gemm"
         if any(t.startswith("jq_") for t in targets):
             return "quantize"
         gemms = [i for i in everything

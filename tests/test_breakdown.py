@@ -171,6 +171,14 @@ def test_jaxquants_own_gemm_is_an_fp8_gemm_and_its_casts_quantize():
     assert hlo.classify(hlo.instrs["jq_cast"]) == "quantize"
 
 
+def test_jaxquants_scaled_bf16_gemm_is_a_bf16_gemm():
+    """NVFP4's GEMM on Hopper (``jq_bf16_gemm``) reads bf16 operands: a bf16 GEMM, not a quantize op."""
+    line = ('  %jq_gemm = (bf16[64,64]{1,0}, u8[33554432]{0}) custom-call(%x, %all-gather-done, %amax_fusion), '
+            'custom_call_target="jq_bf16_gemm", api_version=API_VERSION_TYPED_FFI')
+    hlo = bd.Hlo(HLO.replace("  %gemm_fusion =", line + "\n  %gemm_fusion ="))
+    assert hlo.classify(hlo.instrs["jq_gemm"], "sm90_xmma_gemm_bf16bf16_bf16f32") == "bf16_gemm"
+
+
 
 def test_an_update_that_also_takes_the_weights_amax_is_the_optimizers():
     line = ('  %update_amax = f32[] fusion(%m), kind=kInput, calls=%amax_computation, '

@@ -14,6 +14,7 @@ import pytest
 from jaxquant.primitives import _ffi, ops, reference
 
 HANDLERS = Path(__file__).resolve().parents[1] / "csrc" / "jaxquant" / "handlers.h"
+GEMMS = ("jq_fp8_gemm", "jq_bf16_gemm")   # the CUDA-only, optional targets (cuBLASLt: JQ_FOR_EACH_CUBLASLT_TARGET)
 
 
 def handler_targets() -> list[str]:
@@ -39,21 +40,22 @@ def test_declared_targets_are_the_handlers_targets():
 def test_the_compiled_module_registers_the_declared_targets():
     import jaxquant._jaxquant_cpu as ext
     assert sorted(ext.registrations()) == sorted(ops.declared_targets("cpu"))
-    assert "jq_fp8_gemm" not in ops.declared_targets("cpu")   # CUDA only (cuBLASLt)
+    assert not set(GEMMS) & set(ops.declared_targets("cpu"))   # CUDA only (cuBLASLt)
 
 
 @pytest.mark.skipif("cuda" not in _ffi.built_platforms(), reason="needs the compiled CUDA extension")
 def test_the_cuda_module_registers_its_targets_and_the_gemm_where_built_with_cublaslt():
     import jaxquant._jaxquant_cuda as ext
     got = set(ext.registrations())
-    assert got - {"jq_fp8_gemm"} == set(ops.declared_targets("cuda")) - {"jq_fp8_gemm"}
-    assert ("jq_fp8_gemm" in got) == _ffi.has_target("cuda", "jq_fp8_gemm")
+    assert got - set(GEMMS) == set(ops.declared_targets("cuda")) - set(GEMMS)
+    for target in GEMMS:   # both or neither: one build flag (JQ_HAVE_CUBLASLT) compiles them
+        assert (target in got) == _ffi.has_target("cuda", target) == _ffi.has_target("cuda", GEMMS[0])
 
 
 def test_a_cuda_only_optional_target_may_be_missing_but_never_on_the_cpu(monkeypatch):
     monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **kw: None)
     targets, kw = ops.declared_targets(), dict(platforms=ops.target_platforms(), optional=ops.optional_targets())
-    assert ops.target_platforms() == {"jq_fp8_gemm": ("cuda",)} and ops.optional_targets() == {"jq_fp8_gemm"}
+    assert ops.target_platforms() == {t: ("cuda",) for t in GEMMS} and ops.optional_targets() == set(GEMMS)
     cpu, cuda = ops.declared_targets("cpu"), ops.declared_targets("cuda")
     _ffi.register(targets, {"cpu": _Extension(cpu), "cuda": _Extension(cuda)}, **kw)       # with the GEMM
     _ffi.register(targets, {"cpu": _Extension(cpu), "cuda": _Extension(cpu)}, **kw)        # built without cuBLASLt

@@ -398,11 +398,14 @@ inline ffi::Error split_segments(const ffi::RemainingArgs& args, const ffi::Rema
   return ffi::Error::Success();
 }
 
+// The GEMMs on cuBLASLt (cuda_gemm.cu) take cuBLASLt's workspace as a result of this size (jaxquant/primitives/ops/
+// single.py CUBLASLT_WORKSPACE_BYTES).
+constexpr int64_t kCublasLtWorkspaceBytes = int64_t(32) << 20;
+
 // The FP8 GEMM (cuda_gemm.cu): a [M, K] x b [N, K] (both contracted on K, their minor axis), float8 operands of
 // which at most one is E5M2 (cuBLASLt has no E5M2 x E5M2 GEMM), one-element fp32 factors, result [M, N] BF16 or F32.
 // cuBLASLt's FP8 GEMM needs 16-byte aligned leading dimensions: K (the operands') and N (the result's) multiples of
 // 16; M is free. Python sends only such problems (others stay XLA's dot).
-constexpr int64_t kFp8GemmWorkspaceBytes = int64_t(32) << 20;
 
 inline bool is_fp8_type(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2; }
 
@@ -426,6 +429,28 @@ inline ffi::Error check_fp8_gemm(const ffi::AnyBuffer& a, const ffi::AnyBuffer& 
   if (auto e = check_count(b_scale, 1, "b_scale"); e.failure()) return e;
   if (out.element_type() != ffi::DataType::BF16 && out.element_type() != ffi::DataType::F32)
     return invalid("fp8_gemm: the result's dtype must be BF16 or F32");
+  return check_2d(out, *m, *n, "result");
+}
+
+// The scaled bf16 GEMM (cuda_gemm.cu, NVFP4's GEMMs on Hopper): a [M, K] x b, b [N, K] (contracted on its minor
+// axis, TN) or, with b_kn, [K, N] (on its major axis, NN); a one-element fp32 factor; result [M, N] BF16. N and K
+// positive multiples of 16, as the FP8 GEMM's (16-byte aligned rows, and NVFP4's 16-element tiles); M is free.
+inline ffi::Error check_bf16_gemm(const ffi::Buffer<ffi::BF16>& a, const ffi::Buffer<ffi::BF16>& b, bool b_kn,
+                                  const ffi::Buffer<ffi::F32>& factor, const ffi::Buffer<ffi::BF16>& out, int64_t* m,
+                                  int64_t* n, int64_t* k) {
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != 2 || db.size() != 2)
+    return invalid(std::string("bf16_gemm: a and b must have rank 2 ([M, K], ") + (b_kn ? "[K, N])" : "[N, K])"));
+  *m = da[0];
+  *k = da[1];
+  *n = b_kn ? db[1] : db[0];
+  if ((b_kn ? db[0] : db[1]) != *k)
+    return invalid(std::string("bf16_gemm: b must be ") + (b_kn ? "[K, N]" : "[N, K]") + " with a's K = " +
+                   std::to_string(*k));
+  if (*m <= 0 || *n <= 0 || *k <= 0 || *k % 16 || *n % 16)
+    return invalid("bf16_gemm: needs M > 0 and N, K positive multiples of 16, got M, N, K = " + std::to_string(*m) +
+                   ", " + std::to_string(*n) + ", " + std::to_string(*k));
+  if (auto e = check_count(factor, 1, "factor"); e.failure()) return e;
   return check_2d(out, *m, *n, "result");
 }
 

@@ -30,9 +30,11 @@
   X("jq_group_split", JqGroupSplit)
 
 // Targets only the CUDA module has, and only when build.py found cuBLASLt's header (JQ_HAVE_CUBLASLT): the FP8 GEMM
-// (cuda_gemm.cu). Python declares them CUDA-only and optional (jaxquant/primitives/ops/single.py).
+// and the scaled bf16 GEMM (cuda_gemm.cu). Python declares them CUDA-only and optional
+// (jaxquant/primitives/ops/single.py).
 #define JQ_FOR_EACH_CUBLASLT_TARGET(X) \
-  X("jq_fp8_gemm", JqFp8Gemm)
+  X("jq_fp8_gemm", JqFp8Gemm)          \
+  X("jq_bf16_gemm", JqBf16Gemm)
 
 #define JQ_NO_CTX
 // Handlers that only enqueue work on the stream (no host sync, no data-dependent host decisions)
@@ -198,8 +200,8 @@
   JQ_DEFINE_TENSOR_HANDLERS(S, CTX)  \
   JQ_DEFINE_GROUP_HANDLERS(S, CTX)
 
-// (the stream, XLA's device ordinal: the key of the cached handle and algorithm) a, b, a_scale, b_scale -> the result
-// and cuBLASLt's workspace (a result: XLA allocates it with the program's
+// (the stream, XLA's device ordinal: the key of the cached handle and algorithm) a, b and their factors -> the
+// result and cuBLASLt's workspace (a result: XLA allocates it with the program's
 // buffers, so the call holds no allocation of its own and replays in a command buffer unchanged).
 #define JQ_DEFINE_CUBLASLT_HANDLERS(S, CTX)                                                          \
   namespace F = ::xla::ffi;                                                                         \
@@ -212,4 +214,12 @@
                                     .Attr<bool>("fast_accum")                                       \
                                     .Attr<bool>("factor_product")                                   \
                                     .Ret<F::AnyBuffer>()                                            \
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqBf16Gemm##S, Bf16Gemm##S,                                         \
+                                F::Ffi::Bind() CTX.Ctx<F::DeviceOrdinal>()                          \
+                                    .Arg<F::Buffer<F::BF16>>()                                      \
+                                    .Arg<F::Buffer<F::BF16>>()                                      \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("b_kn")                                             \
+                                    .Ret<F::Buffer<F::BF16>>()                                      \
                                     .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);

@@ -5,7 +5,9 @@ vocabulary (:func:`resolve_recipe`).
 Every GEMM is a ``lax.dot_general`` accumulated in fp32 whose per-tensor factors (the FP8
 ``scale_inv`` of each operand, the NVFP4 global decode factor) multiply the fp32 output, never the
 operands: the float8 operands go to the GEMM as they are (docs/numerics.md §1), an NVFP4 operand as
-its exact bf16 blockwise value (§2.8).
+its exact bf16 blockwise value (§2.8). On CUDA the scaled GEMMs with a bf16 result run as jaxquant's cuBLASLt
+custom calls (:data:`FP8_GEMM_IMPL`, :data:`BF16_GEMM_IMPL`), which apply the factors inside the GEMM and give the
+same bytes.
 """
 
 from __future__ import annotations
@@ -37,12 +39,32 @@ FP8_GEMM_IMPLS = ("xla", "cublaslt")
 FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "cublaslt")
 
 
+# Which GEMM a scaled bf16 x bf16 TN or NN product with a bf16 result (NVFP4's GEMMs on Hopper: the operand decoded to
+# its exact bf16 value, the global decode factor on the fp32 result, docs/numerics.md §2.8) runs on CUDA:
+#   "xla"       XLA's dot writes the fp32 [M, N] result, the factor and the cast to bf16 are fused into the kernels
+#               that read it (4 bytes an element read back);
+#   "cublaslt"  (default) jaxquant's custom call (``ops.bf16_gemm``, csrc/cuda_gemm.cu): one cuBLASLt GEMM with the
+#               factor as its alpha, writing bf16, the bytes of XLA's dot (tests/test_bf16_gemm_gpu.py), where the CUDA
+#               extension was built with it; XLA's dot elsewhere.
+# Read when a function is traced; the environment variable JAXQUANT_BF16_GEMM sets it at import.
+BF16_GEMM_IMPLS = ("xla", "cublaslt")
+BF16_GEMM_IMPL = os.environ.get("JAXQUANT_BF16_GEMM", "cublaslt")
+
+
 def fp8_gemm_impl() -> str:
     """The checked value of :data:`FP8_GEMM_IMPL`."""
     if FP8_GEMM_IMPL not in FP8_GEMM_IMPLS:
         raise ValueError(f"gemm.FP8_GEMM_IMPL / JAXQUANT_FP8_GEMM: must be one of {FP8_GEMM_IMPLS}, "
                          f"got {FP8_GEMM_IMPL!r}")
     return FP8_GEMM_IMPL
+
+
+def bf16_gemm_impl() -> str:
+    """The checked value of :data:`BF16_GEMM_IMPL`."""
+    if BF16_GEMM_IMPL not in BF16_GEMM_IMPLS:
+        raise ValueError(f"gemm.BF16_GEMM_IMPL / JAXQUANT_BF16_GEMM: must be one of {BF16_GEMM_IMPLS}, "
+                         f"got {BF16_GEMM_IMPL!r}")
+    return BF16_GEMM_IMPL
 
 
 def _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
@@ -54,6 +76,20 @@ def _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
             and ops.single.fp8_gemm_supported(a.shape, b.shape, a.dtype, b.dtype))
 
 
+def _custom_bf16_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
+    """Whether this product runs as ``ops.bf16_gemm`` (:data:`BF16_GEMM_IMPL`): bf16 operands of rank 2, TN or NN, a
+    factor, a bf16 result, N and K multiples of 16, and a CUDA extension that has the GEMM."""
+    return (bf16_gemm_impl() == "cublaslt" and _ffi.has_target("cuda", "jq_bf16_gemm") and dims in (TN, NN)
+            and (a_scale is not None or b_scale is not None)
+            and out_dtype is not None and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
+            and ops.single.bf16_gemm_supported(a.shape, b.shape, a.dtype, b.dtype, "nk" if dims == TN else "kn"))
+
+
+def _factor(a_scale, b_scale):
+    """The factor of the product: one operand's, or the product of both (one fp32 rounding, as the reference)."""
+    return b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale
+
+
 def scaled_gemm(a, a_scale, b, b_scale, dims=TN, out_dtype=None):
     """``dot_general(a, b, dims)`` in fp32 times the operands' per-tensor factors (None: no factor).
 
@@ -61,23 +97,24 @@ def scaled_gemm(a, a_scale, b, b_scale, dims=TN, out_dtype=None):
     itself off the CPU, as plain JAX's ``x @ w`` does: cuBLAS rounds its fp32 accumulator once, which is the cast of
     the fp32 result, and the fp32 result is never written or read. A scaled float8 x float8 GEMM to bf16 does the
     same on CUDA with :data:`FP8_GEMM_IMPL` "cublaslt" (``ops.fp8_gemm``: the same bytes as XLA's dot, the factors
-    applied inside the GEMM). The result has dtype ``out_dtype`` either way."""
+    applied inside the GEMM), and a scaled bf16 x bf16 GEMM to bf16 (NVFP4's) with :data:`BF16_GEMM_IMPL`
+    "cublaslt" (``ops.bf16_gemm``: the factor as the GEMM's alpha). The result has dtype ``out_dtype`` either way."""
     if _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype):
         return ops.fp8_gemm(a, b, a_scale, b_scale, out_dtype=out_dtype)
+    if _custom_bf16_gemm(a, a_scale, b, b_scale, dims, out_dtype):
+        return ops.bf16_gemm(a, b, _factor(a_scale, b_scale), b_layout="nk" if dims == TN else "kn")
     if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
-        # XLA's CPU runtime refuses some bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk"); the
-        # same GEMM on fp32 copies is exact there (a bf16 product is exact in fp32, the sum is fp32 either way)
-        up = lambda: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
-                                         preferred_element_type=jnp.float32)
-        as_is = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
         if a_scale is None and b_scale is None and out_dtype is not None and jnp.dtype(out_dtype).itemsize == 2:
+            # on the CPU the fp32 GEMM of reference.bf16_dot_f32, then the cast (the same bytes)
             direct = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
-            return jax.lax.platform_dependent(cpu=lambda: up().astype(out_dtype), default=direct)
-        acc = jax.lax.platform_dependent(cpu=up, default=as_is)
+            cpu = lambda: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                                              preferred_element_type=jnp.float32).astype(out_dtype)
+            return jax.lax.platform_dependent(cpu=cpu, default=direct)
+        acc = reference.bf16_dot_f32(a, b, dims)
     else:
         acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     if a_scale is not None or b_scale is not None:
-        acc = acc * (b_scale if a_scale is None else a_scale if b_scale is None else a_scale * b_scale)
+        acc = acc * _factor(a_scale, b_scale)
     return acc if out_dtype is None else reference.round_result(acc, out_dtype)
 
 

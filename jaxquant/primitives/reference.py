@@ -182,7 +182,7 @@ def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# The FP8 GEMM (jaxquant.primitives.gemm.scaled_gemm on float8 operands)
+# The GEMMs on cuBLASLt (jaxquant.primitives.gemm.scaled_gemm: float8 operands; bf16 operands with a factor)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -192,6 +192,25 @@ def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype):
     that XLA keeps: ``formats.to_compute_dtype``)."""
     acc = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return round_result(acc * (jnp.reshape(a_scale, ()) * jnp.reshape(b_scale, ())), out_dtype)
+
+
+def bf16_dot_f32(a, b, dims):
+    """``dot_general(a, b, dims)`` of bf16 operands accumulated in fp32. XLA's CPU runtime refuses some bf16 x bf16 ->
+    f32 dots ("Unsupported element type for DotThunk"); there the same GEMM runs on fp32 copies, which is exact (a
+    bf16 product is exact in fp32, the sum is fp32 either way)."""
+    up = lambda: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                                     preferred_element_type=jnp.float32)
+    as_is = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return jax.lax.platform_dependent(cpu=up, default=as_is)
+
+
+def bf16_gemm(a, b, factor, *, b_layout):
+    """``a [M, K]`` x ``b`` (``b_layout`` "nk": ``[N, K]``, contracted on its minor axis; "kn": ``[K, N]``, on its
+    major axis) of bf16 operands accumulated in fp32, times the fp32 scalar ``factor``, rounded once to bf16 (RNE):
+    an NVFP4 GEMM on Hopper, whose operand is the exact bf16 blockwise value and ``factor`` the global decode factor
+    that multiplies the fp32 result (docs/numerics.md §2.8)."""
+    dims = (((1,), (1 if b_layout == "nk" else 0,)), ((), ()))
+    return round_result(bf16_dot_f32(a, b, dims) * jnp.reshape(factor, ()), jnp.bfloat16)
 
 
 def round_result(acc, out_dtype):

@@ -244,9 +244,9 @@ def _weight_operands(w, cfg: _Config):
 
 
 def _forward(act, wops, cfg: _Config):
-    """y fp32 [B, N] from the activation operand ``act`` (:func:`shared_activation`). A transposed weight
-    ``K [in, out]`` is read as ``W = K.T``: FP8 from its columnwise bytes (TN), NVFP4 and arrays from ``K`` itself
-    contracted on axis 0."""
+    """y [B, N] from the activation operand ``act`` (:func:`shared_activation`), in ``cfg.out_dtype`` where
+    :func:`scaled_gemm` writes it (16-bit), else fp32. A transposed weight ``K [in, out]`` is read as ``W = K.T``: FP8
+    from its columnwise bytes (TN), NVFP4 and arrays from ``K`` itself contracted on axis 0."""
     if cfg.kind == "array":
         (xc,) = act
         return scaled_gemm(xc, None, wops["w"], None, dims=NN if cfg.transposed else TN, out_dtype=cfg.out_dtype)
@@ -256,7 +256,9 @@ def _forward(act, wops, cfg: _Config):
                            out_dtype=cfg.out_dtype)
     (xb,) = act
     dims = NN if cfg.transposed else TN
-    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims)
+    # written in the output dtype (scaled_gemm: on CUDA the GEMM applies the decode factor and rounds to bf16 itself)
+    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims,
+                       out_dtype=cfg.out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,8 +337,8 @@ def backward_operands(wops, kind: str) -> dict:
 
 def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
     """(dx [B, K], dW [N, K], or [K, N] for a transposed weight) from the output gradient ``g [B, N]``: fp32, except
-    where a GEMM has no scale factor (an unquantized layer's dx and dW, NVFP4's dW) or is an FP8 GEMM: it writes dx in
-    ``x``'s dtype and dW in ``dw_dtype``, the dtypes the callers cast them to, when those are 16-bit
+    where a GEMM has no scale factor (an unquantized layer's dx and dW, NVFP4's dW), is an FP8 GEMM or is NVFP4's dx:
+    it writes dx in ``x``'s dtype and dW in ``dw_dtype``, the dtypes the callers cast them to, when those are 16-bit
     (:func:`scaled_gemm`)."""
     def wgrad(a, sa, b, sb, out_dtype=None):
         return scaled_gemm(b, sb, a, sa, out_dtype=out_dtype) if cfg.transposed else \
@@ -356,9 +358,12 @@ def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
     if cfg.transposed:   # K [in, out] contracted on its minor axis: TN
-        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"])
+        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"],
+                         out_dtype=cfg.x_dtype)
     elif "data_t" in wops:
-        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), wops["dec"])
+        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), wops["dec"],
+                         out_dtype=cfg.x_dtype)
     else:   # the rowwise bytes read transposed: the same bf16 values (a 16x16 tile's scale is its transpose's)
-        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN)
+        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN,
+                         out_dtype=cfg.x_dtype)
     return dx, wgrad(gb.T, None, xb.T, None, out_dtype=dw_dtype)

@@ -1,5 +1,5 @@
-"""The single-tensor ops: FP8 casts, the NVFP4 stages, the two passes each quantizer runs, and the FP8 GEMM (CUDA
-only, on cuBLASLt).
+"""The single-tensor ops: FP8 casts, the NVFP4 stages, the two passes each quantizer runs, and the GEMMs on cuBLASLt
+(CUDA only: the FP8 GEMM, and the scaled bf16 GEMM NVFP4 runs on Hopper).
 
 Each op is declared once (``declare.Op``: its targets, reference, sharding and batching rule, CPU ``auto``
 choice) right above the function that validates its arguments and builds its custom call. Arguments are checked at
@@ -561,12 +561,12 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
 
 
 # ----------------------------------------------------------------------------------------------
-# The FP8 GEMM (jaxquant.primitives.gemm.scaled_gemm; csrc/cuda_gemm.cu)
+# The GEMMs on cuBLASLt (jaxquant.primitives.gemm.scaled_gemm; csrc/cuda_gemm.cu)
 # ----------------------------------------------------------------------------------------------
 
 FP8_GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-FP8_GEMM_WORKSPACE_BYTES = 32 << 20   # csrc/jaxquant/ffi_checks.h kFp8GemmWorkspaceBytes: cuBLASLt's workspace
+CUBLASLT_WORKSPACE_BYTES = 32 << 20   # csrc/jaxquant/ffi_checks.h kCublasLtWorkspaceBytes: cuBLASLt's workspace
 
 # Sharded under jit: each device multiplies its rows of ``a`` by the whole of ``b`` (K is never split: a split K
 # would need a sum of partial products in fp32 before the factors and the rounding); no fold under vmap (a batch
@@ -625,7 +625,7 @@ def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool
             raise TypeError(f"{name}: must be a float32 scalar or [1] array, got "
                             f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")
     outs = [jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype),
-            jax.ShapeDtypeStruct((FP8_GEMM_WORKSPACE_BYTES,), jnp.uint8)]
+            jax.ShapeDtypeStruct((CUBLASLT_WORKSPACE_BYTES,), jnp.uint8)]
 
     def custom(x, y, sx, sy):
         return FP8_GEMM.call("jq_fp8_gemm", outs, x, y, sx, sy, fast_accum=bool(fast_accum),
@@ -635,3 +635,67 @@ def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool
         return reference.fp8_gemm(x, y, sx, sy, out_dtype=out_dtype)
 
     return FP8_GEMM.dispatch(impl, custom, ref, a, b, _scalar(a_scale), _scalar(b_scale))
+
+
+# The scaled bf16 GEMM. Sharded and batched as the FP8 GEMM: each device multiplies its rows of ``a`` by the whole of
+# ``b`` (K never split), and a batch runs item by item.
+BF16_GEMM_LAYOUTS = ("nk", "kn")
+BF16_GEMM = Op("bf16_gemm", (Target("jq_bf16_gemm", platforms=("cuda",), optional=True),),
+               reference.bf16_gemm, rule=Rule("bf16_gemm", ("m 1", "1 1", ""), "m 1"))
+
+
+def bf16_gemm_supported(a_shape, b_shape, a_dtype, b_dtype, b_layout: str = "nk") -> bool:
+    """Whether ``bf16_gemm`` takes ``a [M, K]`` x ``b`` (``[N, K]`` for ``b_layout`` "nk", ``[K, N]`` for "kn";
+    csrc/jaxquant/ffi_checks.h ``check_bf16_gemm``): bf16 operands, M > 0, N and K positive multiples of 16."""
+    if b_layout not in BF16_GEMM_LAYOUTS or len(a_shape) != 2 or len(b_shape) != 2:
+        return False
+    if jnp.dtype(a_dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(b_dtype) != jnp.dtype(jnp.bfloat16):
+        return False
+    n, kb = (b_shape[0], b_shape[1]) if b_layout == "nk" else (b_shape[1], b_shape[0])
+    m, k = a_shape
+    return kb == k and m > 0 and n > 0 and k > 0 and n % 16 == 0 and k % 16 == 0
+
+
+@BF16_GEMM.define
+def bf16_gemm(a, b, factor, *, b_layout: str = "nk", impl: str = "auto"):
+    """``a [M, K]`` x ``b`` of bf16 operands accumulated in fp32 times ``factor``, rounded once to bf16
+    (``reference.bf16_gemm``); on CUDA one cuBLASLt GEMM with ``factor`` as its alpha, read on the device, that writes
+    bf16 (the NVFP4 GEMMs on Hopper: docs/numerics.md §2.8).
+
+    Args:
+      a: bfloat16 ``[M, K]``.
+      b: bfloat16 ``[N, K]`` (``b_layout="nk"``, the TN product) or ``[K, N]`` (``"kn"``, NN); N and K multiples of 16.
+      factor: the fp32 factor of the product (an NVFP4 operand's global decode factor), a scalar or ``[1]``.
+      b_layout: "nk" (default) or "kn".
+      impl: "auto" (default: the custom call on CUDA where the extension has it, the reference elsewhere),
+        "custom_call" or "reference".
+
+    Raises:
+      TypeError, ValueError: arguments of other dtypes or shapes, a ``b_layout`` other than "nk" / "kn".
+      ExtensionError: ``impl="custom_call"`` where no extension has the GEMM.
+    """
+    check_impl(impl)
+    if b_layout not in BF16_GEMM_LAYOUTS:
+        raise ValueError(f"b_layout: must be one of {BF16_GEMM_LAYOUTS}, got {b_layout!r}")
+    for name, v in (("a", a), ("b", b)):
+        if not hasattr(v, "dtype") or jnp.dtype(v.dtype) != jnp.dtype(jnp.bfloat16) or v.ndim != 2:
+            raise TypeError(f"{name}: must be a rank-2 bfloat16 array, got "
+                            f"{getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
+    if not bf16_gemm_supported(a.shape, b.shape, a.dtype, b.dtype, b_layout):
+        want = "b [N, K]" if b_layout == "nk" else "b [K, N]"
+        raise ValueError(f"a, b: bf16_gemm takes a [M, K] x {want} with N and K positive multiples of 16; got "
+                         f"{tuple(a.shape)} x {tuple(b.shape)} (b_layout={b_layout!r})")
+    if not hasattr(factor, "dtype") or jnp.dtype(factor.dtype) != jnp.float32 or factor.size != 1:
+        raise TypeError(f"factor: must be a float32 scalar or [1] array, got "
+                        f"{getattr(factor, 'dtype', type(factor).__name__)} {getattr(factor, 'shape', '')}")
+    n = b.shape[0] if b_layout == "nk" else b.shape[1]
+    outs = [jax.ShapeDtypeStruct((a.shape[0], n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((CUBLASLT_WORKSPACE_BYTES,), jnp.uint8)]
+
+    def custom(x, y, f):
+        return BF16_GEMM.call("jq_bf16_gemm", outs, x, y, f, b_kn=b_layout == "kn")[0]
+
+    def ref(x, y, f):
+        return reference.bf16_gemm(x, y, f, b_layout=b_layout)
+
+    return BF16_GEMM.dispatch(impl, custom, ref, a, b, _scalar(factor))
