@@ -9,7 +9,8 @@ uses it in one of two ways:
 
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
-  builds the columnwise copy) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
+  builds the columnwise copy; an FP8 weight of one shard keeps the columnwise copy its cast wrote instead,
+  ``keeps_columnwise``) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
   ``make_train_step(reshard_after_forward=False)`` (``WeightSpec.keep_gathered``) the gathered operands
   are the residual and the backward gathers nothing;
@@ -191,16 +192,36 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     ``local``: this rank's rows quantized once a step (:func:`quantize_once`), gathered here without a cast or an
     amax reduction; otherwise this rank's rows are quantized (:func:`quantize_rows`, with the precomputed ``amax``
     when given) and gathered. The backward
-    keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast), or
-    with ``spec.keep_gathered`` the gathered operands (no second gather)."""
+    keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast; an FP8
+    weight of one shard keeps their transpose instead, :func:`keeps_columnwise`), or with ``spec.keep_gathered`` the
+    gathered operands (no second gather)."""
     if gathered is not None:
         return gathered, gathered
     if local is None:
+        columnwise = keeps_columnwise(spec)
         # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
         # otherwise clones the cast into the residual's stacked write, casting every weight twice
-        local = jax.lax.optimization_barrier(quantize_rows(shard, spec, amax))
+        local = jax.lax.optimization_barrier(quantize_rows(shard, spec, amax, columnwise=columnwise))
+        if columnwise:   # the forward GEMM reads the rowwise bytes, the backward keeps the columnwise ones only
+            rowwise = {k: v for k, v in local.items() if k != "data_t"}
+            return forward_operands(rowwise, spec), {k: v for k, v in local.items() if k != "data"}
     gathered = forward_operands(local, spec)
     return gathered, (gathered if spec.keep_gathered else local)
+
+
+def keeps_columnwise(spec: WeightSpec) -> bool:
+    """Whether :func:`forward_weight` casts with the columnwise copy and keeps it, not the rowwise bytes, for the
+    backward: an FP8 ``[out, in]`` weight quantized where it is read, not split over ranks (one shard: nothing is
+    gathered between the cast and the dgrad GEMM, which reads the transposed bytes, TN) and not kept gathered.
+
+    The cast writes both layouts in one pass (``ops.fp8_quantize(columnwise=True)``: the same bytes as the
+    transpose of the rowwise ones), instead of a separate transpose of the residual in the backward. Under ``scan``
+    that transpose's operand is a slice of the stacked residual, and XLA (jax 0.11.2, for the row-major operand of
+    ``jq_fp8_gemm``) transposed the whole stack before the backward loop and copied each layer's strided slice out
+    of it inside the loop. Rows split over ranks are gathered before their transpose, which stays one layer's
+    transpose in the loop: those keep the rowwise residual."""
+    return (spec.recipe == "fp8" and not spec.transposed and spec.num_shards == 1 and not spec.pad_rows
+            and spec.per_use and not spec.keep_gathered)
 
 
 def backward_weight(kept, spec: WeightSpec) -> dict:
@@ -213,15 +234,16 @@ def backward_weight(kept, spec: WeightSpec) -> dict:
     return gathered_operands(kept, spec, columnwise=columnwise)
 
 
-def quantize_rows(shard, spec: WeightSpec, amax=None) -> dict:
+def quantize_rows(shard, spec: WeightSpec, amax=None, columnwise: bool = False) -> dict:
     """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``), or, FP8,
     with the whole weight's ``amax`` precomputed by :func:`weight_amax` (no amax pass, no reduction)."""
     if spec.recipe == "bf16":
         return quantize_shard(shard, spec, None)
     if amax is None:
-        return quantize_shard(shard, spec, statistics(shard, spec))
+        return quantize_shard(shard, spec, statistics(shard, spec), columnwise)
     # varying over the amax axes, as statistics' pmax result is made
-    return quantize_shard(shard, spec, (mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax, None))
+    return quantize_shard(shard, spec, (mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax, None),
+                          columnwise)
 
 
 def weight_amax(master):
@@ -252,16 +274,19 @@ def _max_over(amax, axes):
     return mark_varying(jax.lax.pmax(amax, axes), axes) if axes else amax
 
 
-def quantize_shard(shard, spec: WeightSpec, stats) -> dict:
+def quantize_shard(shard, spec: WeightSpec, stats, columnwise: bool = False) -> dict:
     """This rank's rows in the compute format, ready to gather (what the backward keeps instead of the
-    gathered weight): bf16 ``w``; FP8 ``data``, ``scale_inv``; NVFP4 ``data``, ``scales`` (the unpadded
-    rows of ``scale_inv``), ``amax``. ``stats`` comes from :func:`statistics` (None for bf16)."""
+    gathered weight): bf16 ``w``; FP8 ``data``, ``scale_inv`` (with ``columnwise``, FP8 only, also ``data_t``, the
+    rows' transpose, written by the same pass); NVFP4 ``data``, ``scales`` (the unpadded rows of ``scale_inv``),
+    ``amax``. ``stats`` comes from :func:`statistics` (None for bf16)."""
     if spec.recipe == "bf16":
         return {"w": formats.to_compute_dtype(shard, COMPUTE_DTYPE)}
     amax, tiles = stats
     if spec.recipe == "fp8":
-        data, scale_inv, _ = ops.fp8_quantize(shard, amax, dtype=FWD_FP8, compute_dtype=COMPUTE_DTYPE)
-        return {"data": data, "scale_inv": jnp.reshape(scale_inv, ()), "amax": amax}
+        data, scale_inv, data_t = ops.fp8_quantize(shard, amax, dtype=FWD_FP8, compute_dtype=COMPUTE_DTYPE,
+                                                   columnwise=columnwise)
+        out = {"data": data, "scale_inv": jnp.reshape(scale_inv, ()), "amax": amax}
+        return out | ({"data_t": data_t} if columnwise else {})
     rows, cols = shard.shape
     data, scale_inv, _, _ = ops.nvfp4_quantize(shard, tiles, amax, compute_dtype=COMPUTE_DTYPE)
     return {"data": data, "scales": scale_inv[:rows, : cols // formats.TILE], "amax": amax}
@@ -275,10 +300,13 @@ def forward_operands(local: dict, spec: WeightSpec) -> dict:
 
 def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
     """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7),
-    from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``, ``amax``;
+    from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``, ``amax`` (only
+    ``data_t`` from the columnwise residual of :func:`keeps_columnwise`);
     NVFP4 ``data``, ``scale_inv`` [``data_t``, ``scale_inv_t``], ``dec``, ``amax``."""
     if spec.recipe == "bf16":
         return {"w": _all_gather(local["w"], spec)}
+    if "data" not in local:   # the columnwise residual of one shard (keeps_columnwise): its gather moves nothing
+        return {"data_t": _all_gather(local["data_t"], spec), "scale_inv": local["scale_inv"], "amax": local["amax"]}
     data = _all_gather(local["data"], spec)
     if spec.recipe == "fp8":
         out = {"data": data, "scale_inv": local["scale_inv"], "amax": local["amax"]}
@@ -384,16 +412,33 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
         widths = [(0, 0)] * dw.ndim
         widths[spec.rows_axis(dw.ndim)] = (0, spec.pad_rows)
         dw = jnp.pad(dw, widths)
-    x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
-    x = formats.to_compute_dtype(x, g.main_dtype)
+    if _rounds_to_itself(dw, spec):
+        x = dw
+    else:
+        x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
+        x = formats.to_compute_dtype(x, g.main_dtype)
+        if spec.grad_sharded:
+            x = formats.to_compute_dtype(x, g.comm_dtype)
     if not spec.grad_sharded:
         return x
-    x = formats.to_compute_dtype(x, g.comm_dtype)
     if spec.gather_axis is not None:
         x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=spec.rows_axis(x.ndim), tiled=True)
     if spec.vary_axes and sum_vary_axes:
         x = jax.lax.psum(x, spec.vary_axes)
     return x
+
+
+def _rounds_to_itself(dw, spec: WeightSpec) -> bool:
+    """Whether :func:`reduce_grad`'s roundings and scaling leave ``dw`` as it is, bit for bit: a scale of 1, the
+    result dtype (comm, or main when unsharded) ``dw``'s own, and a main dtype that holds ``dw``'s values exactly
+    (its own, or fp32). Then ``dw`` goes on unconverted: under ``scan`` XLA's dynamic-slice fusion lets the
+    weight-gradient GEMM (``jq_fp8_gemm``) write it straight into the stacked gradient, which the bf16 -> fp32 ->
+    reduce_precision -> bf16 round trip, an identity XLA does not remove, turned into a copy of every layer's dW
+    (docs/performance.md)."""
+    g = spec.grad
+    out = jnp.dtype(g.comm_dtype if spec.grad_sharded else g.main_dtype)
+    return (float(g.scale) == 1.0 and jnp.dtype(dw.dtype) == out
+            and jnp.dtype(g.main_dtype) in (jnp.dtype(jnp.float32), out))
 
 
 def gather_array(shard, grad, spec: WeightSpec, gathered=None):
