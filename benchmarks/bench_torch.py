@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import resource
 import socket
 import statistics
 import sys
@@ -54,8 +55,13 @@ import breakdown  # noqa: E402
 CONFIGS = ("torch-bf16", "torch-fp8")
 TORCHAO = "torchao==0.18.0"     # the release this benchmark was written against (its float8 API; torch >= 2.11)
 FP8_RECIPES = ("tensorwise", "rowwise")
-FP8_RECIPE = "tensorwise"       # torchao's fastest recipe (one scale per tensor, cuBLAS's FP8 GEMM)
-# auto: float8 all-gather only where FSDP shards (more than one rank), as torchtitan enables it
+# torchao's fastest recipe (one scale per tensor, cuBLAS's FP8 GEMM), the one torchtitan ran with the all-gather rule
+# below until 2026-04; torchtitan's float8 converter has been rowwise only since (--fp8-recipe rowwise)
+FP8_RECIPE = "tensorwise"
+# auto: float8 all-gather only where FSDP shards (more than one rank), as torchtitan enables it. On one rank nothing
+# is gathered, while the float8 cast in FSDP2's pre-all-gather hook runs eagerly, outside the compiled blocks, on the
+# fp32 weights (in the forward and again for the backward's re-gather), plus the scales' precompute after each step:
+# more kernel time and host time than the compiled blocks casting their bf16 weights themselves
 FP8_ALL_GATHER = "auto"
 PROFILE_STEPS = 3
 
@@ -302,10 +308,14 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
     first = time.perf_counter() - t0
     losses.append(step())
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(a.steps):
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
+    # a step bound by the host (FSDP2's hooks, the compiled graphs' wrappers) varies from step to step and from run
+    # to run: every step's time and the process's minor page faults a step (fresh host buffers) show it
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(a.steps, 1)
     step_s = statistics.median(times)
     tokens = a.batch * world * a.seq
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0
@@ -316,7 +326,8 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
             "devices": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu", "trace": None,
             "clocks": None, "processes": world, "losses": losses, "torch": torch.__version__,
             "torchao": _torchao_version() if config == "torch-fp8" else None, "compiled": compile_blocks,
-            "compiled_loss": compile_loss, "dynamo": dynamo_counts(),
+            "compiled_loss": compile_loss, "dynamo": dynamo_counts(), "step_ms_each": [t * 1e3 for t in times],
+            "minor_faults_per_step": faults,
             **({"fp8_recipe": a.fp8_recipe, "fp8_all_gather": fp8_all_gather(a, world)} if config == "torch-fp8"
                else {}),
             **({"breakdown": parts} if parts is not None else {})}
@@ -386,12 +397,12 @@ def torch_breakdown(events, steps, wall_s=None):
     ``events`` over ``steps`` steps: every GPU kernel, memcpy and memset by ``kernel_kind``; the collectives' total
     and exposed time and the idle time by breakdown's interval logic. ``detail``: the span and wall time a step,
     kernels a step, each region's ms by kind (``REGIONS``; a kernel is tied to its launch through the CUDA
-    runtime / driver call of the same ``correlation``, and to its aten op through ``External id``), the largest
-    kernels and gaps."""
+    runtime / driver call of the same ``correlation``, and to its aten op through ``External id``), the idle ms
+    by the region of the kernel after each gap (``idle_before``), the largest kernels and gaps."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     ms = {c: 0.0 for c in breakdown.CATEGORIES}
     detail = {"span_ms": 0.0, "wall_ms": wall_s * 1e3 / steps if wall_s else None, "kernels_per_step": 0.0,
-              "regions": {}, "copy_ms": 0.0, "top_kernels": [], "largest_gaps": [],
+              "regions": {}, "copy_ms": 0.0, "top_kernels": [], "largest_gaps": [], "idle_before": {},
               "attributed_by": {"launch": 0, "name": 0}}
     if not gpu:
         return ms | {"detail": detail}
@@ -406,7 +417,7 @@ def torch_breakdown(events, steps, wall_s=None):
             scopes_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"],
                                                                                  e["name"]))
     per = lambda us: us / 1e3 / steps
-    comm, comp, named, by_name = [], [], [], {}
+    comm, comp, named, by_name, starts = [], [], [], {}, []
     for k in gpu:
         args = k.get("args", {})
         launch = launches.get(args.get("correlation"))
@@ -420,6 +431,7 @@ def torch_breakdown(events, steps, wall_s=None):
             kind = "other"
         iv = (k["ts"], k["ts"] + k["dur"])
         named.append((iv, k["name"]))
+        starts.append((iv, region))
         (comm if kind == "collective" else comp).append(iv)
         if kind != "collective":
             ms["norm_elementwise" if kind == "copy" else kind] += per(k["dur"])
@@ -434,6 +446,14 @@ def torch_breakdown(events, steps, wall_s=None):
     gaps = breakdown.idle_gaps(busy, named, steps)
     ms["idle"] = gaps["idle_ms"]
     detail["largest_gaps"] = gaps["largest_gaps"]
+    # what the GPU waited for: each idle gap counted to the region of the kernel that ends it (a gap before FSDP's
+    # post-backward kernels is the host still in that hook while the GPU has run out of work)
+    idle_before, end = {}, None
+    for (a, b), region in sorted(starts):
+        if end is not None and a > end:
+            idle_before[region] = idle_before.get(region, 0.0) + per(a - end)
+        end = b if end is None else max(end, b)
+    detail["idle_before"] = idle_before
     detail["span_ms"] = per(busy[-1][1] - busy[0][0])
     detail["kernels_per_step"] = len(gpu) / steps
     detail["top_kernels"] = [(n[:80], round(per(t), 3), c // steps) for n, (t, c) in
@@ -600,8 +620,9 @@ def main(argv=None):
         print(region_table(profiled))
         for name, b in profiled:
             d = b["detail"]
+            waited = {r: round(ms, 2) for r, ms in sorted(d["idle_before"].items(), key=lambda kv: -kv[1])}
             print(f"{name}: wall {d['wall_ms']:.2f} ms a profiled step, {d['kernels_per_step']:.0f} kernels a step, "
-                  f"largest gaps {d['largest_gaps']}")
+                  f"idle ms a step before the kernels of {waited}, largest gaps {d['largest_gaps']}")
     return 0
 
 

@@ -59,6 +59,8 @@ def test_torch_twin_first_loss_equals_the_jax_plain_models():
     assert first == pytest.approx(jax_loss, rel=1e-4), (first, jax_loss)
     assert rest[-1] < first, row["losses"]                     # Adam at 1e-4 lowers the loss on the one batch
     assert set(ROW_FIELDS) <= set(row) and row["devices"] == 1 and row["device"] == "cpu", row
+    assert len(row["step_ms_each"]) == 1 and row["step_ms_each"][0] == pytest.approx(row["step_ms"])
+    assert row["minor_faults_per_step"] >= 0
 
 
 def test_torch_fp8_without_torchao_is_one_line(monkeypatch):
@@ -173,6 +175,8 @@ def test_torch_breakdown_attributes_kernels_by_op_name_and_launch_scope():
     assert b["collective_total"] == ms(40) and b["collective_exposed"] == ms(40)   # nothing else runs beside it
     # the gaps between the merged kernels: 1820-1900, 2230-2300, 2500-2600
     assert b["idle"] == ms(80 + 70 + 100)
+    # the GPU waited for the compiled backward's GEMM, the optimizer, the all-reduce
+    assert b["detail"]["idle_before"] == {"compiled_bwd": ms(80), "optimizer": ms(70), "eager_other": ms(100)}
     d = b["detail"]
     assert d["span_ms"] == ms(2640 - 1000) and d["wall_ms"] == pytest.approx(2.0) and d["kernels_per_step"] == 10
     assert d["copy_ms"] == ms(30) and d["attributed_by"] == {"launch": 10, "name": 0}
