@@ -1,9 +1,11 @@
-"""benchmarks/bench_e2e.py's model written in PyTorch and trained the way a PyTorch user would train it at scale:
-FSDP2 (``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32
-master weights and optimizer state sharded, bf16 compute), ``torch.compile`` per block, optional activation
-checkpointing per block, and, for ``torch-fp8``, torchao's float8 training (``convert_to_float8_training`` with
-tensorwise dynamic scaling, FSDP2 gathering the weights in float8, ``precompute_float8_dynamic_scale_for_fsdp`` after
-each optimizer step: one all-reduce for every weight's scale).
+"""benchmarks/bench_e2e.py's model written in PyTorch and trained the way torchtitan trains it: FSDP2
+(``fully_shard`` per block and on the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32
+master weights and optimizer state sharded, bf16 compute), ``torch.compile`` per block and of the loss, optional
+activation checkpointing per block, and, for ``torch-fp8``, torchao's float8 training (``convert_to_float8_training``,
+tensorwise dynamic scaling by default). As torchtitan sets it up: float8 all-gather (FSDP2 gathering each weight
+already in float8, ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step: one all-reduce for every
+weight's scale) only where FSDP shards, i.e. over more than one rank; on one rank each compiled block casts its bf16
+weights itself (``--fp8-all-gather on|off`` forces either way; ``--fp8-recipe rowwise``: torchao's rowwise recipe).
 
 Configurations (bench_e2e.py runs them beside its own, ``--configs torch-bf16,torch-fp8``):
 * ``torch-bf16``: the model above in bf16 (the plain baseline's PyTorch twin);
@@ -22,7 +24,12 @@ Rows carry bench_e2e's fields (step ms, tokens/s, TFLOP/s per GPU from bench_e2e
 One process per GPU (``torch.multiprocessing``, NCCL); without a GPU one process on the CPU (gloo; a smoke run, no
 ``torch.compile`` unless ``--torch-compile on``).
 
-    python benchmarks/bench_torch.py --configs torch-bf16,torch-fp8 --steps 6
+``--profile DIR``: after the timed steps, ``PROFILE_STEPS`` more under ``torch.profiler`` (rank 0's trace in
+``DIR/<flag set>/<config>/<config>.trace.json.gz``); the row's ``breakdown`` puts rank 0's kernels in
+``breakdown.CATEGORIES`` (ms a step, as bench_e2e's JAX rows), with ``detail`` splitting them by where they were
+launched from (``REGIONS``: the compiled blocks' forward / backward, FSDP2's hooks, the optimizer, ...).
+
+    python benchmarks/bench_torch.py --configs torch-bf16,torch-fp8 --steps 6 [--profile DIR] [--json FILE]
     python benchmarks/bench_e2e.py --flags default --configs plain-loop,jq-fp8-loop,torch-bf16,torch-fp8
 """
 
@@ -32,6 +39,8 @@ import argparse
 import json
 import math
 import os
+import re
+import resource
 import socket
 import statistics
 import sys
@@ -41,9 +50,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import bench_e2e as e2e  # noqa: E402
+import breakdown  # noqa: E402
 
 CONFIGS = ("torch-bf16", "torch-fp8")
 TORCHAO = "torchao==0.18.0"     # the release this benchmark was written against (its float8 API; torch >= 2.11)
+FP8_RECIPES = ("tensorwise", "rowwise")
+# torchao's fastest recipe (one scale per tensor, cuBLAS's FP8 GEMM), the one torchtitan ran with the all-gather rule
+# below until 2026-04; torchtitan's float8 converter has been rowwise only since (--fp8-recipe rowwise)
+FP8_RECIPE = "tensorwise"
+# auto: float8 all-gather only where FSDP shards (more than one rank), as torchtitan enables it. On one rank nothing
+# is gathered, while the float8 cast in FSDP2's pre-all-gather hook runs eagerly, outside the compiled blocks, on the
+# fp32 weights (in the forward and again for the backward's re-gather), plus the scales' precompute after each step:
+# more kernel time and host time than the compiled blocks casting their bf16 weights themselves
+FP8_ALL_GATHER = "auto"
+PROFILE_STEPS = 3
 
 
 def parse_args(argv=None):
@@ -52,11 +72,34 @@ def parse_args(argv=None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--torch-compile", choices=("auto", "on", "off"), default="auto",
                      help="torch.compile each block (auto: on a GPU, not on the CPU)")
+    pre.add_argument("--compile-loss", choices=("auto", "on", "off"), default="auto",
+                     help="torch.compile the loss (auto: where the blocks are compiled, as torchtitan does)")
+    pre.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=FP8_RECIPE, help="torchao's float8 recipe")
+    pre.add_argument("--fp8-all-gather", choices=("auto", "on", "off"), default=FP8_ALL_GATHER,
+                     help="FSDP2 gathers the weights in float8, their scales precomputed after each step (auto: with "
+                          "more than one rank, as torchtitan)")
     m, rest = pre.parse_known_args(argv)
     given = {x.split("=")[0] for x in rest}
     a = e2e.parse_args((["--configs", ",".join(CONFIGS)] if "--configs" not in given else []) + rest)
-    a.torch_compile = m.torch_compile
+    a.torch_compile, a.compile_loss = m.torch_compile, m.compile_loss
+    a.fp8_recipe, a.fp8_all_gather = m.fp8_recipe, m.fp8_all_gather
     return a
+
+
+def fp8_all_gather(a, world):
+    """Whether FSDP2 gathers the float8 weights in float8 (and their scales are precomputed after each step)."""
+    return a.fp8_all_gather == "on" or (a.fp8_all_gather == "auto" and world > 1)
+
+
+def float8_config(a, world, emulate):
+    """torchao's ``Float8LinearConfig`` for ``a.fp8_recipe`` (``emulate``: matmuls in high precision, for the CPU)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    if a.fp8_recipe == "rowwise":
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+    return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather(a, world), emulate=emulate)
 
 
 def missing_requirement(config):
@@ -159,20 +202,23 @@ def prepare(a, config, model, mesh, compile_blocks):
 
     after_step = lambda: None
     if config == "torch-fp8":
-        from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
-                                    precompute_float8_dynamic_scale_for_fsdp)
+        from torchao.float8 import convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-        # tensorwise dynamic scaling (the default recipe), FSDP2 gathering each weight already in float8; on the CPU
-        # torchao emulates the float8 GEMMs (torch._scaled_mm needs a GPU of compute capability 8.9 or more)
-        fp8 = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=model_device(model).type != "cuda")
+        # on the CPU torchao emulates the float8 GEMMs (torch._scaled_mm needs a GPU of compute capability 8.9 or more)
+        fp8 = float8_config(a, mesh.size(), emulate=model_device(model).type != "cuda")
         convert_to_float8_training(model, config=fp8)
-        after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
+        if fp8.enable_fsdp_float8_all_gather:
+            after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
+        if a.fp8_recipe == "rowwise" and compile_blocks:
+            # torchtitan's setting for rowwise: inductor rounds its casts as eager does (pytorch/pytorch#150859)
+            torch._inductor.config.emulate_precision_casts = True
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, block in enumerate(model.blocks):
         if a.remat is not None:
             block = Checkpointed(block)
         if compile_blocks:
-            # the wrapper compiled, FSDP's gather and free hooks on it stay outside the compiled graph
+            # the wrapper compiled (its Float8Linears with it: their input and gradient casts are fused into the
+            # block's kernels), FSDP's gather and free hooks on it stay outside the compiled graph
             block = torch.compile(block, fullgraph=True)
         fully_shard(block, mesh=mesh, mp_policy=policy)
         model.blocks[i] = block
@@ -216,6 +262,7 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import record_function
 
     cuda = torch.cuda.is_available() and not cpu
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -235,12 +282,20 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
         x = torch.from_numpy(np.array(batch["x"], np.float32)).to(device, torch.bfloat16)
         y = torch.from_numpy(np.array(batch["y"], np.float32)).to(device)
 
+    compile_loss = a.compile_loss == "on" or (a.compile_loss == "auto" and compile_blocks)
+    # torchtitan compiles the loss beside the blocks: its casts, square and mean, forward and backward, fused
+    loss_fn = torch.compile(mse) if compile_loss else mse
+
     def step():
-        loss = mse(model(x), y)
+        # the record_function scopes name where rank 0's kernels came from in --profile's breakdown
+        out = model(x)
+        with record_function("bench_torch::loss"):
+            loss = loss_fn(out, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        after_step()
+        with record_function("bench_torch::precompute_scales"):
+            after_step()
         # every rank's own loss averaged, as the JAX step's loss is the mean over the global batch
         loss = loss.detach()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG if cuda else dist.ReduceOp.SUM)
@@ -253,18 +308,203 @@ def train(a, config, rank=0, world=1, init=None, batch=None, cpu=False):
     first = time.perf_counter() - t0
     losses.append(step())
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(a.steps):
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
+    # a step bound by the host (FSDP2's hooks, the compiled graphs' wrappers) varies from step to step and from run
+    # to run: every step's time and the process's minor page faults a step (fresh host buffers) show it
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(a.steps, 1)
     step_s = statistics.median(times)
     tokens = a.batch * world * a.seq
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0
+    parts = profile_steps(a, config, step, rank, cuda) if a.profile else None
     return {"config": config, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "tflops_per_gpu": e2e.model_flops(a, tokens) / step_s / world / 1e12, "compile_s": first - step_s,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0, "loss": losses[-1],
+            "peak_gib": peak, "loss": losses[-1],
             "devices": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu", "trace": None,
             "clocks": None, "processes": world, "losses": losses, "torch": torch.__version__,
-            "torchao": _torchao_version() if config == "torch-fp8" else None, "compiled": compile_blocks}
+            "torchao": _torchao_version() if config == "torch-fp8" else None, "compiled": compile_blocks,
+            "compiled_loss": compile_loss, "dynamo": dynamo_counts(), "step_ms_each": [t * 1e3 for t in times],
+            "minor_faults_per_step": faults,
+            **({"fp8_recipe": a.fp8_recipe, "fp8_all_gather": fp8_all_gather(a, world)} if config == "torch-fp8"
+               else {}),
+            **({"breakdown": parts} if parts is not None else {})}
+
+
+def dynamo_counts():
+    """torch.compile's graphs compiled (a recompilation is one more) and graph breaks so far in this process
+    (``torch._dynamo``'s counters). Blocks compiled whole: one graph for the first block (its input needs no
+    gradient), one for the others, one for the compiled loss; no break."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+# ----------------------------------------------------------------------------------------------
+# --profile: where rank 0's kernel time goes
+# ----------------------------------------------------------------------------------------------
+
+# Where a kernel was launched from: the first rule any enclosing CPU scope (a ``record_function`` range or an op on
+# the launching thread) matches, by name prefix, else ``eager_other`` (the loss's backward when it is not compiled,
+# zero_grad, the loss's all-reduce). The compiled loss's backward runs as a ``CompiledFunctionBackward`` too.
+REGIONS = (("optimizer", ("Optimizer.",)), ("fp8_scales", ("bench_torch::precompute_scales",)),
+           ("loss", ("bench_torch::loss",)), ("fsdp_hooks", ("FSDP::",)),
+           ("compiled_bwd", ("CompiledFunctionBackward",
+                             "autograd::engine::evaluate_function: CompiledFunctionBackward")),
+           ("compiled_fwd", ("CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph")))
+# scopes whose kernels are float8 casting: torchao's cast to float8 (eager in FSDP2's pre-all-gather hook)
+QUANT_SCOPES = ("_ToFloat8ConstrFunc",)
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+AMAX_OPS = {"aten::abs", "aten::amax", "aten::max", "aten::linalg_vector_norm", "aten::_foreach_norm"}
+GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|^triton_tem", re.I)
+LOW_PRECISION_KERNEL = re.compile(r"e4m3|e5m2|f8f8|fp8|float8", re.I)
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|sdpa", re.I)
+# inductor names a fused kernel after the aten ops in it: an amax reads abs + max, a float8 cast clamps
+QUANT_TRITON = re.compile(r"abs|amax|clamp|reciprocal")
+COPY_KERNEL = re.compile(r"copy|memcpy|memset|cat|split_with_sizes|fill", re.I)
+
+
+def kernel_kind(name, op, scopes, region):
+    """One of ``breakdown.CATEGORIES``' kernel categories for a kernel ``name`` launched by the aten op ``op`` (''
+    when unknown) under the CPU ``scopes`` (names) in ``region`` (``REGIONS``'), or ``copy`` (counted with
+    ``norm_elementwise``, as breakdown counts XLA's copies) or ``collective``."""
+    if "nccl" in name.lower():
+        return "collective"
+    if op == "aten::_scaled_mm":
+        return "fp8_gemm"
+    if op in GEMM_OPS:
+        return "bf16_gemm"
+    if any(t in op for t in ATTENTION_OPS) or ATTENTION_KERNEL.search(name):
+        return "attention"
+    if GEMM_KERNEL.search(name):
+        return "fp8_gemm" if LOW_PRECISION_KERNEL.search(name) else "bf16_gemm"
+    if region == "optimizer":
+        return "optimizer"
+    if region == "fp8_scales" or op in AMAX_OPS or any(q in s for s in scopes for q in QUANT_SCOPES) \
+            or (name.startswith("triton_") and QUANT_TRITON.search(name)):
+        return "quantize"
+    if COPY_KERNEL.search(name) and not name.startswith("triton_"):
+        return "copy"
+    return "norm_elementwise"
+
+
+def torch_breakdown(events, steps, wall_s=None):
+    """bench_e2e's ``breakdown`` dict (``breakdown.CATEGORIES``, ms a step) of a torch.profiler chrome trace's
+    ``events`` over ``steps`` steps: every GPU kernel, memcpy and memset by ``kernel_kind``; the collectives' total
+    and exposed time and the idle time by breakdown's interval logic. ``detail``: the span and wall time a step,
+    kernels a step, each region's ms by kind (``REGIONS``; a kernel is tied to its launch through the CUDA
+    runtime / driver call of the same ``correlation``, and to its aten op through ``External id``), the idle ms
+    by the region of the kernel after each gap (``idle_before``), the largest kernels and gaps."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ms = {c: 0.0 for c in breakdown.CATEGORIES}
+    detail = {"span_ms": 0.0, "wall_ms": wall_s * 1e3 / steps if wall_s else None, "kernels_per_step": 0.0,
+              "regions": {}, "copy_ms": 0.0, "top_kernels": [], "largest_gaps": [], "idle_before": {},
+              "attributed_by": {"launch": 0, "name": 0}}
+    if not gpu:
+        return ms | {"detail": detail}
+    ops = {e["args"]["External id"]: e["name"] for e in events
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    prefixes = tuple(p for _, ps in REGIONS for p in ps) + QUANT_SCOPES
+    scopes_by_thread = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith(prefixes):
+            scopes_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"],
+                                                                                 e["name"]))
+    per = lambda us: us / 1e3 / steps
+    comm, comp, named, by_name, starts = [], [], [], {}, []
+    for k in gpu:
+        args = k.get("args", {})
+        launch = launches.get(args.get("correlation"))
+        t = launch["ts"] if launch else None
+        scopes = [n for a, b, n in scopes_by_thread.get((launch.get("pid"), launch.get("tid")), ()) if a <= t <= b] \
+            if launch else []
+        detail["attributed_by"]["launch" if launch else "name"] += 1
+        region = next((r for r, ps in REGIONS if any(n.startswith(ps) for n in scopes)), "eager_other")
+        kind = kernel_kind(k["name"], ops.get(args.get("External id"), ""), scopes, region)
+        if k.get("cat") == "gpu_memset":
+            kind = "other"
+        iv = (k["ts"], k["ts"] + k["dur"])
+        named.append((iv, k["name"]))
+        starts.append((iv, region))
+        (comm if kind == "collective" else comp).append(iv)
+        if kind != "collective":
+            ms["norm_elementwise" if kind == "copy" else kind] += per(k["dur"])
+        detail["copy_ms"] += per(k["dur"]) if kind == "copy" else 0.0
+        cell = detail["regions"].setdefault(region, {})
+        cell[kind] = cell.get(kind, 0.0) + per(k["dur"])
+        total, count = by_name.get(k["name"], (0.0, 0))
+        by_name[k["name"]] = (total + k["dur"], count + 1)
+    total, hidden = breakdown.collective_times(comm, comp)
+    ms["collective_total"], ms["collective_exposed"] = per(total), per(total - hidden)
+    busy = breakdown.merge(sorted(iv for iv, _ in named))
+    gaps = breakdown.idle_gaps(busy, named, steps)
+    ms["idle"] = gaps["idle_ms"]
+    detail["largest_gaps"] = gaps["largest_gaps"]
+    # what the GPU waited for: each idle gap counted to the region of the kernel that ends it (a gap before FSDP's
+    # post-backward kernels is the host still in that hook while the GPU has run out of work)
+    idle_before, end = {}, None
+    for (a, b), region in sorted(starts):
+        if end is not None and a > end:
+            idle_before[region] = idle_before.get(region, 0.0) + per(a - end)
+        end = b if end is None else max(end, b)
+    detail["idle_before"] = idle_before
+    detail["span_ms"] = per(busy[-1][1] - busy[0][0])
+    detail["kernels_per_step"] = len(gpu) / steps
+    detail["top_kernels"] = [(n[:80], round(per(t), 3), c // steps) for n, (t, c) in
+                             sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]]
+    return ms | {"detail": detail}
+
+
+def profile_steps(a, config, step, rank, cuda, steps=PROFILE_STEPS):
+    """``steps`` more steps under torch.profiler; rank 0 writes the trace (``--profile``'s folder) and returns
+    ``torch_breakdown``'s dict of it (the other ranks None)."""
+    import gzip
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if rank != 0:
+        return None
+    folder = os.path.join(a.profile, a.flag_set, config)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{config}.trace.json.gz")
+    prof.export_chrome_trace(path)
+    with gzip.open(path) as f:
+        events = json.load(f)
+    try:
+        parts = torch_breakdown(events.get("traceEvents", events) if isinstance(events, dict) else events, steps,
+                                wall)
+    except Exception as err:          # a trace this reading does not know: the run's numbers stand, the trace is kept
+        print(f"bench_torch.py: {config}: no breakdown of {path}: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
+    with open(os.path.join(folder, "breakdown.json"), "w") as f:
+        json.dump(parts, f, indent=1)
+    return parts
+
+
+def region_table(rows):
+    """Markdown: ms a step of each (region, kind) cell of the rows' ``breakdown["detail"]["regions"]``, one column
+    per (name, breakdown) row."""
+    cells = sorted({(r, k) for _, b in rows for r, kinds in b["detail"]["regions"].items() for k in kinds})
+    out = ["| region / kind | " + " | ".join(n for n, _ in rows) + " |", "| --- |" + " ---: |" * len(rows)]
+    for r, k in cells:
+        out.append(f"| {r} / {k} | " + " | ".join(f"{b['detail']['regions'].get(r, {}).get(k, 0.0):.2f}"
+                                               for _, b in rows) + " |")
+    return "\n".join(out)
 
 
 def _torchao_version():
@@ -346,8 +586,11 @@ def check_args(a, configs):
         return "bench_torch.py: --tp is not supported (FSDP2 over every GPU only)"
     if a.remat not in (None, "nothing_saved"):
         return f"bench_torch.py: --remat {a.remat}: only nothing_saved (full activation checkpointing per block)"
-    if a.profile or a.pipelined or a.process_counts != [1]:
-        return "bench_torch.py: --profile, --pipelined and --processes are not supported"
+    if a.pipelined or a.process_counts != [1]:
+        return "bench_torch.py: --pipelined and --processes are not supported"
+    if "torch-fp8" in configs and a.fp8_recipe != "tensorwise" and a.fp8_all_gather == "on":
+        return ("bench_torch.py: --fp8-all-gather on needs --fp8-recipe tensorwise (torchao gathers float8 weights "
+                "with one scale each)")
     return None
 
 
@@ -358,11 +601,28 @@ def main(argv=None):
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    rows = []
     for config in configs:
         row = run_config(a, config)
+        rows.append(row)
         print(("RESULT " + json.dumps(row)) if a.one else
               f"{config:12s} {row['step_ms']:8.1f} ms  {row['tflops_per_gpu']:6.0f} TFLOP/s  "
-              f"{row['peak_gib']:6.1f} GiB  compile {row['compile_s']:6.1f} s  loss {row['loss']:.6f}", flush=True)
+              f"{row['peak_gib']:6.1f} GiB  compile {row['compile_s']:6.1f} s  loss {row['loss']:.6f}  "
+              f"dynamo {row['dynamo']}", flush=True)
+        if a.json and not a.one:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "results": rows}, f, indent=1)
+    profiled = [(r["config"], r["breakdown"]) for r in rows if r.get("breakdown")]
+    if profiled and not a.one:
+        print("\nWhere the step's time goes (rank 0's kernels, ms a step; benchmarks/breakdown.py's categories):")
+        print(breakdown.table(profiled))
+        print("\nBy where the kernels were launched from (bench_torch.REGIONS):")
+        print(region_table(profiled))
+        for name, b in profiled:
+            d = b["detail"]
+            waited = {r: round(ms, 2) for r, ms in sorted(d["idle_before"].items(), key=lambda kv: -kv[1])}
+            print(f"{name}: wall {d['wall_ms']:.2f} ms a profiled step, {d['kernels_per_step']:.0f} kernels a step, "
+                  f"idle ms a step before the kernels of {waited}, largest gaps {d['largest_gaps']}")
     return 0
 
 
