@@ -11,6 +11,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.primitives import _ffi, gemm, ops, reference
+from support.custom_gemm import bits, lowered, pretend_cuda_target
 
 
 def _operands(m=48, k=64, n=32, layout="nk", seed=0):
@@ -20,27 +21,12 @@ def _operands(m=48, k=64, n=32, layout="nk", seed=0):
     return a, b, jnp.float32(0.37)
 
 
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
 @pytest.fixture
 def gemm_on_cuda(monkeypatch):
-    """As if the CUDA extension had been built with cuBLASLt: ``jq_bf16_gemm`` registered for CUDA (a program lowered
-    for CUDA then holds the custom call; the CPU branch of the same program runs the reference)."""
-    monkeypatch.setattr(_ffi, "_REGISTERED", dict(_ffi._REGISTERED, cuda=frozenset({"jq_bf16_gemm"})))
-    if "cuda" not in _ffi._MODULES:
-        monkeypatch.setattr(_ffi, "_MODULES", dict(_ffi._MODULES, cuda=object()))
-    monkeypatch.setattr(gemm, "BF16_GEMM_IMPL", "cublaslt")
-    jax.clear_caches()
+    """As if the CUDA extension had been built with cuBLASLt: ``jq_bf16_gemm`` registered for CUDA, the switch on."""
+    pretend_cuda_target(monkeypatch, "jq_bf16_gemm", "BF16_GEMM_IMPL")
     yield
     jax.clear_caches()
-
-
-def _lowered(fn, *args, platforms=("cuda",)):
-    jax.clear_caches()
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
@@ -49,10 +35,10 @@ def test_the_op_is_its_reference_off_cuda(layout):
     want = reference.bf16_gemm(a, b, f, b_layout=layout)
     bf = b.astype(jnp.float32) if layout == "nk" else b.astype(jnp.float32).T
     acc = a.astype(jnp.float32) @ bf.T * f   # exact products, fp32 sums: the same GEMM
-    np.testing.assert_array_equal(_bits(want), _bits(acc.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(bits(want), bits(acc.astype(jnp.bfloat16)))
     for impl in ("auto", "reference"):
-        np.testing.assert_array_equal(_bits(ops.bf16_gemm(a, b, f, b_layout=layout, impl=impl)), _bits(want))
-    np.testing.assert_array_equal(_bits(ops.bf16_gemm(a, b, f.reshape(1), b_layout=layout)), _bits(want))
+        np.testing.assert_array_equal(bits(ops.bf16_gemm(a, b, f, b_layout=layout, impl=impl)), bits(want))
+    np.testing.assert_array_equal(bits(ops.bf16_gemm(a, b, f.reshape(1), b_layout=layout)), bits(want))
 
 
 @pytest.mark.skipif(_ffi.has_target("cuda", "jq_bf16_gemm"), reason="the CUDA extension here has the GEMM")
@@ -86,16 +72,16 @@ def test_switch_sends_scaled_bf16_products_to_the_custom_call_and_runs_the_refer
     d = gemm.TN if dims == "tn" else gemm.NN
     for sa, sb in ((None, f), (f, None), (jnp.float32(2.0), f)):
         fn = lambda a, b: gemm.scaled_gemm(a, sa, b, sb, dims=d, out_dtype=jnp.bfloat16)
-        text = _lowered(fn, a, b)
+        text = lowered(fn, a, b)
         call = [line for line in text.splitlines() if "@jq_bf16_gemm" in line]
         assert len(call) == 1 and f"b_kn = {str(dims == 'nn').lower()}" in call[0] and "x32xbf16>" in call[0], call
         assert "dot_general" not in text
         # the same program for the CPU and CUDA: the CPU branch is the reference
-        assert "@jq_bf16_gemm" in _lowered(fn, a, b, platforms=("cpu", "cuda"))
+        assert "@jq_bf16_gemm" in lowered(fn, a, b, platforms=("cpu", "cuda"))
         jax.clear_caches()
         want = reference.bf16_gemm(a, b, f if sa is None else sa if sb is None else sa * sb,
                                    b_layout="nk" if dims == "tn" else "kn")
-        np.testing.assert_array_equal(_bits(jax.jit(fn)(a, b)), _bits(want))
+        np.testing.assert_array_equal(bits(jax.jit(fn)(a, b)), bits(want))
 
 
 @pytest.mark.parametrize("case", ["xla_switch", "fp32_result", "no_factor", "n_off_grid", "k_off_grid", "fp32_operand",
@@ -115,7 +101,7 @@ def test_other_products_stay_xlas_dot(gemm_on_cuda, monkeypatch, case):
     if case == "other_dims":   # a [K, M] contracted on its major axis
         a, dims = a.T, (((0,), (1,)), ((), ()))
     f = None if case == "no_factor" else f
-    text = _lowered(lambda a, b: gemm.scaled_gemm(a, None, b, f, dims=dims, out_dtype=out), a, b)
+    text = lowered(lambda a, b: gemm.scaled_gemm(a, None, b, f, dims=dims, out_dtype=out), a, b)
     assert "jq_bf16_gemm" not in text and "dot_general" in text
 
 
@@ -146,11 +132,11 @@ def test_dense_nvfp4_with_the_switch_gives_the_same_bytes_on_the_cpu(gemm_on_cud
     """bf16 activations: the forward and the dgrad write bf16 through the custom call (the wgrad has no factor); fp32
     activations keep their fp32 results, from XLA's dot."""
     fn, args = _nvfp4_dense(64, 48, 96, x_dtype)
-    assert _lowered(fn, *args).count("@jq_bf16_gemm") == calls
+    assert lowered(fn, *args).count("@jq_bf16_gemm") == calls
     jax.clear_caches()
     on = jax.jit(fn)(*args)
     monkeypatch.setattr(gemm, "BF16_GEMM_IMPL", "xla")
     jax.clear_caches()
     off = jax.jit(fn)(*args)
     for u, v in zip(on, off):
-        np.testing.assert_array_equal(_bits(u), _bits(v))
+        np.testing.assert_array_equal(bits(u), bits(v))

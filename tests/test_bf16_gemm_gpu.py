@@ -20,47 +20,20 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 from jaxquant.primitives import _ffi, gemm, ops
+from support.custom_gemm import both, compiled, same_bytes as _same_bytes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend"),
               pytest.mark.skipif(not _ffi.has_target("cuda", "jq_bf16_gemm"),
                                  reason="the CUDA extension was built without cuBLASLt (build.py --cuda on says why)")]
 
-STEP_OPTIONS = {"xla_gpu_enable_triton_gemm": False}   # layerwise.default_compiler_options on a GPU
 XLA_GEMM = "__cublas$"                                   # XLA's cuBLAS GEMM custom calls (legacy or Lt)
+_compiled = functools.partial(compiled, "BF16_GEMM_IMPL")
+_both = functools.partial(both, "BF16_GEMM_IMPL")
 
 
-def _compiled(impl, fn, *args):
-    """``fn`` jitted and compiled with ``BF16_GEMM_IMPL = impl`` (traced afresh: the switch is read at trace time)."""
-    saved = gemm.BF16_GEMM_IMPL
-    gemm.BF16_GEMM_IMPL = impl
-    try:
-        jax.clear_caches()
-        return jax.jit(fn).lower(*args).compile(STEP_OPTIONS)
-    finally:
-        gemm.BF16_GEMM_IMPL = saved
 
 
-def _both(fn, *args):
-    """(XLA's results, the custom call's results, XLA's HLO, the custom call's HLO) of ``fn``."""
-    xla = _compiled("xla", fn, *args)
-    custom = _compiled("cublaslt", fn, *args)
-    return xla(*args), custom(*args), xla.as_text(), custom.as_text()
-
-
-def _same_bytes(x, y, what=""):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype, x.shape, y.shape)
-    bits = {2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
-    diff = np.flatnonzero(x.view(bits) != y.view(bits))
-    if diff.size:
-        first = np.unravel_index(diff[0], x.shape)
-        ulps = np.abs(x.view(bits).astype(np.int64) - y.view(bits).astype(np.int64)).reshape(-1)[diff]
-        raise AssertionError(f"{what}: {diff.size} of {x.size} elements differ (at most {ulps.max()} ulp), first at "
-                             f"{first}: {x[first]} (XLA) vs {y[first]} (custom call)")
-
-
-@functools.lru_cache(maxsize=4)
 def _weight(rows, cols, edge):
     """An NVFP4 weight ``[rows, cols]`` (columnwise copy too) of random values; ``edge``: a zero 16x16 tile (scale 0),
     a tile of tiny values next to a large one and an outlier that sets the amax."""

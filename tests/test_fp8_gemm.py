@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxquant.primitives import _ffi, gemm, ops, reference
+from support.custom_gemm import bits, lowered, pretend_cuda_target
 from support.fp8_dense import dense_fwd_bwd
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -22,38 +23,23 @@ def _operands(m=48, k=64, n=32, da=E4M3, db=E4M3, seed=0):
     return a, b, jnp.float32(0.37), jnp.float32(1.9)
 
 
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
 @pytest.fixture
 def gemm_on_cuda(monkeypatch):
-    """As if the CUDA extension had been built with cuBLASLt: ``jq_fp8_gemm`` registered for CUDA (a program lowered
-    for CUDA then holds the custom call; the CPU branch of the same program runs the reference)."""
-    monkeypatch.setattr(_ffi, "_REGISTERED", dict(_ffi._REGISTERED, cuda=frozenset({"jq_fp8_gemm"})))
-    if "cuda" not in _ffi._MODULES:
-        monkeypatch.setattr(_ffi, "_MODULES", dict(_ffi._MODULES, cuda=object()))
-    monkeypatch.setattr(gemm, "FP8_GEMM_IMPL", "cublaslt")
-    jax.clear_caches()
+    """As if the CUDA extension had been built with cuBLASLt: ``jq_fp8_gemm`` registered for CUDA, the switch on."""
+    pretend_cuda_target(monkeypatch, "jq_fp8_gemm", "FP8_GEMM_IMPL")
     yield
     jax.clear_caches()
-
-
-def _lowered(fn, *args, platforms=("cuda",)):
-    jax.clear_caches()
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
 
 
 def test_the_op_is_its_reference_off_cuda():
     a, b, sa, sb = _operands()
     want = reference.fp8_gemm(a, b, sa, sb, out_dtype=jnp.bfloat16)
     acc = jax.lax.dot_general(a, b, gemm.TN, preferred_element_type=jnp.float32) * (sa * sb)
-    np.testing.assert_array_equal(_bits(want), _bits(acc.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(bits(want), bits(acc.astype(jnp.bfloat16)))
     for impl in ("auto", "reference"):
-        np.testing.assert_array_equal(_bits(ops.fp8_gemm(a, b, sa, sb, impl=impl)), _bits(want))
+        np.testing.assert_array_equal(bits(ops.fp8_gemm(a, b, sa, sb, impl=impl)), bits(want))
     got32 = ops.fp8_gemm(a, b, sa.reshape(1), sb.reshape(1), out_dtype=jnp.float32)
-    np.testing.assert_array_equal(_bits(got32), _bits(acc))
+    np.testing.assert_array_equal(bits(got32), bits(acc))
 
 
 @pytest.mark.skipif(_ffi.has_target("cuda", "jq_fp8_gemm"), reason="the CUDA extension here has the GEMM")
@@ -82,16 +68,16 @@ def test_the_op_refuses_what_cublaslt_does_not_take(bad, err, match):
 def test_switch_sends_bf16_fp8_tn_products_to_the_custom_call_and_runs_the_reference_on_the_cpu(gemm_on_cuda):
     a, b, sa, sb = _operands(m=40, da=E5M2)   # M off the 16-grid: cuBLASLt takes it
     fn = lambda a, b, sa, sb: gemm.scaled_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)
-    text = _lowered(fn, a, b, sa, sb)
+    text = lowered(fn, a, b, sa, sb)
     call = [line for line in text.splitlines() if "@jq_fp8_gemm" in line]
     assert len(call) == 1 and "fast_accum = true" in call[0] and "x32xbf16>" in call[0], call
     assert "dot_general" not in text
     # the same program for the CPU and CUDA: the CPU branch is the reference
-    both = _lowered(fn, a, b, sa, sb, platforms=("cpu", "cuda"))
+    both = lowered(fn, a, b, sa, sb, platforms=("cpu", "cuda"))
     assert "@jq_fp8_gemm" in both
     jax.clear_caches()
-    np.testing.assert_array_equal(_bits(jax.jit(fn)(a, b, sa, sb)),
-                                  _bits(reference.fp8_gemm(a, b, sa, sb, out_dtype=jnp.bfloat16)))
+    np.testing.assert_array_equal(bits(jax.jit(fn)(a, b, sa, sb)),
+                                  bits(reference.fp8_gemm(a, b, sa, sb, out_dtype=jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("case", ["xla_switch", "e5m2xe5m2", "n_off_grid", "fp32_result", "nn_dims", "no_scale"])
@@ -106,7 +92,7 @@ def test_other_products_stay_xlas_dot(gemm_on_cuda, monkeypatch, case):
     if case == "nn_dims":
         dims, b = gemm.NN, b.T
     sb = None if case == "no_scale" else sb
-    text = _lowered(lambda a, b: gemm.scaled_gemm(a, sa, b, sb, dims=dims, out_dtype=out), a, b)
+    text = lowered(lambda a, b: gemm.scaled_gemm(a, sa, b, sb, dims=dims, out_dtype=out), a, b)
     assert "jq_fp8_gemm" not in text and "dot_general" in text
 
 
@@ -121,11 +107,11 @@ def test_a_bad_switch_value_is_refused(monkeypatch):
 
 def test_dense_with_the_switch_gives_the_same_bytes_on_the_cpu(gemm_on_cuda, monkeypatch):
     fn, args = dense_fwd_bwd(64, 48, 96, seed=3)
-    assert _lowered(fn, *args).count("@jq_fp8_gemm") == 2   # forward and dgrad in bf16; this wgrad stays fp32
+    assert lowered(fn, *args).count("@jq_fp8_gemm") == 2   # forward and dgrad in bf16; this wgrad stays fp32
     jax.clear_caches()
     on = jax.jit(fn)(*args)
     monkeypatch.setattr(gemm, "FP8_GEMM_IMPL", "xla")
     jax.clear_caches()
     off = jax.jit(fn)(*args)
     for u, v in zip(on, off):
-        np.testing.assert_array_equal(_bits(u), _bits(v))
+        np.testing.assert_array_equal(bits(u), bits(v))

@@ -6,6 +6,7 @@ GEMM) for every operand dtype pair cuBLASLt takes, shapes with M off the 16-grid
 Skipped unless the default backend is a GPU and the CUDA extension was built with cuBLASLt (build.py prints which).
 """
 
+import functools
 import os
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxquant.primitives import _ffi, gemm, ops
+from support.custom_gemm import both, compiled, same_bytes as _same_bytes
 from support.fp8_dense import dense_fwd_bwd
 
 pytestmark = [pytest.mark.gpu,
@@ -24,25 +26,8 @@ pytestmark = [pytest.mark.gpu,
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 XLA_FP8_GEMM = "__cublas$lt$matmul$f8"
-STEP_OPTIONS = {"xla_gpu_enable_triton_gemm": False}   # layerwise.default_compiler_options on a GPU
-
-
-def _compiled(impl, fn, *args):
-    """``fn`` jitted and compiled with ``FP8_GEMM_IMPL = impl`` (traced afresh: the switch is read at trace time)."""
-    saved = gemm.FP8_GEMM_IMPL
-    gemm.FP8_GEMM_IMPL = impl
-    try:
-        jax.clear_caches()
-        return jax.jit(fn).lower(*args).compile(STEP_OPTIONS)
-    finally:
-        gemm.FP8_GEMM_IMPL = saved
-
-
-def _both(fn, *args):
-    """(XLA's result, the custom call's result, the custom call's HLO) of ``fn``."""
-    xla = _compiled("xla", fn, *args)
-    custom = _compiled("cublaslt", fn, *args)
-    return xla(*args), custom(*args), xla.as_text(), custom.as_text()
+_compiled = functools.partial(compiled, "FP8_GEMM_IMPL")
+_both = functools.partial(both, "FP8_GEMM_IMPL")
 
 
 def _operand(key, shape, dtype, edge=False):
@@ -53,15 +38,6 @@ def _operand(key, shape, dtype, edge=False):
         top = float(jnp.finfo(dtype).max)
         v = v.at[0, :].set(0.0).at[:, 1].set(0.0).at[2, 3].set(top).at[-1, -1].set(-top)
     return v.astype(dtype)
-
-
-def _same_bytes(x, y):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    bits = np.uint16 if x.dtype.itemsize == 2 else np.uint32
-    diff = np.flatnonzero(x.view(bits) != y.view(bits))
-    assert diff.size == 0, (f"{diff.size} of {x.size} elements differ, first at {np.unravel_index(diff[0], x.shape)}: "
-                            f"{x.flat[diff[0]]} vs {y.flat[diff[0]]}")
 
 
 SHAPES = [(256, 512, 384), (200, 128, 48), (8, 64, 16), (4096, 4096, 4096), (1000, 1024, 2048)]   # (M, K, N)

@@ -1,0 +1,66 @@
+"""What the tests of jaxquant's GEMM custom calls (``jq_fp8_gemm``, ``jq_bf16_gemm``) share: a CUDA registration
+pretended on the CPU (to lower a program for CUDA and read which GEMM it calls), the programs compiled with each value
+of a GEMM switch (``gemm.FP8_GEMM_IMPL`` / ``gemm.BF16_GEMM_IMPL``) on a GPU, and the bitwise comparison."""
+
+import jax
+import numpy as np
+
+from jaxquant.primitives import _ffi, gemm
+
+# what layerwise.default_compiler_options sets on a GPU: the GEMMs compiled as the training step compiles them
+STEP_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def bits(x):
+    """``x``'s bytes as unsigned integers of its width (2 or 4 bytes)."""
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def pretend_cuda_target(monkeypatch, target: str, switch: str):
+    """As if the CUDA extension had been built with cuBLASLt: ``target`` registered for CUDA (a program lowered for
+    CUDA then holds the custom call; the CPU branch of the same program runs the reference), and ``gemm.<switch>``
+    set to ``"cublaslt"``."""
+    monkeypatch.setattr(_ffi, "_REGISTERED", dict(_ffi._REGISTERED, cuda=frozenset({target})))
+    if "cuda" not in _ffi._MODULES:
+        monkeypatch.setattr(_ffi, "_MODULES", dict(_ffi._MODULES, cuda=object()))
+    monkeypatch.setattr(gemm, switch, "cublaslt")
+    jax.clear_caches()
+
+
+def lowered(fn, *args, platforms=("cuda",)):
+    """The StableHLO text of ``fn`` lowered for ``platforms``, traced afresh."""
+    jax.clear_caches()
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
+
+
+def compiled(switch: str, impl: str, fn, *args):
+    """``fn`` jitted and compiled with ``gemm.<switch> = impl`` (traced afresh: the switch is read at trace time)."""
+    saved = getattr(gemm, switch)
+    setattr(gemm, switch, impl)
+    try:
+        jax.clear_caches()
+        return jax.jit(fn).lower(*args).compile(STEP_OPTIONS)
+    finally:
+        setattr(gemm, switch, saved)
+
+
+def both(switch: str, fn, *args):
+    """(XLA's results, the custom call's results, XLA's compiled HLO, the custom call's) of ``fn``."""
+    xla = compiled(switch, "xla", fn, *args)
+    custom = compiled(switch, "cublaslt", fn, *args)
+    return xla(*args), custom(*args), xla.as_text(), custom.as_text()
+
+
+def same_bytes(x, y, what=""):
+    """``x`` (XLA's) and ``y`` (the custom call's) equal bit for bit; otherwise how many elements differ, by how many
+    ulp at most, and the first."""
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, (what, x.dtype, y.dtype, x.shape, y.shape)
+    bx, by = bits(x), bits(y)
+    diff = np.flatnonzero(bx != by)
+    if diff.size:
+        first = np.unravel_index(diff[0], x.shape)
+        ulps = np.abs(bx.astype(np.int64) - by.astype(np.int64)).reshape(-1)[diff]
+        raise AssertionError(f"{what}: {diff.size} of {x.size} elements differ (at most {ulps.max()} ulp), first at "
+                             f"{first}: {x[first]} (XLA) vs {y[first]} (custom call)")
