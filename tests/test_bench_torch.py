@@ -192,12 +192,12 @@ def test_torch_breakdown_attributes_kernels_by_op_name_and_launch_scope():
 
 def test_profile_on_the_cpu_writes_the_trace_and_a_breakdown(tmp_path):
     """--profile DIR: the trace under DIR/<flag set>/<config>/ and the row's breakdown (no GPU kernels on the CPU:
-    every category 0), beside torch.compile's counts."""
+    every category 0); nothing compiled on the CPU by default."""
     t = bench_torch.parse_args(["--tiny", "--layers", "1", "--steps", "1", "--profile", str(tmp_path)])
     row = bench_torch.run_in_process(t, "torch-bf16")
     folder = tmp_path / "default" / "torch-bf16"
     assert (folder / "torch-bf16.trace.json.gz").stat().st_size > 0 and (folder / "breakdown.json").exists()
     b = row["breakdown"]
     assert all(b[c] == 0.0 for c in bench_e2e.breakdown.CATEGORIES) and b["detail"]["wall_ms"] > 0, b
-    assert row["dynamo"] == {"graphs": 0, "graph_breaks": 0} and not row["compiled_loss"]
+    assert not row["compiled_loss"] and not row["compiled"]
     assert json.loads((folder / "breakdown.json").read_text())["detail"]["wall_ms"] == b["detail"]["wall_ms"]
