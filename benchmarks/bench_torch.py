@@ -201,6 +201,7 @@ def prepare(a, config, model, mesh, compile_blocks):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     after_step = lambda: None
+    inductor = {}   # inductor options, given through torch.compile's public ``options``
     if config == "torch-fp8":
         from torchao.float8 import convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
@@ -209,9 +210,9 @@ def prepare(a, config, model, mesh, compile_blocks):
         convert_to_float8_training(model, config=fp8)
         if fp8.enable_fsdp_float8_all_gather:
             after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
-        if a.fp8_recipe == "rowwise" and compile_blocks:
+        if a.fp8_recipe == "rowwise":
             # torchtitan's setting for rowwise: inductor rounds its casts as eager does (pytorch/pytorch#150859)
-            torch._inductor.config.emulate_precision_casts = True
+            inductor["emulate_precision_casts"] = True
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, block in enumerate(model.blocks):
         if a.remat is not None:
@@ -219,7 +220,7 @@ def prepare(a, config, model, mesh, compile_blocks):
         if compile_blocks:
             # the wrapper compiled (its Float8Linears with it: their input and gradient casts are fused into the
             # block's kernels), FSDP's gather and free hooks on it stay outside the compiled graph
-            block = torch.compile(block, fullgraph=True)
+            block = torch.compile(block, fullgraph=True, options=inductor or None)
         fully_shard(block, mesh=mesh, mp_policy=policy)
         model.blocks[i] = block
     fully_shard(model, mesh=mesh, mp_policy=policy)
