@@ -11,7 +11,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.primitives import _ffi, gemm, ops, reference
-from support.custom_gemm import bits, lowered, pretend_cuda_target
+from support.custom_gemm import bits, lowered, pretend_cuda_target, switch_changes_no_byte
 
 
 def _operands(m=48, k=64, n=32, layout="nk", seed=0):
@@ -133,10 +133,4 @@ def test_dense_nvfp4_with_the_switch_gives_the_same_bytes_on_the_cpu(gemm_on_cud
     activations keep their fp32 results, from XLA's dot."""
     fn, args = _nvfp4_dense(64, 48, 96, x_dtype)
     assert lowered(fn, *args).count("@jq_bf16_gemm") == calls
-    jax.clear_caches()
-    on = jax.jit(fn)(*args)
-    monkeypatch.setattr(gemm, "BF16_GEMM_IMPL", "xla")
-    jax.clear_caches()
-    off = jax.jit(fn)(*args)
-    for u, v in zip(on, off):
-        np.testing.assert_array_equal(bits(u), bits(v))
+    switch_changes_no_byte(monkeypatch, "BF16_GEMM_IMPL", fn, *args)

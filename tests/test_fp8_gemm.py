@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxquant.primitives import _ffi, gemm, ops, reference
-from support.custom_gemm import bits, lowered, pretend_cuda_target
+from support.custom_gemm import bits, lowered, pretend_cuda_target, switch_changes_no_byte
 from support.fp8_dense import dense_fwd_bwd
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -103,15 +103,7 @@ def test_a_bad_switch_value_is_refused(monkeypatch):
         gemm.scaled_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)
 
 
-
-
 def test_dense_with_the_switch_gives_the_same_bytes_on_the_cpu(gemm_on_cuda, monkeypatch):
     fn, args = dense_fwd_bwd(64, 48, 96, seed=3)
     assert lowered(fn, *args).count("@jq_fp8_gemm") == 2   # forward and dgrad in bf16; this wgrad stays fp32
-    jax.clear_caches()
-    on = jax.jit(fn)(*args)
-    monkeypatch.setattr(gemm, "FP8_GEMM_IMPL", "xla")
-    jax.clear_caches()
-    off = jax.jit(fn)(*args)
-    for u, v in zip(on, off):
-        np.testing.assert_array_equal(bits(u), bits(v))
+    switch_changes_no_byte(monkeypatch, "FP8_GEMM_IMPL", fn, *args)

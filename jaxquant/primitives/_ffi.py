@@ -118,8 +118,9 @@ def require(target: str | None = None) -> None:
         raise ExtensionError("impl='custom_call' needs jaxquant's compiled extension. " + REBUILD_HINT)
     if target is not None and not any(has_target(p, target) for p in _MODULES):
         raise ExtensionError(
-            f"impl='custom_call': no built extension has {target} (the FP8 GEMM is built into the CUDA extension "
-            f"only where cuBLASLt's header was found: docs/development.md, 'GPU FP8 GEMM'). " + REBUILD_HINT)
+            f"impl='custom_call': no built extension has {target} (an optional target: the cuBLASLt GEMMs are built "
+            f"into the CUDA extension only where cuBLASLt's header was found: docs/development.md, 'GPU FP8 GEMM'). "
+            + REBUILD_HINT)
 
 
 def call(target: str, results, *args, input_output_aliases=None, **attrs):

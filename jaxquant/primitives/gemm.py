@@ -35,7 +35,7 @@ NN = (((1,), (0,)), ((), ()))              # a [M, K] x b [K, N]
 #               same bytes, with the factors in its epilogue, writing bf16 (where the CUDA extension was built with
 #               it; XLA's dot elsewhere). docs/performance.md, "XLA's FP8 GEMM or jaxquant's", has the A/B.
 # Read when a function is traced; the environment variable JAXQUANT_FP8_GEMM sets it at import.
-FP8_GEMM_IMPLS = ("xla", "cublaslt")
+GEMM_IMPLS = ("xla", "cublaslt")           # the values of both switches below
 FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "cublaslt")
 
 
@@ -48,30 +48,21 @@ FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "cublaslt")
 #               XLA's bytes (tests/test_bf16_gemm_gpu.py), but a two-layer NVFP4 training step with it has not yet
 #               been shown to give XLA's bytes on a GPU, so it is opt-in (docs/performance.md, "NVFP4's GEMMs").
 # Read when a function is traced; the environment variable JAXQUANT_BF16_GEMM sets it at import.
-BF16_GEMM_IMPLS = ("xla", "cublaslt")
 BF16_GEMM_IMPL = os.environ.get("JAXQUANT_BF16_GEMM", "xla")
 
 
-def fp8_gemm_impl() -> str:
-    """The checked value of :data:`FP8_GEMM_IMPL`."""
-    if FP8_GEMM_IMPL not in FP8_GEMM_IMPLS:
-        raise ValueError(f"gemm.FP8_GEMM_IMPL / JAXQUANT_FP8_GEMM: must be one of {FP8_GEMM_IMPLS}, "
-                         f"got {FP8_GEMM_IMPL!r}")
-    return FP8_GEMM_IMPL
-
-
-def bf16_gemm_impl() -> str:
-    """The checked value of :data:`BF16_GEMM_IMPL`."""
-    if BF16_GEMM_IMPL not in BF16_GEMM_IMPLS:
-        raise ValueError(f"gemm.BF16_GEMM_IMPL / JAXQUANT_BF16_GEMM: must be one of {BF16_GEMM_IMPLS}, "
-                         f"got {BF16_GEMM_IMPL!r}")
-    return BF16_GEMM_IMPL
+def _uses_cublaslt(kind: str, value: str) -> bool:
+    """Whether ``value``, the switch ``<kind>_GEMM_IMPL`` ("FP8" / "BF16"), is "cublaslt", checked: another value is
+    an error naming the switch and its environment variable."""
+    if value not in GEMM_IMPLS:
+        raise ValueError(f"gemm.{kind}_GEMM_IMPL / JAXQUANT_{kind}_GEMM: must be one of {GEMM_IMPLS}, got {value!r}")
+    return value == "cublaslt"
 
 
 def _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
     """Whether this product runs as ``ops.fp8_gemm`` (:data:`FP8_GEMM_IMPL`): float8 operands cuBLASLt takes, TN,
     both factors, a bf16 result, and a CUDA extension that has the GEMM."""
-    return (fp8_gemm_impl() == "cublaslt" and _ffi.has_target("cuda", "jq_fp8_gemm") and dims == TN
+    return (_uses_cublaslt("FP8", FP8_GEMM_IMPL) and _ffi.has_target("cuda", "jq_fp8_gemm") and dims == TN
             and a_scale is not None and b_scale is not None
             and out_dtype is not None and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
             and ops.single.fp8_gemm_supported(a.shape, b.shape, a.dtype, b.dtype))
@@ -80,7 +71,7 @@ def _custom_fp8_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
 def _custom_bf16_gemm(a, a_scale, b, b_scale, dims, out_dtype) -> bool:
     """Whether this product runs as ``ops.bf16_gemm`` (:data:`BF16_GEMM_IMPL`): bf16 operands of rank 2, TN or NN, a
     factor, a bf16 result, N and K multiples of 16, and a CUDA extension that has the GEMM."""
-    return (bf16_gemm_impl() == "cublaslt" and _ffi.has_target("cuda", "jq_bf16_gemm") and dims in (TN, NN)
+    return (_uses_cublaslt("BF16", BF16_GEMM_IMPL) and _ffi.has_target("cuda", "jq_bf16_gemm") and dims in (TN, NN)
             and (a_scale is not None or b_scale is not None)
             and out_dtype is not None and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
             and ops.single.bf16_gemm_supported(a.shape, b.shape, a.dtype, b.dtype, "nk" if dims == TN else "kn"))

@@ -28,6 +28,18 @@ def pretend_cuda_target(monkeypatch, target: str, switch: str):
     jax.clear_caches()
 
 
+def switch_changes_no_byte(monkeypatch, switch: str, fn, *args):
+    """``fn``'s results with ``gemm.<switch>`` as it is and with it "xla", traced afresh, equal bit for bit (on the CPU
+    both run the reference where the custom call would run on CUDA)."""
+    jax.clear_caches()
+    on = jax.jit(fn)(*args)
+    monkeypatch.setattr(gemm, switch, "xla")
+    jax.clear_caches()
+    off = jax.jit(fn)(*args)
+    for u, v in zip(on, off):
+        np.testing.assert_array_equal(bits(u), bits(v))
+
+
 def lowered(fn, *args, platforms=("cuda",)):
     """The StableHLO text of ``fn`` lowered for ``platforms``, traced afresh."""
     jax.clear_caches()
