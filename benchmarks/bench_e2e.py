@@ -276,7 +276,7 @@ def _make_plain(a, mesh, scan, abstract=False):
     shardings = jax.tree_util.tree_map_with_path(lambda k, x: NamedSharding(mesh, spec(k, x)), shapes_)
     opt = adam()
     if abstract:
-        params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes_, shardings)
+        params = abstract_like(shapes_, shardings)
         opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh, abstract=True)
     else:     # built sharded (a large model does not fit one device whole)
         params = jax.jit(lambda: init_params(a, stacked=scan), out_shardings=shardings)()
@@ -363,10 +363,9 @@ def jq_runner(step, init, abstract=False):
     shapes_ = jax.eval_shape(init)
     shardings = step.master_shardings(shapes_)
     if abstract:
-        params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes_, shardings)
+        params = abstract_like(shapes_, shardings)
         placed = jax.jit(step.init).lower(params).compile().output_shardings
-        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                             jax.eval_shape(step.init, params), placed)
+        state = abstract_like(jax.eval_shape(step.init, params), placed)
     else:
         state = step.init(jax.jit(init, out_shardings=shardings)())
 
@@ -376,6 +375,14 @@ def jq_runner(step, init, abstract=False):
 
     run.lower = step.lower
     return run, state
+
+
+def abstract_like(shapes, shardings):
+    """``jax.ShapeDtypeStruct`` s of ``shapes``' shapes and dtypes in ``shardings`` (two trees alike): a state to lower
+    and compile with, nothing allocated."""
+    import jax
+
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
 
 
 def make_config(a, mesh, config, abstract=False):
