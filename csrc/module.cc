@@ -16,7 +16,7 @@ namespace jaxquant {
 JQ_FOR_EACH_TARGET(JQ_DECLARE)
 #if JQ_HAVE_CUBLASLT
 JQ_FOR_EACH_CUBLASLT_TARGET(JQ_DECLARE)
-std::string cublaslt_library();  // cuda_gemm.cu: the file the FP8 GEMM's cuBLASLt was loaded from
+std::string cublaslt_library();  // cuda_gemm.cu: the file the GEMMs' cuBLASLt was loaded from
 #endif
 #undef JQ_DECLARE
 }  // namespace jaxquant
@@ -47,7 +47,7 @@ PYBIND11_MODULE(JQ_MODULE, m) {
     return py::make_tuple(jaxquant::kMaxGatherPieces, jaxquant::kMaxGatherShards);
   });
   m.def("jaxlib_version", []() { return std::string(JQ_JAXLIB_VERSION); });
-  // The file of the cuBLASLt the FP8 GEMM uses (loading it if no GEMM has yet); "" where it cannot be loaded or the
+  // The file of the cuBLASLt the GEMMs use (loading it if no GEMM has yet); "" where it cannot be loaded or the
   // module is built without it.
   m.def("cublaslt_library", []() {
 #if JQ_HAVE_CUBLASLT
