@@ -25,8 +25,8 @@
 namespace jaxquant {
 namespace {
 
-// The workspace result's first bytes hold the device scalars (the FP8 factor-product mode's alpha and beta, the bf16
-// GEMM's beta); cuBLASLt gets the rest, and its heuristic picks only algorithms that fit in it.
+// The workspace result's first bytes hold the device scalars (the FP8 factor-product mode's alpha and beta); cuBLASLt
+// gets the rest, and its heuristic picks only algorithms that fit in it.
 constexpr int64_t kScalarBytes = 256;
 
 // cuBLASLt's entry points, resolved from the loaded library.
@@ -209,6 +209,10 @@ ffi::Error run_matmul(const char* op, cudaStream_t stream, cublasLtHandle_t hand
   return ffi::Error::Success();
 }
 
+// beta = 0 of the scaled bf16 GEMM, whose pointer mode DEVICE reads beta on the device as well as alpha: a constant
+// in each device's copy of the module, found by cudaGetSymbolAddress for the current device (XLA's)
+__device__ const float kZeroBeta = 0.0f;
+
 __global__ void factor_product_kernel(const float* a_scale, const float* b_scale, float* alpha_beta) {
   alpha_beta[0] = a_scale[0] * b_scale[0];   // the reference's a_scale * b_scale, one fp32 rounding
   alpha_beta[1] = 0.0f;
@@ -287,8 +291,8 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
 
 // The scaled bf16 GEMM: D = round_to_bf16(fp32_dot(a, b) * factor) (docs/numerics.md §2.8: the global decode factor
 // multiplies the fp32 accumulator, once; the product is rounded once). The factor is cuBLASLt's alpha, read on the
-// device (pointer mode DEVICE, so no host sync: it comes from the step's amax), beta a zero in the workspace's scalar
-// area. cuBLASLt's epilogue computes alpha * acc in fp32 and rounds it to bf16 (RNE): XLA's multiply and convert.
+// device (pointer mode DEVICE, so no host sync: it comes from the step's amax), beta the module's zero (kZeroBeta).
+// cuBLASLt's epilogue computes alpha * acc in fp32 and rounds it to bf16 (RNE): XLA's multiply and convert.
 // TN (b [N, K]): as the FP8 GEMM, cuBLASLt's A = b transposed (k x n, ld k). NN (b_kn, b [K, N] row-major, i.e.
 // column-major [N, K] with ld N): cuBLASLt's A = b as is (n x k, ld n). Its B = a (k x m, ld k), D = [n, m] ld n.
 // These are the operations XLA's own GEMM asks cuBLAS for the same dot with a row-major result.
@@ -321,13 +325,14 @@ ffi::Error Bf16GemmCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF
   JQ_LT_CHECK(op, lt.layout_create(&call.d, CUDA_R_16BF, n, m, n), "layout of the result");
 
   uint8_t* ws = workspace->typed_data();
-  if (cudaError_t err = cudaMemsetAsync(ws, 0, sizeof(float), stream); err != cudaSuccess)   // beta = 0
+  void* beta = nullptr;   // the device's zero: no memset node in every call (and in every command buffer)
+  if (cudaError_t err = cudaGetSymbolAddress(&beta, kZeroBeta); err != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: bf16_gemm: beta: ") + cudaGetErrorString(err));
   const AlgoKey key{device, m, n, k, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, b_kn ? 4 : 0};
   const std::string shape = "[" + std::to_string(m) + ", " + std::to_string(k) + "] x " +
                             (b_kn ? "[" + std::to_string(k) + ", " + std::to_string(n) + "]"
                                   : "[" + std::to_string(n) + ", " + std::to_string(k) + "]^T") + " in bf16";
-  return run_matmul(op, stream, handle, call, key, factor.typed_data(), ws, b.untyped_data(), a.untyped_data(),
+  return run_matmul(op, stream, handle, call, key, factor.typed_data(), beta, b.untyped_data(), a.untyped_data(),
                     out->untyped_data(), ws, shape);
 }
 

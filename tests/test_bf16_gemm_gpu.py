@@ -204,14 +204,20 @@ def _train_nvfp4(impl, steps=3):
 
 
 def test_layerwise_nvfp4_step_same_bytes_with_the_custom_call():
-    """The layer-wise NVFP4 step (its backward reads the rowwise bytes transposed: NN) trains to the same bytes with
-    the custom call as with XLA's dot."""
+    """The layer-wise NVFP4 step (its backward reads the rowwise bytes transposed: NN) trains to the same master bytes
+    with the custom call as with XLA's dot; the reported losses agree within their reduction's reordering bound."""
     hlo_xla, l_xla, m_xla = _train_nvfp4("xla")
     hlo_custom, l_custom, m_custom = _train_nvfp4("cublaslt")
     # the two forwards and w2's dgrad (w1's dx, of the batch, is not needed)
     assert "jq_bf16_gemm" not in hlo_xla and hlo_custom.count('"jq_bf16_gemm"') >= 3
-    # the trained weights first: a loss alone that differs would point at the loss's own reduction, not at a GEMM
+    # the trained weights: the same bytes
     for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(m_xla), jax.tree.leaves(m_custom)):
         _same_bytes(u, v, f"master {jax.tree_util.keystr(path)}")
+    # The reported loss is a mean of 64 x 128 fp32 squares that XLA reduces inside whatever fusion surrounds it, and
+    # the two programs fuse it differently (with XLA's dot the factor's multiply and the bf16 cast sit next to it).
+    # On one H200 (2026-11-29) the third step's loss came out 1 ulp apart (1.3759230 vs 1.3759229) in every run,
+    # alone or with XLA's GEMM autotuning off, while the masters above were the same bytes. So the losses are held
+    # to the bound of an fp32 sum of n non-negative terms in another order: relative (n - 1) * 2^-24.
+    n = 64 * 128
     for i, (u, v) in enumerate(zip(l_xla, l_custom)):
-        _same_bytes(u, v, f"loss of step {i}")
+        np.testing.assert_allclose(v, u, rtol=(n - 1) * 2.0 ** -24, atol=0, err_msg=f"loss of step {i}")
