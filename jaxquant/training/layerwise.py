@@ -49,8 +49,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.primitives import formats
-from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, dequantizes_once, gather_array, gather_once,
-                           gathered_array, pad_row_blocks, quantize_once, unpad_row_blocks, weight_amax)
+from jaxquant.training import fsdp
+from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
+                           pad_row_blocks, quantize_once, unpad_row_blocks, weight_amax)
 from jaxquant.primitives.formats import to_compute_dtype
 from jaxquant.primitives.varying import mark_varying
 from jaxquant.zero.layout import TP_SPLITS
@@ -383,7 +384,7 @@ class LayerwiseTrainStep:
         NVFP4 ones of one shard (``fsdp.dequantizes_once``: their one pass takes the whole weight's amax as an input;
         other NVFP4 casts need a statistics pass for the tile amaxes anyway), but those ``quantize_once`` quantizes
         (their amaxes are reduced together there)."""
-        return [r.quantized and (r.recipe == "fp8" or (r.recipe == "nvfp4" and dequantizes_once(r.weight)))
+        return [r.quantized and (r.recipe == "fp8" or (r.recipe == "nvfp4" and fsdp.dequantizes_once(r.weight)))
                 and not (r.weight.per_use and self.quantize_once) for r in plan.rules]
 
     def _weight_amax(self, plan, master) -> list:
