@@ -274,6 +274,33 @@ ffi::Error Nvfp4QuantizeTCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> tile_amax, 
   return Nvfp4QuantizeImpl(x, tile_amax, amax, round_bf16, *data, *scale_inv, &*data_t, &*scale_inv_t);
 }
 
+// The bf16 operand value(q) * s8 (jq_nvfp4_bf16_operand): per 16x16 tile, its amax, then its elements, from x alone.
+ffi::Error Nvfp4Bf16OperandCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, bool round_bf16,
+                               ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+  const IeeeSubnormals ieee;
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_nvfp4_bf16_operand(x, amax, *out, &rows, &cols));
+  const float s_enc = nvfp4_global_encode_scale(amax.typed_data()[0]), s_dec = 1.0f / s_enc;
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const void* in = x.untyped_data();
+  auto* dst = reinterpret_cast<uint16_t*>(out->untyped_data());
+  for (int64_t i = 0; i < rows; i += kTile) {
+    for (int64_t j = 0; j < cols; j += kTile) {
+      float t = 0.0f;
+      for (int64_t r = i; r < i + kTile; ++r)
+        for (int64_t c = j; c < j + kTile; ++c)
+          t = std::max(t, abs_ignoring_nan(load_compute(in, bf16, round_bf16, r * cols + c)));
+      const uint8_t s8 = nvfp4_tile_scale_bits(t, s_enc);
+      const float enc = nvfp4_tile_encode(s8, s_dec), s8f = e4m3_to_float(s8);
+      for (int64_t r = i; r < i + kTile; ++r)
+        for (int64_t c = j; c < j + kTile; ++c) {
+          const int64_t e = r * cols + c;
+          dst[e] = nvfp4_blockwise_bf16(float_to_e2m1(load_compute(in, bf16, round_bf16, e) * enc), s8f);
+        }
+    }
+  }
+  return ffi::Error::Success();
+}
 
 // ---- grouped ops over one shard of a ZeRO flat buffer ----------------------------------------
 

@@ -343,6 +343,83 @@ ffi::Error TransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Re
   return last_error("transpose kernel");
 }
 
+// ---- NVFP4 bf16 operand ----------------------------------------------------------------------
+
+// One read of x, one bf16 write, for the GEMM operand value(q) * s8 of a weight quantized with a given global amax.
+// The block items of the statistics and cast passes (Nvfp4Block: a lane holds 16 rows x kVec columns of one tile,
+// every load in flight before the first use); the tile's amax is taken as nvfp4_stats_kernel takes it (magnitude
+// bits, ComputeAmax only for a tile holding a value non-finite in the compute dtype, then a max over the tile's
+// lanes), its scale and encode multiplier as nvfp4_quantize_kernel derives them, and each code decoded to bf16
+// (nvfp4_blockwise_bf16): the bytes of the two passes and the decode, without the packed data or the scales in
+// memory.
+template <bool kBf16, bool kRound>
+__global__ void __launch_bounds__(kThreads) nvfp4_bf16_operand_kernel(const void* __restrict__ x, int64_t rows,
+                                                                      int64_t cols, bool aligned, const float* amax,
+                                                                      uint16_t* __restrict__ out) {
+  using B = Nvfp4Block<kBf16>;
+  constexpr int kVec = B::kVec;
+  const B blk(rows, cols, blockIdx.y);
+  uint4 raw[kTile];
+  float t = 0.0f;
+  if (blk.valid) {
+    blk.load(x, cols, aligned, raw);
+    uint32_t acc = 0;
+#pragma unroll
+    for (int r = 0; r < kTile; ++r) acc = max_magnitude_bits<kBf16>(acc, vector_magnitude_bits<kBf16>(raw[r]));
+    const uint32_t top = widen_magnitude_bits<kBf16>(acc);
+    if (__builtin_expect(top < kNonFiniteBits<kRound>, 1)) {
+      t = kRound ? round_to_bf16(__uint_as_float(top)) : __uint_as_float(top);
+    } else {
+      ComputeAmax<kRound> exact;
+#pragma unroll
+      for (int r = 0; r < kTile; ++r) exact.add_vector<kBf16>(raw[r]);
+      t = exact.result();
+    }
+  }
+  // every lane takes part in the shuffles (a tile's lanes are all valid or all not: cols % 16 == 0)
+#pragma unroll
+  for (int o = 1; o < B::kLanesPerTile; o <<= 1) t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, o));
+  if (!blk.valid) return;
+  const float s_enc = nvfp4_global_encode_scale(amax[0]), s_dec = 1.0f / s_enc;
+  const uint8_t s8 = nvfp4_tile_scale_bits(t, s_enc);
+  const float enc = nvfp4_tile_encode(s8, s_dec), s8f = e4m3_to_float(s8);
+  uint16_t* dst = out + blk.tile_row * kTile * cols + blk.col;
+#pragma unroll
+  for (int r = 0; r < kTile; ++r) {
+    float v[kVec];
+    to_compute<kBf16, kRound, true>(raw[r], v);
+    const uint32_t codes = e2m1_row<kVec>(raw[r], v, enc);  // element k in bits 4k..4k+3
+    uint32_t w[kVec / 2];
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k)
+      w[k] = uint32_t(nvfp4_blockwise_bf16((codes >> (8 * k)) & 0xFu, s8f)) |
+             (uint32_t(nvfp4_blockwise_bf16((codes >> (8 * k + 4)) & 0xFu, s8f)) << 16);
+    if constexpr (kVec == 8)
+      *reinterpret_cast<uint4*>(dst + r * cols) = make_uint4(w[0], w[1], w[2], w[3]);
+    else
+      *reinterpret_cast<uint2*>(dst + r * cols) = make_uint2(w[0], w[1]);
+  }
+}
+
+ffi::Error Nvfp4Bf16OperandCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax, bool round_bf16,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+  int64_t rows, cols;
+  JQ_RETURN_IF_ERROR(check_nvfp4_bf16_operand(x, amax, *out, &rows, &cols));
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
+  bool launched = false;
+  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+    constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
+    dim3 grid;
+    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
+    // an ordinary launch: x and amax may come from the kernel just before
+    nvfp4_bf16_operand_kernel<kBf16, kRound><<<grid, kThreads, 0, stream>>>(
+        x.untyped_data(), rows, cols, aligned, amax.typed_data(), reinterpret_cast<uint16_t*>(out->untyped_data()));
+  });
+  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
+  return last_error("nvfp4 bf16 operand kernel");
+}
+
 }  // namespace
 
 JQ_DEFINE_TENSOR_HANDLERS(Cuda, JQ_CUDA_CTX)

@@ -175,6 +175,13 @@ inline ffi::Error check_nvfp4_quantize(const ffi::AnyBuffer& x, const ffi::Buffe
   return ffi::Error::Success();
 }
 
+inline ffi::Error check_nvfp4_bf16_operand(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax,
+                                           const ffi::Buffer<ffi::BF16>& out, int64_t* rows, int64_t* cols) {
+  if (auto e = check_nvfp4_x(x, rows, cols); e.failure()) return e;
+  if (auto e = check_count(amax, 1, "amax"); e.failure()) return e;
+  return check_2d(out, *rows, *cols, "out");
+}
+
 // int64 operands (the group table, chunk_lo) travel as uint32 word pairs; their values as int64.
 inline const int64_t* as_i64(const ffi::Buffer<ffi::U32>& words) {
   return reinterpret_cast<const int64_t*>(words.typed_data());

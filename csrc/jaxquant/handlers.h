@@ -20,6 +20,7 @@
   X("jq_nvfp4_stats", JqNvfp4Stats)                \
   X("jq_nvfp4_quantize", JqNvfp4Quantize)          \
   X("jq_nvfp4_quantize_t", JqNvfp4QuantizeT)       \
+  X("jq_nvfp4_bf16_operand", JqNvfp4Bf16Operand)  \
   X("jq_nvfp4_group_tile_amax", JqNvfp4GroupTileAmax) \
   X("jq_nvfp4_group_cast", JqNvfp4GroupCast)         \
   X("jq_fp8_group_amax", JqFp8GroupAmax)             \
@@ -134,7 +135,12 @@
                                     .Ret<F::Buffer<F::U8>>()                                        \
                                     .Ret<F::Buffer<F::U8>>()                                        \
                                     .Ret<F::Buffer<F::U8>>()                                        \
-                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);
+                                    .Ret<F::Buffer<F::U8>>(), JQ_CMD_BUFFER);                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JqNvfp4Bf16Operand##S, Nvfp4Bf16Operand##S,                         \
+                                F::Ffi::Bind() CTX.Arg<F::AnyBuffer>()                              \
+                                    .Arg<F::Buffer<F::F32>>()                                       \
+                                    .Attr<bool>("round_bf16")                                       \
+                                    .Ret<F::Buffer<F::BF16>>(), JQ_CMD_BUFFER);
 
 #define JQ_DEFINE_GROUP_HANDLERS(S, CTX)                                                            \
   namespace F = ::xla::ffi;                                                                        \

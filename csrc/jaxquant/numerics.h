@@ -203,6 +203,13 @@ JQ_HD float nvfp4_tile_encode(uint8_t s8_bits, float s_dec) {
   return fmin_ignore_nan(1.0f / (s8 * s_dec), kFltMax);
 }
 
+// bf16 bits of value(code) * float(s8), the NVFP4 element decoded without the global factor (§2.8): a 2-bit by
+// 4-bit significand product between 2^-10 and 2688, so the fp32 product is exact and so is its bf16 (the upper
+// half of its bits; -0 and +0 keep their signs).
+JQ_HD uint16_t nvfp4_blockwise_bf16(uint8_t code, float s8) {
+  return static_cast<uint16_t>(float_bits(e2m1_to_float(code) * s8) >> 16);
+}
+
 // Layout helpers (docs/numerics.md §2.7).
 JQ_HD int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 JQ_HD int64_t nvfp4_scale_rows(int64_t rows) { return round_up(rows, 128); }

@@ -49,7 +49,13 @@ def fp32_to_e2m1_code(v: jax.Array) -> jax.Array:
 
 
 def e2m1_code_to_fp32(code: jax.Array) -> jax.Array:
-    return jnp.asarray(formats.E2M1_VALUES)[code.astype(jnp.int32) & 15]
+    """The value of E2M1 codes (``formats.E2M1_VALUES``), built as fp32 bit patterns: exponent field e > 0 gives
+    2^(e-1) * (1 + m/2), e == 0 gives m/2; no table, so that an op's reference holds no constant
+    (``custom_partitioning`` refuses one)."""
+    c = code.astype(jnp.uint32) & 15
+    e, m = (c >> 1) & 3, c & 1
+    bits = jnp.where(e > 0, ((e + 126) << 23) | (m << 22), m * jnp.uint32(0x3F000000))
+    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
 
 
 def pack_codes(codes: jax.Array) -> jax.Array:
@@ -172,13 +178,18 @@ def nvfp4_scale_transpose(scale_inv: jax.Array, *, rows: int, cols: int) -> jax.
     return jnp.pad(per_row, ((0, pr - cols), (0, pc - rows // TILE)))
 
 
-def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
+def nvfp4_blockwise(data, scale_inv, shape) -> jax.Array:
+    """fp32 ``value(q) * float(s8)`` of every element (docs/numerics.md §2.8 without the global factor): a 2-bit by
+    4-bit significand product, exact in fp32 and in bf16."""
     rows, cols = shape
     values = e2m1_code_to_fp32(unpack_codes(data))
     s8 = e4m3_bits_to_fp32(scale_inv[0:rows:TILE, : cols // TILE])
-    s8 = jnp.repeat(jnp.repeat(s8, TILE, 0), TILE, 1)
+    return values * jnp.repeat(jnp.repeat(s8, TILE, 0), TILE, 1)
+
+
+def nvfp4_dequantize(data, scale_inv, amax_value, shape) -> jax.Array:
     global_dec = jnp.reshape(amax_value, ()).astype(jnp.float32) * (np.float32(1) / formats.NVFP4_GLOBAL_RANGE)
-    return (values * s8) * global_dec
+    return nvfp4_blockwise(data, scale_inv, shape) * global_dec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,6 +272,15 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype, columnwise: bool)
     if not columnwise:
         return data, scale_inv
     return data, scale_inv, nvfp4_transpose(data), nvfp4_scale_transpose(scale_inv, rows=rows, cols=cols)
+
+
+def nvfp4_bf16_operand(x, amax_value, *, compute_dtype):
+    """The bf16 GEMM operand of a [M, K] ``x`` quantized to NVFP4 with the whole tensor's ``amax_value`` (its tile
+    amaxes its own): ``value(q) * s8`` of :func:`nvfp4_quantize`'s bytes (:func:`nvfp4_blockwise`, exact in bf16), the
+    global decode factor left to the GEMM (§2.8). ``nvfp4_stats`` + ``nvfp4_quantize`` + the decode, composed."""
+    tiles, _, _ = nvfp4_stats(x, compute_dtype=compute_dtype)
+    data, scale_inv = nvfp4_quantize(x, tiles, amax_value, compute_dtype=compute_dtype, columnwise=False)
+    return nvfp4_blockwise(data, scale_inv, x.shape).astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------

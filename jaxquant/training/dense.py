@@ -256,9 +256,10 @@ def _forward(act, wops, cfg: _Config):
                            out_dtype=cfg.out_dtype)
     (xb,) = act
     dims = NN if cfg.transposed else TN
+    # the bf16 operand a one-shard weight's forward made (fsdp.dequantizes_once), else decoded here
+    w = wops["operand"] if "operand" in wops else nvfp4_operand(wops["data"], wops["scale_inv"])
     # written in the output dtype (scaled_gemm: on CUDA the GEMM applies the decode factor and rounds to bf16 itself)
-    return scaled_gemm(xb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=dims,
-                       out_dtype=cfg.out_dtype)
+    return scaled_gemm(xb, None, w, wops["dec"], dims=dims, out_dtype=cfg.out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +358,10 @@ def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
                 wgrad(gq_t, sg, xq_t, sx, out_dtype=dw_dtype))
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
-    if cfg.transposed:   # K [in, out] contracted on its minor axis: TN
+    if "operand" in wops:   # the forward's bf16 operand (fsdp.dequantizes_once): W read NN, K [in, out] TN
+        dx = scaled_gemm(gb, None, wops["operand"], wops["dec"], dims=TN if cfg.transposed else NN,
+                         out_dtype=cfg.x_dtype)
+    elif cfg.transposed:   # K [in, out] contracted on its minor axis: TN
         dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"],
                          out_dtype=cfg.x_dtype)
     elif "data_t" in wops:

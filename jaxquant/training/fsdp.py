@@ -10,7 +10,8 @@ uses it in one of two ways:
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
   builds the columnwise copy; an FP8 weight of one shard keeps the columnwise copy its cast wrote instead,
-  ``keeps_columnwise``) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
+  ``keeps_columnwise``; an NVFP4 weight of one shard makes its bf16 GEMM operand once and keeps that,
+  ``dequantizes_once``) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
   ``make_train_step(reshard_after_forward=False)`` (``WeightSpec.keep_gathered``) the gathered operands
   are the residual and the backward gathers nothing;
@@ -140,7 +141,7 @@ class ShardedWeight:
     spec: WeightSpec = dataclasses.field(metadata=dict(static=True))
     gathered: Optional[dict] = None   # the step's once-a-step gathered operands (``spec.per_use`` False)
     local: Optional[dict] = None      # the step's once-a-step quantized rows (:func:`quantize_shard`'s dict)
-    amax: Optional[jax.Array] = None  # FP8: the whole weight's amax, precomputed (:func:`weight_amax`), else None
+    amax: Optional[jax.Array] = None  # FP8, NVFP4 of one shard: the whole weight's amax (:func:`weight_amax`), or None
 
     @property
     def shape(self) -> tuple:
@@ -197,6 +198,9 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     gathered operands (no second gather)."""
     if gathered is not None:
         return gathered, gathered
+    if local is None and dequantizes_once(spec):   # the GEMMs' bf16 operand, made once, read forward and backward
+        operands = dequantized_operands(shard, spec, amax)
+        return operands, operands
     if local is None:
         columnwise = keeps_columnwise(spec)
         # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
@@ -224,10 +228,41 @@ def keeps_columnwise(spec: WeightSpec) -> bool:
             and spec.per_use and not spec.keep_gathered)
 
 
+def dequantizes_once(spec: WeightSpec) -> bool:
+    """Whether :func:`forward_weight` makes an NVFP4 weight's bf16 GEMM operand (``value(q) * s8``) straight from its
+    master rows in one pass (:func:`dequantized_operands`) and keeps it for the backward's dgrad: a weight quantized
+    where it is read, not split over ranks (one shard: no bytes are gathered, so the packed bytes are needed by
+    nothing but the two decodes) and not kept gathered; ``[in, out]`` weights too (the GEMMs read the same operand
+    contracted on the other axis).
+
+    Per element and step that is one read of the fp32 master and one bf16 write (6 bytes, what plain JAX's cast
+    costs), where the statistics pass, the cast and one decode per GEMM (the forward's and the dgrad's: XLA does not
+    fuse a decode into the cuBLAS GEMM that reads it) read and wrote about 13.5; the residual is the bf16 operand
+    (2 bytes an element, as plain JAX's bf16 weight) instead of the packed bytes. The whole weight's amax comes
+    from ``TrainState.weight_amax`` (:func:`weight_amax`, computed by the update that wrote the master), so no
+    statistics pass runs. Same bytes: the op's reference is the statistics pass, the cast and the decode composed."""
+    return (spec.recipe == "nvfp4" and spec.num_shards == 1 and not spec.pad_rows and spec.per_use
+            and not spec.keep_gathered)
+
+
+def dequantized_operands(shard, spec: WeightSpec, amax=None) -> dict:
+    """The operands of :func:`dequantizes_once`'s weight: ``operand``, the bf16 ``value(q) * s8`` of every element
+    (``ops.nvfp4_bf16_operand``: the rows' own tile amaxes, the whole weight's ``amax``), ``dec`` and ``amax``;
+    ``amax`` precomputed by :func:`weight_amax`, or None (a state built by hand: one statistics pass finds it)."""
+    if amax is None:
+        amax = statistics(shard, spec)[0]
+    elif spec.amax_axes:   # varying over the amax axes, as statistics' pmax result is made
+        amax = mark_varying(amax, spec.amax_axes)
+    operand = _all_gather(ops.nvfp4_bf16_operand(shard, amax, compute_dtype=COMPUTE_DTYPE), spec)
+    return {"operand": operand, "dec": nvfp4_global_decode(amax), "amax": amax}
+
+
 def backward_weight(kept, spec: WeightSpec) -> dict:
     """The operands ``jq.dense``'s backward GEMMs read, from what :func:`forward_weight` kept: FP8 GEMMs need the
-    transposed bytes (TN) of an ``[out, in]`` weight; NVFP4's bf16 GEMM reads the rowwise bytes transposed; a
-    transposed (``[in, out]``) weight's dgrad reads its rowwise bytes."""
+    transposed bytes (TN) of an ``[out, in]`` weight; NVFP4's bf16 GEMM reads the rowwise bytes transposed, or the
+    bf16 operand :func:`dequantizes_once` kept; a transposed (``[in, out]``) weight's dgrad reads its rowwise bytes."""
+    if "operand" in kept:
+        return kept
     columnwise = spec.recipe == "fp8" and not spec.transposed
     if spec.keep_gathered or not spec.per_use:
         return with_columnwise(kept, spec) if columnwise else kept
@@ -236,10 +271,11 @@ def backward_weight(kept, spec: WeightSpec) -> dict:
 
 def quantize_rows(shard, spec: WeightSpec, amax=None, columnwise: bool = False) -> dict:
     """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``), or, FP8,
-    with the whole weight's ``amax`` precomputed by :func:`weight_amax` (no amax pass, no reduction)."""
+    with the whole weight's ``amax`` precomputed by :func:`weight_amax` (no amax pass, no reduction). NVFP4 needs the
+    statistics pass for its tile amaxes whether or not ``amax`` is given (the same whole-weight amax)."""
     if spec.recipe == "bf16":
         return quantize_shard(shard, spec, None)
-    if amax is None:
+    if amax is None or spec.recipe == "nvfp4":
         return quantize_shard(shard, spec, statistics(shard, spec), columnwise)
     # varying over the amax axes, as statistics' pmax result is made
     return quantize_shard(shard, spec, (mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax, None),
@@ -247,9 +283,11 @@ def quantize_rows(shard, spec: WeightSpec, amax=None, columnwise: bool = False) 
 
 
 def weight_amax(master):
-    """The amax of every layer of an FP8 compute weight's (global, unsharded-view) master leaf ``[..., rows, cols]``,
-    after bf16 rounding: shape ``[...]``. The same value as :func:`statistics` of each layer (this rank's rows'
-    amax, max-reduced over the axes that split the weight: a max is a max, however grouped). Left to XLA in the step
+    """The amax of every layer of an FP8 (or :func:`dequantizes_once` NVFP4) compute weight's (global,
+    unsharded-view) master leaf ``[..., rows, cols]``, after bf16 rounding (docs/numerics.md §1.1, §2.1 and "Compute
+    dtype": both recipes' amax is of the bf16-rounded values): shape ``[...]``. The same value as :func:`statistics`
+    of each layer (this rank's rows' amax, NVFP4's the max of its tile amaxes, max-reduced over the axes that split
+    the weight: a max is a max, however grouped). Left to XLA in the step
     that writes the master, which may fuse the reduction into the optimizer's update (not checked in a profile)."""
     fn = lambda layer: reference.fp8_stats(layer, compute_dtype=COMPUTE_DTYPE)[0]
     return _per_layer(fn, master.ndim)(master)

@@ -560,6 +560,55 @@ def nvfp4_quantize(x, tile_amax, amax_value, *, compute_dtype=jnp.bfloat16, colu
     return (res[0], res[1]) + ((res[2], res[3]) if columnwise else (None, None))
 
 
+def _fold_nvfp4_bf16_operand(op, n, batched, xs, kwargs):
+    """A batch of [B, M, K] with one shared amax: tiles are row-separable (M % 16 == 0), B folds into M."""
+    x, amax_value = xs
+    if batched[1] or not batched[0]:
+        return None
+    return op(x.reshape(n * x.shape[1], x.shape[2]), amax_value, **kwargs).reshape(x.shape)
+
+
+# Sharded under jit: each block computes its own tile amaxes (blocks of whole 16x16 tiles); the amax is the whole
+# tensor's, given.
+NVFP4_BF16_OPERAND = Op("nvfp4_bf16_operand", (Target("jq_nvfp4_bf16_operand"),), reference.nvfp4_bf16_operand,
+                        rule=Rule("nvfp4_bf16_operand", ("m k", "-"), "m k", tile=TILE,
+                                  fold=_fold_nvfp4_bf16_operand))
+
+
+@NVFP4_BF16_OPERAND.define
+def nvfp4_bf16_operand(x, amax_value, *, compute_dtype=jnp.bfloat16, impl: str = "auto") -> jax.Array:
+    """The bf16 GEMM operand of ``x``'s NVFP4 quantization, from ``x`` in one pass: ``value(q) * s8`` per element,
+    the bytes of ``gemm.nvfp4_operand`` of :func:`nvfp4_quantize`'s output with ``x``'s own tile amaxes
+    (:func:`nvfp4_stats`) and the given global amax, without the packed bytes or the scales in between.
+
+    One read of ``x`` and one bf16 write (custom call ``jq_nvfp4_bf16_operand``): each 16x16 tile's amax is taken in
+    the pass; the whole tensor's amax is an input (no statistics pass). The global decode factor of
+    docs/numerics.md §2.8 is left out: the GEMM that reads the operand applies it to its fp32 result.
+
+    Args:
+      x: float32 or bfloat16 ``[M, K]``, M and K positive multiples of 16.
+      amax_value: the whole tensor's amax after ``compute_dtype`` rounding, a float32 scalar or ``[1]`` array.
+      compute_dtype: values are rounded to it first (default bfloat16; None: as is).
+      impl: "auto" (default), "custom_call" or "reference" (see ``jaxquant.primitives.ops``).
+
+    Returns:
+      bfloat16 ``[M, K]``.
+
+    Raises:
+      TypeError, ValueError: an operand of the wrong dtype or shape, or a bad ``compute_dtype``.
+    """
+    check_impl(impl)
+    check_input("x", x)
+    round_bf16 = rounds_to_bf16(x, compute_dtype)
+    _nvfp4_rows_cols(x)
+    check_amax(amax_value)
+    out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+    custom = lambda v, a: NVFP4_BF16_OPERAND.call("jq_nvfp4_bf16_operand", [out], v, a.reshape(1),
+                                                  round_bf16=round_bf16)[0]
+    ref = lambda v, a: reference.nvfp4_bf16_operand(v, a, compute_dtype=compute_dtype)
+    return NVFP4_BF16_OPERAND.dispatch(impl, custom, ref, x, _scalar(amax_value))
+
+
 # ----------------------------------------------------------------------------------------------
 # The GEMMs on cuBLASLt (jaxquant.primitives.gemm.scaled_gemm; csrc/cuda_gemm.cu)
 # ----------------------------------------------------------------------------------------------
