@@ -347,11 +347,10 @@ ffi::Error TransposeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> data, ffi::Re
 
 // One read of x, one bf16 write, for the GEMM operand value(q) * s8 of a weight quantized with a given global amax.
 // The block items of the statistics and cast passes (Nvfp4Block: a lane holds 16 rows x kVec columns of one tile,
-// every load in flight before the first use); the tile's amax is taken as nvfp4_stats_kernel takes it (magnitude
-// bits, ComputeAmax only for a tile holding a value non-finite in the compute dtype, then a max over the tile's
-// lanes), its scale and encode multiplier as nvfp4_quantize_kernel derives them, and each code decoded to bf16
-// (nvfp4_blockwise_bf16): the bytes of the two passes and the decode, without the packed data or the scales in
-// memory.
+// every load in flight before the first use); the tile's amax is taken as nvfp4_stats_kernel takes it
+// (lane_tile_amax, then a max over the tile's lanes), its scale and encode multiplier as nvfp4_quantize_kernel
+// derives them, and each code decoded to bf16 (nvfp4_blockwise_bf16): the bytes of the two passes and the decode,
+// without the packed data or the scales in memory.
 template <bool kBf16, bool kRound>
 __global__ void __launch_bounds__(kThreads) nvfp4_bf16_operand_kernel(const void* __restrict__ x, int64_t rows,
                                                                       int64_t cols, bool aligned, const float* amax,
@@ -363,18 +362,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_bf16_operand_kernel(const void
   float t = 0.0f;
   if (blk.valid) {
     blk.load(x, cols, aligned, raw);
-    uint32_t acc = 0;
-#pragma unroll
-    for (int r = 0; r < kTile; ++r) acc = max_magnitude_bits<kBf16>(acc, vector_magnitude_bits<kBf16>(raw[r]));
-    const uint32_t top = widen_magnitude_bits<kBf16>(acc);
-    if (__builtin_expect(top < kNonFiniteBits<kRound>, 1)) {
-      t = kRound ? round_to_bf16(__uint_as_float(top)) : __uint_as_float(top);
-    } else {
-      ComputeAmax<kRound> exact;
-#pragma unroll
-      for (int r = 0; r < kTile; ++r) exact.add_vector<kBf16>(raw[r]);
-      t = exact.result();
-    }
+    int nonfinite = 0;   // not reported: the statistics pass that found the amax counted them
+    t = lane_tile_amax<kBf16, kRound>(raw, &nonfinite);
   }
   // every lane takes part in the shuffles (a tile's lanes are all valid or all not: cols % 16 == 0)
 #pragma unroll

@@ -221,6 +221,25 @@ struct Nvfp4Block {
   }
 };
 
+// A lane's share of its tile's amax from the 16 rows it loaded (the max over the tile's lanes follows): the magnitude
+// bits' max, one AND and one integer max an element (vector_magnitude_bits; kRound: the max rounded once,
+// docs/numerics.md §2 "Compute dtype"); only a lane whose rows hold a value non-finite in the compute dtype takes
+// them again element by element (ComputeAmax), whose non-finite count is added to *nonfinite.
+template <bool kBf16, bool kRound>
+__device__ __forceinline__ float lane_tile_amax(const uint4 (&raw)[kTile], int* nonfinite) {
+  uint32_t acc = 0;
+#pragma unroll
+  for (int r = 0; r < kTile; ++r) acc = max_magnitude_bits<kBf16>(acc, vector_magnitude_bits<kBf16>(raw[r]));
+  const uint32_t top = widen_magnitude_bits<kBf16>(acc);
+  if (__builtin_expect(top < kNonFiniteBits<kRound>, 1))
+    return kRound ? round_to_bf16(__uint_as_float(top)) : __uint_as_float(top);
+  ComputeAmax<kRound> exact;
+#pragma unroll
+  for (int r = 0; r < kTile; ++r) exact.add_vector<kBf16>(raw[r]);
+  *nonfinite += exact.nonfinite;
+  return exact.result();
+}
+
 // Grid-stride over 64-row block items (gridDim.y of them at a time; the launcher caps it for bf16):
 // with one item per block, bf16 input ran in ~6 short waves at 8192² whose fixed latency was as long
 // as their transfer; a block publishes its amax and count once. A lane's 16 rows are all in flight
@@ -242,19 +261,7 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_stats_kernel(const void* __
     if (blk.valid) {
       uint4 raw[kTile];
       blk.load(x, cols, aligned, raw);
-      uint32_t acc = 0;
-#pragma unroll
-      for (int r = 0; r < kTile; ++r) acc = max_magnitude_bits<kBf16>(acc, vector_magnitude_bits<kBf16>(raw[r]));
-      const uint32_t top = widen_magnitude_bits<kBf16>(acc);
-      if (__builtin_expect(top < kNonFiniteBits<kRound>, 1)) {
-        t = kRound ? round_to_bf16(__uint_as_float(top)) : __uint_as_float(top);
-      } else {
-        ComputeAmax<kRound> exact;
-#pragma unroll
-        for (int r = 0; r < kTile; ++r) exact.add_vector<kBf16>(raw[r]);
-        t = exact.result();
-        c += exact.nonfinite;
-      }
+      t = lane_tile_amax<kBf16, kRound>(raw, &c);
     }
     m = fmaxf(m, t);
 #pragma unroll
