@@ -88,9 +88,50 @@ def test_reduce_grad_converts_where_that_changes_the_gradient(dtype, grad, shard
 def test_only_an_unsplit_fp8_weight_keeps_its_columnwise_bytes():
     assert fsdp.keeps_columnwise(_spec())
     assert fsdp.keeps_columnwise(_spec(gather_axis="fsdp"))            # one rank on the FSDP axis
-    for kw in ({"gather_axis": "fsdp", "num_shards": 2}, {"transposed": True}, {"keep_gathered": True},
+    assert fsdp.keeps_columnwise(_spec(transposed=True))               # [in, out]: the forward reads them
+    for kw in ({"gather_axis": "fsdp", "num_shards": 2}, {"keep_gathered": True},
                {"per_use": False}, {"recipe": "nvfp4"}, {"recipe": "bf16"}):
         assert not fsdp.keeps_columnwise(_spec(**kw)), kw
+
+
+def test_an_in_out_weight_reads_the_columnwise_bytes_its_cast_wrote(monkeypatch):
+    """An ``[in, out]`` weight (flax's kernels): the forward GEMM reads the columnwise bytes the cast wrote (no
+    transpose of its result after the cast), the backward keeps the rowwise ones its dgrad reads; the bytes of the
+    rowwise-only way, which transposes the cast's result in the forward."""
+    spec = _spec(transposed=True)
+    shard = jax.random.normal(jax.random.key(3), (64, 48), jnp.float32)
+    fwd, kept = fsdp.forward_weight(shard, None, None, spec)
+    assert "data" not in fwd and set(kept) == {"data", "scale_inv", "amax"}
+    monkeypatch.setattr(fsdp, "keeps_columnwise", lambda spec: False)
+    fwd0, kept0 = fsdp.forward_weight(shard, None, None, spec)
+    assert "data" in fwd0   # the rowwise bytes, transposed after the cast for the forward
+    for k in ("data_t", "scale_inv", "amax"):
+        np.testing.assert_array_equal(_bits(fwd[k]), _bits(fwd0[k]), err_msg=k)
+    for k in kept:
+        np.testing.assert_array_equal(_bits(kept[k]), _bits(kept0[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
+def test_dense_on_one_shard_gives_the_rowwise_ways_bytes(monkeypatch, transposed):
+    """``jq.dense`` on a one-shard FP8 ``ShardedWeight``, both layouts: y, dx and the weight gradient have the bytes
+    of the rowwise-only way."""
+    spec = _spec(transposed=transposed)
+    w = jax.random.normal(jax.random.key(3), (64, 48), jnp.float32)
+    x = jax.random.normal(jax.random.key(4), (32, w.shape[0] if transposed else w.shape[1]), jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(5), (32, w.shape[1] if transposed else w.shape[0]), jnp.bfloat16)
+
+    def fwd_bwd():   # a new function each time: jit's cache would otherwise reuse the first trace
+        def fn(x, sink):
+            y, vjp = jax.vjp(lambda x, s: jq.dense(x, fsdp.ShardedWeight(w, s, spec)), x, sink)
+            return (y,) + vjp(g.astype(y.dtype))
+        return jax.jit(fn)
+
+    sink = jnp.zeros(w.shape, BF16)
+    got = fwd_bwd()(x, sink)
+    monkeypatch.setattr(fsdp, "keeps_columnwise", lambda spec: False)
+    for name, a, b in zip(("y", "dx", "dW"), got, fwd_bwd()(x, sink)):
+        assert a.dtype == b.dtype, name
+        _assert_same(np.asarray(a), np.asarray(b))
 
 
 def test_one_shard_keeps_the_transpose_of_the_bytes_it_multiplies(monkeypatch):

@@ -9,7 +9,7 @@ uses it in one of two ways:
 
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
-  builds the columnwise copy; an FP8 weight of one shard keeps the columnwise copy its cast wrote instead,
+  builds the columnwise copy; an FP8 weight of one shard has its cast write both layouts instead,
   ``keeps_columnwise``; an NVFP4 weight of one shard makes its bf16 GEMM operand once and keeps that,
   ``dequantizes_once``) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
@@ -194,8 +194,8 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     amax reduction; otherwise this rank's rows are quantized (:func:`quantize_rows`, with the precomputed ``amax``
     when given) and gathered. The backward
     keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast; an FP8
-    weight of one shard keeps their transpose instead, :func:`keeps_columnwise`), or with ``spec.keep_gathered`` the
-    gathered operands (no second gather)."""
+    weight of one shard casts both layouts and keeps the one the backward reads, :func:`keeps_columnwise`), or with
+    ``spec.keep_gathered`` the gathered operands (no second gather)."""
     if gathered is not None:
         return gathered, gathered
     if local is None and dequantizes_once(spec):   # the GEMMs' bf16 operand, made once, read forward and backward
@@ -206,26 +206,30 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
         # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
         # otherwise clones the cast into the residual's stacked write, casting every weight twice
         local = jax.lax.optimization_barrier(quantize_rows(shard, spec, amax, columnwise=columnwise))
-        if columnwise:   # the forward GEMM reads the rowwise bytes, the backward keeps the columnwise ones only
-            rowwise = {k: v for k, v in local.items() if k != "data_t"}
-            return forward_operands(rowwise, spec), {k: v for k, v in local.items() if k != "data"}
+        if columnwise:   # each GEMM reads the layout it needs (forward_operands, backward_weight), none transposed
+            read, kept = ("data_t", "data") if spec.transposed else ("data", "data_t")
+            return (forward_operands({k: v for k, v in local.items() if k != kept}, spec),
+                    {k: v for k, v in local.items() if k != read})
     gathered = forward_operands(local, spec)
     return gathered, (gathered if spec.keep_gathered else local)
 
 
 def keeps_columnwise(spec: WeightSpec) -> bool:
-    """Whether :func:`forward_weight` casts with the columnwise copy and keeps it, not the rowwise bytes, for the
-    backward: an FP8 ``[out, in]`` weight quantized where it is read, not split over ranks (one shard: nothing is
-    gathered between the cast and the dgrad GEMM, which reads the transposed bytes, TN) and not kept gathered.
+    """Whether :func:`forward_weight` casts an FP8 weight with its columnwise copy, so that neither GEMM reads a
+    transpose made for it: a weight quantized where it is read, not split over ranks (one shard: nothing is gathered
+    between the cast and the GEMMs) and not kept gathered. The cast writes both layouts in one pass
+    (``ops.fp8_quantize(columnwise=True)``: the same bytes as the transpose of the rowwise ones).
 
-    The cast writes both layouts in one pass (``ops.fp8_quantize(columnwise=True)``: the same bytes as the
-    transpose of the rowwise ones), instead of a separate transpose of the residual in the backward. Under ``scan``
-    that transpose's operand is a slice of the stacked residual, and XLA (jax 0.11.2, for the row-major operand of
-    ``jq_fp8_gemm``) transposed the whole stack before the backward loop and copied each layer's strided slice out
-    of it inside the loop. Rows split over ranks are gathered before their transpose, which stays one layer's
-    transpose in the loop: those keep the rowwise residual."""
-    return (spec.recipe == "fp8" and not spec.transposed and spec.num_shards == 1 and not spec.pad_rows
-            and spec.per_use and not spec.keep_gathered)
+    An ``[out, in]`` weight's forward reads the rowwise bytes and the backward keeps the columnwise ones for its dgrad
+    (TN), instead of transposing the residual in the backward. Under ``scan`` that transpose's operand is a slice of
+    the stacked residual, and XLA (jax 0.11.2, for the row-major operand of ``jq_fp8_gemm``) transposed the whole
+    stack before the backward loop and copied each layer's strided slice out of it inside the loop. An ``[in, out]``
+    weight (flax's kernels) is read the other way round: its forward reads the columnwise bytes (a transpose of the
+    cast's result in every forward otherwise, one kernel a weight use on an H200) and the backward keeps the rowwise
+    ones. Rows split over ranks are gathered before their transpose, which stays one layer's transpose: those keep
+    the rowwise bytes."""
+    return (spec.recipe == "fp8" and spec.num_shards == 1 and not spec.pad_rows and spec.per_use
+            and not spec.keep_gathered)
 
 
 def dequantizes_once(spec: WeightSpec) -> bool:
@@ -339,11 +343,11 @@ def forward_operands(local: dict, spec: WeightSpec) -> dict:
 def gathered_operands(local: dict, spec: WeightSpec, columnwise: bool) -> dict:
     """The GEMM operands of the gathered weight, as ``jq.dense`` reads them (docs/numerics.md §1.7, §2.7),
     from :func:`quantize_shard`'s ``local``: bf16 ``w``; FP8 ``data`` [``data_t``], ``scale_inv``, ``amax`` (only
-    ``data_t`` from the columnwise residual of :func:`keeps_columnwise`);
+    ``data_t`` from the columnwise bytes of :func:`keeps_columnwise` without the rowwise ones);
     NVFP4 ``data``, ``scale_inv`` [``data_t``, ``scale_inv_t``], ``dec``, ``amax``."""
     if spec.recipe == "bf16":
         return {"w": _all_gather(local["w"], spec)}
-    if "data" not in local:   # the columnwise residual of one shard (keeps_columnwise): its gather moves nothing
+    if "data" not in local:   # the columnwise bytes of one shard (keeps_columnwise): its gather moves nothing
         return {"data_t": _all_gather(local["data_t"], spec), "scale_inv": local["scale_inv"], "amax": local["amax"]}
     data = _all_gather(local["data"], spec)
     if spec.recipe == "fp8":
