@@ -45,8 +45,9 @@ FP8_GEMM_IMPL = os.environ.get("JAXQUANT_FP8_GEMM", "cublaslt")
 #               kernels that read it (4 bytes an element read back);
 #   "cublaslt"  jaxquant's custom call (``ops.bf16_gemm``, csrc/cuda_gemm.cu): one cuBLASLt GEMM with the factor as its
 #               alpha, writing bf16, where the CUDA extension was built with it; XLA's dot elsewhere. Its products have
-#               XLA's bytes (tests/test_bf16_gemm_gpu.py), but a two-layer NVFP4 training step with it has not yet
-#               been shown to give XLA's bytes on a GPU, so it is opt-in (docs/performance.md, "NVFP4's GEMMs").
+#               XLA's bytes (tests/test_bf16_gemm_gpu.py; a two-layer NVFP4 step trains to the same masters on an
+#               H200), but its gain beside the one-shard NVFP4 path is not measured, so it is opt-in
+#               (docs/performance.md, "NVFP4's GEMMs").
 # Read when a function is traced; the environment variable JAXQUANT_BF16_GEMM sets it at import.
 BF16_GEMM_IMPL = os.environ.get("JAXQUANT_BF16_GEMM", "xla")
 
@@ -97,10 +98,9 @@ def scaled_gemm(a, a_scale, b, b_scale, dims=TN, out_dtype=None):
         return ops.bf16_gemm(a, b, _factor(a_scale, b_scale), b_layout="nk" if dims == TN else "kn")
     if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
         if a_scale is None and b_scale is None and out_dtype is not None and jnp.dtype(out_dtype).itemsize == 2:
-            # on the CPU the fp32 GEMM of reference.bf16_dot_f32, then the cast (the same bytes)
+            # on the CPU reference.bf16_dot_f32's GEMM, then the cast (the same bytes)
             direct = lambda: jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
-            cpu = lambda: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
-                                              preferred_element_type=jnp.float32).astype(out_dtype)
+            cpu = lambda: reference.bf16_dot_f32(a, b, dims).astype(out_dtype)
             return jax.lax.platform_dependent(cpu=cpu, default=direct)
         acc = reference.bf16_dot_f32(a, b, dims)
     else:
@@ -124,23 +124,15 @@ def quantize_current(v, dtype, amax_axes=(), *, compute_dtype=None, columnwise=F
     return ops.fp8_quantize(v, amax, dtype=dtype, compute_dtype=compute_dtype, columnwise=columnwise, impl=impl)
 
 
-def _e2m1_to_bf16(code):
-    """E2M1 codes (docs/numerics.md §2: bit 3 sign, bits 2..1 exponent with bias 1, bit 0 mantissa) as
-    bf16, by building the bf16 bit pattern (integer ops that fuse, no table lookup): exponent field
-    e > 0 gives 2^(e-1) * (1 + m/2), e == 0 gives m/2 (0.5 or zero)."""
-    code = code.astype(jnp.uint16)
-    e, m = (code >> 1) & 3, code & 1
-    bits = jnp.where(e > 0, ((e + 126) << 7) | (m << 6), m * (126 << 7))
-    return jax.lax.bitcast_convert_type((bits | ((code & 8) << 12)).astype(jnp.uint16), jnp.bfloat16)
-
-
 def nvfp4_operand(data, scale_inv):
     """bf16 ``[rows, cols]`` from packed ``data [rows, cols/2]``: ``value(q) * s8`` per element, exact in
     bf16 (a 2-bit by 4-bit significand product, within bf16's exponent range); the global factor is
     left out. Elementwise and next to the GEMM that reads it, so XLA can fuse it into the operand."""
     rows, cols = data.shape[0], data.shape[1] * 2
     s8 = jax.lax.bitcast_convert_type(scale_inv[:rows, : cols // formats.TILE], jnp.float8_e4m3fn)
-    return _e2m1_to_bf16(reference.unpack_codes(data)) * jnp.repeat(s8.astype(jnp.bfloat16), formats.TILE, axis=1)
+    # the codes' values built as bit patterns (integer ops that fuse, no table), exact in bf16
+    values = reference.e2m1_code_to_fp32(reference.unpack_codes(data)).astype(jnp.bfloat16)
+    return values * jnp.repeat(s8.astype(jnp.bfloat16), formats.TILE, axis=1)
 
 
 def nvfp4_global_decode(amax):

@@ -358,16 +358,14 @@ def _backward(act, wops, g, cfg: _Config, dw_dtype=None):
                 wgrad(gq_t, sg, xq_t, sx, out_dtype=dw_dtype))
     (xb,) = act
     gb = g.astype(jnp.bfloat16)
+    # dx = g @ W: the weight's bf16 operand and how it is contracted
     if "operand" in wops:   # the forward's bf16 operand (fsdp.dequantizes_once): W read NN, K [in, out] TN
-        dx = scaled_gemm(gb, None, wops["operand"], wops["dec"], dims=TN if cfg.transposed else NN,
-                         out_dtype=cfg.x_dtype)
+        w, dims = wops["operand"], TN if cfg.transposed else NN
     elif cfg.transposed:   # K [in, out] contracted on its minor axis: TN
-        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"],
-                         out_dtype=cfg.x_dtype)
+        w, dims = nvfp4_operand(wops["data"], wops["scale_inv"]), TN
     elif "data_t" in wops:
-        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), wops["dec"],
-                         out_dtype=cfg.x_dtype)
+        w, dims = nvfp4_operand(wops["data_t"], wops["scale_inv_t"]), TN
     else:   # the rowwise bytes read transposed: the same bf16 values (a 16x16 tile's scale is its transpose's)
-        dx = scaled_gemm(gb, None, nvfp4_operand(wops["data"], wops["scale_inv"]), wops["dec"], dims=NN,
-                         out_dtype=cfg.x_dtype)
+        w, dims = nvfp4_operand(wops["data"], wops["scale_inv"]), NN
+    dx = scaled_gemm(gb, None, w, wops["dec"], dims=dims, out_dtype=cfg.x_dtype)
     return dx, wgrad(gb.T, None, xb.T, None, out_dtype=dw_dtype)

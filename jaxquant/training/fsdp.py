@@ -228,8 +228,14 @@ def keeps_columnwise(spec: WeightSpec) -> bool:
     cast's result in every forward otherwise, one kernel a weight use on an H200) and the backward keeps the rowwise
     ones. Rows split over ranks are gathered before their transpose, which stays one layer's transpose: those keep
     the rowwise bytes."""
-    return (spec.recipe == "fp8" and spec.num_shards == 1 and not spec.pad_rows and spec.per_use
-            and not spec.keep_gathered)
+    return spec.recipe == "fp8" and _one_shard_per_use(spec)
+
+
+def _one_shard_per_use(spec: WeightSpec) -> bool:
+    """A weight in one shard (one rank on its FSDP axis, or not split; no padding rows) quantized where it is read
+    and not kept gathered: nothing is gathered between its cast and its GEMMs (:func:`keeps_columnwise`,
+    :func:`dequantizes_once`)."""
+    return spec.num_shards == 1 and not spec.pad_rows and spec.per_use and not spec.keep_gathered
 
 
 def dequantizes_once(spec: WeightSpec) -> bool:
@@ -245,18 +251,14 @@ def dequantizes_once(spec: WeightSpec) -> bool:
     (2 bytes an element, as plain JAX's bf16 weight) instead of the packed bytes. The whole weight's amax comes
     from ``TrainState.weight_amax`` (:func:`weight_amax`, computed by the update that wrote the master), so no
     statistics pass runs. Same bytes: the op's reference is the statistics pass, the cast and the decode composed."""
-    return (spec.recipe == "nvfp4" and spec.num_shards == 1 and not spec.pad_rows and spec.per_use
-            and not spec.keep_gathered)
+    return spec.recipe == "nvfp4" and _one_shard_per_use(spec)
 
 
 def dequantized_operands(shard, spec: WeightSpec, amax=None) -> dict:
     """The operands of :func:`dequantizes_once`'s weight: ``operand``, the bf16 ``value(q) * s8`` of every element
     (``ops.nvfp4_bf16_operand``: the rows' own tile amaxes, the whole weight's ``amax``), ``dec`` and ``amax``;
     ``amax`` precomputed by :func:`weight_amax`, or None (a state built by hand: one statistics pass finds it)."""
-    if amax is None:
-        amax = statistics(shard, spec)[0]
-    elif spec.amax_axes:   # varying over the amax axes, as statistics' pmax result is made
-        amax = mark_varying(amax, spec.amax_axes)
+    amax = statistics(shard, spec)[0] if amax is None else _given_amax(amax, spec)
     operand = _all_gather(ops.nvfp4_bf16_operand(shard, amax, compute_dtype=COMPUTE_DTYPE), spec)
     return {"operand": operand, "dec": nvfp4_global_decode(amax), "amax": amax}
 
@@ -281,9 +283,13 @@ def quantize_rows(shard, spec: WeightSpec, amax=None, columnwise: bool = False) 
         return quantize_shard(shard, spec, None)
     if amax is None or spec.recipe == "nvfp4":
         return quantize_shard(shard, spec, statistics(shard, spec), columnwise)
-    # varying over the amax axes, as statistics' pmax result is made
-    return quantize_shard(shard, spec, (mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax, None),
-                          columnwise)
+    return quantize_shard(shard, spec, (_given_amax(amax, spec), None), columnwise)
+
+
+def _given_amax(amax, spec: WeightSpec):
+    """A precomputed amax (:func:`weight_amax`) marked varying over the amax axes, as :func:`statistics`' ``pmax``
+    result is made (ops' custom-call and reference branches must agree on it)."""
+    return mark_varying(amax, spec.amax_axes) if spec.amax_axes else amax
 
 
 def weight_amax(master):
@@ -291,8 +297,9 @@ def weight_amax(master):
     unsharded-view) master leaf ``[..., rows, cols]``, after bf16 rounding (docs/numerics.md §1.1, §2.1 and "Compute
     dtype": both recipes' amax is of the bf16-rounded values): shape ``[...]``. The same value as :func:`statistics`
     of each layer (this rank's rows' amax, NVFP4's the max of its tile amaxes, max-reduced over the axes that split
-    the weight: a max is a max, however grouped). Left to XLA in the step
-    that writes the master, which may fuse the reduction into the optimizer's update (not checked in a profile)."""
+    the weight: a max is a max, however grouped). Left to XLA in the step that writes the master, which fuses the
+    reduction into the optimizer's update (seen in the H200 profiles of docs/performance.md: one fusion writes the
+    update and reduces the amax)."""
     fn = lambda layer: reference.fp8_stats(layer, compute_dtype=COMPUTE_DTYPE)[0]
     return _per_layer(fn, master.ndim)(master)
 
