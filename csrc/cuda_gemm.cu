@@ -169,15 +169,29 @@ ffi::Error ready(const char* op, int device, cublasLtHandle_t* handle) {
   return handle_for(op, device, handle);
 }
 
+// What every GEMM here starts with: this device's handle and a new description of an fp32-accumulated product whose
+// cuBLASLt A and B operations are `trans_a` and `trans_b`.
+ffi::Error begin(const char* op, int device, cublasOperation_t trans_a, cublasOperation_t trans_b,
+                 cublasLtHandle_t* handle, Described* call) {
+  JQ_RETURN_IF_ERROR(ready(op, device, handle));
+  const CublasLt& lt = cublaslt();
+  JQ_LT_CHECK(op, lt.desc_create(&call->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  JQ_LT_CHECK(op, lt.desc_set(call->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)), "TRANSA");
+  JQ_LT_CHECK(op, lt.desc_set(call->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)), "TRANSB");
+  return ffi::Error::Success();
+}
+
 // One described problem run on the stream: the heuristic's first choice for `key` (asked for once per problem and
-// device, then cached: host work only on later calls), with the rest of the workspace after the scalars. `shape`
-// names the problem in the error when cuBLASLt has no algorithm for it. XLA's own GEMMs are cuBLASLt calls too
-// (__cublas$lt$matmul, the same 32 MiB workspace), on whichever of the heuristic's candidates its autotuner timed
-// fastest: a different kernel, whose bytes are the same as long as both accumulate K in one pass (no split K), which
-// tests/test_fp8_gemm_gpu.py and tests/test_bf16_gemm_gpu.py check on the shapes the training step runs.
+// device, then cached: host work only on later calls), with the rest of the workspace after the scalars. `shape()`
+// names the problem in the error when cuBLASLt has no algorithm for it (built only then, not on every call). XLA's
+// own GEMMs are cuBLASLt calls too (__cublas$lt$matmul, the same 32 MiB workspace), on whichever of the heuristic's
+// candidates its autotuner timed fastest: a different kernel, whose bytes are the same as long as both accumulate K
+// in one pass (no split K), which tests/test_fp8_gemm_gpu.py and tests/test_bf16_gemm_gpu.py check on the shapes the
+// training step runs.
+template <typename Shape>   // a callable giving the problem's description (a lambda: nothing built or allocated)
 ffi::Error run_matmul(const char* op, cudaStream_t stream, cublasLtHandle_t handle, const Described& call,
                       const AlgoKey& key, const void* alpha, const void* beta, const void* lt_a, const void* lt_b,
-                      void* d, uint8_t* ws, const std::string& shape) {
+                      void* d, uint8_t* ws, const Shape& shape) {
   const CublasLt& lt = cublaslt();
   cublasLtMatmulHeuristicResult_t algo;
   {
@@ -196,7 +210,7 @@ ffi::Error run_matmul(const char* op, cudaStream_t stream, cublasLtHandle_t hand
       if (status != CUBLAS_STATUS_SUCCESS) return lt_error(op, status, "cublasLtMatmulAlgoGetHeuristic");
       if (found == 0)
         return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string("jaxquant: ") + op +
-                                                              ": cuBLASLt has no algorithm for " + shape +
+                                                              ": cuBLASLt has no algorithm for " + shape() +
                                                               " on device " + std::to_string(std::get<0>(key)));
       c.algos.emplace(key, algo);
     } else {
@@ -242,17 +256,13 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
   JQ_RETURN_IF_ERROR(check_count(*workspace, kCublasLtWorkspaceBytes, "workspace"));
   RelaxedCapture relaxed;
   cublasLtHandle_t handle;
-  JQ_RETURN_IF_ERROR(ready(op, device, &handle));
+  Described call;
+  JQ_RETURN_IF_ERROR(begin(op, device, CUBLAS_OP_T, CUBLAS_OP_N, &handle, &call));
   const CublasLt& lt = cublaslt();
 
   const cudaDataType_t a_type = cuda_type(a.element_type()), b_type = cuda_type(b.element_type());
   const cudaDataType_t out_type = cuda_type(out->element_type());
-  Described call;
-  JQ_LT_CHECK(op, lt.desc_create(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  const cublasOperation_t transposed = CUBLAS_OP_T, plain = CUBLAS_OP_N;
   const int8_t fast = fast_accum ? 1 : 0;
-  JQ_LT_CHECK(op, lt.desc_set(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transposed, sizeof(transposed)), "TRANSA");
-  JQ_LT_CHECK(op, lt.desc_set(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, &plain, sizeof(plain)), "TRANSB");
   JQ_LT_CHECK(op, lt.desc_set(call.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)), "FAST_ACCUM");
   uint8_t* ws = workspace->typed_data();
   float* alpha_beta = reinterpret_cast<float*>(ws);
@@ -283,8 +293,10 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ff
 
   const AlgoKey key{device, m, n, k, int(b_type), int(a_type), int(out_type),
                     (fast_accum ? 1 : 0) | (factor_product ? 2 : 0)};
-  const std::string shape = "[" + std::to_string(m) + ", " + std::to_string(k) + "] x [" + std::to_string(n) + ", " +
-                            std::to_string(k) + "]^T with these dtypes";
+  const auto shape = [=] {
+    return "[" + std::to_string(m) + ", " + std::to_string(k) + "] x [" + std::to_string(n) + ", " +
+           std::to_string(k) + "]^T with these dtypes";
+  };
   return run_matmul(op, stream, handle, call, key, alpha, beta, b.untyped_data(), a.untyped_data(),
                     out->untyped_data(), ws, shape);
 }
@@ -305,15 +317,11 @@ ffi::Error Bf16GemmCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF
   JQ_RETURN_IF_ERROR(check_count(*workspace, kCublasLtWorkspaceBytes, "workspace"));
   RelaxedCapture relaxed;
   cublasLtHandle_t handle;
-  JQ_RETURN_IF_ERROR(ready(op, device, &handle));
+  Described call;
+  JQ_RETURN_IF_ERROR(begin(op, device, b_kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, &handle, &call));
   const CublasLt& lt = cublaslt();
 
-  Described call;
-  JQ_LT_CHECK(op, lt.desc_create(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  const cublasOperation_t trans_a = b_kn ? CUBLAS_OP_N : CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   const cublasLtPointerMode_t on_device = CUBLASLT_POINTER_MODE_DEVICE;
-  JQ_LT_CHECK(op, lt.desc_set(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)), "TRANSA");
-  JQ_LT_CHECK(op, lt.desc_set(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)), "TRANSB");
   JQ_LT_CHECK(op, lt.desc_set(call.desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &on_device, sizeof(on_device)),
               "POINTER_MODE");
   if (b_kn) {
@@ -329,9 +337,11 @@ ffi::Error Bf16GemmCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF
   if (cudaError_t err = cudaGetSymbolAddress(&beta, kZeroBeta); err != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: bf16_gemm: beta: ") + cudaGetErrorString(err));
   const AlgoKey key{device, m, n, k, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, b_kn ? 4 : 0};
-  const std::string shape = "[" + std::to_string(m) + ", " + std::to_string(k) + "] x " +
-                            (b_kn ? "[" + std::to_string(k) + ", " + std::to_string(n) + "]"
-                                  : "[" + std::to_string(n) + ", " + std::to_string(k) + "]^T") + " in bf16";
+  const auto shape = [=] {
+    return "[" + std::to_string(m) + ", " + std::to_string(k) + "] x " +
+           (b_kn ? "[" + std::to_string(k) + ", " + std::to_string(n) + "]"
+                 : "[" + std::to_string(n) + ", " + std::to_string(k) + "]^T") + " in bf16";
+  };
   return run_matmul(op, stream, handle, call, key, factor.typed_data(), beta, b.untyped_data(), a.untyped_data(),
                     out->untyped_data(), ws, shape);
 }
