@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 from jaxquant.primitives import _ffi, gemm, ops
-from support.custom_gemm import both, compiled, same_bytes as _same_bytes
+from support.custom_gemm import both, compiled, same_bytes as _same_bytes, wrapped_gives_xlas_bytes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend"),
@@ -129,25 +129,12 @@ def test_products_the_gemm_does_not_take_stay_xlas(case):
 
 def test_under_shard_map_scan_remat_and_vmap():
     """What the step wraps the GEMM in: shard_map over a 1-device mesh, scan, remat; and vmap (item by item)."""
-    from jax.sharding import PartitionSpec as P
     ka, kb = jax.random.split(jax.random.key(4))
     a = jax.random.normal(ka, (3, 128, 256), jnp.bfloat16)
     b = jax.random.normal(kb, (64, 256), jnp.bfloat16)
     f = jnp.float32(0.6)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
-
-    def scanned(a, b):
-        body = jax.checkpoint(lambda c, x: (c, gemm.scaled_gemm(x, None, b, f, out_dtype=jnp.bfloat16)))
-        return jax.lax.scan(body, 0, a)[1]
-
-    sm = jax.shard_map(scanned, mesh=mesh, in_specs=(P(None, "fsdp"), P()), out_specs=P(None, "fsdp"))
-    x, y, _, hlo = _both(sm, a, b)
-    assert "jq_bf16_gemm" in hlo
-    _same_bytes(x, y, "shard_map/scan/remat")
-    vm = jax.vmap(lambda x: gemm.scaled_gemm(x, None, b, f, out_dtype=jnp.bfloat16))
-    x, y, _, hlo = _both(vm, a)
-    assert "jq_bf16_gemm" in hlo
-    _same_bytes(x, y, "vmap")
+    wrapped_gives_xlas_bytes("BF16_GEMM_IMPL", "jq_bf16_gemm",
+                             lambda x, b: gemm.scaled_gemm(x, None, b, f, out_dtype=jnp.bfloat16), a, b)
 
 
 @pytest.mark.parametrize("rows", [512, 4096])

@@ -11,12 +11,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxquant.primitives import _ffi, gemm, ops
-from support.custom_gemm import both, compiled, same_bytes as _same_bytes
+from support.custom_gemm import both, compiled, same_bytes as _same_bytes, wrapped_gives_xlas_bytes
 from support.fp8_dense import dense_fwd_bwd
 
 pytestmark = [pytest.mark.gpu,
@@ -112,20 +110,8 @@ def test_under_shard_map_scan_remat_and_vmap():
     a = jnp.stack([_operand(k, (128, 256), E4M3) for k in jax.random.split(ka, 3)])
     b = _operand(kb, (64, 256), E4M3)
     sa, sb = jnp.float32(0.3), jnp.float32(0.6)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
-
-    def scanned(a, b):
-        body = jax.checkpoint(lambda c, x: (c, gemm.scaled_gemm(x, sa, b, sb, out_dtype=jnp.bfloat16)))
-        return jax.lax.scan(body, 0, a)[1]
-
-    sm = jax.shard_map(scanned, mesh=mesh, in_specs=(P(None, "fsdp"), P()), out_specs=P(None, "fsdp"))
-    x, y, _, hlo = _both(sm, a, b)
-    assert "jq_fp8_gemm" in hlo
-    _same_bytes(x, y)
-    vm = jax.vmap(lambda x: gemm.scaled_gemm(x, sa, b, sb, out_dtype=jnp.bfloat16))
-    x, y, _, hlo = _both(vm, a)
-    assert "jq_fp8_gemm" in hlo
-    _same_bytes(x, y)
+    wrapped_gives_xlas_bytes("FP8_GEMM_IMPL", "jq_fp8_gemm",
+                             lambda x, b: gemm.scaled_gemm(x, sa, b, sb, out_dtype=jnp.bfloat16), a, b)
 
 
 def test_in_a_command_buffer():

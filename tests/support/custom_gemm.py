@@ -76,3 +76,24 @@ def same_bytes(x, y, what=""):
         ulps = np.abs(bx.astype(np.int64) - by.astype(np.int64)).reshape(-1)[diff]
         raise AssertionError(f"{what}: {diff.size} of {x.size} elements differ (at most {ulps.max()} ulp), first at "
                              f"{first}: {x[first]} (XLA) vs {y[first]} (custom call)")
+
+
+def wrapped_gives_xlas_bytes(switch: str, target: str, product, a, b):
+    """``product(x, b)``, the GEMM of one item ``x`` of ``a [batch, M, K]``, wrapped as the step wraps it (shard_map
+    over a 1-device mesh, every axis manual; scan; remat) and under vmap (the op's batching rule, item by item): the
+    custom call ``target`` is in both programs compiled with ``gemm.<switch>`` "cublaslt", with XLA's bytes."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+
+    def scanned(a, b):
+        body = jax.checkpoint(lambda c, x: (c, product(x, b)))
+        return jax.lax.scan(body, 0, a)[1]
+
+    sm = jax.shard_map(scanned, mesh=mesh, in_specs=(P(None, "fsdp"), P()), out_specs=P(None, "fsdp"))
+    x, y, _, hlo = both(switch, sm, a, b)
+    assert target in hlo
+    same_bytes(x, y, "shard_map/scan/remat")
+    x, y, _, hlo = both(switch, jax.vmap(lambda x: product(x, b)), a)
+    assert target in hlo
+    same_bytes(x, y, "vmap")
