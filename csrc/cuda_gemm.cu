@@ -141,6 +141,7 @@ struct Cache {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;                 // device -> handle
   std::map<AlgoKey, cublasLtMatmulHeuristicResult_t> algos;  // problem on a device -> heuristic's first choice
+  std::map<int, void*> zeros;                              // device -> its kZeroBeta (the bf16 GEMM's beta)
 };
 
 Cache& cache() {
@@ -167,6 +168,25 @@ ffi::Error ready(const char* op, int device, cublasLtHandle_t* handle) {
   if (!lt.error.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jaxquant: ") + op + ": " +
                                                                                      lt.error);
   return handle_for(op, device, handle);
+}
+
+// beta = 0 of the scaled bf16 GEMM, whose pointer mode DEVICE reads beta on the device as well as alpha: a constant
+// in each device's copy of the module
+__device__ const float kZeroBeta = 0.0f;
+
+// This device's kZeroBeta, looked up once per device (cudaGetSymbolAddress on XLA's current device, the call's).
+ffi::Error zero_beta(const char* op, int device, void** beta) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  auto it = c.zeros.find(device);
+  if (it != c.zeros.end()) {
+    *beta = it->second;
+    return ffi::Error::Success();
+  }
+  if (cudaError_t err = cudaGetSymbolAddress(beta, kZeroBeta); err != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: ") + op + ": beta: " + cudaGetErrorString(err));
+  c.zeros.emplace(device, *beta);
+  return ffi::Error::Success();
 }
 
 // What every GEMM here starts with: this device's handle and a new description of an fp32-accumulated product whose
@@ -222,10 +242,6 @@ ffi::Error run_matmul(const char* op, cudaStream_t stream, cublasLtHandle_t hand
               "cublasLtMatmul");
   return ffi::Error::Success();
 }
-
-// beta = 0 of the scaled bf16 GEMM, whose pointer mode DEVICE reads beta on the device as well as alpha: a constant
-// in each device's copy of the module, found by cudaGetSymbolAddress for the current device (XLA's)
-__device__ const float kZeroBeta = 0.0f;
 
 __global__ void factor_product_kernel(const float* a_scale, const float* b_scale, float* alpha_beta) {
   alpha_beta[0] = a_scale[0] * b_scale[0];   // the reference's a_scale * b_scale, one fp32 rounding
@@ -334,8 +350,7 @@ ffi::Error Bf16GemmCuda(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF
 
   uint8_t* ws = workspace->typed_data();
   void* beta = nullptr;   // the device's zero: no memset node in every call (and in every command buffer)
-  if (cudaError_t err = cudaGetSymbolAddress(&beta, kZeroBeta); err != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxquant: bf16_gemm: beta: ") + cudaGetErrorString(err));
+  JQ_RETURN_IF_ERROR(zero_beta(op, device, &beta));
   const AlgoKey key{device, m, n, k, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, b_kn ? 4 : 0};
   const auto shape = [=] {
     return "[" + std::to_string(m) + ", " + std::to_string(k) + "] x " +
