@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -698,7 +699,10 @@ def run_configs(a, configs, flag_sets, script, argv, describe):
                 # the first process that failed, else process 0 (no RESULT line)
                 code, out, err = next((run for run in runs if run[0]), runs[0])
                 if code or not line:
-                    tail = "\n".join((err or out).strip().splitlines()[-6:])
+                    lines = (err or out).strip().splitlines()
+                    # the last lines, and the error's own line when a long traceback pushed it out of them
+                    cause = [l for l in lines[:-6] if re.search(r"Error|RESOURCE_EXHAUSTED|out of memory", l)][-1:]
+                    tail = "\n".join(cause + lines[-6:])
                     took = time.perf_counter() - t0
                     print(f"{flags:8s} {label:16s} FAILED (exit {code}, {took:.0f} s):\n{tail}", flush=True)
                     results.append({"config": config, "flags": flags, "processes": nproc, "error": tail})
