@@ -167,10 +167,11 @@ def init_params(a, stacked: bool):
     return {"blocks": layers}
 
 
-def block(a, h, p, matmul, row=None, tp=1):
+def block(a, h, p, matmul, row=None, tp=1, constrain=None):
     """One decoder block; ``matmul`` the column-parallel (and, without ``row``, every) GEMM. Under TP
     (``tp`` > 1, per rank inside make_train_step) each rank holds ``heads / tp`` query and ``kv_heads / tp``
-    key/value heads of its rows of the fused weights (a reordering of the plain model's rows: same FLOPs)."""
+    key/value heads of its rows of the fused weights (a reordering of the plain model's rows: same FLOPs).
+    ``constrain``: applied to q, k and v (the plain step's sharding constraint)."""
     import jax
     import jax.numpy as jnp
 
@@ -186,6 +187,8 @@ def block(a, h, p, matmul, row=None, tp=1):
     b, s = qkv.shape[:2]            # the whole sequence (sequence parallelism gathers it)
     qkv = qkv.reshape(b, s, heads + 2 * kv, a.head_dim)
     q, k, v = jnp.split(qkv, [heads, heads + kv], axis=2)
+    if constrain is not None:
+        q, k, v = constrain(q), constrain(k), constrain(v)
     impl = "cudnn" if jax.default_backend() == "gpu" else None
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl).reshape(b, s, -1)
     h = h + row(o, p["w_o"])
@@ -193,12 +196,12 @@ def block(a, h, p, matmul, row=None, tp=1):
     return h + row(jax.nn.silu(gate) * up, p["w_down"])
 
 
-def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False):
+def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, constrain=None):
     import jax
 
     import jaxquant as jq
 
-    body = lambda h, p: (block(a, h, p, matmul, row, tp), None)
+    body = lambda h, p: (block(a, h, p, matmul, row, tp, constrain), None)
     if a.remat:
         policies = jax.checkpoint_policies
         policy = (({"gemm_outputs": policies.dots_with_no_batch_dims_saveable}).get(a.remat, policies.nothing_saveable)
@@ -284,10 +287,15 @@ def _make_plain(a, mesh, scan, abstract=False):
         opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
     state = (params, opt_state)
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
+    # q, k and v split over the batch, as a JAX user pins activations: left to propagation, the fused QKV output
+    # at the 13B shape came sharded along its heads, split unevenly into q / k / v, which the cuDNN attention
+    # refuses ("Query, key and value should have same sharding")
+    batch_split = None if a.tp > 1 else (
+        lambda t: jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P("fsdp"))))
 
     def step(state, batch):
         params, opt_state = state
-        loss_of = lambda p: mse(forward(a, p, batch["x"], matmul, scan, plain=True), batch["y"])
+        loss_of = lambda p: mse(forward(a, p, batch["x"], matmul, scan, plain=True, constrain=batch_split), batch["y"])
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss

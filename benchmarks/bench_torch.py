@@ -214,6 +214,10 @@ def prepare(a, config, model, mesh, compile_blocks):
             # torchtitan's setting for rowwise: inductor rounds its casts as eager does (pytorch/pytorch#150859)
             inductor["emulate_precision_casts"] = True
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compile_blocks:
+        # each block is compiled on its own and dynamo counts every block past the first as a recompile of the same
+        # code: past its limit (8) a fullgraph compile fails (seen at 40 layers with torchao's Float8Linear)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
     for i, block in enumerate(model.blocks):
         if a.remat is not None:
             block = Checkpointed(block)
