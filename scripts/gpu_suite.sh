@@ -4,7 +4,7 @@
 # $OUT (default ./gpu_out) with a summary in $OUT/report.md. About 10 minutes on one H200; each
 # phase has a time limit (TEST_TIMEOUT 480 s, SANITIZE_TIMEOUT 110 s per tool, BENCH_TIMEOUT 360 s: the table includes profiler kernel times).
 #   bash scripts/gpu_suite.sh [pytest selection...]      e.g. bash scripts/gpu_suite.sh tests/test_ops.py
-# Env: TESTS=0 skips the tests; TEST_PART=1 / 2 runs half of the default selection; BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
+# Env: TESTS=0 skips the tests; TEST_PART=1 / 2 / 3 runs a part of the default selection; BENCH=0 skips benchmarks; BENCH_SIZES overrides the `jaxquant bench` sizes (RxC,...) and
 # BENCH_ARGS adds arguments (e.g. --no-stages);
 # OPS_BENCH=1 also runs benchmarks/bench_ops.py (per-primitive timings); SANITIZE=0 skips the
 # sanitizer; SANITIZE_TESTS (default tests/test_fused_ops.py) and SANITIZE_K (its pytest -k selection) choose what
@@ -12,7 +12,8 @@
 # benchmark on every visible GPU (fsdp = 1 on one GPU: no real all-gather; DIST_ARGS, default "--profile --pieces 1,2,8": per-kernel breakdown and other gather piece counts; DIST_NCCL_PROTOS, e.g. "default Simple", repeats it per NCCL protocol; DIST_NCCL_TUNING=1 logs NCCL's protocol choice); TRAIN=1 runs the demo per recipe and mesh and benchmarks/bench_train.py
 # (TRAIN_ARGS overrides its model size, TRAIN_BATCH its sequences per GPU, default "2 8"; TRAIN_DEMO=0
 # skips the demo runs) and benchmarks/bench_dense.py; E2E=1 runs benchmarks/bench_e2e.py (E2E_ARGS); SP=1 runs
-# benchmarks/bench_sp.py (SP_ARGS, SP_FLAG_SETS); CGEMM=1 runs benchmarks/bench_collective_gemm.py (CGEMM_ARGS). SKIP_BUILD=1 reuses the
+# benchmarks/bench_sp.py (SP_ARGS, SP_FLAG_SETS); FLAX=1 runs benchmarks/bench_flax.py (FLAX_ARGS); E2E_PROFILE=DIR adds --profile DIR to
+# bench_e2e and brings back its breakdown.png and compiled HLO; TORCHAO_WHEEL=PATH installs torchao from a carried wheel; CGEMM=1 runs benchmarks/bench_collective_gemm.py (CGEMM_ARGS). SKIP_BUILD=1 reuses the
 # extension a previous call built on this (still warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,12 @@ section() { printf '\n## %s\n' "$1" | tee -a "$report"; }
   echo '```'
 } > "$report" 2>&1
 
+# TORCHAO_WHEEL: a torchao wheel carried to the machine (nothing outside it can be reached), for the torch-fp8 peer
+if [ -n "${TORCHAO_WHEEL:-}" ]; then
+  python3 -m pip install -q --no-deps "$TORCHAO_WHEEL" > "$OUT/pip_torchao.log" 2>&1 \
+    && python3 -c "import torchao; print('torchao', torchao.__version__)" >> "$report" 2>&1
+fi
+
 section "build"
 if [ "${SKIP_BUILD:-0}" = 1 ] && ls jaxquant/_jaxquant_cuda*.so > /dev/null 2>&1; then
   echo "SKIP_BUILD=1: using the extension built by the previous call on this machine" | tee -a "$report"
@@ -48,16 +55,19 @@ if [ "${TESTS:-1}" = 1 ]; then
 section "tests"
 sel=("$@")
 # The default selection takes over 520 s on one H100, past a device call's 600 s with the build:
-# TEST_PART=1 runs its first half (~350 s), TEST_PART=2 (with SKIP_BUILD=1 on the warm machine) the rest.
+# TEST_PART=1 runs its first half (~350 s), TEST_PART=2 (with SKIP_BUILD=1 on the warm machine) the rest, TEST_PART=3 the GEMMs.
 part1=(tests/test_ops.py tests/test_reference_spec.py tests/test_e2m1_magnitude.py tests/test_group_ops.py)
 part2=(tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py tests/test_layerwise_gpu.py
        tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
        tests/test_train_gpu.py tests/test_sp_gpu.py tests/test_sp_step.py tests/test_train_rounding.py)
+# jaxquant's own GEMMs (FP8, bf16) and the one-pass NVFP4 operand against XLA's bytes
+part3=(tests/test_fp8_gemm_gpu.py tests/test_bf16_gemm_gpu.py tests/test_nvfp4_bf16_operand_gpu.py)
 if [ ${#sel[@]} -eq 0 ]; then
   case "${TEST_PART:-all}" in
     1) sel=("${part1[@]}") ;;
     2) sel=("${part2[@]}") ;;
-    *) sel=("${part1[@]}" "${part2[@]}") ;;
+    3) sel=("${part3[@]}") ;;
+    *) sel=("${part1[@]}" "${part2[@]}" "${part3[@]}") ;;
   esac
 fi
 timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${sel[@]}" -q -rs -p no:cacheprovider > "$OUT/tests.log" 2>&1 \
@@ -143,8 +153,21 @@ fi
 # each config in its own process; E2E_ARGS overrides the model / flag sets (benchmarks/bench_e2e.py --help).
 if [ "${E2E:-0}" = 1 ]; then
   section "bench_e2e ($ngpu GPUs)"
-  { echo '```'; timeout "${E2E_TIMEOUT:-500}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} --json "$OUT/e2e.json" \
+  prof=()
+  [ -n "${E2E_PROFILE:-}" ] && prof=(--profile "$E2E_PROFILE")
+  { echo '```'; timeout "${E2E_TIMEOUT:-500}" python3 benchmarks/bench_e2e.py ${E2E_ARGS:-} "${prof[@]}" --json "$OUT/e2e.json" \
       2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tee "$OUT/e2e.txt"; echo '```'; } | tee -a "$report"
+  # the traces stay there (large); the stacked bars and each config's compiled HLO come back (nested too deep as they lie)
+  if [ -n "${E2E_PROFILE:-}" ]; then
+    cp "$E2E_PROFILE/breakdown.png" "$OUT/" 2>/dev/null
+    (cd "$E2E_PROFILE" && find . -name "*.hlo.txt" | tar czf "$OUT/e2e_hlo.tgz" -T -)
+  fi
+fi
+# FLAX=1: benchmarks/bench_flax.py (FLAX_ARGS, e.g. "--model einsum --batch 4 --configs flax-plain,flax-jq-fp8").
+if [ "${FLAX:-0}" = 1 ]; then
+  section "bench_flax ($ngpu GPUs)"
+  { echo '```'; timeout "${FLAX_TIMEOUT:-300}" python3 benchmarks/bench_flax.py ${FLAX_ARGS:-} --json "$OUT/flax.json" \
+      2>&1 | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -30; echo '```'; } | tee -a "$report"
 fi
 # CGEMM=1: benchmarks/bench_collective_gemm.py (overlap="fused"'s kernels alone against NCCL + cuBLAS, per
 # tiling; CGEMM_ARGS, e.g. "--configs all").
