@@ -125,6 +125,10 @@ def parse_args(argv=None):
                         "run then writes) and count its GEMMs by kind (gemm_kinds): whether XLA made FP8 cuBLASLt "
                         "calls of a config's FP8 ops; with DIR, also write each config's compiled HLO there")
     p.add_argument("--json", default=None, help="write every result here")
+    p.add_argument("--pgle", type=int, default=0, metavar="N",
+                   help="JAX's profile-guided latency estimation: the step's first N runs are profiled and it is "
+                        "compiled again with the measured op times, so that XLA's scheduler knows what custom calls "
+                        "(jaxquant's GEMMs) cost when it overlaps collectives with them; N more warm-up steps")
     p.add_argument("--clocks", action="store_true", help="sample the GPUs' SM clock, power and temperature with "
                                                        "nvidia-smi while the steps are timed")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child process: run this config
@@ -424,6 +428,9 @@ def run_one(a, config, make_batch=None, flops=None):
         raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
     mesh = Mesh(devices.reshape(-1, a.tp), ("fsdp", "tp")) if a.tp > 1 else Mesh(devices, ("fsdp",))
     n = mesh.size
+    if getattr(a, "pgle", 0):
+        jax.config.update("jax_enable_pgle", True)
+        jax.config.update("jax_pgle_profiling_runs", a.pgle)
     if a.gemms is not None:   # the second compile (below) reads this run's executable back, not compiling again
         import tempfile
 
@@ -446,6 +453,9 @@ def run_one(a, config, make_batch=None, flops=None):
     losses = [float(loss)]
     state, loss = fn(state, batch)
     losses.append(float(loss))
+    for _ in range(getattr(a, "pgle", 0)):   # the profiled runs; the step after them compiles again
+        state, loss = fn(state, batch)
+        losses.append(float(loss))
     times = []
     with ClockSampler(a.clocks) as clocks:
         if a.pipelined:
