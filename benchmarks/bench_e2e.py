@@ -78,7 +78,10 @@ MAXTEXT_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enabl
                  "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728")
 # "sync": every collective synchronous (nothing overlaps communication): the no-overlap baseline of a step
 SYNC_FLAGS = "--xla_gpu_disable_async_collectives=ALLCOLLECTIVES"
-FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS, "sync": SYNC_FLAGS}
+# "pipelined-rs": only XLA's collective pipeliner for reduce-scatters in while loops (a scan iteration's gradient
+# reduce-scatter moved into the next iteration, under its GEMMs), without MaxText's other flags
+PIPELINED_RS_FLAGS = "--xla_gpu_enable_pipelined_reduce_scatter=true"
+FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS, "sync": SYNC_FLAGS, "pipelined-rs": PIPELINED_RS_FLAGS}
 # With --profile every config runs without CUDA command buffers: a kernel launched from a command buffer carries no
 # HLO op in the trace, so breakdown.py could attribute only the kernels named after their fusion (most of a step went
 # to "unattributed" on an H200 with jax 0.11.2); XLA then launches each kernel itself (docs/performance.md says what
