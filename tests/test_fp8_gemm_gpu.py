@@ -8,12 +8,14 @@ Skipped unless the default backend is a GPU and the CUDA extension was built wit
 
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxquant.primitives import _ffi, gemm, ops
+from jaxquant.primitives.ops import single
 from support.custom_gemm import both, compiled, same_bytes as _same_bytes, wrapped_gives_xlas_bytes
 from support.fp8_dense import dense_fwd_bwd
 
@@ -65,6 +67,16 @@ def test_fp32_result_gives_xlas_bytes(factor_product):
     custom = jax.jit(lambda a, b, sa, sb: ops.fp8_gemm(a, b, sa, sb, out_dtype=jnp.float32,
                                                        factor_product=factor_product, impl="custom_call"))
     _same_bytes(xla(a, b, sa, sb), custom(a, b, sa, sb))
+
+
+def test_the_compiled_gemm_keeps_its_latency_hint():
+    """XLA's scheduler reads the estimate from the compiled instruction (tests/test_latency_hints.py)."""
+    a, b = jnp.ones((1024, 2048), E4M3), jnp.ones((4096, 2048), E4M3)
+    s = jnp.float32(1.0)
+    text = jax.jit(lambda a, b: ops.fp8_gemm(a, b, s, s, impl="custom_call")).lower(a, b).compile().as_text()
+    out = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    want = single.gemm_ns(a, b, out, single.FP8_GEMM_FLOPS_PER_NS)
+    assert re.search(rf'custom_call_target="jq_fp8_gemm".*latency_metadata="{want}"', text), text[:2000]
 
 
 def test_scaled_gemm_switch_sends_bf16_fp8_products_to_the_custom_call():

@@ -11,11 +11,19 @@ from __future__ import annotations
 import importlib
 import os
 
+import numpy as np
+
 import jax
+import jax.numpy as jnp
 import jaxlib
 import jaxlib.xla_client
 
 from jaxquant.primitives.varying import varying_like
+
+try:
+    from jax.experimental.xla_metadata import set_xla_metadata
+except ImportError:   # a JAX without it: XLA's scheduler keeps its own guess of a custom call's cost
+    set_xla_metadata = None
 
 REBUILD_HINT = (
     "Rebuild it against the installed jaxlib with `pip install --no-build-isolation -e .` "
@@ -123,7 +131,26 @@ def require(target: str | None = None) -> None:
             + REBUILD_HINT)
 
 
-def call(target: str, results, *args, input_output_aliases=None, **attrs):
+# XLA's latency-hiding scheduler decides which GEMMs and fusions an all-gather or a reduce-scatter runs under from
+# each instruction's estimated time. It has estimates for its own GEMMs and fusions but takes any other custom call
+# for a few microseconds, unless the call carries its time in nanoseconds as the frontend attribute
+# "latency_metadata". So every jaxquant custom call carries one (JAXQUANT_LATENCY_HINTS=0: none, for an A/B):
+# the GEMMs their FLOPs at a GEMM rate (``ops.single``), the rest, all memory-bound, the bytes they read and write
+# at HBM bandwidth. Only the schedule can change, never a byte of a result.
+LATENCY_HINTS = os.environ.get("JAXQUANT_LATENCY_HINTS", "1") != "0"
+# Bytes a nanosecond the memory-bound kernels move: an H200's casts run at ~4.1 TB/s (docs/performance.md,
+# "Re-profiled at today's weight path"); an estimate for the scheduler, not a measurement of this device.
+HBM_BYTES_PER_NS = 4000.0
+
+
+def memory_bound_ns(*arrays) -> int:
+    """The nanoseconds a kernel that reads or writes each of ``arrays`` (arrays or ``jax.ShapeDtypeStruct`` s) once
+    takes at :data:`HBM_BYTES_PER_NS` (at least 1)."""
+    moved = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
+    return max(1, int(moved / HBM_BYTES_PER_NS))
+
+
+def call(target: str, results, *args, input_output_aliases=None, cost_ns=None, **attrs):
     """Invoke FFI target ``target``; returns the list of results.
 
     Inside ``shard_map`` the results vary over every mesh axis some input varies over, as any
@@ -132,10 +159,18 @@ def call(target: str, results, *args, input_output_aliases=None, **attrs):
     Batching: the ops with a rule in ``jaxquant.primitives.partitioning`` never reach this under ``vmap`` (their
     batching rule folds the batch or loops over it); for the others (flat-range and grouped ops,
     whose handlers take one tensor) the FFI runs the batch item by item ("sequential").
+
+    ``cost_ns``: the call's estimated time for XLA's scheduler (:data:`LATENCY_HINTS`); default
+    :func:`memory_bound_ns` of its operands and results.
     """
     fn = jax.ffi.ffi_call(target, list(results), vmap_method="sequential",
                           input_output_aliases=input_output_aliases)
-    out = fn(*args, **attrs)
+    if LATENCY_HINTS and set_xla_metadata is not None:
+        ns = memory_bound_ns(*args, *results) if cost_ns is None else max(1, int(cost_ns))
+        with set_xla_metadata(latency_metadata=str(ns)):
+            out = fn(*args, **attrs)
+    else:
+        out = fn(*args, **attrs)
     return varying_like(list(out) if isinstance(out, (list, tuple)) else [out], args)
 
 

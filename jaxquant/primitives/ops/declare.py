@@ -112,10 +112,11 @@ class Op:
                 return t
         raise KeyError(f"op {self.name} declares no target {name!r}")
 
-    def call(self, target: str, results, *args, input_output_aliases=None, **attrs) -> list:
-        """The FFI call of the declared ``target`` (``_ffi.call``); returns the list of results."""
+    def call(self, target: str, results, *args, input_output_aliases=None, cost_ns=None, **attrs) -> list:
+        """The FFI call of the declared ``target`` (``_ffi.call``, ``cost_ns`` its time estimate for XLA's scheduler);
+        returns the list of results."""
         return _ffi.call(self.target(target).name, results, *args, input_output_aliases=input_output_aliases,
-                         **attrs)
+                         cost_ns=cost_ns, **attrs)
 
     def dispatch(self, impl: str, custom: Callable, ref: Callable, *args, target: str | None = None):
         """Run ``custom`` (which calls ``target``, default the op's first) or ``ref`` on ``args`` by ``impl``."""

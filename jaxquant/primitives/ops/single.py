@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.primitives import formats, reference
+from jaxquant.primitives import _ffi, formats, reference
 from jaxquant.primitives.formats import TILE, check_nvfp4_shape
 from jaxquant.primitives.ops.checks import (check_amax, check_array, check_fp8_cast_args, check_impl,
                                             check_input, check_range, not_quantized, rounds_to_bf16)
@@ -614,6 +614,11 @@ def nvfp4_bf16_operand(x, amax_value, *, compute_dtype=jnp.bfloat16, impl: str =
 # ----------------------------------------------------------------------------------------------
 
 FP8_GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# The GEMMs' time estimates for XLA's scheduler (_ffi.LATENCY_HINTS), FLOPs a nanosecond: what jaxquant's FP8 and bf16
+# GEMMs ran at in the 4-layer step on H200s (docs/performance.md, "Current figures: 2 × H200, 2026-11-29": ~1,440
+# and ~730 TFLOP/s). Estimates for the schedule, not this device's rates.
+FP8_GEMM_FLOPS_PER_NS = 1.4e6
+BF16_GEMM_FLOPS_PER_NS = 7.0e5
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 CUBLASLT_WORKSPACE_BYTES = 32 << 20   # csrc/jaxquant/ffi_checks.h kCublasLtWorkspaceBytes: cuBLASLt's workspace
 
@@ -634,6 +639,13 @@ def fp8_gemm_supported(a_shape, b_shape, a_dtype, b_dtype) -> bool:
         return False
     m, n, k = a_shape[0], b_shape[0], a_shape[1]
     return m > 0 and n > 0 and k > 0 and n % 16 == 0 and k % 16 == 0
+
+
+def gemm_ns(a, b, out, flops_per_ns: float) -> int:
+    """A GEMM's time estimate for XLA's scheduler: ``a [M, K]`` (this device's rows) times ``b`` into ``out [M, N]``
+    at ``flops_per_ns``, or the time to read and write its operands (``_ffi.memory_bound_ns``) if longer."""
+    flops = 2 * out.shape[0] * out.shape[1] * a.shape[1]
+    return max(int(flops / flops_per_ns), _ffi.memory_bound_ns(a, b, out))
 
 
 @FP8_GEMM.define
@@ -678,7 +690,8 @@ def fp8_gemm(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool
 
     def custom(x, y, sx, sy):
         return FP8_GEMM.call("jq_fp8_gemm", outs, x, y, sx, sy, fast_accum=bool(fast_accum),
-                             factor_product=bool(factor_product))[0]
+                             factor_product=bool(factor_product),
+                             cost_ns=gemm_ns(x, y, outs[0], FP8_GEMM_FLOPS_PER_NS))[0]
 
     def ref(x, y, sx, sy):
         return reference.fp8_gemm(x, y, sx, sy, out_dtype=out_dtype)
@@ -742,7 +755,8 @@ def bf16_gemm(a, b, factor, *, b_layout: str = "nk", impl: str = "auto"):
             jax.ShapeDtypeStruct((CUBLASLT_WORKSPACE_BYTES,), jnp.uint8)]
 
     def custom(x, y, f):
-        return BF16_GEMM.call("jq_bf16_gemm", outs, x, y, f, b_kn=b_layout == "kn")[0]
+        return BF16_GEMM.call("jq_bf16_gemm", outs, x, y, f, b_kn=b_layout == "kn",
+                              cost_ns=gemm_ns(x, y, outs[0], BF16_GEMM_FLOPS_PER_NS))[0]
 
     def ref(x, y, f):
         return reference.bf16_gemm(x, y, f, b_layout=b_layout)
