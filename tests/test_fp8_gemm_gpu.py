@@ -69,8 +69,9 @@ def test_fp32_result_gives_xlas_bytes(factor_product):
     _same_bytes(xla(a, b, sa, sb), custom(a, b, sa, sb))
 
 
-def test_the_compiled_gemm_keeps_its_latency_hint():
+def test_the_compiled_gemm_keeps_its_latency_hint(monkeypatch):
     """XLA's scheduler reads the estimate from the compiled instruction (tests/test_latency_hints.py)."""
+    monkeypatch.setattr(_ffi, "LATENCY_HINTS", True)
     a, b = jnp.ones((1024, 2048), E4M3), jnp.ones((4096, 2048), E4M3)
     s = jnp.float32(1.0)
     text = jax.jit(lambda a, b: ops.fp8_gemm(a, b, s, s, impl="custom_call")).lower(a, b).compile().as_text()

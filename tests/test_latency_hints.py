@@ -1,8 +1,10 @@
-"""Every jaxquant custom call tells XLA's latency-hiding scheduler its estimated time (the frontend attribute
-``latency_metadata``, nanoseconds; ``jaxquant.primitives._ffi.LATENCY_HINTS``): the memory-bound ops the bytes they
-move at HBM bandwidth, the GEMMs their FLOPs at a GEMM rate. Without it XLA takes a custom call for a few
-microseconds and plans the collectives that should run under jaxquant's GEMMs as if nothing could hide them."""
+"""With ``jaxquant.primitives._ffi.LATENCY_HINTS`` (``JAXQUANT_LATENCY_HINTS=1``) every jaxquant custom call tells
+XLA's latency-hiding scheduler its estimated time (the frontend attribute ``latency_metadata``, nanoseconds): the
+memory-bound ops the bytes they move at HBM bandwidth, the GEMMs their FLOPs at a GEMM rate. Without it XLA takes a
+custom call for a few microseconds and plans the collectives that should run under jaxquant's GEMMs as if nothing
+could hide them."""
 
+import os
 import re
 
 import jax
@@ -23,8 +25,13 @@ def hints(text: str, target: str) -> list[int]:
 needs_cpu_extension = pytest.mark.skipif("cpu" not in _ffi.built_platforms(), reason="needs the compiled CPU extension")
 
 
+@pytest.fixture
+def hints_on(monkeypatch):
+    monkeypatch.setattr(_ffi, "LATENCY_HINTS", True)
+
+
 @needs_cpu_extension
-def test_a_memory_bound_call_carries_its_bytes_at_hbm_bandwidth_into_the_compiled_program():
+def test_a_memory_bound_call_carries_its_bytes_at_hbm_bandwidth_into_the_compiled_program(hints_on):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((512, 1024)), jnp.float32)
     step = jax.jit(lambda v: ops.amax(v, impl="custom_call"))
     out = jax.eval_shape(lambda v: ops.amax(v, impl="custom_call"), x)
@@ -36,8 +43,10 @@ def test_a_memory_bound_call_carries_its_bytes_at_hbm_bandwidth_into_the_compile
 
 
 @needs_cpu_extension
-def test_no_hint_when_switched_off(monkeypatch):
-    monkeypatch.setattr(_ffi, "LATENCY_HINTS", False)
+def test_no_hint_by_default():
+    assert _ffi.LATENCY_HINTS is (os.environ.get("JAXQUANT_LATENCY_HINTS") == "1")
+    if _ffi.LATENCY_HINTS:
+        pytest.skip("JAXQUANT_LATENCY_HINTS=1 in this environment")
     x = jnp.ones((64, 128), jnp.float32)
     text = jax.jit(lambda v: ops.amax(v, impl="custom_call")).lower(x).as_text()
     assert "jq_amax" in text and "latency_metadata" not in text
@@ -55,7 +64,7 @@ def test_gemm_estimate_is_flops_at_the_gemm_rate_or_its_bytes_if_longer(m, n, k,
     assert (flops_ns > bytes_ns) == (bound == "flops")
 
 
-def test_the_fp8_gemm_custom_call_carries_its_estimate(monkeypatch):
+def test_the_fp8_gemm_custom_call_carries_its_estimate(monkeypatch, hints_on):
     """Lowered as on CUDA (the target need not be registered to lower): the call of each device's rows carries
     ``gemm_ns`` of its shapes."""
     monkeypatch.setattr(_ffi, "require", lambda target: None)
