@@ -396,16 +396,12 @@ ffi::Error Nvfp4Bf16OperandCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
   JQ_RETURN_IF_ERROR(check_nvfp4_bf16_operand(x, amax, *out, &rows, &cols));
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
-  bool launched = false;
-  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+  JQ_RETURN_IF_ERROR(launch_on_nvfp4_grid(bf16, round_bf16, rows, cols, [&](auto b, auto r, dim3 grid) {
     constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
-    dim3 grid;
-    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
     // an ordinary launch: x and amax may come from the kernel just before
     nvfp4_bf16_operand_kernel<kBf16, kRound><<<grid, kThreads, 0, stream>>>(
         x.untyped_data(), rows, cols, aligned, amax.typed_data(), reinterpret_cast<uint16_t*>(out->untyped_data()));
-  });
-  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
+  }));
   return last_error("nvfp4 bf16 operand kernel");
 }
 

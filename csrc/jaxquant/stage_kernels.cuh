@@ -375,6 +375,19 @@ bool nvfp4_grid(int64_t rows, int64_t cols, dim3* grid) {
   return true;
 }
 
+// What every NVFP4 block-item launcher does: `launch(b, r, grid)` with x's input kind as compile-time flags
+// (with_input_kind) and the grid of 64-row block items over [rows, cols]; the one-line error when that grid is too
+// tall to launch.
+template <typename Launch>
+ffi::Error launch_on_nvfp4_grid(bool bf16, bool round_bf16, int64_t rows, int64_t cols, Launch&& launch) {
+  bool launched = false;
+  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+    dim3 grid;
+    if ((launched = nvfp4_grid<decltype(b)::value>(rows, cols, &grid))) launch(b, r, grid);
+  });
+  return launched ? ffi::Error::Success() : invalid("x: more than 65535 blocks of 64 rows");
+}
+
 // ---- NVFP4 stage handlers ---------------------------------------------------------------------
 
 ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16,
@@ -385,11 +398,8 @@ ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16
   zero_stats(stream, amax->untyped_data(), count->typed_data());
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
-  bool launched = false;
-  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+  JQ_RETURN_IF_ERROR(launch_on_nvfp4_grid(bf16, round_bf16, rows, cols, [&](auto b, auto r, dim3 grid) {
     constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
-    dim3 grid;
-    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
     // bf16: as many block items at a time as the GPU holds (the kernel grid-strides over the rest).
     // fp32 keeps one item per block: its waves are long enough, and it measured 3-6% faster so.
     const auto kernel = nvfp4_stats_kernel<kBf16, kRound>;
@@ -398,8 +408,7 @@ ffi::Error Nvfp4StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, bool round_bf16
           std::max<int64_t>(1, std::min<int64_t>(grid.y, resident_grid(kernel, int64_t(grid.y) * grid.x) / grid.x)));
     launch_after_prior(kernel, grid, stream, x.untyped_data(), rows, cols, aligned, tile_amax->typed_data(),
                        reinterpret_cast<uint32_t*>(amax->untyped_data()), count->typed_data());
-  });
-  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
+  }));
   return last_error("nvfp4 stats kernel");
 }
 
@@ -413,16 +422,12 @@ ffi::Error Nvfp4QuantizeImpl(cudaStream_t stream, const ffi::AnyBuffer& x, const
   const bool aligned = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
   uint8_t* dt = data_t ? data_t->typed_data() : nullptr;
   uint8_t* st = scale_inv_t ? scale_inv_t->typed_data() : nullptr;
-  bool launched = false;
-  with_input_kind(bf16, round_bf16, [&](auto b, auto r) {
+  JQ_RETURN_IF_ERROR(launch_on_nvfp4_grid(bf16, round_bf16, rows, cols, [&](auto b, auto r, dim3 grid) {
     constexpr bool kBf16 = decltype(b)::value, kRound = decltype(r)::value;
-    dim3 grid;
-    if (!(launched = nvfp4_grid<kBf16>(rows, cols, &grid))) return;
     auto kernel = dt ? nvfp4_quantize_kernel<kBf16, kRound, true> : nvfp4_quantize_kernel<kBf16, kRound, false>;
     launch_after_prior(kernel, grid, stream, x.untyped_data(), rows, cols, aligned, tile_amax.typed_data(),
                        amax.typed_data(), data.typed_data(), scale_inv.typed_data(), dt, st);
-  });
-  if (!launched) return invalid("x: more than 65535 blocks of 64 rows");
+  }));
   return last_error("nvfp4 quantize kernel");
 }
 
