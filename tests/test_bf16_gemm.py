@@ -11,7 +11,8 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.primitives import _ffi, gemm, ops, reference
-from support.custom_gemm import bits, lowered, pretend_cuda_target, switch_changes_no_byte
+from support.bitwise import bits
+from support.custom_gemm import lowered, pretend_cuda_target, switch_changes_no_byte
 
 
 def _operands(m=48, k=64, n=32, layout="nk", seed=0):

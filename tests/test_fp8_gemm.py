@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxquant.primitives import _ffi, gemm, ops, reference
-from support.custom_gemm import bits, lowered, pretend_cuda_target, switch_changes_no_byte
+from support.bitwise import bits
+from support.custom_gemm import lowered, pretend_cuda_target, switch_changes_no_byte
 from support.fp8_dense import dense_fwd_bwd
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

@@ -43,10 +43,8 @@ def test_a_memory_bound_call_carries_its_bytes_at_hbm_bandwidth_into_the_compile
 
 
 @needs_cpu_extension
+@pytest.mark.skipif(os.environ.get("JAXQUANT_LATENCY_HINTS") == "1", reason="JAXQUANT_LATENCY_HINTS=1 turns them on")
 def test_no_hint_by_default():
-    assert _ffi.LATENCY_HINTS is (os.environ.get("JAXQUANT_LATENCY_HINTS") == "1")
-    if _ffi.LATENCY_HINTS:
-        pytest.skip("JAXQUANT_LATENCY_HINTS=1 in this environment")
     x = jnp.ones((64, 128), jnp.float32)
     text = jax.jit(lambda v: ops.amax(v, impl="custom_call")).lower(x).as_text()
     assert "jq_amax" in text and "latency_metadata" not in text

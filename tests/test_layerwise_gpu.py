@@ -72,7 +72,7 @@ def test_scan_casts_each_weight_once(cw, target):
 def test_one_gpu_fp8_scan_writes_weight_gradients_in_place_and_transposes_no_stack():
     """FP8 under scan on one GPU, gradients sent in bf16: XLA's dynamic-slice fusion runs each stacked weight's
     gradient GEMM (jq_fp8_gemm) straight into the stacked gradient, a dynamic-update-slice inside the fusion and no
-    copy of dW after it (the gradient reaches it unconverted: fsdp._rounds_to_itself), and no FP8 stack is
+    copy of dW after it (the gradient reaches it unconverted: fsdp.rounds_to_itself), and no FP8 stack is
     transposed (the backward reads the columnwise residual the cast wrote: fsdp.keeps_columnwise). Seen otherwise on
     an H200 (jax 0.11.2): a copy of every layer's dW into the stack, the whole stacked residual transposed before
     the backward loop and a strided copy of each layer's slice in it."""

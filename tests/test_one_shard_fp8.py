@@ -11,6 +11,7 @@ layer's slice, the second lets XLA's dynamic-slice fusion write each weight grad
 gradient (tests/test_layerwise_gpu.py checks that compiled form; docs/performance.md has the times).
 """
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,20 +22,14 @@ from jax.sharding import Mesh
 import jaxquant as jq
 from codegen import XLA_DEFAULT_CODEGEN
 from jaxquant.training import fsdp
+from support.bitwise import bits
+from support.sharding import one_shard_spec
 from support.transformer import LR, MASK, init_params, loss_loop, loss_scan, make_batch
 
 F32, BF16 = np.dtype(np.float32), jnp.dtype(jnp.bfloat16)
-GRAD = fsdp.GradReduce(scale=1.0, main_dtype=F32, comm_dtype=BF16)
 
 
-def _spec(**kw):
-    return fsdp.WeightSpec(**({"recipe": "fp8", "gather_axis": None, "num_shards": 1, "amax_axes": (),
-                               "grad": GRAD} | kw))
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+_spec = functools.partial(one_shard_spec, recipe="fp8")   # a field given to _spec replaces it
 
 
 def _assert_same(a, b):
@@ -42,7 +37,7 @@ def _assert_same(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
     nan = np.isnan(np.asarray(a, np.float32))
     np.testing.assert_array_equal(nan, np.isnan(np.asarray(b, np.float32)))
-    np.testing.assert_array_equal(_bits(a)[~nan], _bits(b)[~nan])
+    np.testing.assert_array_equal(bits(a)[~nan], bits(b)[~nan])
 
 
 def _gradient(dtype, seed=0):
@@ -62,7 +57,7 @@ def test_reduce_grad_leaves_an_exact_gradient_unconverted(monkeypatch):
     text = fn.lower(dw).as_text()
     assert "reduce_precision" not in text and "convert" not in text, text
     out = fn(dw)
-    monkeypatch.setattr(fsdp, "_rounds_to_itself", lambda dw, spec: False)   # the whole rounding chain
+    monkeypatch.setattr(fsdp, "rounds_to_itself", lambda dw, spec: False)   # the whole rounding chain
     chain = jax.jit(lambda d: fsdp.reduce_grad(d, spec))
     assert "reduce_precision" in chain.lower(dw).as_text()
     _assert_same(out, chain(dw))
@@ -78,7 +73,7 @@ def test_reduce_grad_converts_where_that_changes_the_gradient(dtype, grad, shard
     """Elsewhere the chain stays, and its result is not the gradient as it came (another dtype or other values)."""
     spec = _spec(grad=grad, grad_sharded=sharded)
     dw = _gradient(dtype)
-    assert not fsdp._rounds_to_itself(dw, spec)
+    assert not fsdp.rounds_to_itself(dw, spec)
     out = jax.jit(lambda d: fsdp.reduce_grad(d, spec))(dw)
     assert out.dtype == (grad.comm_dtype if sharded else grad.main_dtype)
     finite = np.isfinite(np.asarray(dw, np.float32))
@@ -106,9 +101,9 @@ def test_an_in_out_weight_reads_the_columnwise_bytes_its_cast_wrote(monkeypatch)
     fwd0, kept0 = fsdp.forward_weight(shard, None, None, spec)
     assert "data" in fwd0   # the rowwise bytes, transposed after the cast for the forward
     for k in ("data_t", "scale_inv", "amax"):
-        np.testing.assert_array_equal(_bits(fwd[k]), _bits(fwd0[k]), err_msg=k)
+        np.testing.assert_array_equal(bits(fwd[k]), bits(fwd0[k]), err_msg=k)
     for k in kept:
-        np.testing.assert_array_equal(_bits(kept[k]), _bits(kept0[k]), err_msg=k)
+        np.testing.assert_array_equal(bits(kept[k]), bits(kept0[k]), err_msg=k)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
@@ -144,16 +139,16 @@ def test_one_shard_keeps_the_transpose_of_the_bytes_it_multiplies(monkeypatch):
     backward = lambda k: fsdp.backward_weight(k, spec)
     assert "transpose" not in str(jax.make_jaxpr(backward)(kept))
     bwd = backward(kept)
-    np.testing.assert_array_equal(_bits(bwd["data_t"]), _bits(fwd["data"]).T)
+    np.testing.assert_array_equal(bits(bwd["data_t"]), bits(fwd["data"]).T)
 
     monkeypatch.setattr(fsdp, "keeps_columnwise", lambda spec: False)
     fwd0, kept0 = fsdp.forward_weight(shard, None, None, spec)
     assert set(kept0) == {"data", "scale_inv", "amax"}
     assert "transpose" in str(jax.make_jaxpr(backward)(kept0))
     bwd0 = backward(kept0)
-    np.testing.assert_array_equal(_bits(fwd["data"]), _bits(fwd0["data"]))
+    np.testing.assert_array_equal(bits(fwd["data"]), bits(fwd0["data"]))
     for k in ("data_t", "scale_inv", "amax"):
-        np.testing.assert_array_equal(_bits(bwd[k]), _bits(bwd0[k]), err_msg=k)
+        np.testing.assert_array_equal(bits(bwd[k]), bits(bwd0[k]), err_msg=k)
 
 
 @pytest.mark.parametrize("loss,stacked", [(loss_scan, True), (loss_loop, False)], ids=["scan", "loop"])
@@ -173,7 +168,7 @@ def test_one_device_fp8_step_equals_the_rowwise_residual_and_full_rounding(monke
 
     params, losses, text = run()
     monkeypatch.setattr(fsdp, "keeps_columnwise", lambda spec: False)
-    monkeypatch.setattr(fsdp, "_rounds_to_itself", lambda dw, spec: False)
+    monkeypatch.setattr(fsdp, "rounds_to_itself", lambda dw, spec: False)
     params0, losses0, text0 = run()
     # both changes are in the program: fewer roundings (one a weight gradient), another residual
     assert text.count("reduce_precision") < text0.count("reduce_precision")

@@ -5,6 +5,7 @@ precomputed by the update that wrote the master (``TrainState.weight_amax``), an
 a statistics pass, the cast to packed bytes and a decode before each of the two GEMMs.
 """
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,25 +17,19 @@ import jaxquant as jq
 from codegen import XLA_DEFAULT_CODEGEN
 from jaxquant.primitives import gemm
 from jaxquant.training import fsdp
+from support.bitwise import bits
+from support.sharding import one_shard_spec
 from support.transformer import LR, MASK, init_params, loss_loop, loss_scan, make_batch
 
 F32, BF16 = np.dtype(np.float32), jnp.dtype(jnp.bfloat16)
-GRAD = fsdp.GradReduce(scale=1.0, main_dtype=F32, comm_dtype=BF16)
 
 
-def _spec(**kw):
-    return fsdp.WeightSpec(**({"recipe": "nvfp4", "gather_axis": None, "num_shards": 1, "amax_axes": (),
-                               "grad": GRAD} | kw))
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+_spec = functools.partial(one_shard_spec, recipe="nvfp4")   # a field given to _spec replaces it
 
 
 def _same(a, b, what=""):
     assert np.asarray(a).dtype == np.asarray(b).dtype, what
-    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=what)
+    np.testing.assert_array_equal(bits(a), bits(b), err_msg=what)
 
 
 def test_only_an_unsplit_nvfp4_weight_dequantizes_once():

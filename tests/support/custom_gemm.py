@@ -6,15 +6,10 @@ import jax
 import numpy as np
 
 from jaxquant.primitives import _ffi, gemm
+from support.bitwise import bits
 
 # what layerwise.default_compiler_options sets on a GPU: the GEMMs compiled as the training step compiles them
 STEP_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
-def bits(x):
-    """``x``'s bytes as unsigned integers of its width (2 or 4 bytes)."""
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 def pretend_cuda_target(monkeypatch, target: str, switch: str):

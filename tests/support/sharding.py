@@ -2,6 +2,7 @@
 mesh (8 simulated CPU devices, 2 GPUs), and the inputs and meshes it runs on."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -74,3 +75,12 @@ def tiled_input(rows, cols, seed=0):
     rng = np.random.default_rng(seed)
     scale = 10.0 ** rng.uniform(-3, 3, size=(rows // 16, cols // 16))
     return (rng.standard_normal((rows, cols)) * np.kron(scale, np.ones((16, 16)))).astype(np.float32)
+
+
+def one_shard_spec(**fields):
+    """The ``fsdp.WeightSpec`` of a weight of one shard (nothing gathered, no amax reduction), its gradient reduced in
+    bf16 at scale 1; ``fields`` (``recipe`` among them) replace any field."""
+    from jaxquant.training import fsdp
+
+    grad = fsdp.GradReduce(scale=1.0, main_dtype=np.dtype(np.float32), comm_dtype=np.dtype(jnp.bfloat16))
+    return fsdp.WeightSpec(**({"gather_axis": None, "num_shards": 1, "amax_axes": (), "grad": grad} | fields))
