@@ -432,7 +432,7 @@ def run_one(a, config, make_batch=None, flops=None):
         raise SystemExit(f"--tp {a.tp} does not divide the {len(devices)} devices")
     mesh = Mesh(devices.reshape(-1, a.tp), ("fsdp", "tp")) if a.tp > 1 else Mesh(devices, ("fsdp",))
     n = mesh.size
-    if getattr(a, "pgle", 0):
+    if a.pgle:
         jax.config.update("jax_enable_pgle", True)
         jax.config.update("jax_pgle_profiling_runs", a.pgle)
     if a.gemms is not None:   # the second compile (below) reads this run's executable back, not compiling again
@@ -457,7 +457,7 @@ def run_one(a, config, make_batch=None, flops=None):
     losses = [float(loss)]
     state, loss = fn(state, batch)
     losses.append(float(loss))
-    for _ in range(getattr(a, "pgle", 0)):   # the profiled runs; the step after them compiles again
+    for _ in range(a.pgle):   # the profiled runs; the step after them compiles again
         state, loss = fn(state, batch)
         losses.append(float(loss))
     times = []

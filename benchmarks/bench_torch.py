@@ -215,8 +215,9 @@ def prepare(a, config, model, mesh, compile_blocks):
             inductor["emulate_precision_casts"] = True
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if compile_blocks:
-        # each block is compiled on its own and dynamo counts every block past the first as a recompile of the same
-        # code: past its limit (8) a fullgraph compile fails (seen at 40 layers with torchao's Float8Linear)
+        # each block is compiled on its own and dynamo counted blocks past the first as recompiles of the same code:
+        # past its limit (8) a fullgraph compile fails (seen at 40 layers with torchao's Float8Linear on 2 GPUs).
+        # torch has no public setting for the limit; this is the one its torch.compile troubleshooting page names.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(model.blocks) + 8)
     for i, block in enumerate(model.blocks):
         if a.remat is not None:

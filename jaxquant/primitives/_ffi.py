@@ -8,6 +8,7 @@ jaxlib whose FFI headers they were compiled against.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -165,11 +166,11 @@ def call(target: str, results, *args, input_output_aliases=None, cost_ns=None, *
     """
     fn = jax.ffi.ffi_call(target, list(results), vmap_method="sequential",
                           input_output_aliases=input_output_aliases)
+    hint = contextlib.nullcontext()
     if LATENCY_HINTS and set_xla_metadata is not None:
         ns = memory_bound_ns(*args, *results) if cost_ns is None else max(1, int(cost_ns))
-        with set_xla_metadata(latency_metadata=str(ns)):
-            out = fn(*args, **attrs)
-    else:
+        hint = set_xla_metadata(latency_metadata=str(ns))
+    with hint:
         out = fn(*args, **attrs)
     return varying_like(list(out) if isinstance(out, (list, tuple)) else [out], args)
 

@@ -194,7 +194,8 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     amax reduction; otherwise this rank's rows are quantized (:func:`quantize_rows`, with the precomputed ``amax``
     when given) and gathered. The backward
     keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast; an FP8
-    weight of one shard casts both layouts and keeps the one the backward reads, :func:`keeps_columnwise`), or with
+    weight of one shard casts both layouts and keeps the one the backward reads, :func:`keeps_columnwise`; an NVFP4
+    weight of one shard keeps the bf16 operand its forward read, :func:`dequantizes_once`), or with
     ``spec.keep_gathered`` the gathered operands (no second gather)."""
     if gathered is not None:
         return gathered, gathered
@@ -461,7 +462,7 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
         widths = [(0, 0)] * dw.ndim
         widths[spec.rows_axis(dw.ndim)] = (0, spec.pad_rows)
         dw = jnp.pad(dw, widths)
-    if _rounds_to_itself(dw, spec):
+    if rounds_to_itself(dw, spec):
         x = dw
     else:
         x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
@@ -477,7 +478,7 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
     return x
 
 
-def _rounds_to_itself(dw, spec: WeightSpec) -> bool:
+def rounds_to_itself(dw, spec: WeightSpec) -> bool:
     """Whether :func:`reduce_grad`'s roundings and scaling leave ``dw`` as it is, bit for bit: a scale of 1, the
     result dtype (comm, or main when unsharded) ``dw``'s own, and a main dtype that holds ``dw``'s values exactly
     (its own, or fp32). Then ``dw`` goes on unconverted: under ``scan`` XLA's dynamic-slice fusion lets the
