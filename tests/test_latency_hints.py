@@ -1,11 +1,13 @@
-"""With ``jaxquant.primitives._ffi.LATENCY_HINTS`` (``JAXQUANT_LATENCY_HINTS=1``) every jaxquant custom call tells
-XLA's latency-hiding scheduler its estimated time (the frontend attribute ``latency_metadata``, nanoseconds): the
-memory-bound ops the bytes they move at HBM bandwidth, the GEMMs their FLOPs at a GEMM rate. Without it XLA takes a
-custom call for a few microseconds and plans the collectives that should run under jaxquant's GEMMs as if nothing
-could hide them."""
+"""Every jaxquant custom call tells XLA's latency-hiding scheduler its estimated time (the frontend attribute
+``latency_metadata``, nanoseconds; ``jaxquant.primitives._ffi.LATENCY_HINTS``, on unless ``JAXQUANT_LATENCY_HINTS=0``):
+the memory-bound ops the bytes they move at HBM bandwidth, the GEMMs their FLOPs at a GEMM rate. Without it XLA takes
+a custom call for a few microseconds and plans the collectives that should run under jaxquant's GEMMs as if nothing
+could hide them (tests/test_schedule_gpu.py)."""
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +45,20 @@ def test_a_memory_bound_call_carries_its_bytes_at_hbm_bandwidth_into_the_compile
 
 
 @needs_cpu_extension
-@pytest.mark.skipif(os.environ.get("JAXQUANT_LATENCY_HINTS") == "1", reason="JAXQUANT_LATENCY_HINTS=1 turns them on")
-def test_no_hint_by_default():
-    x = jnp.ones((64, 128), jnp.float32)
-    text = jax.jit(lambda v: ops.amax(v, impl="custom_call")).lower(x).as_text()
-    assert "jq_amax" in text and "latency_metadata" not in text
+@pytest.mark.parametrize("setting, hinted", [(None, True), ("1", True), ("0", False)])
+def test_on_by_default_and_off_with_the_environment_variable(setting, hinted):
+    """Read at import: a fresh process per setting (None: the variable unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAXQUANT_LATENCY_HINTS"}
+    if setting is not None:
+        env["JAXQUANT_LATENCY_HINTS"] = setting
+    code = ("import jax, jax.numpy as jnp\n"
+            "from jaxquant.primitives import ops\n"
+            "x = jnp.ones((64, 128), jnp.float32)\n"
+            "print(jax.jit(lambda v: ops.amax(v, impl='custom_call')).lower(x).as_text())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "jq_amax" in out.stdout
+    assert ("latency_metadata" in out.stdout) == hinted
 
 
 @pytest.mark.parametrize("m, n, k, bound", [(8192, 14336, 4096, "flops"), (16, 4096, 4096, "bytes")])

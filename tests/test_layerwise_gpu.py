@@ -81,7 +81,7 @@ def test_one_gpu_fp8_scan_writes_weight_gradients_in_place_and_transposes_no_sta
     from jaxquant.primitives import _ffi, gemm
     from support.transformer import D, F, L
 
-    if gemm.fp8_gemm_impl() != "cublaslt" or not _ffi.has_target("cuda", "jq_fp8_gemm"):
+    if gemm.FP8_GEMM_IMPL != "cublaslt" or not _ffi.has_target("cuda", "jq_fp8_gemm"):
         pytest.skip("jaxquant's FP8 GEMM is not in use (gemm.FP8_GEMM_IMPL, or a build without cuBLASLt)")
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
     policy = jq.MixedPrecisionPolicy(compute_weights="fp8", grad_comm_dtype=jax.numpy.bfloat16)

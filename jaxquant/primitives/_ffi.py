@@ -135,10 +135,12 @@ def require(target: str | None = None) -> None:
 # XLA's latency-hiding scheduler decides which GEMMs and fusions an all-gather or a reduce-scatter runs under from
 # each instruction's estimated time. It has estimates for its own GEMMs and fusions but takes any other custom call
 # for a few microseconds, unless the call carries its time in nanoseconds as the frontend attribute
-# "latency_metadata". With JAXQUANT_LATENCY_HINTS=1 every jaxquant custom call carries one: the GEMMs their FLOPs at
-# a GEMM rate (``ops.single``), the rest, all memory-bound, the bytes they read and write at HBM bandwidth. Only the
-# schedule can change, never a byte of a result. Off by default until a GPU A/B shows the schedule it gives is faster.
-LATENCY_HINTS = os.environ.get("JAXQUANT_LATENCY_HINTS", "0") == "1"
+# "latency_metadata". Every jaxquant custom call carries one (JAXQUANT_LATENCY_HINTS=0 leaves them out): the GEMMs
+# their FLOPs at a GEMM rate (``ops.single``), the rest, all memory-bound, the bytes they read and write at HBM
+# bandwidth. Only the schedule can change, never a byte of a result. Without them XLA (jax 0.11.2) left three of the
+# four weight-gradient reduce-scatters of each backward iteration of the 13B-shaped FP8 `scan` synchronous, with
+# nothing under them; with them every one runs under GEMMs (tests/test_schedule_gpu.py).
+LATENCY_HINTS = os.environ.get("JAXQUANT_LATENCY_HINTS", "1") != "0"
 # Bytes a nanosecond the memory-bound kernels move: an H200's casts run at ~4.1 TB/s (docs/performance.md,
 # "Re-profiled at today's weight path"); an estimate for the scheduler, not a measurement of this device.
 HBM_BYTES_PER_NS = 4000.0

@@ -24,18 +24,20 @@ axes that split the weight); NVFP4 16x16 tiles are whole inside a shard whose ro
 of 16, so each rank derives the same tile scales it would from the whole weight (docs/numerics.md §2.2-
 §2.5) and the gathered bytes equal ``quantize_fp8`` / ``quantize_nvfp4`` of the whole weight.
 
-Gradients (``GradReduce``): ``dW`` (the fp32 GEMM output rounded to bf16, the weight gradient of a bf16
-layer; a gathered array's gradient in its own dtype) is rounded to the main-grads dtype, scaled by
-``1/(data-parallel ranks x microbatches)``, rounded to the comm dtype and reduce-scattered over the FSDP
-axis; ``grad`` holds the comm dtype and ``make_train_step`` converts it to the main-grads dtype. Axes the
-weight is replicated over while the activations vary (the FSDP axis of an unsharded leaf, an HSDP replicate
-axis, the TP axis of a TP-replicated weight) are summed by JAX's own transpose of the broadcast (``psum``
-in the comm dtype).
+Gradients (``GradReduce``): ``dW`` (the fp32 GEMM output rounded to bf16, the weight gradient of a bf16 layer; a
+gathered array's gradient in its own dtype) is rounded to the main-grads dtype, scaled by ``1/(data-parallel ranks
+x microbatches)``, rounded to the comm dtype and reduce-scattered over the FSDP axis (a bf16 ``dW`` and a power-
+of-two scale: reduce-scattered first and the reduced rows scaled, the same bits but out of the normal range,
+:func:`scales_after_the_sum`); ``grad`` holds the comm dtype and ``make_train_step`` converts it to the main-grads
+dtype. Axes the weight is replicated over while the activations vary (the FSDP axis of an unsharded leaf, an HSDP
+replicate axis, the TP axis of a TP-replicated weight) are summed by JAX's own transpose of the broadcast
+(``psum`` in the comm dtype).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -200,7 +202,8 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     if gathered is not None:
         return gathered, gathered
     if local is None and dequantizes_once(spec):   # the GEMMs' bf16 operand, made once, read forward and backward
-        operands = dequantized_operands(shard, spec, amax)
+        # the barrier, as below: under scan XLA cloned the pass into the residual's stacked write otherwise
+        operands = jax.lax.optimization_barrier(dequantized_operands(shard, spec, amax))
         return operands, operands
     if local is None:
         columnwise = keeps_columnwise(spec)
@@ -462,7 +465,8 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
         widths = [(0, 0)] * dw.ndim
         widths[spec.rows_axis(dw.ndim)] = (0, spec.pad_rows)
         dw = jnp.pad(dw, widths)
-    if rounds_to_itself(dw, spec):
+    after_the_sum = scales_after_the_sum(dw, spec)
+    if after_the_sum or rounds_to_itself(dw, spec):
         x = dw
     else:
         x = formats.to_compute_dtype(dw, g.main_dtype).astype(jnp.float32) * np.float32(g.scale)
@@ -473,6 +477,8 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
         return x
     if spec.gather_axis is not None:
         x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=spec.rows_axis(x.ndim), tiled=True)
+    if after_the_sum:    # exact: a power of two (fused by XLA into what reads the reduced rows)
+        x = (x.astype(jnp.float32) * np.float32(g.scale)).astype(g.comm_dtype)
     if spec.vary_axes and sum_vary_axes:
         x = jax.lax.psum(x, spec.vary_axes)
     return x
@@ -489,6 +495,24 @@ def rounds_to_itself(dw, spec: WeightSpec) -> bool:
     out = jnp.dtype(g.comm_dtype if spec.grad_sharded else g.main_dtype)
     return (float(g.scale) == 1.0 and jnp.dtype(dw.dtype) == out
             and jnp.dtype(g.main_dtype) in (jnp.dtype(jnp.float32), out))
+
+
+def scales_after_the_sum(dw, spec: WeightSpec) -> bool:
+    """Whether :func:`reduce_grad` reduce-scatters ``dw`` as it came and scales this rank's reduced rows: a scale that
+    is a power of two other than 1 (``1 / (ranks x microbatches)`` with both powers of two), ``dw`` already in the comm
+    dtype and a main dtype that holds it exactly (fp32 or the comm dtype). Scaling by a power of two is exact and
+    commutes with every rounding of the sum, so the rows are those of scaling each rank's ``dw`` first, bit for bit,
+    but where a value leaves the dtype's normal range: a sum of at least 2**128 before its scaling (inf, where
+    scaling first kept it finite) or a scaled value below 2**-126 (subnormal, rounded once instead of per addend).
+    Scaling first is a pass over the whole ``dw`` of every weight and step, on two GPUs or more only (one rank's
+    scale is 1); scaling the reduced rows costs nothing, as XLA fuses it into what reads them (the stacked gradient's
+    update under ``scan``, the optimizer's update otherwise)."""
+    g = spec.grad
+    comm = jnp.dtype(g.comm_dtype)
+    scale = float(g.scale)
+    return (spec.grad_sharded and spec.gather_axis is not None and scale != 1.0
+            and math.frexp(scale)[0] == 0.5 and jnp.dtype(dw.dtype) == comm
+            and jnp.dtype(g.main_dtype) in (jnp.dtype(jnp.float32), comm))
 
 
 def gather_array(shard, grad, spec: WeightSpec, gathered=None):
