@@ -6,14 +6,24 @@ compiles on one GPU that could not hold its Adam state. One process per config (
         --heads 40 --kv-heads 40 --ffn 13824 --remat nothing_saved
 
 Takes bench_e2e.py's options (shapes, ``--flags``, ``--devices``, ``--tiny``); prints a table of lower and compile
-seconds. The issue's bound (the 40-layer `scan` compiles in at most 10 s) is about ``compile s`` (XLA's compile,
+seconds and of the compiled program's collectives: how many XLA left synchronous (nothing scheduled under them:
+exposed whatever they cost) and how many it made asynchronous. ``--topology N`` compiles for N GPUs of the attached
+GPU's kind that need not exist (``jax.experimental.topologies``' compile-only devices; nothing runs), so one GPU shows
+a two-GPU step's schedule; ``--hlo DIR`` writes each config's compiled HLO there (``CONFIG.hlo.txt``).
+
+    python benchmarks/compile_time.py --topology 2 --hlo /tmp/hlo --flags default --configs jq-fp8 --layers 40 \\
+        --hidden 5120 --heads 40 --kv-heads 40 --ffn 13824 --remat nothing_saved
+
+The issue's bound (the 40-layer `scan` compiles in at most 10 s) is about ``compile s`` (XLA's compile,
 autotuning included on a GPU); ``lower s`` is JAX's tracing and lowering to StableHLO.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -28,7 +38,12 @@ def compile_one(a, config) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    devices = np.array(jax.devices()[:a.devices] if a.devices else jax.devices())
+    if getattr(a, "topology", 0):
+        from jax.experimental import topologies
+
+        devices = np.array(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{a.topology}").devices)
+    else:
+        devices = np.array(jax.devices()[:a.devices] if a.devices else jax.devices())
     mesh = Mesh(devices, ("fsdp",))
     fn, state = e2e.make_config(a, mesh, config, abstract=True)
     rows = NamedSharding(mesh, P("fsdp"))
@@ -38,14 +53,37 @@ def compile_one(a, config) -> dict:
     t0 = time.perf_counter()
     lowered = fn.lower(state, batch)
     t1 = time.perf_counter()
-    lowered.compile()
+    hlo = lowered.compile().as_text()
     t2 = time.perf_counter()
+    if getattr(a, "hlo", None):
+        os.makedirs(a.hlo, exist_ok=True)
+        with open(os.path.join(a.hlo, f"{config}.hlo.txt"), "w") as f:
+            f.write(hlo)
     return {"config": config, "lower_s": t1 - t0, "compile_s": t2 - t1, "layers": a.layers, "devices": mesh.size,
-            "device": jax.devices()[0].device_kind}
+            "device": jax.devices()[0].device_kind} | collectives(hlo)
+
+
+def collectives(hlo: str) -> dict:
+    """Collectives of a compiled (scheduled) HLO module's text: ``sync``, those left synchronous (an all-gather,
+    reduce-scatter, all-reduce, all-to-all or collective-permute instruction of its own), and ``async``, those split
+    into a start and a done with instructions scheduled between."""
+    kinds = r"all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
+    return {"sync": len(re.findall(rf" (?:{kinds})\(", hlo)), "async": len(re.findall(rf" (?:{kinds})-start\(", hlo))}
+
+
+def parse_args(argv=None):
+    """bench_e2e.py's options, and this file's ``--topology`` and ``--hlo``."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--topology", type=int, default=0, help="compile for N compile-only GPUs (0: the devices here)")
+    pre.add_argument("--hlo", default=None, help="directory: each config's compiled HLO")
+    own, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    a = e2e.parse_args(rest)
+    a.topology, a.hlo = own.topology, own.hlo
+    return a
 
 
 def main(argv=None):
-    a = e2e.parse_args(argv)
+    a = parse_args(argv)
     if a.tp > 1 or a.process_counts != [1]:
         print("compile_time.py: one process, --tp 1 (the FSDP configs)", file=sys.stderr)
         return 2
@@ -59,13 +97,15 @@ def main(argv=None):
     if bad:
         print(f"unknown or unsupported config or flag set: {bad}", file=sys.stderr)
         return 2
-    describe = lambda r: f"lower {r['lower_s']:6.1f} s  compile {r['compile_s']:6.1f} s"
+    describe = lambda r: (f"lower {r['lower_s']:6.1f} s  compile {r['compile_s']:6.1f} s  collectives sync "
+                          f"{r['sync']} / async {r['async']}")
     results = e2e.run_configs(a, configs, flag_sets, __file__, sys.argv[1:] if argv is None else argv, describe)
-    print("| flags | config | layers | lower s | compile s |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| flags | config | layers | devices | lower s | compile s | collectives sync / async |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         if "error" not in r:
-            print(f"| {r['flags']} | {r['config']} | {r['layers']} | {r['lower_s']:.1f} | {r['compile_s']:.1f} |")
+            print(f"| {r['flags']} | {r['config']} | {r['layers']} | {r['devices']} | {r['lower_s']:.1f} | "
+                  f"{r['compile_s']:.1f} | {r['sync']} / {r['async']} |")
     return 1 if any("error" in r for r in results) else 0
 
 
