@@ -62,8 +62,9 @@ def test_collectives_counts_the_synchronous_and_the_started_ones():
 
 
 def test_parse_args_takes_topology_and_hlo_beside_bench_e2es_options(tmp_path):
-    a = compile_time.parse_args(["--tiny", "--topology", "2", "--hlo", str(tmp_path), "--layers", "3"])
-    assert (a.topology, a.hlo, a.layers, a.tiny) == (2, str(tmp_path), 3, True)
+    a = compile_time.parse_args(["--topology", "2", "--hlo", str(tmp_path), "--layers", "3", "--configs", "jq-fp8"])
+    assert (a.topology, a.hlo, a.layers, a.configs) == (2, str(tmp_path), 3, "jq-fp8")
+    assert compile_time.parse_args(["--layers", "3"]).topology == 0
 
 
 def test_compile_one_writes_the_compiled_hlo(tmp_path):

@@ -87,3 +87,36 @@ def test_the_documented_exception_a_sum_beyond_bf16s_range():
     dw = jnp.full((2, 32, 16), top, BF16)
     out, _ = _reduced(dw, spec, 2)
     assert np.all(np.isinf(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_the_step_on_eight_devices_trains_to_the_same_bits(monkeypatch, recipe):
+    """Two steps of the layer-wise step (scan, 8 ranks: scale 1/8, bf16 gradients on the wire), as they are and with
+    every gradient scaled before its reduce-scatter: the same losses and masters, bit for bit; the program that scales
+    after the sum has no rounding chain for the weight gradients."""
+    import optax
+
+    import jaxquant as jq
+    from codegen import XLA_DEFAULT_CODEGEN
+    from support.transformer import LR, MASK, init_params, loss_scan, make_batch
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+
+    def run():
+        step = jq.make_train_step(loss_scan, optax.adam(LR), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
+                                  quantize_mask=MASK, compiler_options=XLA_DEFAULT_CODEGEN,
+                                  policy=jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=BF16))
+        state, losses = step.init(init_params(stacked=True)), []
+        for i in range(2):
+            state, m = step(state, make_batch(i))
+            losses.append(np.asarray(m["loss"]))
+        return step.params(state), losses, step.lower(state, make_batch()).as_text()
+
+    params, losses, text = run()
+    monkeypatch.setattr(fsdp, "scales_after_the_sum", lambda dw, spec: False)
+    params0, losses0, text0 = run()
+    assert text.count("reduce_precision") < text0.count("reduce_precision")
+    np.testing.assert_array_equal(losses, losses0)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params0)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
