@@ -1,9 +1,9 @@
-"""Precomputed FP8 weight scales (``TrainState.weight_amax``): the step that writes a master weight also computes each
-layer's amax of it, and the next step's casts read that amax instead of running an amax pass and a scalar all-reduce
-per layer. The amaxes equal each layer's statistics; training from them is bit for bit training without them (the
-casts computing their own), in the layer-wise strategy, under ZeRO 0-2 (weights gathered once a step) and with
-``quantize_once`` (which keeps its own packed reduction); a master replaced by hand is refreshed with
-``refresh_amax``."""
+"""Precomputed weight scales (``TrainState.weight_amax``): the step that writes a master weight also computes each
+layer's amax of it, and the next step's casts read that amax instead of running a scalar all-reduce per layer (FP8:
+and an amax pass; NVFP4 still runs its statistics pass for the tile amaxes). The amaxes equal each layer's
+statistics; training from them is bit for bit training without them (the casts computing their own), in the layer-
+wise strategy, under ZeRO 0-2 (weights gathered once a step) and with ``quantize_once`` (which keeps its own packed
+reduction); a master replaced by hand is refreshed with ``refresh_amax``."""
 
 import dataclasses
 import functools
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulat
 
 
 @functools.lru_cache(maxsize=None)
-def _make_step(loss, strategy="optim_grads_params", quantize_once=False):
+def _make_step(loss, strategy="optim_grads_params", quantize_once=False, recipe="fp8"):
     return jq.make_train_step(loss, optax.adam(1e-2), mesh=fsdp_mesh(4), quantize_mask=MASK, strategy=strategy,
-                              quantize_once=quantize_once, policy=jq.MixedPrecisionPolicy(compute_weights="fp8"))
+                              quantize_once=quantize_once, policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
 
 
 def _layer_amaxes(master):
@@ -41,7 +41,7 @@ def _check_amaxes(step, state):
     assert len(state.weight_amax) == len(leaves)
     quantized = 0
     for m, a, r in zip(leaves, state.weight_amax, state.plan.rules):
-        if r.quantized and r.recipe == "fp8":
+        if r.quantized and r.recipe in ("fp8", "nvfp4"):
             quantized += 1
             np.testing.assert_array_equal(np.asarray(a), _layer_amaxes(m), err_msg=r.name)
         else:
@@ -50,10 +50,11 @@ def _check_amaxes(step, state):
 
 
 @pytest.mark.parametrize("loss", [loss_scan, loss_loop], ids=["scan", "loop"])
-def test_the_steps_keep_each_layers_amax(loss):
-    """After init and after each step, ``weight_amax`` holds each FP8 leaf's per-layer amax of its master (stacked
-    leaves: one per layer), None for every other leaf."""
-    step = _make_step(loss)
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_the_steps_keep_each_layers_amax(loss, recipe):
+    """After init and after each step, ``weight_amax`` holds each FP8 / NVFP4 leaf's per-layer amax of its master
+    (stacked leaves: one per layer), None for every other leaf."""
+    step = _make_step(loss, recipe=recipe)
     state = step.init(init_params(stacked=loss is loss_scan))
     _check_amaxes(step, state)
     for i in range(2):
@@ -61,15 +62,20 @@ def test_the_steps_keep_each_layers_amax(loss):
         _check_amaxes(step, state)
 
 
-@pytest.mark.parametrize("strategy,quantize_once", [("optim_grads_params", False), ("optim_grads", False),
-                                                    ("optim_grads_params", True)],
-                         ids=["per-use", "zero2-gathered-once", "quantize-once"])
-@pytest.mark.fast_cases("per-use")
-def test_training_from_precomputed_amaxes_is_bitwise_training_without(strategy, quantize_once):
+@pytest.mark.parametrize("strategy,quantize_once,recipe", [
+    ("optim_grads_params", False, "fp8"), ("optim_grads", False, "fp8"), ("optim_grads_params", True, "fp8"),
+    ("optim_grads_params", False, "nvfp4"), ("optim_grads", False, "nvfp4")],
+    ids=["per-use", "zero2-gathered-once", "quantize-once", "per-use-nvfp4", "zero2-gathered-once-nvfp4"])
+@pytest.mark.fast_cases("per-use", "per-use-nvfp4")
+def test_training_from_precomputed_amaxes_is_bitwise_training_without(strategy, quantize_once, recipe):
     """Three Adam steps on one batch from the same state: with the precomputed amaxes, and with ``weight_amax``
     dropped before each step (the casts then compute their own amax and max-reduce it): the same losses and masters,
-    bit for bit."""
-    step = _make_step(loss_scan, strategy, quantize_once)
+    bit for bit. With the amaxes the step has fewer all-reduces (none a layer's amax)."""
+    step = _make_step(loss_scan, strategy, quantize_once, recipe)
+    state0 = step.init(init_params())
+    if not quantize_once:
+        reductions = lambda st: step.lower(st, make_batch(0)).as_text().count("all_reduce")
+        assert reductions(state0) < reductions(dataclasses.replace(state0, weight_amax=None))
     runs = {}
     for precomputed in (True, False):
         state = step.init(init_params())

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxquant as jq
 from jaxquant.training import fsdp
 from support.transformer import MASK, init_params, loss_loop, loss_scan, make_batch
+from support.hlo import max_reductions
 from support.meshes import fsdp_mesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -87,17 +88,6 @@ def _keys(specs):
             for s in specs]
 
 
-def _max_reductions(text):
-    """Operand types of every all_reduce whose reduction is a maximum."""
-    out = []
-    for m in re.finditer(r'"stablehlo\.all_reduce"', text):
-        region = text[m.end(): m.end() + 600]
-        sig = re.search(r"\}\) : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)", region)
-        if "stablehlo.maximum" in region[: sig.start() if sig else 600]:
-            out.append(sig.group(1) if sig else "?")
-    return out
-
-
 @pytest.mark.parametrize("cw", ["fp8", "nvfp4"])
 def test_lowered_scan_step_reduces_amaxes_once_and_gathers_one_layer(cw):
     params = init_params()
@@ -107,12 +97,10 @@ def test_lowered_scan_step_reduces_amaxes_once_and_gathers_one_layer(cw):
         step = _make(loss_scan, cw, once, microbatches=1)
         texts[once] = step.lower(step.init(params), make_batch()).as_text()
     # w1 and w2: L amaxes each, the head: 1 -> one packed reduction of 2L+1; none of a scalar
-    assert _max_reductions(texts[True]) == [f"tensor<{2 * L + 1}xf32>"], _max_reductions(texts[True])
-    per_use = _max_reductions(texts[False])   # where used: one reduction of one amax per weight read
-    if cw == "fp8":   # ... except FP8's: the casts read the amaxes the previous step computed (TrainState.weight_amax)
-        assert per_use == [], per_use
-    else:
-        assert len(per_use) == 3 and set(per_use) <= {"tensor<f32>", "tensor<1xf32>"}, per_use
+    assert max_reductions(texts[True]) == [f"tensor<{2 * L + 1}xf32>"], max_reductions(texts[True])
+    # where used, none: the casts read the amaxes the previous step computed (TrainState.weight_amax)
+    per_use = max_reductions(texts[False])
+    assert per_use == [], per_use
     data = "f8E4M3FN" if cw == "fp8" else "ui8"
     width = D if cw == "fp8" else D // 2
     gathers = re.findall(r'"stablehlo\.all_gather".*: \((tensor<[^>]*>)\) -> (tensor<[^>]*>)', texts[True])

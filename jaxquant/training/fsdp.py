@@ -280,14 +280,16 @@ def backward_weight(kept, spec: WeightSpec) -> dict:
 
 
 def quantize_rows(shard, spec: WeightSpec, amax=None, columnwise: bool = False) -> dict:
-    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``), or, FP8,
-    with the whole weight's ``amax`` precomputed by :func:`weight_amax` (no amax pass, no reduction). NVFP4 needs the
-    statistics pass for its tile amaxes whether or not ``amax`` is given (the same whole-weight amax)."""
+    """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``), or with the
+    whole weight's ``amax`` precomputed by :func:`weight_amax`: no reduction (a small synchronous all-reduce in every
+    layer's forward, recomputed forward and backward otherwise), and for FP8 no amax pass. NVFP4 still runs the
+    statistics pass over this rank's rows for their tile amaxes; its largest is this rank's share of the same amax."""
     if spec.recipe == "bf16":
         return quantize_shard(shard, spec, None)
-    if amax is None or spec.recipe == "nvfp4":
+    if amax is None:
         return quantize_shard(shard, spec, statistics(shard, spec), columnwise)
-    return quantize_shard(shard, spec, (_given_amax(amax, spec), None), columnwise)
+    tiles = local_statistics(shard, spec)[1] if spec.recipe == "nvfp4" else None
+    return quantize_shard(shard, spec, (_given_amax(amax, spec), tiles), columnwise)
 
 
 def _given_amax(amax, spec: WeightSpec):

@@ -49,7 +49,6 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.primitives import formats
-from jaxquant.training import fsdp
 from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
                            pad_row_blocks, quantize_once, unpad_row_blocks, weight_amax)
 from jaxquant.primitives.formats import to_compute_dtype
@@ -380,12 +379,12 @@ class LayerwiseTrainStep:
         return fn(jax.tree_util.tree_leaves(master), list(amaxes), batch, rng, extra)
 
     def _amax_leaves(self, plan) -> list:
-        """Per leaf: whether its casts read a precomputed amax (``TrainState.weight_amax``): FP8 compute weights and
-        NVFP4 ones of one shard (``fsdp.dequantizes_once``: their one pass takes the whole weight's amax as an input;
-        other NVFP4 casts need a statistics pass for the tile amaxes anyway), but those ``quantize_once`` quantizes
-        (their amaxes are reduced together there)."""
-        return [r.quantized and (r.recipe == "fp8" or (r.recipe == "nvfp4" and fsdp.dequantizes_once(r.weight)))
-                and not (r.weight.per_use and self.quantize_once) for r in plan.rules]
+        """Per leaf: whether its casts read a precomputed amax (``TrainState.weight_amax``): FP8 and NVFP4 compute
+        weights (FP8 casts then need no amax pass, NVFP4's one-shard pass takes it as an input, and neither reduces
+        an amax over ranks: ``fsdp.quantize_rows``), but those ``quantize_once`` quantizes (their amaxes are reduced
+        together there)."""
+        return [r.quantized and r.recipe in ("fp8", "nvfp4") and not (r.weight.per_use and self.quantize_once)
+                for r in plan.rules]
 
     def _weight_amax(self, plan, master) -> list:
         """``TrainState.weight_amax`` of ``master`` (inside the step: where the update writes it)."""

@@ -77,10 +77,10 @@ class TrainState:
     """The training state of ``make_train_step``: ``master``, the main params (a pytree like ``params``, each
     leaf sharded over ``fsdp_axis`` except with ``no_shard``); ``opt_state``, the optimizer's state (sharded
     like ``master``); ``step``, int32 steps taken (replicated); ``plan``, the static per-leaf rules;
-    ``weight_amax``, a list with one entry per leaf: the amax of each layer of an FP8 compute weight's master, or of
-    an NVFP4 one held in one shard (``fsdp.dequantizes_once``), after bf16 rounding (replicated), which the step that
-    wrote the master computed after its update (precomputed scales: the next step's casts need no amax pass of their
-    own), None for the other leaves. ``make_train_step``'s
+    ``weight_amax``, a list with one entry per leaf: the amax of each layer of an FP8 or NVFP4 compute weight's
+    master (but those ``quantize_once`` quantizes), after bf16 rounding (replicated), which the step that
+    wrote the master computed after its update (precomputed scales: the next step's casts reduce no amax over ranks,
+    and FP8's make no amax pass of their own), None for the other leaves. ``make_train_step``'s
     ``init``, its steps and ``load_state_dict`` fill it; a state whose ``master`` is replaced by hand needs
     ``step.refresh_amax(state)``."""
 

@@ -62,3 +62,15 @@ def gemms(hlo: str) -> list:
             continue
         found.append((kind, tuple(sorted(set(re.findall(r"\b(f8e4m3fn|f8e5m2|bf16|f16|f32)\[", operands))))))
     return found
+
+
+def max_reductions(text: str) -> list[str]:
+    """Operand types of every ``stablehlo.all_reduce`` whose reduction is a maximum, in a lowered module's text (the
+    amax reductions of the casts)."""
+    out = []
+    for m in re.finditer(r'"stablehlo\.all_reduce"', text):
+        region = text[m.end(): m.end() + 600]
+        sig = re.search(r"\}\) : \((tensor<[^>]*>)\) -> (tensor<[^>]*>)", region)
+        if "stablehlo.maximum" in region[: sig.start() if sig else 600]:
+            out.append(sig.group(1) if sig else "?")
+    return out
