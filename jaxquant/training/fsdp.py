@@ -282,8 +282,9 @@ def backward_weight(kept, spec: WeightSpec) -> dict:
 def quantize_rows(shard, spec: WeightSpec, amax=None, columnwise: bool = False) -> dict:
     """:func:`quantize_shard` of this rank's rows with their own :func:`statistics` (one scalar ``pmax``), or with the
     whole weight's ``amax`` precomputed by :func:`weight_amax`: no reduction (otherwise a small all-reduce per layer
-    use, which XLA left synchronous in the 13B NVFP4 step compiled for two GPUs), and for FP8 no amax pass. NVFP4 still runs the
-    statistics pass over this rank's rows for their tile amaxes; its largest is this rank's share of the same amax."""
+    use, which XLA left synchronous in the 13B NVFP4 step compiled for two GPUs), and for FP8 no amax pass. NVFP4
+    still runs the statistics pass over this rank's rows for their tile amaxes; its largest is this rank's share of
+    the same amax."""
     if spec.recipe == "bf16":
         return quantize_shard(shard, spec, None)
     if amax is None:
