@@ -96,27 +96,12 @@ def test_the_step_on_eight_devices_trains_to_the_same_bits(monkeypatch, recipe):
     after the sum has no rounding chain for the weight gradients."""
     import optax
 
-    import jaxquant as jq
-    from codegen import XLA_DEFAULT_CODEGEN
-    from support.transformer import LR, MASK, init_params, loss_scan, make_batch
+    from support.transformer import LR, assert_same_training, loss_scan, two_steps_bf16_wire
 
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
-
-    def run():
-        step = jq.make_train_step(loss_scan, optax.adam(LR), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
-                                  quantize_mask=MASK, compiler_options=XLA_DEFAULT_CODEGEN,
-                                  policy=jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=BF16))
-        state, losses = step.init(init_params(stacked=True)), []
-        for i in range(2):
-            state, m = step(state, make_batch(i))
-            losses.append(np.asarray(m["loss"]))
-        return step.params(state), losses, step.lower(state, make_batch()).as_text()
-
-    params, losses, text = run()
+    run = two_steps_bf16_wire(loss_scan, recipe, 8, optax.adam(LR))
     monkeypatch.setattr(fsdp, "scales_after_the_sum", lambda dw, spec: False)
-    params0, losses0, text0 = run()
-    assert text.count("reduce_precision") < text0.count("reduce_precision")
-    np.testing.assert_array_equal(losses, losses0)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params0)):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    run0 = two_steps_bf16_wire(loss_scan, recipe, 8, optax.adam(LR))
+    assert run[2].count("reduce_precision") < run0[2].count("reduce_precision")
+    assert_same_training(run, run0)

@@ -15,16 +15,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import Mesh
 
 import jaxquant as jq
-from codegen import XLA_DEFAULT_CODEGEN
 from jaxquant.training import fsdp
 from support.bitwise import bits
 from support.sharding import one_shard_spec
-from support.transformer import LR, MASK, init_params, loss_loop, loss_scan, make_batch
+from support.transformer import (assert_same_training, loss_loop, loss_scan, two_steps_bf16_wire)
 
 F32, BF16 = np.dtype(np.float32), jnp.dtype(jnp.bfloat16)
 
@@ -156,22 +153,10 @@ def test_one_shard_keeps_the_transpose_of_the_bytes_it_multiplies(monkeypatch):
 def test_one_device_fp8_step_equals_the_rowwise_residual_and_full_rounding(monkeypatch, loss, stacked):
     """Bitwise: two FP8 steps on one device with bf16 gradients on the wire (as the benchmarks send them: the
     gradient then needs no rounding), as they are and with both changes undone."""
-    def run():
-        step = jq.make_train_step(loss, optax.sgd(LR), mesh=Mesh(np.array(jax.devices()[:1]), ("fsdp",)),
-                                  quantize_mask=MASK, compiler_options=XLA_DEFAULT_CODEGEN,
-                                  policy=jq.MixedPrecisionPolicy(compute_weights="fp8", grad_comm_dtype=BF16))
-        state, losses = step.init(init_params(stacked=stacked)), []
-        for i in range(2):
-            state, m = step(state, make_batch(i))
-            losses.append(np.asarray(m["loss"]))
-        return step.params(state), losses, step.lower(state, make_batch()).as_text()
-
-    params, losses, text = run()
+    run = two_steps_bf16_wire(loss, "fp8", 1, stacked=stacked)
     monkeypatch.setattr(fsdp, "keeps_columnwise", lambda spec: False)
     monkeypatch.setattr(fsdp, "rounds_to_itself", lambda dw, spec: False)
-    params0, losses0, text0 = run()
+    run0 = two_steps_bf16_wire(loss, "fp8", 1, stacked=stacked)
     # both changes are in the program: fewer roundings (one a weight gradient), another residual
-    assert text.count("reduce_precision") < text0.count("reduce_precision")
-    np.testing.assert_array_equal(losses, losses0)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params0)):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert run[2].count("reduce_precision") < run0[2].count("reduce_precision")
+    assert_same_training(run, run0)

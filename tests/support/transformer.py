@@ -87,6 +87,27 @@ def train(loss, params, devices=8, cw="nvfp4", mesh=None, steps=STEPS, **kw):
     return step.params(state), losses, step, state
 
 
+def two_steps_bf16_wire(loss, cw, devices, optimizer=None, stacked=True):
+    """Two steps of ``make_train_step`` over ``devices`` ranks, each on its own batch, with bf16 gradients on the
+    wire (as the benchmarks send them) and XLA's default codegen: (trained params, losses, the lowered step's text)."""
+    step = jq.make_train_step(loss, optimizer or optax.sgd(LR), mesh=Mesh(np.array(jax.devices()[:devices]), ("fsdp",)),
+                              quantize_mask=MASK, compiler_options=XLA_DEFAULT_CODEGEN,
+                              policy=jq.MixedPrecisionPolicy(compute_weights=cw, grad_comm_dtype=jnp.bfloat16))
+    state, losses = step.init(init_params(stacked=stacked)), []
+    for i in range(2):
+        state, m = step(state, make_batch(i))
+        losses.append(np.asarray(m["loss"]))
+    return step.params(state), losses, step.lower(state, make_batch()).as_text()
+
+
+def assert_same_training(run, run0):
+    """Two :func:`two_steps_bf16_wire` results with the same losses and trained params, bit for bit."""
+    (params, losses, _), (params0, losses0, _) = run, run0
+    np.testing.assert_array_equal(losses, losses0)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params0)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
 @functools.lru_cache(maxsize=None)
 def _trained_scan(cw, reshard, layers):
     """train(loss_scan, ...) on 8 devices, once per recipe, reshard_after_forward and layer count (L, the cache
