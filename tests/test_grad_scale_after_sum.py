@@ -90,6 +90,7 @@ def test_the_documented_exception_a_sum_beyond_bf16s_range():
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+@pytest.mark.fast_cases("fp8")
 def test_the_step_on_eight_devices_trains_to_the_same_bits(monkeypatch, recipe):
     """Two steps of the layer-wise step (scan, 8 ranks: scale 1/8, bf16 gradients on the wire), as they are and with
     every gradient scaled before its reduce-scatter: the same losses and masters, bit for bit; the program that scales

@@ -51,6 +51,7 @@ def _check_amaxes(step, state):
 
 @pytest.mark.parametrize("loss", [loss_scan, loss_loop], ids=["scan", "loop"])
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+@pytest.mark.fast_cases("fp8-scan", "fp8-loop", "nvfp4-scan")
 def test_the_steps_keep_each_layers_amax(loss, recipe):
     """After init and after each step, ``weight_amax`` holds each FP8 / NVFP4 leaf's per-layer amax of its master
     (stacked leaves: one per layer), None for every other leaf."""
