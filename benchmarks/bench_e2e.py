@@ -489,6 +489,8 @@ def run_one(a, config, make_batch=None, flops=None):
         with open(os.path.join(path, f"{config}.hlo.txt"), "w") as f:
             f.write(hlo)
         parts = breakdown.breakdown(path, hlo, steps=3)
+        if trace is not None:     # what XLA's scheduler left synchronous (exposed whatever it costs)
+            trace["collective_counts"] = breakdown.collective_counts(hlo)
     gemms = None
     if a.gemms is not None:
         hlo = fn.lower(state, batch).compile().as_text()
@@ -691,6 +693,8 @@ def describe(r) -> str:
             + (f"  collectives exposed / all {t['exposed_collective_ms']:.2f} / {t['collective_ms']:.2f} ms, "
                f"exposed most {t['top_exposed_collectives']}, "
                f"idle {t['idle_ms']:.2f} ms, largest gaps {t['largest_gaps']}" if t else "")
+            + (f", collectives left synchronous / asynchronous {counts['sync']} / {counts['async']}"
+               if (counts := (t or {}).get("collective_counts")) else "")
             + (f"  clocks {r['clocks']}, ~{joules_per_step(r['clocks'], r['step_ms'])} J a step a GPU"
                if r.get("clocks") else "")
             + (f"  GEMMs {r['gemms']}" if r.get("gemms") else ""))

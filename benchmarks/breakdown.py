@@ -389,6 +389,16 @@ def breakdown(trace_dir, hlo_text, steps, events=None) -> dict:
     return ms
 
 
+def collective_counts(hlo_text: str) -> dict:
+    """Collectives of a compiled (scheduled) HLO module's text: ``sync``, those XLA left synchronous (an all-gather,
+    reduce-scatter, all-reduce, all-to-all or collective-permute instruction of its own: nothing is scheduled under
+    it, so whatever it costs is exposed), and ``async``, those split into a start and a done with instructions
+    scheduled between."""
+    kinds = r"all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
+    return {"sync": len(re.findall(rf" (?:{kinds})\(", hlo_text)),
+            "async": len(re.findall(rf" (?:{kinds})-start\(", hlo_text))}
+
+
 # ----------------------------------------------------------------------------------------------
 # Table and plot
 # ----------------------------------------------------------------------------------------------

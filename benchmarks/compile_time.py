@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
@@ -60,15 +59,7 @@ def compile_one(a, config) -> dict:
         with open(os.path.join(a.hlo, f"{config}.hlo.txt"), "w") as f:
             f.write(hlo)
     return {"config": config, "lower_s": t1 - t0, "compile_s": t2 - t1, "layers": a.layers, "devices": mesh.size,
-            "device": jax.devices()[0].device_kind} | collectives(hlo)
-
-
-def collectives(hlo: str) -> dict:
-    """Collectives of a compiled (scheduled) HLO module's text: ``sync``, those left synchronous (an all-gather,
-    reduce-scatter, all-reduce, all-to-all or collective-permute instruction of its own), and ``async``, those split
-    into a start and a done with instructions scheduled between."""
-    kinds = r"all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
-    return {"sync": len(re.findall(rf" (?:{kinds})\(", hlo)), "async": len(re.findall(rf" (?:{kinds})-start\(", hlo))}
+            "device": jax.devices()[0].device_kind} | e2e.breakdown.collective_counts(hlo)
 
 
 def parse_args(argv=None):

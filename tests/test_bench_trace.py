@@ -48,6 +48,10 @@ def test_exposed_collectives_reads_a_trace(tmp_path):
     # every kernel of GPU 0 by name, longest first: (name, ms a step, launches a step); 6 launches in 2 steps
     assert got["kernels"][:2] == [("ncclDevKernel_SendRecv", 0.5, 0.5), ("sm90_xmma_gemm_bf16", 0.5, 0.5)]
     assert len(got["kernels"]) == 6 and got["kernels_per_step"] == 3
+    # the progress line names what the scheduler left synchronous, when the compiled program's counts are there
+    r = {"step_ms": 10.0, "tflops_per_gpu": 1.0, "peak_gib": 1.0, "compile_s": 1.0,
+         "trace": got | {"collective_counts": {"sync": 3, "async": 19}}}
+    assert "collectives left synchronous / asynchronous 3 / 19" in bench_e2e.describe(r)
 
 
 def test_process_rule_compares_each_process_count_with_the_first():

@@ -247,3 +247,15 @@ def test_table_and_plot(tmp_path):
     png = bd.plot([("plain-loop", row), ("jq-fp8-loop", row)], str(tmp_path / "b.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_collective_counts_the_synchronous_and_the_started_ones():
+    hlo = "\n".join([
+        "  %ag = f8e4m3fn[64,32]{1,0} all-gather(%p), channel_id=1, dimensions={0}",
+        "  %rs = (bf16[64,32]{1,0}, bf16[32,32]{1,0}) reduce-scatter-start(%g), channel_id=2",
+        "  %rsd = bf16[32,32]{1,0} reduce-scatter-done(%rs)",
+        "  %ar = f32[] all-reduce(%l), channel_id=3, to_apply=%add",
+        "  %cp = (f32[8]{0}, f32[8]{0}) collective-permute-start(%x), channel_id=4",
+    ])
+    assert bd.collective_counts(hlo) == {"sync": 2, "async": 2}
+    assert bd.collective_counts(HLO) == {"sync": 0, "async": 1}     # the synthetic program's one all-gather
