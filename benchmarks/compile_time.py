@@ -28,16 +28,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e as e2e  # noqa: E402
+import breakdown  # noqa: E402
 
 
-def compile_one(a, config) -> dict:
-    """Lower and compile ``config``'s step on abstract inputs; the seconds each took."""
+def compile_step(a, config):
+    """Lower and compile ``config``'s step on abstract inputs (``a`` from :func:`parse_args`; with ``a.topology``, for
+    that many compile-only GPUs); (lower seconds, compile seconds, the compiled HLO's text, device count)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    if getattr(a, "topology", 0):
+    if a.topology:
         from jax.experimental import topologies
 
         devices = np.array(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{a.topology}").devices)
@@ -53,13 +55,21 @@ def compile_one(a, config) -> dict:
     lowered = fn.lower(state, batch)
     t1 = time.perf_counter()
     hlo = lowered.compile().as_text()
-    t2 = time.perf_counter()
-    if getattr(a, "hlo", None):
+    return t1 - t0, time.perf_counter() - t1, hlo, mesh.size
+
+
+def compile_one(a, config) -> dict:
+    """:func:`compile_step`'s seconds and collective counts (``breakdown.collective_counts``); the HLO written to
+    ``a.hlo`` when given."""
+    import jax
+
+    lower_s, compile_s, hlo, devices = compile_step(a, config)
+    if a.hlo:
         os.makedirs(a.hlo, exist_ok=True)
         with open(os.path.join(a.hlo, f"{config}.hlo.txt"), "w") as f:
             f.write(hlo)
-    return {"config": config, "lower_s": t1 - t0, "compile_s": t2 - t1, "layers": a.layers, "devices": mesh.size,
-            "device": jax.devices()[0].device_kind} | e2e.breakdown.collective_counts(hlo)
+    return {"config": config, "lower_s": lower_s, "compile_s": compile_s, "layers": a.layers, "devices": devices,
+            "device": jax.devices()[0].device_kind} | breakdown.collective_counts(hlo)
 
 
 def parse_args(argv=None):

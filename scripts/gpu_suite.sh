@@ -55,13 +55,15 @@ if [ "${TESTS:-1}" = 1 ]; then
 section "tests"
 sel=("$@")
 # The default selection takes over 520 s on one H100, past a device call's 600 s with the build:
-# TEST_PART=1 runs its first half (~350 s), TEST_PART=2 (with SKIP_BUILD=1 on the warm machine) the rest, TEST_PART=3 the GEMMs.
+# TEST_PART=1 runs its first half (~350 s), TEST_PART=2 (with SKIP_BUILD=1 on the warm machine) the rest, TEST_PART=3 the GEMMs and the schedule.
 part1=(tests/test_ops.py tests/test_reference_spec.py tests/test_e2m1_magnitude.py tests/test_group_ops.py)
 part2=(tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.py tests/test_layerwise_gpu.py
        tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
        tests/test_train_gpu.py tests/test_sp_gpu.py tests/test_sp_step.py tests/test_train_rounding.py)
-# jaxquant's own GEMMs (FP8, bf16) and the one-pass NVFP4 operand against XLA's bytes
-part3=(tests/test_fp8_gemm_gpu.py tests/test_bf16_gemm_gpu.py tests/test_nvfp4_bf16_operand_gpu.py)
+# jaxquant's own GEMMs (FP8, bf16) and the one-pass NVFP4 operand against XLA's bytes; the two-GPU schedule (compiled
+# for compile-only devices: one GPU runs it)
+part3=(tests/test_fp8_gemm_gpu.py tests/test_bf16_gemm_gpu.py tests/test_nvfp4_bf16_operand_gpu.py
+       tests/test_schedule_gpu.py)
 if [ ${#sel[@]} -eq 0 ]; then
   case "${TEST_PART:-all}" in
     1) sel=("${part1[@]}") ;;

@@ -23,7 +23,7 @@ import compile_time  # noqa: E402
 
 
 def _tiny():
-    a = bench_e2e.parse_args(["--tiny", "--layers", "1"])
+    a = compile_time.parse_args(["--tiny", "--layers", "1"])
     a.seq, a.batch = 16, 1
     return a
 
@@ -63,4 +63,4 @@ def test_compile_one_writes_the_compiled_hlo(tmp_path):
     r = compile_time.compile_one(a, "jq-fp8-loop")
     text = (tmp_path / "jq-fp8-loop.hlo.txt").read_text()
     assert text.startswith("HloModule")
-    assert bench_e2e.breakdown.collective_counts(text) == {"sync": r["sync"], "async": r["async"]}
+    assert compile_time.breakdown.collective_counts(text) == {"sync": r["sync"], "async": r["async"]}

@@ -139,7 +139,8 @@ def require(target: str | None = None) -> None:
 # their FLOPs at a GEMM rate (``ops.single``), the rest, all memory-bound, the bytes they read and write at HBM
 # bandwidth. Only the schedule can change, never a byte of a result. Without them XLA (jax 0.11.2) left three of the
 # four weight-gradient reduce-scatters of each backward iteration of the 13B-shaped FP8 `scan` synchronous, with
-# nothing under them; with them every one runs under GEMMs (tests/test_schedule_gpu.py).
+# nothing under them; with them every one is asynchronous, with kernels under it, and the reduce-scatters run under
+# GEMMs and elementwise kernels (tests/test_schedule_gpu.py).
 LATENCY_HINTS = os.environ.get("JAXQUANT_LATENCY_HINTS", "1") != "0"
 # Bytes a nanosecond the memory-bound kernels move: an H200's casts run at ~4.1 TB/s (docs/performance.md,
 # "Re-profiled at today's weight path"); an estimate for the scheduler, not a measurement of this device.

@@ -494,10 +494,15 @@ def rounds_to_itself(dw, spec: WeightSpec) -> bool:
     weight-gradient GEMM (``jq_fp8_gemm``) write it straight into the stacked gradient, which the bf16 -> fp32 ->
     reduce_precision -> bf16 round trip, an identity XLA does not remove, turned into a copy of every layer's dW
     (docs/performance.md)."""
+    return float(spec.grad.scale) == 1.0 and _arrives_exact(dw, spec)
+
+
+def _arrives_exact(dw, spec: WeightSpec) -> bool:
+    """``dw`` already in :func:`reduce_grad`'s result dtype (comm, or main when unsharded) and a main dtype that holds
+    its values exactly (its own, or fp32): no rounding of the chain changes it."""
     g = spec.grad
     out = jnp.dtype(g.comm_dtype if spec.grad_sharded else g.main_dtype)
-    return (float(g.scale) == 1.0 and jnp.dtype(dw.dtype) == out
-            and jnp.dtype(g.main_dtype) in (jnp.dtype(jnp.float32), out))
+    return jnp.dtype(dw.dtype) == out and jnp.dtype(g.main_dtype) in (jnp.dtype(jnp.float32), out)
 
 
 def scales_after_the_sum(dw, spec: WeightSpec) -> bool:
@@ -510,12 +515,9 @@ def scales_after_the_sum(dw, spec: WeightSpec) -> bool:
     Scaling first is a pass over the whole ``dw`` of every weight and step, on two GPUs or more only (one rank's
     scale is 1); scaling the reduced rows costs nothing, as XLA fuses it into what reads them (the stacked gradient's
     update under ``scan``, the optimizer's update otherwise)."""
-    g = spec.grad
-    comm = jnp.dtype(g.comm_dtype)
-    scale = float(g.scale)
-    return (spec.grad_sharded and spec.gather_axis is not None and scale != 1.0
-            and math.frexp(scale)[0] == 0.5 and jnp.dtype(dw.dtype) == comm
-            and jnp.dtype(g.main_dtype) in (jnp.dtype(jnp.float32), comm))
+    scale = float(spec.grad.scale)
+    return (spec.grad_sharded and spec.gather_axis is not None and scale != 1.0 and math.frexp(scale)[0] == 0.5
+            and _arrives_exact(dw, spec))
 
 
 def gather_array(shard, grad, spec: WeightSpec, gathered=None):
