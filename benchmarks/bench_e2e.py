@@ -81,7 +81,11 @@ SYNC_FLAGS = "--xla_gpu_disable_async_collectives=ALLCOLLECTIVES"
 # "pipelined-rs": only XLA's collective pipeliner for reduce-scatters in while loops (a scan iteration's gradient
 # reduce-scatter moved into the next iteration, under its GEMMs), without MaxText's other flags
 PIPELINED_RS_FLAGS = "--xla_gpu_enable_pipelined_reduce_scatter=true"
-FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS, "sync": SYNC_FLAGS, "pipelined-rs": PIPELINED_RS_FLAGS}
+# "pipelined": the pipeliner for both a scan iteration's last reduce-scatter and its first all-gather (the next
+# iteration's gather issued in this one), still without MaxText's combine thresholds and double buffering
+PIPELINED_FLAGS = PIPELINED_RS_FLAGS + " --xla_gpu_enable_pipelined_all_gather=true"
+FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS, "sync": SYNC_FLAGS, "pipelined-rs": PIPELINED_RS_FLAGS,
+             "pipelined": PIPELINED_FLAGS}
 # With --profile every config runs without CUDA command buffers: a kernel launched from a command buffer carries no
 # HLO op in the trace, so breakdown.py could attribute only the kernels named after their fusion (most of a step went
 # to "unattributed" on an H200 with jax 0.11.2); XLA then launches each kernel itself (docs/performance.md says what
