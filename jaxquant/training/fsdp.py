@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import NamedTuple, Optional
 
 import jax
@@ -50,6 +51,12 @@ from jaxquant.primitives.tensors import Float8Tensor, NVFP4Tensor, straight_thro
 from jaxquant.primitives.varying import mark_varying, vary_like
 
 COMPUTE_DTYPE = formats.COMPUTE_DTYPE
+
+# JAXQUANT_WGRAD_FIRST=1: each layer's weight-gradient GEMM runs before the backward goes on to the layer below, so
+# its reduce-scatter can run under that layer's backward (:func:`wgrad_first`). Off by default until it is timed:
+# XLA's scheduler otherwise leaves every weight-gradient GEMM to the end of the backward and queues the
+# reduce-scatters there one at a time, one GEMM under each (docs/performance.md, the compiled two-GPU loop).
+WGRAD_FIRST = os.environ.get("JAXQUANT_WGRAD_FIRST", "0") == "1"
 
 
 class GradReduce(NamedTuple):
@@ -455,6 +462,16 @@ def tensor_of(operands: dict):
 # ----------------------------------------------------------------------------------------------
 # Gradients
 # ----------------------------------------------------------------------------------------------
+
+
+def wgrad_first(dx, dw, spec: WeightSpec):
+    """``(dx, dw)``; with :data:`WGRAD_FIRST` and a gradient that :func:`reduce_grad` reduce-scatters, ``dx`` only
+    once ``dw`` is computed (an optimization barrier over both: the values are unchanged; not on one shard, where
+    there is no reduce-scatter), so that the layer below, which reads ``dx``, cannot run ahead of this layer's
+    weight-gradient GEMM and its reduce-scatter."""
+    if WGRAD_FIRST and spec.grad_sharded and spec.gather_axis is not None and spec.num_shards > 1:
+        return jax.lax.optimization_barrier((dx, dw))
+    return dx, dw
 
 
 def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
