@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from jaxquant.training import fsdp
-from support.transformer import LR, assert_same_training, loss_loop, loss_scan, two_steps_bf16_wire
+from support.transformer import L, LR, assert_same_training, loss_loop, loss_scan, two_steps_bf16_wire
 
 
 def _barriers(text: str) -> int:
@@ -26,7 +26,9 @@ def test_wgrad_first_trains_to_the_same_bits(monkeypatch, loss, recipe):
     run0 = two_steps_bf16_wire(loss, recipe, 8, optax.adam(LR), stacked=stacked)
     monkeypatch.setattr(fsdp, "WGRAD_FIRST", True)
     run = two_steps_bf16_wire(loss, recipe, 8, optax.adam(LR), stacked=stacked)
-    assert _barriers(run[2]) > _barriers(run0[2]), (_barriers(run[2]), _barriers(run0[2]))
+    # one a sharded jq.dense: w1 and w2 of each layer (of the scan body, once, under scan) and the head
+    uses = (2 if stacked else 2 * L) + 1
+    assert _barriers(run[2]) - _barriers(run0[2]) == uses, (_barriers(run[2]), _barriers(run0[2]), uses)
     assert_same_training(run, run0)
 
 
