@@ -58,6 +58,13 @@ COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 # reduce-scatters there one at a time, one GEMM under each (docs/performance.md, the compiled two-GPU loop).
 WGRAD_FIRST = os.environ.get("JAXQUANT_WGRAD_FIRST", "0") == "1"
 
+# JAXQUANT_SEPARATE_STACKED_AMAX=1: a stacked master's per-layer amaxes (:func:`weight_amax`) reduced in a pass of
+# their own. Off by default until it is timed: left to XLA, the reduction joins the optimizer's update of the whole
+# stack, and that fusion became a row-reduction kernel slower than plain JAX's update of the same bytes (2.11 against
+# 1.54 ms for a [4, 14336, 4096] leaf on an H200; docs/performance.md), where a pass of its own reads 4 of the 26
+# bytes a parameter the update moves. Per-layer leaves keep the fused reduction, which cost about nothing there.
+SEPARATE_STACKED_AMAX = os.environ.get("JAXQUANT_SEPARATE_STACKED_AMAX", "0") == "1"
+
 
 class GradReduce(NamedTuple):
     """How a weight gradient reaches the master shard (static)."""
@@ -313,8 +320,10 @@ def weight_amax(master):
     of each layer (this rank's rows' amax, NVFP4's the max of its tile amaxes, max-reduced over the axes that split
     the weight: a max is a max, however grouped). Left to XLA in the step that writes the master, which fuses the
     reduction into the optimizer's update (seen in the H200 profiles of docs/performance.md: one fusion writes the
-    update and reduces the amax)."""
+    update and reduces the amax); with :data:`SEPARATE_STACKED_AMAX` a stacked leaf's in a pass of its own."""
     fn = lambda layer: reference.fp8_stats(layer, compute_dtype=COMPUTE_DTYPE)[0]
+    if SEPARATE_STACKED_AMAX and master.ndim > 2:
+        master = jax.lax.optimization_barrier(master)   # the update's fusion ends here; the values are unchanged
     return _per_layer(fn, master.ndim)(master)
 
 
