@@ -61,9 +61,9 @@ part2=(tests/test_fused_ops.py tests/test_fused_ops_gpu.py tests/test_bench_cli.
        tests/test_dense_gpu.py tests/test_distributed_gpu.py tests/test_sharding_gpu.py
        tests/test_train_gpu.py tests/test_sp_gpu.py tests/test_sp_step.py tests/test_train_rounding.py)
 # jaxquant's own GEMMs (FP8, bf16) and the one-pass NVFP4 operand against XLA's bytes; the two-GPU schedule (compiled
-# for compile-only devices: one GPU runs it)
+# for compile-only devices: one GPU runs it); on 2 GPUs or more, training from the precomputed amaxes with the CUDA casts
 part3=(tests/test_fp8_gemm_gpu.py tests/test_bf16_gemm_gpu.py tests/test_nvfp4_bf16_operand_gpu.py
-       tests/test_schedule_gpu.py)
+       tests/test_schedule_gpu.py tests/test_precomputed_weight_amax.py)
 if [ ${#sel[@]} -eq 0 ]; then
   case "${TEST_PART:-all}" in
     1) sel=("${part1[@]}") ;;
