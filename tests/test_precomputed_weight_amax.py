@@ -116,15 +116,12 @@ def test_separate_stacked_amax_trains_to_the_same_bits(monkeypatch, recipe):
     """``fsdp.SEPARATE_STACKED_AMAX``: a stacked master's amaxes reduced behind an optimization barrier (a pass of their
     own, not inside the update's fusion): two steps give the same losses and masters, bit for bit; one barrier per
     stacked FP8 / NVFP4 leaf (w1, w2) in the lowered step, none for a per-layer leaf (the loop)."""
-    from jaxquant.training import fsdp
-    from support.transformer import LR, assert_same_training, two_steps_bf16_wire
+    from support.transformer import LR, assert_same_training, switched_runs, two_steps_bf16_wire
 
     barriers = lambda run: run[2].count("optimization_barrier")
-    runs = {}
-    for separate in (False, True):
-        monkeypatch.setattr(fsdp, "SEPARATE_STACKED_AMAX", separate)
-        runs[separate] = (two_steps_bf16_wire(loss_scan, recipe, RANKS, optax.adam(LR)),
-                          two_steps_bf16_wire(loss_loop, recipe, RANKS, optax.adam(LR), stacked=False))
+    runs = switched_runs(monkeypatch, "SEPARATE_STACKED_AMAX",
+                         lambda: (two_steps_bf16_wire(loss_scan, recipe, RANKS, optax.adam(LR)),
+                                  two_steps_bf16_wire(loss_loop, recipe, RANKS, optax.adam(LR), stacked=False)))
     assert barriers(runs[True][0]) - barriers(runs[False][0]) == 2
     assert barriers(runs[True][1]) == barriers(runs[False][1])
     for form in (0, 1):

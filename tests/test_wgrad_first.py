@@ -8,8 +8,8 @@ import jax
 import optax
 import pytest
 
-from jaxquant.training import fsdp
-from support.transformer import L, LR, assert_same_training, loss_loop, loss_scan, two_steps_bf16_wire
+from support.transformer import (L, LR, assert_same_training, loss_loop, loss_scan, switched_runs,
+                                 two_steps_bf16_wire)
 
 
 def _barriers(text: str) -> int:
@@ -23,9 +23,9 @@ def test_wgrad_first_trains_to_the_same_bits(monkeypatch, loss, recipe):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
     stacked = loss is loss_scan
-    run0 = two_steps_bf16_wire(loss, recipe, 8, optax.adam(LR), stacked=stacked)
-    monkeypatch.setattr(fsdp, "WGRAD_FIRST", True)
-    run = two_steps_bf16_wire(loss, recipe, 8, optax.adam(LR), stacked=stacked)
+    runs = switched_runs(monkeypatch, "WGRAD_FIRST",
+                         lambda: two_steps_bf16_wire(loss, recipe, 8, optax.adam(LR), stacked=stacked))
+    run0, run = runs[False], runs[True]
     # one a sharded jq.dense: w1 and w2 of each layer (of the scan body, once, under scan) and the head
     uses = (2 if stacked else 2 * L) + 1
     assert _barriers(run[2]) - _barriers(run0[2]) == uses, (_barriers(run[2]), _barriers(run0[2]), uses)
@@ -34,8 +34,7 @@ def test_wgrad_first_trains_to_the_same_bits(monkeypatch, loss, recipe):
 
 def test_wgrad_first_leaves_one_rank_alone(monkeypatch):
     """One rank: no reduce-scatter to bring forward, so no barrier is added."""
-    run0 = two_steps_bf16_wire(loss_loop, "fp8", 1, stacked=False)
-    monkeypatch.setattr(fsdp, "WGRAD_FIRST", True)
-    run = two_steps_bf16_wire(loss_loop, "fp8", 1, stacked=False)
+    runs = switched_runs(monkeypatch, "WGRAD_FIRST", lambda: two_steps_bf16_wire(loss_loop, "fp8", 1, stacked=False))
+    run0, run = runs[False], runs[True]
     assert _barriers(run[2]) == _barriers(run0[2])
     assert_same_training(run, run0)

@@ -60,9 +60,9 @@ WGRAD_FIRST = os.environ.get("JAXQUANT_WGRAD_FIRST", "0") == "1"
 
 # JAXQUANT_SEPARATE_STACKED_AMAX=1: a stacked master's per-layer amaxes (:func:`weight_amax`) reduced in a pass of
 # their own. Off by default until it is timed: left to XLA, the reduction joins the optimizer's update of the whole
-# stack, and that fusion became a row-reduction kernel slower than plain JAX's update of the same bytes (2.11 against
-# 1.54 ms for a [4, 14336, 4096] leaf on an H200; docs/performance.md), where a pass of its own reads 4 of the 26
-# bytes a parameter the update moves. Per-layer leaves keep the fused reduction, which cost about nothing there.
+# stack, and that fusion became a row-reduction kernel slower than plain JAX's update of the same bytes
+# (docs/performance.md, second round), where a pass of its own reads a fraction of the bytes the update moves.
+# Per-layer leaves keep the fused reduction, which cost about nothing there.
 SEPARATE_STACKED_AMAX = os.environ.get("JAXQUANT_SEPARATE_STACKED_AMAX", "0") == "1"
 
 
@@ -478,9 +478,14 @@ def wgrad_first(dx, dw, spec: WeightSpec):
     once ``dw`` is computed (an optimization barrier over both: the values are unchanged; not on one shard, where
     there is no reduce-scatter), so that the layer below, which reads ``dx``, cannot run ahead of this layer's
     weight-gradient GEMM and its reduce-scatter."""
-    if WGRAD_FIRST and spec.grad_sharded and spec.gather_axis is not None and spec.num_shards > 1:
+    if WGRAD_FIRST and reduce_scatters(spec) and spec.num_shards > 1:
         return jax.lax.optimization_barrier((dx, dw))
     return dx, dw
+
+
+def reduce_scatters(spec: WeightSpec) -> bool:
+    """Whether :func:`reduce_grad` reduce-scatters the weight's gradient (sharded gradient, an FSDP axis)."""
+    return spec.grad_sharded and spec.gather_axis is not None
 
 
 def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
@@ -504,7 +509,7 @@ def reduce_grad(dw, spec: WeightSpec, *, sum_vary_axes: bool = True):
             x = formats.to_compute_dtype(x, g.comm_dtype)
     if not spec.grad_sharded:
         return x
-    if spec.gather_axis is not None:
+    if reduce_scatters(spec):
         x = jax.lax.psum_scatter(x, spec.gather_axis, scatter_dimension=spec.rows_axis(x.ndim), tiled=True)
     if after_the_sum:    # exact: a power of two (fused by XLA into what reads the reduced rows)
         x = (x.astype(jnp.float32) * np.float32(g.scale)).astype(g.comm_dtype)
@@ -542,8 +547,7 @@ def scales_after_the_sum(dw, spec: WeightSpec) -> bool:
     scale is 1); scaling the reduced rows costs nothing, as XLA fuses it into what reads them (the stacked gradient's
     update under ``scan``, the optimizer's update otherwise)."""
     scale = float(spec.grad.scale)
-    return (spec.grad_sharded and spec.gather_axis is not None and scale != 1.0 and math.frexp(scale)[0] == 0.5
-            and _arrives_exact(dw, spec))
+    return reduce_scatters(spec) and scale != 1.0 and math.frexp(scale)[0] == 0.5 and _arrives_exact(dw, spec)
 
 
 def gather_array(shard, grad, spec: WeightSpec, gathered=None):

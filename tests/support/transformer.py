@@ -100,6 +100,18 @@ def two_steps_bf16_wire(loss, cw, devices, optimizer=None, stacked=True):
     return step.params(state), losses, step.lower(state, make_batch()).as_text()
 
 
+def switched_runs(monkeypatch, switch: str, run):
+    """``{False: run(), True: run()}`` with ``jaxquant.training.fsdp``'s boolean ``switch`` off, then on (a module
+    constant the step reads when it traces, e.g. ``WGRAD_FIRST``)."""
+    from jaxquant.training import fsdp
+
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(fsdp, switch, on)
+        out[on] = run()
+    return out
+
+
 def assert_same_training(run, run0):
     """Two :func:`two_steps_bf16_wire` results with the same losses and trained params, bit for bit."""
     (params, losses, _), (params0, losses0, _) = run, run0
