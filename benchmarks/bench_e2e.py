@@ -298,11 +298,10 @@ def _make_plain(a, mesh, scan, abstract=False):
         opt_state, opt_shardings = plain_opt_state(opt, params, shardings, mesh)
     state = (params, opt_state)
     matmul = lambda x, w: x @ w.astype(jnp.bfloat16).T
-    # Under scan, q, k and v split over the batch, as a JAX user pins activations: left to propagation, the fused
-    # QKV output of the 13B shape's scan came sharded along its heads, split unevenly into q / k / v, which the
-    # cuDNN attention refuses ("Query, key and value should have same sharding"). The loop is left to propagation,
-    # which never split it so and may have been faster there (docs/performance.md, 2 x H200 2026-11-29).
-    batch_split = None if a.tp > 1 or not scan else (
+    # q, k and v split over the batch, as a JAX user pins activations: left to propagation, the fused QKV output of
+    # the 13B shape (scan and loop alike) came sharded along its heads, split unevenly into q / k / v, which the
+    # cuDNN attention refuses ("Query, key and value should have same sharding").
+    batch_split = None if a.tp > 1 else (
         lambda t: jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P("fsdp"))))
 
     def step(state, batch):

@@ -11,11 +11,6 @@ docs/performance.md; the gradients were then scaled before their reduce-scatter,
 the estimates every reduce-scatter and all-gather of the backward loop is asynchronous, with kernels scheduled
 between its start and its end, and a weight-gradient reduce-scatter runs under jaxquant's GEMMs.
 
-The Python loop of 4 Llama-3-8B-shaped layers (bench_e2e's FP8 loop): XLA leaves every weight-gradient GEMM to the
-end of the backward, so no reduce-scatter starts before the last attention backward (0 of 16 in the programs
-compiled on 2 x H200 on 2026-11-29, plain and FP8 alike). ``fsdp.WGRAD_FIRST`` holds each layer's ``dx`` behind its
-``dW``: the check is that reduce-scatters then start while the layers below still have their backward to run.
-
 The 4-layer shape without ``jax.checkpoint`` is not checked so: its weight-gradient GEMMs read slices of the stacked
 residuals, and XLA wraps each in a dynamic-slice fusion whose time its scheduler estimates without the GEMM's
 attribute; three reduce-scatters of its backward iteration stay synchronous with the estimates too.
@@ -89,29 +84,3 @@ def test_every_backward_collective_is_asynchronous_with_the_estimates(monkeypatc
             'custom_call_target="jq_fp8_gemm"' in line for line in under)
     assert gemm_under_a_reduce_scatter
 
-
-def _entry(hlo: str) -> list:
-    """The entry computation's instruction lines in schedule order."""
-    m = re.search(r"^ENTRY %[\w.\-]+ \(.*?\{\n(.*?)^\}", hlo, re.M | re.S)
-    return m.group(1).splitlines()
-
-
-def _reduce_scatters_before_the_last_attention_backward(lines: list) -> int:
-    last = max(i for i, line in enumerate(lines) if 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in line)
-    return sum(1 for line in lines[:last] if re.search(r" reduce-scatter(-start)?\(", line))
-
-
-def test_wgrad_first_starts_reduce_scatters_inside_the_backward(monkeypatch):
-    import compile_time
-
-    from jaxquant.training import fsdp
-
-    monkeypatch.setattr(_ffi, "LATENCY_HINTS", True)
-    a = compile_time.parse_args(["--topology", "2"])       # bench_e2e's 4 Llama-3-8B-shaped layers
-    counts = {}
-    for first in (False, True):
-        monkeypatch.setattr(fsdp, "WGRAD_FIRST", first)
-        counts[first] = _reduce_scatters_before_the_last_attention_backward(
-            _entry(compile_time.compile_step(a, "jq-fp8-loop")[2]))
-    # with it, at least the top layer's four reduce-scatters start under the backward of the layers below
-    assert counts[True] >= 4 and counts[True] > counts[False], counts

@@ -146,7 +146,6 @@ def _dense_sharded_bwd(cfg: _Config, spec: fsdp.WeightSpec, res, g):
     act, kept = res
     dx, dw = _backward(act, fsdp.backward_weight(kept, spec), g, cfg, fsdp.COMPUTE_DTYPE)
     dw = formats.to_compute_dtype(dw, fsdp.COMPUTE_DTYPE)   # the weight gradient of a bf16 layer
-    dx, dw = fsdp.wgrad_first(dx, dw, spec)
     # act, saved: no cotangent (made from stop_gradient(x)); x's gradient is dx
     return (dx.astype(cfg.x_dtype), None, None, None, fsdp.reduce_grad(dw, spec, sum_vary_axes=False), None, None,
             None)

@@ -52,18 +52,12 @@ from jaxquant.primitives.varying import mark_varying, vary_like
 
 COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 
-# JAXQUANT_WGRAD_FIRST=1: each layer's weight-gradient GEMM runs before the backward goes on to the layer below, so
-# its reduce-scatter can run under that layer's backward (:func:`wgrad_first`). Off by default until it is timed:
-# XLA's scheduler otherwise leaves every weight-gradient GEMM to the end of the backward and queues the
-# reduce-scatters there one at a time, one GEMM under each (docs/performance.md, the compiled two-GPU loop).
-WGRAD_FIRST = os.environ.get("JAXQUANT_WGRAD_FIRST", "0") == "1"
-
-# JAXQUANT_SEPARATE_STACKED_AMAX=1: a stacked master's per-layer amaxes (:func:`weight_amax`) reduced in a pass of
-# their own. Off by default until it is timed: left to XLA, the reduction joins the optimizer's update of the whole
-# stack, and that fusion became a row-reduction kernel slower than plain JAX's update of the same bytes
-# (docs/performance.md, second round), where a pass of its own reads a fraction of the bytes the update moves.
+# A stacked master's per-layer amaxes (:func:`weight_amax`) are reduced in a pass of their own
+# (JAXQUANT_SEPARATE_STACKED_AMAX=0 turns it off). Left to XLA, the reduction joins the optimizer's update of the
+# whole stack, and that fusion became a row-reduction kernel slower than plain JAX's update of the same bytes
+# (docs/performance.md, third round), where a pass of its own reads a fraction of the bytes the update moves.
 # Per-layer leaves keep the fused reduction, which cost about nothing there.
-SEPARATE_STACKED_AMAX = os.environ.get("JAXQUANT_SEPARATE_STACKED_AMAX", "0") == "1"
+SEPARATE_STACKED_AMAX = os.environ.get("JAXQUANT_SEPARATE_STACKED_AMAX", "1") == "1"
 
 
 class GradReduce(NamedTuple):
@@ -471,16 +465,6 @@ def tensor_of(operands: dict):
 # ----------------------------------------------------------------------------------------------
 # Gradients
 # ----------------------------------------------------------------------------------------------
-
-
-def wgrad_first(dx, dw, spec: WeightSpec):
-    """``(dx, dw)``; with :data:`WGRAD_FIRST` and a gradient that :func:`reduce_grad` reduce-scatters, ``dx`` only
-    once ``dw`` is computed (an optimization barrier over both: the values are unchanged; not on one shard, where
-    there is no reduce-scatter), so that the layer below, which reads ``dx``, cannot run ahead of this layer's
-    weight-gradient GEMM and its reduce-scatter."""
-    if WGRAD_FIRST and reduce_scatters(spec) and spec.num_shards > 1:
-        return jax.lax.optimization_barrier((dx, dw))
-    return dx, dw
 
 
 def reduce_scatters(spec: WeightSpec) -> bool:
