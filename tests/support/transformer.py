@@ -102,7 +102,7 @@ def two_steps_bf16_wire(loss, cw, devices, optimizer=None, stacked=True):
 
 def switched_runs(monkeypatch, switch: str, run):
     """``{False: run(), True: run()}`` with ``jaxquant.training.fsdp``'s boolean ``switch`` off, then on (a module
-    constant the step reads when it traces, e.g. ``WGRAD_FIRST``)."""
+    constant the step reads when it traces, e.g. ``SEPARATE_STACKED_AMAX``)."""
     from jaxquant.training import fsdp
 
     out = {}
