@@ -11,7 +11,8 @@ uses it in one of two ways:
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
   builds the columnwise copy; an FP8 weight of one shard has its cast write both layouts instead,
   ``keeps_columnwise``; an NVFP4 weight of one shard makes its bf16 GEMM operand once and keeps that, and
-  with ``NVFP4_GATHER_BF16`` one split over ranks gathers its rows' bf16 operand, ``dequantizes_once``) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
+  with ``NVFP4_GATHER_BF16`` one split over ranks gathers its rows' bf16 operand, ``dequantizes_once``) and
+  reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
   ``make_train_step(reshard_after_forward=False)`` (``WeightSpec.keep_gathered``) the gathered operands
   are the residual and the backward gathers nothing;
