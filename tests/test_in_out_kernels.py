@@ -79,11 +79,10 @@ def test_in_out_nvfp4_kernels_gathered_as_bf16_rows_train_to_the_same_bits(monke
     """``fsdp.NVFP4_GATHER_BF16`` (tests/test_nvfp4_gather_bf16.py) on ``[in, out]`` kernels split over 8 ranks: the
     bf16 rows of the stored layout, gathered, are the operand the GEMMs contract on its other axis (the predicate
     holds for transposed specs: tests/test_nvfp4_gather_bf16.py)."""
-    from support.transformer import switched_runs
+    from support.transformer import assert_same_params, switched_runs
 
     runs = switched_runs(monkeypatch, "NVFP4_GATHER_BF16", lambda: train("in_out", "nvfp4", steps=2))
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(runs[True])[0], jax.tree.leaves(runs[False])):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_params(runs[True], runs[False])
 
 
 def test_in_out_kernel_errors():

@@ -84,7 +84,7 @@ def test_padding_never_reaches_the_numerics(cw):
 def test_nvfp4_rows_gathered_as_bf16_drop_the_padding(monkeypatch):
     """``fsdp.NVFP4_GATHER_BF16`` (tests/test_nvfp4_gather_bf16.py) with padded leaves (wk, wv: 80 rows stored as 128
     on 8 ranks): the padding rows' operand rows are zeros, dropped after the gather; 2 steps give the same bits."""
-    from support.transformer import switched_runs
+    from support.transformer import assert_same_params, switched_runs
 
     def run():
         step = make(8, "nvfp4", opt=optax.sgd(0.05))
@@ -94,8 +94,7 @@ def test_nvfp4_rows_gathered_as_bf16_drop_the_padding(monkeypatch):
         return jax.tree.map(np.asarray, step.params(state))
 
     runs = switched_runs(monkeypatch, "NVFP4_GATHER_BF16", run)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(runs[True])[0], jax.tree.leaves(runs[False])):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_params(runs[True], runs[False])
 
 
 def test_padded_state_dict_round_trips_and_names_unpadded_tensors():

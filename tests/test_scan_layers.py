@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 
 import jaxquant as jq
 from jaxquant.training.prefetch import scan_layers
-from support.transformer import (LR, MASK, assert_same_training, block, head, init_params, loss_scan, make_batch,
-                                 two_steps_bf16_wire)
+from support.transformer import (LR, MASK, assert_same_params, assert_same_training, block, head, init_params,
+                                 loss_scan, make_batch, two_steps_bf16_wire)
 
 
 def loss_prefetch(w, batch):
@@ -132,3 +132,42 @@ def test_scan_layers_errors():
         scan_layers(lambda h, layer: (h, None), jnp.zeros(2), {"a": jnp.zeros((3, 2)), "b": jnp.zeros((4, 2))})
     with pytest.raises(ValueError, match=r"body: must return \(carry, None\)"):
         scan_layers(lambda h, layer: (h, h), jnp.zeros(2), jnp.zeros((3, 2)))
+
+
+def _two_steps(loss, rules, params, recipe="fp8", tp=1):
+    """Parameters after two SGD steps of ``make_train_step`` with ``rules`` on 8 ranks (``tp`` of them on "tp")."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // tp, tp), ("fsdp", "tp"))
+    step = jq.make_train_step(loss, optax.sgd(LR), mesh=mesh, rules=rules, tp_axis="tp" if tp > 1 else None,
+                              policy=jq.MixedPrecisionPolicy(compute_weights=recipe))
+    state = step.init(params)
+    for i in range(2):
+        state, _ = step(state, make_batch(i))
+    return jax.tree.map(np.asarray, step.params(state))
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+@pytest.mark.fast_cases("fp8")
+def test_scan_layers_with_in_out_kernels(recipe):
+    """``[in, out]`` kernels (flax's layout): the prefetched operands are the ones the layer's forward reads (FP8: the
+    columnwise bytes); the same bits as the checkpointed scan."""
+    from test_in_out_kernels import rules, transposed
+
+    run = lambda loss: _two_steps(loss, rules("in_out"), transposed(init_params()), recipe)
+    assert_same_params(run(loss_prefetch), run(loss_checkpointed))
+
+
+def test_scan_layers_split_over_tp():
+    """FSDP 4 x TP 2 (w1 column-parallel, w2 row-parallel, amaxes reduced over tp too): the same bits as the
+    checkpointed scan."""
+    from test_in_out_kernels import rules
+
+    def loss_tp(scan_fn):
+        def loss(w, batch):
+            h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
+            h = scan_fn(lambda h, layer: (block(h, layer, tp_axis="tp"), None), h, w["blocks"])
+            return head(h, w, batch)
+        return loss
+
+    checkpointed = lambda body, h, xs: jax.lax.scan(jax.checkpoint(body), h, xs)[0]
+    run = lambda loss: _two_steps(loss, rules("out_in", tp=True), init_params(), tp=2)
+    assert_same_params(run(loss_tp(scan_layers)), run(loss_tp(checkpointed)))

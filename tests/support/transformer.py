@@ -112,12 +112,17 @@ def switched_runs(monkeypatch, switch: str, run):
     return out
 
 
+def assert_same_params(params, params0):
+    """Two parameter trees alike, bit for bit (the failing leaf's path named)."""
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params0)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
 def assert_same_training(run, run0):
     """Two :func:`two_steps_bf16_wire` results with the same losses and trained params, bit for bit."""
     (params, losses, _), (params0, losses0, _) = run, run0
     np.testing.assert_array_equal(losses, losses0)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params0)):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_params(params, params0)
 
 
 @functools.lru_cache(maxsize=None)
