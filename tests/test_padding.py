@@ -81,6 +81,7 @@ def test_padding_never_reaches_the_numerics(cw):
     assert_close_to(params[8], params[1], init_params(), 2 ** -6)
 
 
+@pytest.mark.extended   # README command's time budget (docs/development.md)
 def test_nvfp4_rows_gathered_as_bf16_drop_the_padding(monkeypatch):
     """``fsdp.NVFP4_GATHER_BF16`` (tests/test_nvfp4_gather_bf16.py) with padded leaves (wk, wv: 80 rows stored as 128
     on 8 ranks): the padding rows' operand rows are zeros, dropped after the gather; 2 steps give the same bits."""

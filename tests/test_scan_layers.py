@@ -27,6 +27,11 @@ def loss_checkpointed(w, batch):
     return loss_scan(w, batch, remat=True)
 
 
+def checkpointed_scan(body, carry, layers):
+    """What ``scan_layers`` equals: ``jax.lax.scan`` of the checkpointed body (saving nothing)."""
+    return jax.lax.scan(jax.checkpoint(body), carry, layers)[0]
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "bf16", "nvfp4"])
 @pytest.mark.fast_cases("fp8")
 def test_scan_layers_trains_to_the_bits_of_a_checkpointed_scan(recipe):
@@ -104,6 +109,7 @@ def test_each_iteration_gathers_the_next_layer_and_no_layer_gathers_itself(recip
     assert shapes[True][2] >= 2 * per_weight, shapes
 
 
+@pytest.mark.extended   # README command's time budget (docs/development.md)
 def test_scan_layers_without_weights_to_prefetch_is_a_checkpointed_scan():
     """One rank: nothing is gathered, so nothing is prefetched; the same bits as the checkpointed scan."""
     assert_same_training(two_steps_bf16_wire(loss_prefetch, "fp8", 1), two_steps_bf16_wire(loss_checkpointed, "fp8", 1))
@@ -121,8 +127,7 @@ def test_scan_layers_gradient_of_a_closed_over_array():
     w = jax.random.normal(jax.random.key(0), (3, 8, 8), jnp.float32) / 4
     scale = jnp.float32(1.3)
     mine = jax.grad(lambda w, s: loss(scan_layers, w, s), argnums=(0, 1))(w, scale)
-    want = jax.grad(lambda w, s: loss(lambda b, h, xs: jax.lax.scan(jax.checkpoint(b), h, xs)[0], w, s),
-                    argnums=(0, 1))(w, scale)
+    want = jax.grad(lambda w, s: loss(checkpointed_scan, w, s), argnums=(0, 1))(w, scale)
     for a, b in zip(mine, want):
         np.testing.assert_array_equal(a, b)
 
@@ -146,7 +151,7 @@ def _two_steps(loss, rules, params, recipe="fp8", tp=1):
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
-@pytest.mark.fast_cases("fp8")
+@pytest.mark.extended   # README command's time budget (docs/development.md)
 def test_scan_layers_with_in_out_kernels(recipe):
     """``[in, out]`` kernels (flax's layout): the prefetched operands are the ones the layer's forward reads (FP8: the
     columnwise bytes); the same bits as the checkpointed scan."""
@@ -156,6 +161,7 @@ def test_scan_layers_with_in_out_kernels(recipe):
     assert_same_params(run(loss_prefetch), run(loss_checkpointed))
 
 
+@pytest.mark.extended   # README command's time budget (docs/development.md)
 def test_scan_layers_split_over_tp():
     """FSDP 4 x TP 2 (w1 column-parallel, w2 row-parallel, amaxes reduced over tp too): the same bits as the
     checkpointed scan."""
@@ -168,6 +174,21 @@ def test_scan_layers_split_over_tp():
             return head(h, w, batch)
         return loss
 
-    checkpointed = lambda body, h, xs: jax.lax.scan(jax.checkpoint(body), h, xs)[0]
     run = lambda loss: _two_steps(loss, rules("out_in", tp=True), init_params(), tp=2)
-    assert_same_params(run(loss_tp(scan_layers)), run(loss_tp(checkpointed)))
+    assert_same_params(run(loss_tp(scan_layers)), run(loss_tp(checkpointed_scan)))
+
+
+@pytest.mark.extended   # README command's time budget (docs/development.md)
+def test_scan_layers_body_closing_over_a_trained_value_in_the_step():
+    """Inside the step (shard_map over 8 ranks): a body that closes over a value computed from a trained leaf (here
+    the embedding's mean) sends that leaf its gradient through the loop; the same bits as the checkpointed scan."""
+    def loss_with(scan_fn):
+        def loss(w, batch):
+            h = jnp.take(w["embed"], batch["tokens"], axis=0).astype(jnp.float32)
+            shift = jnp.mean(w["embed"].astype(jnp.float32)) * 0.01
+            h = scan_fn(lambda h, layer: (block(h, layer) + shift, None), h, w["blocks"])
+            return head(h, w, batch)
+        return loss
+
+    assert_same_training(two_steps_bf16_wire(loss_with(scan_layers), "fp8", 8),
+                         two_steps_bf16_wire(loss_with(checkpointed_scan), "fp8", 8))
