@@ -221,11 +221,10 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
         return gathered, gathered
     if local is None and dequantizes_once(spec):   # the GEMMs' bf16 operand, made once, read forward and backward
         # the barrier, as below: under scan XLA cloned the pass into the residual's stacked write otherwise
-        if spec.num_shards == 1:
-            operands = jax.lax.optimization_barrier(dequantized_operands(shard, spec, amax))
-            return operands, operands
         rows = jax.lax.optimization_barrier(dequantized_rows(shard, spec, amax))
-        return gathered_operand(rows, spec), rows      # reshard after forward: the backward gathers the rows again
+        operands = gathered_operand(rows, spec)
+        # one shard: nothing to gather again, the operand is the residual; split rows: reshard after forward
+        return operands, (operands if spec.num_shards == 1 else rows)
     if local is None:
         columnwise = keeps_columnwise(spec)
         # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
@@ -295,14 +294,9 @@ def dequantized_rows(shard, spec: WeightSpec, amax=None) -> dict:
 
 
 def gathered_operand(rows: dict, spec: WeightSpec) -> dict:
-    """The GEMMs' operands from :func:`dequantized_rows`: ``operand`` (every rank's rows, padding dropped), ``dec``
-    and ``amax``."""
+    """The GEMMs' operands of :func:`dequantizes_once`'s weight from :func:`dequantized_rows`: ``operand`` (every
+    rank's rows, padding dropped; one shard's own rows), ``dec`` and ``amax``."""
     return {"operand": _all_gather(rows["operand_rows"], spec), "dec": rows["dec"], "amax": rows["amax"]}
-
-
-def dequantized_operands(shard, spec: WeightSpec, amax=None) -> dict:
-    """:func:`gathered_operand` of :func:`dequantized_rows`: the operands of :func:`dequantizes_once`'s weight."""
-    return gathered_operand(dequantized_rows(shard, spec, amax), spec)
 
 
 def backward_weight(kept, spec: WeightSpec) -> dict:

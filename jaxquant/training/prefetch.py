@@ -16,7 +16,9 @@ The backward is written here (``jax.custom_vjp``) rather than left to JAX's auto
 ``jax.checkpoint`` the scan would save every iteration's carry, the prefetched operands of every layer (the whole
 model's quantized weights), for the recomputation. This one saves each layer's input carry, as ``jax.checkpoint``
 saving nothing does, and recomputes each layer in the backward with the operands prefetched for it, so a layer's
-weights are gathered twice a step (forward and backward), not three times (forward, recomputation, backward).
+weights are gathered twice a step (forward and backward), not three times (forward, recomputation, backward); each
+loop's last iteration gathers one layer again (a loop body is the same for every iteration: the forward's last
+layer, kept for the backward's first, and the backward's layer 0, unused), 2L + 2 gathers of a layer in all.
 The values are those of ``jax.lax.scan(jax.checkpoint(body), ...)`` bit for bit
 (``tests/test_scan_layers.py``).
 """
@@ -142,7 +144,8 @@ def _scan(body, length, carry, layers, first, consts):
 def _scan_fwd(body, length, carry, layers, first, consts):
     def step(state, i):
         h, ready = state
-        ahead = _gather_layer(layers, jnp.minimum(i + 1, length - 1))    # the last iteration's: the backward's first
+        # the last iteration gathers its own layer again: the carry out, kept for the backward's first iteration
+        ahead = _gather_layer(layers, jnp.minimum(i + 1, length - 1))
         h_next = _no_outputs(body(h, _layer(layers, i), ready, *consts))[0]
         return (h_next, ahead), h
 
@@ -176,7 +179,7 @@ def _scan_bwd(body, length, res, g):
     def step(state, xs):
         g_h, ready, g_consts = state
         i, h = xs
-        ahead = _gather_layer(layers, jnp.maximum(i - 1, 0))            # layer 0's: gathered twice, unused once
+        ahead = _gather_layer(layers, jnp.maximum(i - 1, 0))     # the last iteration's (layer 0 again): unused
         layer = _layer(layers, i)
         run = lambda h_, sinks, cs: _no_outputs(body(h_, _with_sinks(layer, sinks), ready, *cs))[0]
         _, vjp = jax.vjp(run, h, _sinks(layer), consts)
