@@ -54,9 +54,7 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # "-once": make_train_step(quantize_once=True), every layer quantized once a step before the first microbatch
 # (one packed amax all-reduce) instead of where it is read (each with its own scalar amax all-reduce)
 # "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
-# "-prefetch": the layers' scan written with jaxquant.training.prefetch.scan_layers (an experiment: each iteration
-# gathers the next layer's weights; full remat: with --remat nothing_saved only, FSDP only)
-EXTRA_CONFIGS = ("jq-bf16-prefetch", "jq-fp8-prefetch", "jq-nvfp4-prefetch") + (
+EXTRA_CONFIGS = (
     "jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
     "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
     tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
@@ -210,16 +208,12 @@ def block(a, h, p, matmul, row=None, tp=1, constrain=None):
     return h + row(jax.nn.silu(gate) * up, p["w_down"])
 
 
-def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, constrain=None, prefetch=False):
+def forward(a, params, x, matmul, scan: bool, row=None, tp=1, plain=False, constrain=None):
     import jax
 
     import jaxquant as jq
 
     body = lambda h, p: (block(a, h, p, matmul, row, tp, constrain), None)
-    if prefetch:    # scan_layers recomputes each layer in the backward, as nothing_saved does
-        from jaxquant.training.prefetch import scan_layers
-
-        return scan_layers(body, x, params["blocks"])
     if a.remat:
         policies = jax.checkpoint_policies
         policy = (({"gemm_outputs": policies.dots_with_no_batch_dims_saveable}).get(a.remat, policies.nothing_saveable)
@@ -351,8 +345,7 @@ def _tp_loss(a, scan, sp, overlap="off"):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False, abstract=False,
-             prefetch=False):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False, abstract=False):
     import jax
 
     import jaxquant as jq
@@ -367,10 +360,7 @@ def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantiz
                                   policy=policy, tp_axis="tp", param_specs=specs, reshard_after_forward=not keep,
                                   quantize_once=quantize_once)
     else:
-        if prefetch and (not scan or a.remat != "nothing_saved"):
-            raise ValueError("--configs: the -prefetch configs run the layers' scan with full remat: "
-                             "use them with --remat nothing_saved")
-        loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan, prefetch=prefetch), batch["y"])
+        loss = lambda w, batch: mse(forward(a, w, batch["x"], jq.dense, scan), batch["y"])
         step = jq.make_train_step(loss, adam(), mesh=mesh, quantize_mask=mask, policy=policy,
                                   reshard_after_forward=not keep, quantize_once=quantize_once)
     return jq_runner(step, lambda: init_params(a, stacked=scan), abstract)
@@ -424,7 +414,7 @@ def make_config(a, mesh, config, abstract=False):
         return _make_plain(a, mesh, scan, abstract=abstract)
     return _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
                     overlap="fused" if "-spfused" in config else "off", quantize_once="-once" in config,
-                    abstract=abstract, prefetch="-prefetch" in config)
+                    abstract=abstract)
 
 
 def run_one(a, config, make_batch=None, flops=None):

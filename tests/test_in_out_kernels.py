@@ -75,17 +75,6 @@ def test_in_out_kernels_split_over_tp(cw):
     assert_equal_within_bf16_of_update(train("in_out", cw, fsdp=4, tp=2), train("out_in", cw, fsdp=4, tp=2))
 
 
-@pytest.mark.extended   # README command's time budget (docs/development.md)
-def test_in_out_nvfp4_kernels_gathered_as_bf16_rows_train_to_the_same_bits(monkeypatch):
-    """``fsdp.NVFP4_GATHER_BF16`` (tests/test_nvfp4_gather_bf16.py) on ``[in, out]`` kernels split over 8 ranks: the
-    bf16 rows of the stored layout, gathered, are the operand the GEMMs contract on its other axis (the predicate
-    holds for transposed specs: tests/test_nvfp4_gather_bf16.py)."""
-    from support.transformer import assert_same_params, switched_runs
-
-    runs = switched_runs(monkeypatch, "NVFP4_GATHER_BF16", lambda: train("in_out", "nvfp4", steps=2))
-    assert_same_params(runs[True], runs[False])
-
-
 def test_in_out_kernel_errors():
     with pytest.raises(ValueError, match=r"kernel: must be one of \('out_in', 'in_out'\)"):
         jq.ParamRule("x", kernel="io")

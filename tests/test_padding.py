@@ -81,23 +81,6 @@ def test_padding_never_reaches_the_numerics(cw):
     assert_close_to(params[8], params[1], init_params(), 2 ** -6)
 
 
-@pytest.mark.extended   # README command's time budget (docs/development.md)
-def test_nvfp4_rows_gathered_as_bf16_drop_the_padding(monkeypatch):
-    """``fsdp.NVFP4_GATHER_BF16`` (tests/test_nvfp4_gather_bf16.py) with padded leaves (wk, wv: 80 rows stored as 128
-    on 8 ranks): the padding rows' operand rows are zeros, dropped after the gather; 2 steps give the same bits."""
-    from support.transformer import assert_same_params, switched_runs
-
-    def run():
-        step = make(8, "nvfp4", opt=optax.sgd(0.05))
-        state = step.init(init_params())
-        for _ in range(2):
-            state, _ = step(state, make_batch())
-        return jax.tree.map(np.asarray, step.params(state))
-
-    runs = switched_runs(monkeypatch, "NVFP4_GATHER_BF16", run)
-    assert_same_params(runs[True], runs[False])
-
-
 def test_padded_state_dict_round_trips_and_names_unpadded_tensors():
     step = make(8)
     state = step.init(init_params())

@@ -10,8 +10,8 @@ uses it in one of two ways:
 * ``jq.dense(x, w)``: one ``custom_vjp`` that quantizes the shard, all-gathers the quantized bytes, runs
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
   builds the columnwise copy; an FP8 weight of one shard has its cast write both layouts instead,
-  ``keeps_columnwise``; an NVFP4 weight of one shard makes its bf16 GEMM operand once and keeps that, and
-  with ``NVFP4_GATHER_BF16`` one split over ranks gathers its rows' bf16 operand, ``dequantizes_once``) and
+  ``keeps_columnwise``; an NVFP4 weight of one shard makes its bf16 GEMM operand once and keeps that,
+  ``dequantizes_once``) and
   reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
   ``make_train_step(reshard_after_forward=False)`` (``WeightSpec.keep_gathered``) the gathered operands
@@ -60,13 +60,6 @@ COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 # Per-layer leaves keep the fused reduction, which cost about nothing there.
 SEPARATE_STACKED_AMAX = os.environ.get("JAXQUANT_SEPARATE_STACKED_AMAX", "1") == "1"
 
-
-# JAXQUANT_NVFP4_GATHER_BF16=1: an NVFP4 weight split over ranks is dequantized before its gather, as one that is not
-# split is (:func:`dequantizes_once`): this rank's rows become the GEMMs' bf16 operand in one pass and the ranks
-# gather that, plain JAX's bf16 gather, instead of gathering the packed bytes and decoding the whole weight before each
-# GEMM. The same bytes reach the GEMMs. Off by default until it is timed against the packed gather, whose smaller
-# transfers are what NVFP4 offers where no GEMM reads FP4 (docs/performance.md, third round: NVFP4 at the 13B shape).
-NVFP4_GATHER_BF16 = os.environ.get("JAXQUANT_NVFP4_GATHER_BF16", "0") == "1"
 
 
 class GradReduce(NamedTuple):
@@ -214,17 +207,14 @@ def forward_weight(shard, gathered, local, spec: WeightSpec, amax=None):
     when given) and gathered. The backward
     keeps this rank's quantized rows (FSDP2's reshard after forward: it gathers again, with no second cast; an FP8
     weight of one shard casts both layouts and keeps the one the backward reads, :func:`keeps_columnwise`; an NVFP4
-    weight of one shard keeps the bf16 operand its forward read, and one split over ranks this rank's rows of it,
-    :func:`dequantizes_once`), or with
+    weight of one shard keeps the bf16 operand its forward read, :func:`dequantizes_once`), or with
     ``spec.keep_gathered`` the gathered operands (no second gather)."""
     if gathered is not None:
         return gathered, gathered
     if local is None and dequantizes_once(spec):   # the GEMMs' bf16 operand, made once, read forward and backward
         # the barrier, as below: under scan XLA cloned the pass into the residual's stacked write otherwise
-        rows = jax.lax.optimization_barrier(dequantized_rows(shard, spec, amax))
-        operands = gathered_operand(rows, spec)
-        # one shard: nothing to gather again, the operand is the residual; split rows: reshard after forward
-        return operands, (operands if spec.num_shards == 1 else rows)
+        operands = jax.lax.optimization_barrier(dequantized_operands(shard, spec, amax))
+        return operands, operands
     if local is None:
         columnwise = keeps_columnwise(spec)
         # one cast for both users (the gather and the residual): under scan, XLA's GPU dynamic-slice fusion
@@ -264,39 +254,30 @@ def _one_shard_per_use(spec: WeightSpec) -> bool:
 
 def dequantizes_once(spec: WeightSpec) -> bool:
     """Whether :func:`forward_weight` makes an NVFP4 weight's bf16 GEMM operand (``value(q) * s8``) straight from its
-    master rows in one pass (:func:`dequantized_rows`) instead of casting them to packed bytes: a weight quantized
-    where it is read and not kept gathered, ``[in, out]`` weights too (the GEMMs read the same operand contracted on
-    the other axis), that is either not split over ranks (one shard, no padding rows: no bytes are gathered, so the
-    packed bytes are needed by nothing but the two decodes; the forward's operand is the backward's residual) or
-    split with :data:`NVFP4_GATHER_BF16` (the ranks gather the bf16 rows, forward and backward alike).
+    master rows in one pass (:func:`dequantized_operands`) and keeps it for the backward's dgrad: a weight quantized
+    where it is read, not split over ranks (one shard: no bytes are gathered, so the packed bytes are needed by
+    nothing but the two decodes) and not kept gathered; ``[in, out]`` weights too (the GEMMs read the same operand
+    contracted on the other axis).
 
-    Per element of the rows and step that is one read of the fp32 master and one bf16 write (6 bytes, what plain
-    JAX's cast costs), where the statistics pass, the cast and one decode per GEMM (the forward's and the dgrad's:
-    XLA does not fuse a decode into the cuBLAS GEMM that reads it) read and wrote about 13.5; the residual of one
-    shard is the bf16 operand (2 bytes an element, as plain JAX's bf16 weight) instead of the packed bytes. The whole
-    weight's amax comes from ``TrainState.weight_amax`` (:func:`weight_amax`, computed by the update that wrote the
-    master), so no statistics pass runs. Same bytes: the op's reference is the statistics pass, the cast and the
-    decode composed; a 16x16 tile lies on one rank (rows split in multiples of 16), so the decode of gathered bytes
-    is the gather of the decoded rows."""
-    if spec.recipe != "nvfp4" or not spec.per_use or spec.keep_gathered:
-        return False
-    return _one_shard_per_use(spec) or (NVFP4_GATHER_BF16 and spec.num_shards > 1)
+    Per element and step that is one read of the fp32 master and one bf16 write (6 bytes, what plain JAX's cast
+    costs), where the statistics pass, the cast and one decode per GEMM (the forward's and the dgrad's: XLA does not
+    fuse a decode into the cuBLAS GEMM that reads it) read and wrote about 13.5; the residual is the bf16 operand
+    (2 bytes an element, as plain JAX's bf16 weight) instead of the packed bytes. The whole weight's amax comes
+    from ``TrainState.weight_amax`` (:func:`weight_amax`, computed by the update that wrote the master), so no
+    statistics pass runs. Same bytes: the op's reference is the statistics pass, the cast and the decode composed.
+
+    A weight split over ranks gathers its packed bytes instead: dequantizing the rows before a bf16 gather was timed
+    at the 13B shape on two H200s and gained nothing (docs/fsdp.md)."""
+    return spec.recipe == "nvfp4" and _one_shard_per_use(spec)
 
 
-def dequantized_rows(shard, spec: WeightSpec, amax=None) -> dict:
-    """This rank's rows of :func:`dequantizes_once`'s operand: ``operand_rows``, the bf16 ``value(q) * s8`` of every
-    element (``ops.nvfp4_bf16_operand``: the rows' own tile amaxes, the whole weight's ``amax``; padding rows, zeros,
-    give zeros), ``dec`` and ``amax``; ``amax`` precomputed by :func:`weight_amax`, or None (a state built by hand:
-    one statistics pass finds it, max-reduced over the ranks)."""
+def dequantized_operands(shard, spec: WeightSpec, amax=None) -> dict:
+    """The operands of :func:`dequantizes_once`'s weight: ``operand``, the bf16 ``value(q) * s8`` of every element
+    (``ops.nvfp4_bf16_operand``: the rows' own tile amaxes, the whole weight's ``amax``), ``dec`` and ``amax``;
+    ``amax`` precomputed by :func:`weight_amax`, or None (a state built by hand: one statistics pass finds it)."""
     amax = statistics(shard, spec)[0] if amax is None else _given_amax(amax, spec)
-    return {"operand_rows": ops.nvfp4_bf16_operand(shard, amax, compute_dtype=COMPUTE_DTYPE),
-            "dec": nvfp4_global_decode(amax), "amax": amax}
-
-
-def gathered_operand(rows: dict, spec: WeightSpec) -> dict:
-    """The GEMMs' operands of :func:`dequantizes_once`'s weight from :func:`dequantized_rows`: ``operand`` (every
-    rank's rows, padding dropped; one shard's own rows), ``dec`` and ``amax``."""
-    return {"operand": _all_gather(rows["operand_rows"], spec), "dec": rows["dec"], "amax": rows["amax"]}
+    operand = _all_gather(ops.nvfp4_bf16_operand(shard, amax, compute_dtype=COMPUTE_DTYPE), spec)
+    return {"operand": operand, "dec": nvfp4_global_decode(amax), "amax": amax}
 
 
 def backward_weight(kept, spec: WeightSpec) -> dict:
@@ -305,8 +286,6 @@ def backward_weight(kept, spec: WeightSpec) -> dict:
     bf16 operand :func:`dequantizes_once` kept; a transposed (``[in, out]``) weight's dgrad reads its rowwise bytes."""
     if "operand" in kept:
         return kept
-    if "operand_rows" in kept:   # a split weight's rows of the bf16 operand (dequantizes_once): gathered again
-        return gathered_operand(kept, spec)
     columnwise = spec.recipe == "fp8" and not spec.transposed
     if spec.keep_gathered or not spec.per_use:
         return with_columnwise(kept, spec) if columnwise else kept
