@@ -52,12 +52,13 @@ CONFIGS = ("plain-loop", "plain-scan", "jq-bf16-loop", "jq-fp8-loop", "jq-nvfp4-
 # jq.sp_row_dense: seq/tp positions per rank between the GEMMs) or without it (row-parallel psum)
 # "-keep": make_train_step(reshard_after_forward=False), each layer's gathered weight kept for its backward
 # "-once": make_train_step(quantize_once=True), every layer quantized once a step before the first microbatch
-# (one packed amax all-reduce) instead of where it is read (each with its own scalar amax all-reduce)
+# (one packed amax all-reduce); "-peruse": quantize_once=False, every layer quantized where it is read (from the
+# amax the update computed); neither: the library's default (None: NVFP4 once a step, FP8 where read)
 # "-spfused": the sequence-parallel layers with overlap="fused" (collective GEMM kernels, docs/sp.md)
 EXTRA_CONFIGS = (
     "jq-bf16-sp-loop", "jq-fp8-sp-loop", "jq-nvfp4-sp-loop", "jq-bf16-sp", "jq-fp8-sp", "jq-nvfp4-sp",
     "jq-bf16-spfused-loop", "jq-fp8-spfused-loop", "jq-bf16-spfused", "jq-fp8-spfused") + \
-    tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once") for r in ("bf16", "fp8", "nvfp4")
+    tuple(f"jq-{r}-{mode}{form}" for mode in ("keep", "once", "peruse") for r in ("bf16", "fp8", "nvfp4")
           for form in ("-loop", ""))
 # PyTorch peers of the same model (benchmarks/bench_torch.py, each config its own processes, one per GPU): FSDP2 +
 # torch.compile in bf16, and the same with torchao's float8 training
@@ -345,7 +346,7 @@ def _tp_loss(a, scan, sp, overlap="off"):
     return loss
 
 
-def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=False, abstract=False):
+def _make_jq(a, mesh, recipe, scan, sp=False, keep=False, overlap="off", quantize_once=None, abstract=False):
     import jax
 
     import jaxquant as jq
@@ -413,8 +414,13 @@ def make_config(a, mesh, config, abstract=False):
     if config.startswith("plain"):
         return _make_plain(a, mesh, scan, abstract=abstract)
     return _make_jq(a, mesh, config.split("-")[1], scan, sp="-sp" in config, keep="-keep" in config,
-                    overlap="fused" if "-spfused" in config else "off", quantize_once="-once" in config,
+                    overlap="fused" if "-spfused" in config else "off", quantize_once=_quantize_once(config),
                     abstract=abstract)
+
+
+def _quantize_once(config):
+    """``make_train_step``'s ``quantize_once`` for a config name: ``-once`` True, ``-peruse`` False, else None."""
+    return True if "-once" in config else False if "-peruse" in config else None
 
 
 def run_one(a, config, make_batch=None, flops=None):

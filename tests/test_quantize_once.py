@@ -1,9 +1,9 @@
-"""``make_train_step(quantize_once=True)`` (the default of ``optim_grads_params``): every layer's rows are quantized
+"""``make_train_step(quantize_once=True)`` (NVFP4 weights' default, ``quantize_once=None``): every layer's rows are quantized
 once a step, before the first microbatch, with the amaxes of every layer of every weight max-reduced in one packed
 all-reduce, and the layers only gather (``ShardedWeight.local``). On 8 simulated CPU devices: the step equals the
 quantize-where-used step bit for bit (bf16, FP8, NVFP4; scan and loop; 2 microbatches), the packed amaxes equal
 each layer's own, and the lowered program has one packed amax reduction, no scalar one, and gathers one layer at a
-time under scan (not the stack)."""
+time under scan (not the stack); the default quantizes NVFP4 weights so and FP8 weights where they are read."""
 
 import re
 
@@ -106,3 +106,20 @@ def test_lowered_scan_step_reduces_amaxes_once_and_gathers_one_layer(cw):
     gathers = re.findall(r'"stablehlo\.all_gather".*: \((tensor<[^>]*>)\) -> (tensor<[^>]*>)', texts[True])
     assert (f"tensor<{F // 8}x{width}x{data}>", f"tensor<{F}x{width}x{data}>") in gathers, gathers   # one layer
     assert not any(a.startswith(f"tensor<{L}x") for a, _ in gathers), gathers                      # not the stack
+
+
+@pytest.mark.parametrize("cw", ["fp8", "nvfp4"])
+def test_default_quantizes_nvfp4_once_and_fp8_where_read(cw):
+    """``quantize_once=None`` (the default): the lowered step is the one of ``True`` for NVFP4 weights (split over
+    8 ranks) and of ``False`` for FP8 weights; on one rank NVFP4 weights make their bf16 operand where they are
+    read (``fsdp.dequantizes_once``), so the default lowers as ``False`` there."""
+    params = init_params()
+    lowered = lambda once, mesh: (lambda step: step.lower(step.init(params), make_batch()).as_text())(
+        jq.make_train_step(loss_scan, optax.adam(1e-3), mesh=mesh, quantize_mask=MASK,
+                           policy=jq.MixedPrecisionPolicy(compute_weights=cw), quantize_once=once))
+    texts = {once: lowered(once, fsdp_mesh()) for once in (None, True, False)}
+    assert texts[None] == texts[cw == "nvfp4"]
+    assert texts[None] != texts[cw != "nvfp4"]
+    if cw == "nvfp4":
+        one = fsdp_mesh(1)
+        assert lowered(None, one) == lowered(False, one)

@@ -49,8 +49,8 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.primitives import formats
-from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, gather_array, gather_once, gathered_array,
-                           pad_row_blocks, quantize_once, unpad_row_blocks, weight_amax)
+from jaxquant.training.fsdp import (GradReduce, ShardedWeight, WeightSpec, dequantizes_once, gather_array, gather_once,
+                           gathered_array, pad_row_blocks, quantize_once, unpad_row_blocks, weight_amax)
 from jaxquant.primitives.formats import to_compute_dtype
 from jaxquant.primitives.varying import mark_varying
 from jaxquant.zero.layout import TP_SPLITS
@@ -210,7 +210,7 @@ class LayerwiseTrainStep:
     def __init__(self, loss_fn, optimizer, mesh, policy, microbatches, report_nan, fsdp_axis, tp_axis=None,
                  param_specs=None, replicate_axis=None, quantize_mask=None, compiler_options=None,
                  reshard_after_forward=True, strategy="optim_grads_params", rules=None, has_aux=False,
-                 weighted_loss=False, quantize_once=False):
+                 weighted_loss=False, quantize_once=None):
         self.strategy, self.rules = strategy, rules
         self.has_aux, self.weighted_loss = has_aux, weighted_loss
         self.user_mesh = mesh
@@ -263,7 +263,7 @@ class LayerwiseTrainStep:
                      gathered_array(m, r.weight))
                     for m, a, r in zip(masters, amaxes, plan.rules)]
         # ZeRO-3 with quantize_once: every layer's rows quantized once, one packed amax reduction; layers gather
-        once = [i for i, r in enumerate(plan.rules) if r.quantized and r.weight.per_use and self.quantize_once]
+        once = [i for i, r in enumerate(plan.rules) if self._quantized_once(r)]
         local = [None] * len(masters)
         for i, q in zip(once, quantize_once([masters[i] for i in once], [plan.rules[i].weight for i in once])):
             local[i] = q
@@ -383,8 +383,17 @@ class LayerwiseTrainStep:
         weights (FP8 casts then need no amax pass, NVFP4's one-shard pass takes it as an input, and neither reduces
         an amax over ranks: ``fsdp.quantize_rows``), but those ``quantize_once`` quantizes (their amaxes are reduced
         together there)."""
-        return [r.quantized and r.recipe in ("fp8", "nvfp4") and not (r.weight.per_use and self.quantize_once)
-                for r in plan.rules]
+        return [r.quantized and r.recipe in ("fp8", "nvfp4") and not self._quantized_once(r) for r in plan.rules]
+
+    def _quantized_once(self, rule) -> bool:
+        """Whether a leaf's rows are quantized once a step (``make_train_step``'s ``quantize_once``; None: NVFP4
+        leaves, but one-shard ones whose forward makes the bf16 operand in one pass, ``fsdp.dequantizes_once``)
+        rather than where a layer reads them: ZeRO-3 quantized leaves (the other strategies gather once a step
+        anyway)."""
+        once = self.quantize_once
+        if once is None:
+            once = rule.recipe == "nvfp4" and not dequantizes_once(rule.weight)
+        return rule.quantized and rule.weight.per_use and once
 
     def _weight_amax(self, plan, master) -> list:
         """``TrainState.weight_amax`` of ``master`` (inside the step: where the update writes it)."""

@@ -42,7 +42,7 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
                     param_specs=None, fsdp_axis: str = "fsdp", tp_axis: Optional[str] = None,
                     replicate_axis: Optional[str] = None, quantize_mask=None, compiler_options=_DEFAULT,
                     reshard_after_forward: bool = True, rules=None, has_aux: bool = False,
-                    weighted_loss: bool = False, quantize_once: bool = False):
+                    weighted_loss: bool = False, quantize_once: bool | None = None):
     """A jitted data-parallel training step with quantized compute weights.
 
     Args:
@@ -77,12 +77,14 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
       weighted_loss: ``loss_fn`` returns ``(loss_sum, weight_sum)`` (e.g. the masked token losses' sum and the
         count of valid tokens): the step's loss is the global sum over the global weight, over every rank and
         microbatch (MaxText's normalisation for padded batches), and the gradient is that loss's.
-      quantize_once: ``optim_grads_params``: every layer's rows are quantized once a step, before the first
+      quantize_once: ``optim_grads_params``: True: every layer's rows are quantized once a step, before the first
         microbatch, their amaxes max-reduced in one packed all-reduce, so that a layer only gathers bytes (no
-        cast, no scalar all-reduce before its gather; holds the quantized shards of the whole model, 1/4 of the
-        fp32 master's size for FP8). False (default: no quantized copy of the whole model is held; docs/performance.md
-        times both): quantized where each layer reads its weight, with its own scalar amax all-reduce. Same bytes
-        either way.
+        cast before its gather; holds the quantized shards of the whole model, 1/4 of the fp32 master's size for
+        FP8). False: quantized where each layer reads its weight (under remat, again in the recomputed forward),
+        from the amax the optimizer's update computed. None (default): NVFP4 weights once a step (their cast
+        also takes a statistics pass for the tile amaxes, so casting them twice a step under remat cost more than
+        holding the packed shards, about 0.56 bytes a parameter), FP8 weights where they are read (no
+        quantized copy of the model is held; docs/performance.md times both). Same bytes either way.
       rules: a list of ``jq.ParamRule`` (path regex -> quantized or not, recipe, TP split, stacked layer axis;
         first match wins, an unmatched leaf is an error), instead of ``quantize_mask`` / ``param_specs``. None
         with a ``loss_fn`` from ``jq.flax_loss``: that loss's ``default_rules()`` (every contraction's weight
@@ -124,8 +126,8 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
                          f"(axes {mesh.axis_names})")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward: must be a bool, got {type(reshard_after_forward).__name__}")
-    if not isinstance(quantize_once, bool):
-        raise TypeError(f"quantize_once: must be a bool, got {type(quantize_once).__name__}")
+    if quantize_once is not None and not isinstance(quantize_once, bool):
+        raise TypeError(f"quantize_once: must be a bool or None, got {type(quantize_once).__name__}")
     if strategy != "optim_grads_params" and not reshard_after_forward:
         raise ValueError(f"reshard_after_forward: False needs strategy='optim_grads_params' (the other strategies "
                          f"gather every compute weight once a step and keep it), got {strategy!r}")
