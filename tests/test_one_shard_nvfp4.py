@@ -137,11 +137,13 @@ def test_one_device_nvfp4_step_equals_the_packed_bytes_way(monkeypatch, loss, st
 
 
 def test_weights_split_over_ranks_keep_the_packed_bytes():
-    """On 8 (simulated) devices every weight is split over FSDP: the step quantizes, gathers the packed bytes and
-    decodes them as before; the casts read the whole weight's amax from the state (``TrainState.weight_amax``) and
-    reduce none over the ranks."""
+    """On 8 (simulated) devices every weight is split over FSDP: quantized where read (``quantize_once=False``; the
+    default quantizes split NVFP4 weights once a step, tests/test_quantize_once.py), the step quantizes, gathers the
+    packed bytes and decodes them as before; the casts read the whole weight's amax from the state
+    (``TrainState.weight_amax``) and reduce none over the ranks."""
     step = jq.make_train_step(loss_scan, optax.sgd(LR), mesh=Mesh(np.array(jax.devices()[:8]), ("fsdp",)),
-                              quantize_mask=MASK, policy=jq.MixedPrecisionPolicy(compute_weights="nvfp4"))
+                              quantize_mask=MASK, policy=jq.MixedPrecisionPolicy(compute_weights="nvfp4"),
+                              quantize_once=False)
     state = step.init(init_params())
     assert len([a for a in state.weight_amax if a is not None]) == 3    # head, w1, w2
     text = step.lower(state, make_batch()).as_text()

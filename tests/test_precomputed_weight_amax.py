@@ -115,13 +115,15 @@ def test_refresh_amax_after_replacing_the_master():
 def test_separate_stacked_amax_trains_to_the_same_bits(monkeypatch, recipe):
     """``fsdp.SEPARATE_STACKED_AMAX``: a stacked master's amaxes reduced behind an optimization barrier (a pass of their
     own, not inside the update's fusion): two steps give the same losses and masters, bit for bit; one barrier per
-    stacked FP8 / NVFP4 leaf (w1, w2) in the lowered step, none for a per-layer leaf (the loop)."""
+    stacked FP8 / NVFP4 leaf (w1, w2) in the lowered step, none for a per-layer leaf (the loop). Quantized where read
+    (``quantize_once=False``): NVFP4 weights quantized once a step, their default, take no precomputed amax."""
     from support.transformer import LR, assert_same_training, switched_runs, two_steps_bf16_wire
 
     barriers = lambda run: run[2].count("optimization_barrier")
     runs = switched_runs(monkeypatch, "SEPARATE_STACKED_AMAX",
-                         lambda: (two_steps_bf16_wire(loss_scan, recipe, RANKS, optax.adam(LR)),
-                                  two_steps_bf16_wire(loss_loop, recipe, RANKS, optax.adam(LR), stacked=False)))
+                         lambda: (two_steps_bf16_wire(loss_scan, recipe, RANKS, optax.adam(LR), quantize_once=False),
+                                  two_steps_bf16_wire(loss_loop, recipe, RANKS, optax.adam(LR), stacked=False,
+                                                      quantize_once=False)))
     assert barriers(runs[True][0]) - barriers(runs[False][0]) == 2
     assert barriers(runs[True][1]) == barriers(runs[False][1])
     for form in (0, 1):

@@ -1,6 +1,6 @@
-"""``make_train_step(quantize_once=True)`` (NVFP4 weights' default, ``quantize_once=None``): every layer's rows are quantized
-once a step, before the first microbatch, with the amaxes of every layer of every weight max-reduced in one packed
-all-reduce, and the layers only gather (``ShardedWeight.local``). On 8 simulated CPU devices: the step equals the
+"""``make_train_step(quantize_once=True)`` (NVFP4 weights' default, ``quantize_once=None``): every layer's rows are
+quantized once a step, before the first microbatch, with the amaxes of every layer of every weight max-reduced in one
+packed all-reduce, and the layers only gather (``ShardedWeight.local``). On 8 simulated CPU devices: the step equals the
 quantize-where-used step bit for bit (bf16, FP8, NVFP4; scan and loop; 2 microbatches), the packed amaxes equal
 each layer's own, and the lowered program has one packed amax reduction, no scalar one, and gathers one layer at a
 time under scan (not the stack); the default quantizes NVFP4 weights so and FP8 weights where they are read."""

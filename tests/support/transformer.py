@@ -87,11 +87,11 @@ def train(loss, params, devices=8, cw="nvfp4", mesh=None, steps=STEPS, **kw):
     return step.params(state), losses, step, state
 
 
-def two_steps_bf16_wire(loss, cw, devices, optimizer=None, stacked=True):
+def two_steps_bf16_wire(loss, cw, devices, optimizer=None, stacked=True, quantize_once=None):
     """Two steps of ``make_train_step`` over ``devices`` ranks, each on its own batch, with bf16 gradients on the
     wire (as the benchmarks send them) and XLA's default codegen: (trained params, losses, the lowered step's text)."""
     step = jq.make_train_step(loss, optimizer or optax.sgd(LR), mesh=Mesh(np.array(jax.devices()[:devices]), ("fsdp",)),
-                              quantize_mask=MASK, compiler_options=XLA_DEFAULT_CODEGEN,
+                              quantize_mask=MASK, compiler_options=XLA_DEFAULT_CODEGEN, quantize_once=quantize_once,
                               policy=jq.MixedPrecisionPolicy(compute_weights=cw, grad_comm_dtype=jnp.bfloat16))
     state, losses = step.init(init_params(stacked=stacked)), []
     for i in range(2):
