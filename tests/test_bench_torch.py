@@ -190,6 +190,7 @@ def test_torch_breakdown_attributes_kernels_by_op_name_and_launch_scope():
     assert "| compiled_fwd / fp8_gemm | 0.40 |" in bench_torch.region_table([("x", b)])
 
 
+@pytest.mark.extended   # a benchmark smoke (docs/development.md: README command's time budget)
 def test_profile_on_the_cpu_writes_the_trace_and_a_breakdown(tmp_path):
     """--profile DIR: the trace under DIR/<flag set>/<config>/ and the row's breakdown (no GPU kernels on the CPU:
     every category 0); nothing compiled on the CPU by default."""
