@@ -114,9 +114,12 @@ def test_default_quantizes_nvfp4_once_and_fp8_where_read(cw):
     8 ranks) and of ``False`` for FP8 weights; on one rank NVFP4 weights make their bf16 operand where they are
     read (``fsdp.dequantizes_once``), so the default lowers as ``False`` there."""
     params = init_params()
-    lowered = lambda once, mesh: (lambda step: step.lower(step.init(params), make_batch()).as_text())(
-        jq.make_train_step(loss_scan, optax.adam(1e-3), mesh=mesh, quantize_mask=MASK,
-                           policy=jq.MixedPrecisionPolicy(compute_weights=cw), quantize_once=once))
+
+    def lowered(once, mesh):
+        step = jq.make_train_step(loss_scan, optax.adam(1e-3), mesh=mesh, quantize_mask=MASK,
+                                  policy=jq.MixedPrecisionPolicy(compute_weights=cw), quantize_once=once)
+        return step.lower(step.init(params), make_batch()).as_text()
+
     texts = {once: lowered(once, fsdp_mesh()) for once in (None, True, False)}
     assert texts[None] == texts[cw == "nvfp4"]
     assert texts[None] != texts[cw != "nvfp4"]

@@ -11,8 +11,7 @@ uses it in one of two ways:
   the GEMM and keeps only this rank's quantized rows as residuals; the backward gathers them again (and
   builds the columnwise copy; an FP8 weight of one shard has its cast write both layouts instead,
   ``keeps_columnwise``; an NVFP4 weight of one shard makes its bf16 GEMM operand once and keeps that,
-  ``dequantizes_once``) and
-  reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
+  ``dequantizes_once``) and reduce-scatters ``dW`` into ``grad`` right after the weight-gradient GEMM.
   By default no layer's gathered weight outlives the layer (PyTorch FSDP2's reshard-after-forward); with
   ``make_train_step(reshard_after_forward=False)`` (``WeightSpec.keep_gathered``) the gathered operands
   are the residual and the backward gathers nothing;
@@ -59,7 +58,6 @@ COMPUTE_DTYPE = formats.COMPUTE_DTYPE
 # (docs/performance.md, third round), where a pass of its own reads a fraction of the bytes the update moves.
 # Per-layer leaves keep the fused reduction, which cost about nothing there.
 SEPARATE_STACKED_AMAX = os.environ.get("JAXQUANT_SEPARATE_STACKED_AMAX", "1") == "1"
-
 
 
 class GradReduce(NamedTuple):
