@@ -33,7 +33,8 @@ flags (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn``, ``--s
 
 Their configs: ``flax-plain`` (the plain step above: fp32 parameters, every kernel and the embedding split over fsdp
 along their first axis that divides, Adam's moments sharded alike) and ``flax-jq-bf16`` / ``-fp8`` / ``-nvfp4`` (the
-model unchanged under ``jq.make_train_step(jq.flax_loss(model, loss, batch=...))``, the adapter's default rules).
+model unchanged under ``jq.make_train_step(jq.flax_loss(model, loss, batch=...))``, the adapter's default rules);
+``flax-jq-fp8-head`` (``dense-general``, run when named) is FP8 with a rule that quantizes the untied head too.
 Every ``--model`` also has, when named, flax's own FP8 (``flax.linen.fp8_ops``: delayed scaling, an amax history of
 1024 steps per operand; current MaxText's ``fp8`` quantization plugs the same ops into the same place):
 ``flax-fp8``, each block's projections on ``nn.Fp8DirectDotGeneralOp`` (FP8 operands handed to ``dot_general``) and,
@@ -69,6 +70,9 @@ CONFIGS = ("flax-plain", "flax-jq-bf16", "flax-jq-fp8", "flax-jq-nvfp4", "hand-j
 EXTRA_CONFIGS = ("flax-plain-scan", "hand-jq-bf16", "hand-jq-nvfp4")
 MODELS = ("llama", "einsum", "dense-general")
 STYLE_CONFIGS = ("flax-plain", "flax-jq-bf16", "flax-jq-fp8", "flax-jq-nvfp4")    # --model einsum / dense-general
+# --model dense-general, run when named: FP8 with its untied head quantized too (a rule; the default keeps it bf16)
+HEAD_FP8_CONFIG = "flax-jq-fp8-head"
+HEAD_FP8_RECIPES = {r"(.*\.)?head\.kernel": "fp8"}
 # flax's own FP8 (flax.linen.fp8_ops, delayed scaling), --model dense-general, run when named: "flax-fp8" through
 # nn.Fp8DirectDotGeneralOp (FP8 operands handed to dot_general), "flax-fp8-qdq" through the deprecated
 # nn.Fp8DotGeneralOp (quantize-dequantize around a bf16 dot_general, left to XLA to rewrite into an FP8 GEMM)
@@ -486,7 +490,7 @@ def make_style_flax_fp8(a, mesh, config):
     return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, replicated)), state
 
 
-def make_style_jq(a, mesh, recipe):
+def make_style_jq(a, mesh, recipe, head_fp8=False):
     """``flax-jq-*`` of ``--model einsum`` / ``dense-general``: the model unchanged under ``jq.make_train_step``
     through the flax adapter's API with an example batch (multi-axis kernels as 2-D views, the adapter's default
     rules), the parameters built in the step's shardings."""
@@ -505,7 +509,9 @@ def make_style_jq(a, mesh, recipe):
     example = style_batch_shape(a, mesh.size)          # only its shapes are read
     model = nnx.eval_shape(build) if family == "nnx" else jax.eval_shape(build)   # abstract: no arrays kept
     policy = jq.MixedPrecisionPolicy(compute_weights=recipe, grad_comm_dtype=a.grad_comm)
-    step = jq.make_train_step(jq.flax_loss(model, loss, batch=example), e2e.adam(), mesh=mesh, policy=policy)
+    loss_fn = jq.flax_loss(model, loss, batch=example)
+    rules = loss_fn.rules(recipes=HEAD_FP8_RECIPES) if head_fp8 else None
+    step = jq.make_train_step(loss_fn, e2e.adam(), mesh=mesh, policy=policy, rules=rules)
     return e2e.jq_runner(step, lambda: jq.flax_params(jq.flax_loss(build(), loss, batch=example)))
 
 
@@ -538,7 +544,8 @@ def make_jq(a, mesh, recipe, flax):
 def run_one(a, config):
     """bench_e2e.run_one (batch, warm-ups, timing, peak memory, model FLOPs) with this config's step: run_one
     builds its step through e2e._make_plain / e2e._make_jq, which this child process points at this file's."""
-    kind, recipe = config.split("-")[0], config.split("-")[-1]
+    head_fp8 = config == HEAD_FP8_CONFIG
+    kind, recipe = config.split("-")[0], "fp8" if head_fp8 else config.split("-")[-1]
     style = a.model != "llama"
 
     def build(_a, mesh, *_, **__):
@@ -546,7 +553,7 @@ def run_one(a, config):
             return make_style_flax_fp8(a, mesh, config)
         if config.startswith("flax-plain"):
             return make_style_plain(a, mesh) if style else make_flax_plain(a, mesh, scan=config.endswith("-scan"))
-        return make_style_jq(a, mesh, recipe) if style else make_jq(a, mesh, recipe, flax=kind == "flax")
+        return make_style_jq(a, mesh, recipe, head_fp8) if style else make_jq(a, mesh, recipe, flax=kind == "flax")
 
     e2e._make_plain = e2e._make_jq = build
     if style:
@@ -566,7 +573,8 @@ def main(argv=None):
         return 0
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     flag_sets = [f.strip() for f in a.flags.split(",") if f.strip()]
-    known = (CONFIGS + EXTRA_CONFIGS if a.model == "llama" else STYLE_CONFIGS) + tuple(FLAX_FP8_CONFIGS)
+    style_configs = STYLE_CONFIGS + (HEAD_FP8_CONFIG,)
+    known = (CONFIGS + EXTRA_CONFIGS if a.model == "llama" else style_configs) + tuple(FLAX_FP8_CONFIGS)
     bad = [c for c in configs if c not in known] + [f for f in flag_sets if f not in e2e.FLAG_SETS]
     if bad:
         print(f"unknown config or flag set: {bad} (--model {a.model}'s configs: {known})", file=sys.stderr)
