@@ -88,12 +88,14 @@ PIPELINED_RS_FLAGS = "--xla_gpu_enable_pipelined_reduce_scatter=true"
 PIPELINED_FLAGS = PIPELINED_RS_FLAGS + " --xla_gpu_enable_pipelined_all_gather=true"
 # "overlap2": XLA's latency-hiding scheduler may keep two asynchronous collectives in flight at once (its default is
 # one, so a layer's gradient reduce-scatter waits behind the backward's weight all-gathers); "multistream": XLA runs
-# collectives on more than one stream; "overlap2-multistream": both
+# collectives on more than one stream; "overlap2-multistream": both; "early": every collective started as early as
+# its operands allow
 OVERLAP2_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+EARLY_FLAGS = "--xla_gpu_experimental_collective_start_as_early_as_possible=true"
 MULTISTREAM_FLAGS = "--xla_gpu_experimental_enable_collective_multi_streaming=true"
 FLAG_SETS = {"default": "", "maxtext": MAXTEXT_FLAGS, "sync": SYNC_FLAGS, "pipelined-rs": PIPELINED_RS_FLAGS,
              "pipelined": PIPELINED_FLAGS, "overlap2": OVERLAP2_FLAGS, "multistream": MULTISTREAM_FLAGS,
-             "overlap2-multistream": OVERLAP2_FLAGS + " " + MULTISTREAM_FLAGS}
+             "overlap2-multistream": OVERLAP2_FLAGS + " " + MULTISTREAM_FLAGS, "early": EARLY_FLAGS}
 # With --profile every config runs without CUDA command buffers: a kernel launched from a command buffer carries no
 # HLO op in the trace, so breakdown.py could attribute only the kernels named after their fusion (most of a step went
 # to "unattributed" on an H200 with jax 0.11.2); XLA then launches each kernel itself (docs/performance.md says what
