@@ -4,6 +4,7 @@ loss, and the configs that start from the same parameters train alike."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -84,3 +85,32 @@ def test_bench_flax_style_models_plain_and_fp8(tmp_path, model):
         assert fp8["losses"][-1] < fp8["losses"][0], fp8["losses"]
     else:
         assert proc.returncode == 1 and "needs jq.flax_loss(model, loss, batch=...)" in fp8["error"], fp8
+
+
+def test_head_fp8_config_quantizes_the_untied_head_and_nothing_else_differs():
+    """``flax-jq-fp8-head``'s rule (``bench_flax.HEAD_FP8_RECIPES``) on model (b): the head FP8 where the default keeps
+    it bf16; every other parameter's recipe as the default's."""
+    import jax
+    import optax
+
+    import jaxquant as jq
+    from jaxquant.training.plan_view import plan_row
+
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_flax
+    import flax_styles as fs
+
+    cfg = fs.StyleConfig(kv_heads=2, layers=1)
+    loss_fn = jq.flax_loss(fs.linen_dense_general_init(cfg), functools.partial(fs.linen_dense_general_loss, cfg=cfg),
+                           batch=fs.example_batch(cfg, batch=8, seed=3))
+    params = jq.flax_params(loss_fn)
+    mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",))
+    policy = jq.MixedPrecisionPolicy(compute_weights="fp8")
+    recipes = lambda rules: {r.path: plan_row(r)["recipe"] for r in jq.make_train_step(
+        loss_fn, optax.sgd(0.1), mesh=mesh, policy=policy, rules=rules).plan(params).rules}
+    default, head = recipes(loss_fn.default_rules()), recipes(loss_fn.rules(recipes=bench_flax.HEAD_FP8_RECIPES))
+    assert default["head.kernel"] == "bf16" and head["head.kernel"] == "fp8", (default, head)
+    assert {k: v for k, v in head.items() if k != "head.kernel"} == {k: v for k, v in default.items()
+                                                                     if k != "head.kernel"}
+    assert "fp8" in default.values()
