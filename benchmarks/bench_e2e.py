@@ -86,10 +86,9 @@ PIPELINED_RS_FLAGS = "--xla_gpu_enable_pipelined_reduce_scatter=true"
 # "pipelined": the pipeliner for both a scan iteration's last reduce-scatter and its first all-gather (the next
 # iteration's gather issued in this one), still without MaxText's combine thresholds and double buffering
 PIPELINED_FLAGS = PIPELINED_RS_FLAGS + " --xla_gpu_enable_pipelined_all_gather=true"
-# "overlap2": XLA's latency-hiding scheduler may keep two asynchronous collectives in flight at once (its default is
-# one, so a layer's gradient reduce-scatter waits behind the backward's weight all-gathers); "multistream": XLA runs
-# collectives on more than one stream; "overlap2-multistream": both; "early": every collective started as early as
-# its operands allow
+# Scheduling A/Bs (none gained on 2 x H200: docs/fsdp.md): "overlap2", XLA's latency-hiding scheduler may keep two
+# asynchronous collectives in flight at once (its default is one); "multistream", XLA runs collectives on more than
+# one stream; "overlap2-multistream", both; "early", every collective started as early as its operands allow
 OVERLAP2_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
 EARLY_FLAGS = "--xla_gpu_experimental_collective_start_as_early_as_possible=true"
 MULTISTREAM_FLAGS = "--xla_gpu_experimental_enable_collective_multi_streaming=true"
