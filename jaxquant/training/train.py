@@ -81,7 +81,7 @@ def make_train_step(loss_fn, optimizer, *, mesh, policy: Optional[MixedPrecision
         microbatch, their amaxes max-reduced in one packed all-reduce, so that a layer only gathers bytes (no
         cast before its gather; holds the quantized shards of the whole model, 1/4 of the fp32 master's size for
         FP8). False: quantized where each layer reads its weight (under remat, again in the recomputed forward),
-        from the amax the optimizer's update computed. None (default): NVFP4 weights split over ranks once a step
+        from the amax the optimizer's update computed. None (default): NVFP4 weights once a step
         (their cast also takes a statistics pass for the tile amaxes, so casting them twice a step under remat cost
         more than holding the packed shards, about 0.56 bytes a parameter of the shard), FP8 weights and NVFP4
         weights of one shard (which make their bf16 operand in one pass where read) where they are read
