@@ -245,3 +245,19 @@ def test_sigkilled_write_is_never_a_checkpoint_and_the_next_write_removes_it(ser
     live.mkdir()
     ck.save_dcp(dst, {"x": np.arange(4)})
     assert sorted(os.listdir(tmp_path)) == sorted(["dst", live.name, "log.txt"])
+
+
+def test_a_write_killed_before_its_marker_leaves_nothing_taken_for_a_checkpoint(tmp_path):
+    """SIGKILL between the staging directory's ``mkdir`` and its marker (CI once killed a convert there, and
+    ``inspect`` took the unmarked directory for a broken checkpoint): the directory is made under a hidden name and
+    renamed only once marked, so only the hidden one is left, and the next write to the destination removes it."""
+    dst = str(tmp_path / "dst")
+    code = ("import os, signal\nfrom jaxquant.checkpoint import fsutil\n"
+            "fsutil._write_marker = lambda d: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"fsutil.make_staging(fsutil.staging_path({dst!r}), {dst!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], env=common.env(), capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    (left,) = os.listdir(tmp_path)
+    assert left.startswith(".dst.tmp-") and os.listdir(tmp_path / left) == []
+    ck.save_dcp(dst, {"x": np.arange(4)})
+    assert os.listdir(tmp_path) == ["dst"] and ck.inspect_dcp(dst)["ok"]

@@ -1,9 +1,10 @@
 """Atomic directory writes: stage in ``DST.tmp-<token>``, fsync, rename; refuse staging dirs on read.
 
-A staging directory holds the incomplete marker for as long as it holds anything: the marker is written
-right after ``mkdir``, removed just before the rename (with SIGINT/SIGTERM held), and deleted last when the
-directory is removed. Its name records the writer (``DST.tmp-<host>-<pid>-<random>``), so a later write to the
-same destination removes staging directories whose writer died (SIGKILL, power loss).
+A staging directory holds the incomplete marker for as long as it exists: it is made under a hidden name,
+marked, and only then renamed to its staging name; the marker is removed just before the final rename (with
+SIGINT/SIGTERM held), and deleted last when the directory is removed. Its name records the writer
+(``DST.tmp-<host>-<pid>-<random>``), so a later write to the same destination removes staging directories (and
+hidden ones not yet renamed) whose writer died (SIGKILL, power loss).
 """
 
 from __future__ import annotations
@@ -61,17 +62,39 @@ def staging_path(dst: str, token: str | None = None) -> str:
 
 
 def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
-    """Create the staging directory ``path`` of destination ``dst`` and its marker (errors name ``dst``)."""
+    """Create the staging directory ``path`` of destination ``dst`` with its marker in it (errors name ``dst``).
+
+    The directory is made under a hidden name owned by this process, marked, then renamed to ``path``, so no
+    process (a reader, the next writer) ever sees ``path`` without its marker, even if a SIGKILL lands between the
+    ``mkdir`` and the marker's write. With ``exist_ok`` (the processes of one save all create ``path``), the first
+    rename wins and the others drop their own copy.
+    """
     try:
-        os.makedirs(path, exist_ok=exist_ok)
-        marker = os.path.join(path, INCOMPLETE_MARKER)
-        if not os.path.exists(marker):
-            with open(marker, "w") as f:
-                f.write("interrupted or in-progress jaxquant checkpoint write; safe to delete\n")
+        parent, name = os.path.split(path)
+        if os.path.lexists(path) and not (exist_ok and os.path.isdir(path)):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        if not os.path.isdir(path):
+            fresh = os.path.join(parent, f".{name}.{HOST_TAG}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            with interrupt.deferred():  # a handler that raises anywhere must not strand the hidden directory
+                os.makedirs(fresh)  # with the destination's missing parents
+                try:
+                    _write_marker(fresh)
+                    os.rename(fresh, path)  # replaces nothing but an empty directory; fails on a marked one
+                except OSError:
+                    remove_staging(fresh)
+                    if not (exist_ok and os.path.isdir(path)):  # not another process of the same save
+                        raise
+        if not os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
+            _write_marker(path)
         interrupt.stage("staging")
     except OSError as e:
         raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} "
                                f"(creating {e.filename or path})") from e
+
+
+def _write_marker(directory: str) -> None:
+    with open(os.path.join(directory, INCOMPLETE_MARKER), "w") as f:
+        f.write("interrupted or in-progress jaxquant checkpoint write; safe to delete\n")
 
 
 def fsync_dir(path: str) -> None:
@@ -174,7 +197,13 @@ def remove_stale_staging(dst: str) -> list[str]:
         return []
     removed = []
     for name in names:
-        if name.startswith(prefix) and _writer_is_gone(name[len(prefix):]):
+        if name.startswith(prefix):
+            owner = name[len(prefix):]
+        elif name.startswith("." + prefix):  # make_staging's hidden directory, not yet renamed
+            owner = name.rsplit(".", 1)[-1]
+        else:
+            continue
+        if _writer_is_gone(owner):
             remove_staging(os.path.join(parent, name))
             removed.append(os.path.join(parent, name))
     return removed
