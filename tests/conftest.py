@@ -104,9 +104,10 @@ def pytest_collection_modifyitems(config, items):
     tier (``-m "not slow"``) and marks its other cases slow.
 
     The extended tier (``-m extended``), which the README's command (what CI runs) leaves out to stay within its
-    time budget on 2 cores: every slow case but the first case of a parametrized test, unless the test is marked
-    ``all_cases`` (its cases check different behaviours, e.g. each model style in each recipe); and tests marked
-    ``extended`` themselves (benchmark smokes). The fast tier stays whole."""
+    time budget on 2 cores: the slow cases of a parametrized test with fast cases (those stand for it), and every
+    slow case but the first of one without, unless the test is marked ``all_cases`` (its cases check different
+    behaviours, e.g. each model style in each recipe); and tests marked ``extended`` themselves (benchmark smokes).
+    The fast tier stays whole."""
     first_seen = set()
     for item in items:
         m = item.get_closest_marker("fast_cases")
@@ -116,6 +117,8 @@ def pytest_collection_modifyitems(config, items):
         if case_id is None or item.get_closest_marker("all_cases") is not None:
             continue
         family = item.nodeid.split("[", 1)[0]
+        if m is not None:  # its fast cases stand for it in the README's command
+            first_seen.add(family)
         if family in first_seen and item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.extended)
         first_seen.add(family)

@@ -81,7 +81,10 @@ def _e2e_batch(a, mesh):
                            "y": jax.random.normal(ky, shape, jnp.float32)}, NamedSharding(mesh, P("fsdp")))
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["plain-loop", "plain-scan"])
+# the loop in the README command, the rest of the benchmarks' baselines in the extended tier (docs/development.md:
+# the README command's time budget); run them with -m extended before changing a benchmark's baseline
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.extended)],
+                         ids=["plain-loop", "plain-scan"])
 def test_bench_e2e_plain_keeps_adam_sharded(mesh, scan):
     a = bench_e2e.parse_args(["--tiny", "--layers", "1"])
     a.seq, a.batch = 16, 1          # the shapes that matter here are the parameters' (one layer's are every layer's)
@@ -89,6 +92,7 @@ def test_bench_e2e_plain_keeps_adam_sharded(mesh, scan):
     _check(step, state, _e2e_batch(a, mesh), f"bench_e2e plain scan={scan}")
 
 
+@pytest.mark.extended
 def test_bench_flax_plain_keeps_adam_sharded(mesh):
     a = bench_flax.parse_args(["--tiny"])
     a.seq, a.batch, a.layers = 16, 1, 1
@@ -96,7 +100,7 @@ def test_bench_flax_plain_keeps_adam_sharded(mesh):
     _check(step, state, _e2e_batch(a, mesh), "bench_flax flax-plain")
 
 
-@pytest.mark.parametrize("model", ["einsum", "dense-general"])
+@pytest.mark.parametrize("model", ["einsum", pytest.param("dense-general", marks=pytest.mark.extended)])
 def test_bench_flax_style_models_plain_keeps_adam_sharded(mesh, model):
     """bench_flax --model einsum / dense-general (tests/flax_styles.py's models at their CPU size)."""
     a = bench_flax.parse_args(["--tiny", "--model", model, "--layers", "1", "--batch", "1"])
@@ -104,6 +108,7 @@ def test_bench_flax_style_models_plain_keeps_adam_sharded(mesh, model):
     _check(step, state, bench_flax.style_batch(a, mesh), f"bench_flax --model {model} flax-plain")
 
 
+@pytest.mark.extended
 def test_bench_convergence_plain_keeps_adam_sharded(mesh):
     from jaxquant.cli import llama as L
 
@@ -135,6 +140,7 @@ def _meta_leaves(meta, name):
 
 
 @pytest.mark.slow
+@pytest.mark.extended   # a benchmark smoke (docs/development.md: the README command's time budget)
 @pytest.mark.parametrize("model", ["dense-general", "llama", "einsum"])
 def test_bench_flax_fp8_peer_is_fair_and_tracks_plain(mesh, model):
     """bench_flax's flax-fp8 (flax.linen.fp8_ops' Fp8DirectDotGeneralOp / Fp8Einsum; linen through dot_general_cls, NNX

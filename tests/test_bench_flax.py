@@ -87,6 +87,7 @@ def test_bench_flax_style_models_plain_and_fp8(tmp_path, model):
         assert proc.returncode == 1 and "needs jq.flax_loss(model, loss, batch=...)" in fp8["error"], fp8
 
 
+@pytest.mark.extended   # a benchmark smoke (docs/development.md: the README command's time budget)
 def test_head_fp8_config_quantizes_the_untied_head_and_nothing_else_differs():
     """``flax-jq-fp8-head``'s rule (``bench_flax.HEAD_FP8_RECIPES``) on model (b): the head FP8 where the default keeps
     it bf16; every other parameter's recipe as the default's."""

@@ -38,6 +38,7 @@ def _has_torchao_float8() -> bool:
     return True
 
 
+@pytest.mark.extended   # a benchmark smoke (docs/development.md: the README command's time budget)
 def test_torch_twin_first_loss_equals_the_jax_plain_models():
     """The same parameters (bench_e2e's init_params, numpy) and batch in both: the PyTorch model's first loss (bf16
     compute through FSDP2's mixed precision) equals JAX's plain forward's (bf16 matmuls) to bf16 rounding."""

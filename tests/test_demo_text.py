@@ -91,6 +91,7 @@ def test_demo_text_resumes_on_the_same_data_and_refuses_other_data(tmp_path, cap
 
 
 @pytest.mark.slow
+@pytest.mark.extended   # the TP-SP demo: test_demo.py::test_demo_on_tp_only_mesh_has_no_weight_gathers (time budget)
 def test_demo_text_trains_the_tp_sp_model_too(tmp_path, capsys, corpus):
     rc = cli.main(["demo", "--model", "tp-sp", "--text", str(corpus), "--steps", "4", "--mesh", "2x2", "--recipe",
                    "fp8", "--ckpt-dir", str(tmp_path), "--no-progress"])

@@ -67,7 +67,7 @@ def _remat_scan(w, batch, policy):
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("policy", ["nothing_saved", "gemm_outputs", "quantized_activations"])
-@pytest.mark.fast_cases("gemm_outputs")
+@pytest.mark.fast_cases("gemm_outputs", "nothing_saved")  # nothing_saved: the 13B benchmark's policy
 def test_remat_scan_step_equals_the_plain_scan_step(policy):
     """On the sharded weights of make_train_step (FP8, 8 devices): the same losses and parameters, bitwise, and
     the backward's re-run forward gathers no weight a second time (its gather and the backward's are one)."""
