@@ -252,8 +252,9 @@ def test_unwritable_destination_is_named_with_its_cause(src, tmp_path, case):
     r = cli("convert", src, dst, "--to", "dcp")
     assert r.returncode == 2 and r.stderr.splitlines() == [
         f"jaxquant ckpt convert: error: {said}; see 'jaxquant ckpt convert --help'"], r.stderr
-    with pytest.raises(ck.DestinationError, match=f"cannot write the destination: {cause}"):
+    with pytest.raises(ck.DestinationError, match=f"cannot write the destination: {cause}") as e:
         ck.save_dcp(str(dst), {"a": np.ones(2)})
+    assert f"/.{os.path.basename(dst)}.tmp-" not in str(e.value), e.value  # not the staging dir's hidden first name
 
 
 def test_read_only_file_system_is_said_in_words(src, tmp_path, monkeypatch):

@@ -88,8 +88,8 @@ def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
             _write_marker(path)
         interrupt.stage("staging")
     except OSError as e:
-        raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} "
-                               f"(creating {e.filename or path})") from e
+        made = e.filename if e.filename and not os.path.basename(e.filename).startswith(f".{name}.") else path
+        raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} (creating {made})") from e
 
 
 def _write_marker(directory: str) -> None:
