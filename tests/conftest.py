@@ -117,9 +117,8 @@ def pytest_collection_modifyitems(config, items):
         if case_id is None or item.get_closest_marker("all_cases") is not None:
             continue
         family = item.nodeid.split("[", 1)[0]
-        if m is not None:  # its fast cases stand for it in the README's command
-            first_seen.add(family)
-        if family in first_seen and item.get_closest_marker("slow") is not None:
+        stood_for = family in first_seen or m is not None   # by its first case, or by its fast cases
+        if stood_for and item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.extended)
         first_seen.add(family)
 

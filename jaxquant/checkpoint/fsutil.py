@@ -58,7 +58,12 @@ def check_destination(dst: str) -> None:
 def staging_path(dst: str, token: str | None = None) -> str:
     """``DST.tmp-<token>``; without a token one naming this host and process (see remove_stale_staging)."""
     dst = os.path.abspath(dst)
-    return f"{dst}.tmp-{token or f'{HOST_TAG}-{os.getpid()}-{uuid.uuid4().hex[:8]}'}"
+    return f"{dst}.tmp-{token or _owned_token()}"
+
+
+def _owned_token() -> str:
+    """``<host>-<pid>-<random>``: names this process as a directory's writer (``_OWNED_TOKEN``, ``_writer_is_gone``)."""
+    return f"{HOST_TAG}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
@@ -69,12 +74,13 @@ def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
     ``mkdir`` and the marker's write. With ``exist_ok`` (the processes of one save all create ``path``), the first
     rename wins and the others drop their own copy.
     """
+    fresh = None
     try:
-        parent, name = os.path.split(path)
-        if os.path.lexists(path) and not (exist_ok and os.path.isdir(path)):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
-        if not os.path.isdir(path):
-            fresh = os.path.join(parent, f".{name}.{HOST_TAG}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        if not (exist_ok and os.path.isdir(path)):   # (else another process of the same save made it, marked)
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+            parent, name = os.path.split(path)
+            fresh = os.path.join(parent, f".{name}.{_owned_token()}")
             with interrupt.deferred():  # a handler that raises anywhere must not strand the hidden directory
                 os.makedirs(fresh)  # with the destination's missing parents
                 try:
@@ -84,11 +90,12 @@ def make_staging(path: str, dst: str, exist_ok: bool = False) -> None:
                     remove_staging(fresh)
                     if not (exist_ok and os.path.isdir(path)):  # not another process of the same save
                         raise
-        if not os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
+        if not os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):   # one found unmarked (exist_ok) is marked now
             _write_marker(path)
         interrupt.stage("staging")
     except OSError as e:
-        made = e.filename if e.filename and not os.path.basename(e.filename).startswith(f".{name}.") else path
+        hidden = fresh is not None and str(e.filename or "").startswith(fresh)
+        made = e.filename if e.filename and not hidden else path   # the staging path, never its hidden first name
         raise DestinationError(f"{dst}: cannot write the destination: {os_error_cause(e)} (creating {made})") from e
 
 
